@@ -1,0 +1,601 @@
+"""FASTA -> GenomeStore: ``genolong prepare``.
+
+The pipeline streams each input (see :mod:`genolong.data.fasta`), encodes bases to token ids,
+splits chromosomes into segments at long N runs, and writes one zarr group per split into a
+temporary directory beside the output. Shards are compressed and written by a background thread
+while the next block is being encoded. After every array is written and fsynced, the manifest is
+written, the temporary store is opened and verified, and only then renamed into place.
+
+Why ``min_gap = 1000`` by default: assembly gaps of unknown size are written as 100 N in
+GRCh38/hg38 and stay inside a segment (a window may span them; N tokens never count in the loss,
+and they cost at most 0.1% of a 1M-token window). Telomeres (10 kb), clone and contig gaps
+(typically 50 kb) and centromeres (Mb) are at least 1 kb and split the chromosome: the distance
+across them is unknown or the sequence is missing, so context across them would be fiction.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import secrets
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .. import __version__
+from ..errors import InputError
+from .alphabet import BASE_MASK, N, SOFTMASK, STORE_ALPHABET
+from .fasta import BLOCK_BYTES, RecordInfo, SequenceSource, open_source
+from .names import canonical_name
+from .store import (
+    CHUNK_TOKENS,
+    MANIFEST_NAME,
+    SCHEMA,
+    SCHEMA_VERSION,
+    SHARD_TOKENS,
+    GenomeStore,
+    create_split_group,
+    file_digests,
+    sha256_file,
+    write_segments,
+)
+
+__all__ = ["DEFAULT_MIN_GAP", "DEFAULT_SPLITS", "PrepareResult", "prepare_genome", "format_summary"]
+
+DEFAULT_MIN_GAP = 1000
+DEFAULT_SPLITS: dict[str, tuple[str, ...]] = {"train": ("chr1", "chr2"), "eval": ("chr22",)}
+
+_TMP_MARK = ".genolong-tmp-"
+_OLD_MARK = ".genolong-old-"
+_PARTIAL_MANIFEST = MANIFEST_NAME + ".partial"
+
+
+@dataclass
+class _ContigStats:
+    """What one record contributed to a split."""
+
+    name: str
+    record: str
+    source: str
+    start: int  # genomic coordinate of the record's first base
+    length: int = 0
+    kept: int = 0
+    n: int = 0
+    softmasked: int = 0
+    ambiguous: int = 0
+    dropped: int = 0
+    gaps: int = 0
+    segments: int = 0
+    seconds: float = 0.0
+    raw_bytes: int = 0
+
+    def as_manifest(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "record": self.record, "source": self.source, "start": self.start,
+            "length": self.length, "kept": self.kept, "n": self.n, "softmasked": self.softmasked,
+            "ambiguous": self.ambiguous, "dropped": self.dropped, "gaps": self.gaps,
+            "segments": self.segments,
+        }
+
+
+class _SplitWriter:
+    """Appends one split's kept tokens to its zarr array and cuts segments at long N runs.
+
+    Tokens are staged in a shard-sized buffer; each full shard is written by the shared writer
+    thread while the caller keeps encoding into the other buffer.
+    """
+
+    def __init__(self, path: Path, min_gap: int, executor: concurrent.futures.Executor):
+        self.path = path
+        self.min_gap = min_gap
+        self.executor = executor
+        self.group = create_split_group(path, contigs=[])
+        self.array = self.group["tokens"]
+        self.buffers = [np.empty(SHARD_TOKENS, dtype=np.uint8) for _ in range(2)]
+        self.pending_write: list[concurrent.futures.Future[None] | None] = [None, None]
+        self.active = 0
+        self.fill = 0
+        self.flushed = 0  # tokens handed to the writer
+        self.segments: list[tuple[str, int, int, int]] = []
+        self.contigs: list[_ContigStats] = []
+        # per-contig state
+        self._stats: _ContigStats | None = None
+        self._pos = 0  # record position of the next incoming token
+        self._seg_start: int | None = None  # record position where the open segment starts
+        self._seg_offset = 0
+        self._emitted_end = 0
+        self._pending_start: int | None = None  # record position where a trailing N run starts
+        self._pending_len = 0
+        self._pending_tokens: list[np.ndarray] = []
+
+    # -- token sink ------------------------------------------------------------------------------
+    @property
+    def total(self) -> int:
+        return self.flushed + self.fill
+
+    def _write(self, data: np.ndarray, start: int) -> None:
+        end = start + data.size
+        if self.array.shape[0] < end:
+            self.array.resize((end,))
+        self.array[start:end] = data
+
+    def _flush(self) -> None:
+        buf = self.buffers[self.active][: self.fill]
+        self.pending_write[self.active] = self.executor.submit(self._write, buf, self.flushed)
+        self.flushed += self.fill
+        self.fill = 0
+        self.active ^= 1
+        previous = self.pending_write[self.active]
+        if previous is not None:  # the other buffer must be on disk before we refill it
+            previous.result()
+            self.pending_write[self.active] = None
+
+    def _append(self, tokens: np.ndarray) -> None:
+        while tokens.size:
+            take = min(tokens.size, SHARD_TOKENS - self.fill)
+            self.buffers[self.active][self.fill:self.fill + take] = tokens[:take]
+            self.fill += take
+            tokens = tokens[take:]
+            if self.fill == SHARD_TOKENS:
+                self._flush()
+
+    # -- segments --------------------------------------------------------------------------------
+    def begin(self, stats: _ContigStats) -> None:
+        self._stats = stats
+        self._pos = 0
+        self._seg_start = None
+        self._pending_start = None
+        self._pending_len = 0
+        self._pending_tokens = []
+
+    def _emit(self, tokens: np.ndarray, pos: int) -> None:
+        """Keep ``tokens`` (record positions ``pos``...) in the open segment, opening one if needed."""
+        stats = self._stats
+        assert stats is not None
+        if self._seg_start is None:  # a segment never starts with N: trim them
+            not_n = np.flatnonzero((tokens & BASE_MASK) != N)
+            if not_n.size == 0:
+                stats.dropped += tokens.size
+                return
+            lead = int(not_n[0])
+            stats.dropped += lead
+            tokens, pos = tokens[lead:], pos + lead
+            self._seg_start, self._seg_offset = pos, self.total
+        raw = tokens.tobytes() if not isinstance(tokens, bytes) else tokens
+        stats.n += raw.count(bytes([N])) + raw.count(bytes([N | SOFTMASK]))
+        stats.softmasked += int(np.count_nonzero(tokens >= SOFTMASK))
+        stats.kept += tokens.size
+        self._append(tokens)
+        self._emitted_end = pos + tokens.size
+
+    def _close_segment(self) -> None:
+        if self._seg_start is None:
+            return
+        stats = self._stats
+        assert stats is not None
+        self.segments.append((stats.name, stats.start + self._seg_start, stats.start + self._emitted_end, self._seg_offset))
+        stats.segments += 1
+        self._seg_start = None
+
+    def _resolve_pending(self, at_contig_end: bool = False) -> None:
+        """The trailing N run has ended (a base followed it, or the contig ended): keep or drop it."""
+        stats = self._stats
+        assert stats is not None
+        if self._pending_start is None:
+            return
+        length = self._pending_len
+        if self._seg_start is None or at_contig_end or length >= self.min_gap:
+            stats.dropped += length  # leading, trailing, or a gap
+            if self._seg_start is not None and not at_contig_end:
+                stats.gaps += 1
+                self._close_segment()
+        else:
+            for piece in self._pending_tokens:  # a short run stays inside the segment as N tokens
+                self._emit(piece, self._pending_start)
+                self._pending_start += piece.size
+        self._pending_start = None
+        self._pending_len = 0
+        self._pending_tokens = []
+
+    def feed(self, tokens: np.ndarray, n_count: int | None = None) -> None:
+        """Add the next tokens of the current contig.
+
+        Args:
+            tokens: ``[L]`` uint8 token ids.
+            n_count: number of N tokens in ``tokens`` if already known (skips a pass when 0).
+        """
+        m = tokens.size
+        p0 = self._pos
+        self._pos += m
+        if n_count is None:
+            raw = tokens.tobytes()
+            n_count = raw.count(bytes([N])) + raw.count(bytes([N | SOFTMASK]))
+        if n_count == 0:
+            if self._pending_start is not None:
+                self._resolve_pending()
+            self._emit(tokens, p0)
+            return
+        is_n = (tokens & BASE_MASK) == N
+        edges = np.flatnonzero(np.diff(is_n.view(np.int8), prepend=0, append=0))
+        starts, ends = edges[0::2], edges[1::2]  # N runs [starts[i], ends[i]) in block coordinates
+        cursor = 0
+        i = 0
+        if self._pending_start is not None:
+            if starts.size and starts[0] == 0:
+                if ends[0] == m:  # the whole block continues the pending run
+                    self._extend_pending(tokens)
+                    return
+                self._extend_pending(tokens[: ends[0]])
+                cursor = int(ends[0])
+                i = 1
+            self._resolve_pending()
+        last = starts.size
+        open_run = last > i and ends[-1] == m
+        if open_run:
+            last -= 1
+        long_runs = [j for j in range(i, last) if ends[j] - starts[j] >= self.min_gap]
+        for j in long_runs:
+            s, e = int(starts[j]), int(ends[j])
+            if s > cursor:
+                self._emit(tokens[cursor:s], p0 + cursor)
+            self._stats.dropped += e - s  # type: ignore[union-attr]
+            if self._seg_start is not None:
+                self._stats.gaps += 1  # type: ignore[union-attr]
+            self._close_segment()
+            cursor = e
+        if open_run:
+            s = int(starts[-1])
+            if s > cursor:
+                self._emit(tokens[cursor:s], p0 + cursor)
+            self._pending_start = p0 + s
+            self._extend_pending(tokens[s:])
+        elif cursor < m:
+            self._emit(tokens[cursor:], p0 + cursor)
+
+    def _extend_pending(self, run: np.ndarray) -> None:
+        if self._pending_start is None:
+            self._pending_start = self._pos - run.size
+        # Only a run shorter than min_gap can end up kept, so nothing beyond that is buffered.
+        if self._pending_len < self.min_gap:
+            self._pending_tokens.append(run[: self.min_gap - self._pending_len].copy())
+        self._pending_len += run.size
+
+    def end(self) -> _ContigStats:
+        """Finish the current contig (trailing N are dropped) and return its statistics."""
+        stats = self._stats
+        assert stats is not None
+        self._resolve_pending(at_contig_end=True)
+        self._close_segment()
+        stats.length = self._pos
+        assert stats.kept + stats.dropped == stats.length, (stats.kept, stats.dropped, stats.length)
+        self.contigs.append(stats)
+        self._stats = None
+        return stats
+
+    def close(self) -> dict[str, Any]:
+        """Write the last partial shard and the segment table; returns the split's manifest entry."""
+        if self.fill:
+            self._flush()
+        for future in self.pending_write:
+            if future is not None:
+                future.result()
+        self.pending_write = [None, None]
+        if self.array.shape[0] != self.flushed:
+            self.array.resize((self.flushed,))
+        names = list(dict.fromkeys(c.name for c in self.contigs))
+        self.group.attrs.update({"contigs": names})
+        frame = pd.DataFrame(self.segments, columns=["contig", "start", "end", "offset"])
+        write_segments(self.group, frame)
+        self.buffers = []
+        return {
+            "path": self.path.name,
+            "tokens": self.flushed,
+            "dropped": sum(c.dropped for c in self.contigs),
+            "contigs": [c.as_manifest() for c in self.contigs],
+            "segments": [list(s) for s in self.segments],
+        }
+
+
+@dataclass
+class PrepareResult:
+    """What :func:`prepare_genome` made.
+
+    Attributes:
+        path: the store directory.
+        manifest: the manifest written into it.
+        seconds: wall time.
+        input_bytes: bytes of all input files.
+        contigs: per contig statistics (split, name, length, kept, n, softmasked, ambiguous,
+            dropped, gaps, segments, seconds).
+    """
+
+    path: Path
+    manifest: dict[str, Any]
+    seconds: float
+    input_bytes: int
+    contigs: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+
+def _parse_names(names: Sequence[str] | str) -> list[str]:
+    if isinstance(names, str):
+        names = [n for n in names.split(",")]
+    out = [n.strip() for n in names]
+    if any(not n for n in out):
+        raise InputError(f"empty chromosome name in {','.join(names)!r}; give names separated by commas, e.g. chr1,chr2")
+    return out
+
+
+def _cleanup_stale(out: Path) -> None:
+    """Remove temporary directories left by killed runs for the same output."""
+    for mark in (_TMP_MARK, _OLD_MARK):
+        for leftover in out.parent.glob(f".{out.name}{mark}*"):
+            pid_text = leftover.name.rsplit(mark, 1)[-1].split("-", 1)[0]
+            try:
+                os.kill(int(pid_text), 0)
+                continue  # its run is alive
+            except (ValueError, ProcessLookupError):
+                shutil.rmtree(leftover, ignore_errors=True)
+            except PermissionError:
+                continue
+    # a run killed between the final renames leaves DIR with the partial manifest only
+    if (out / _PARTIAL_MANIFEST).is_file() and not (out / MANIFEST_NAME).exists():
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _is_store(path: Path) -> bool:
+    try:
+        return json.loads((path / MANIFEST_NAME).read_text()).get("schema") == SCHEMA
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with open(Path(dirpath) / name, "rb") as handle:
+                os.fsync(handle.fileno())
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class _Progress:
+    """A per-chromosome tqdm bar on a terminal; silent otherwise."""
+
+    def __init__(self, enabled: bool | None):
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.bar: Any = None
+
+    def start(self, label: str, total: int | None) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=label, unit="b", unit_scale=True, unit_divisor=1000, leave=True, file=sys.stderr)
+
+    def update(self, bases: int) -> None:
+        if self.bar is not None:
+            self.bar.update(bases)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def prepare_genome(
+    inputs: Sequence[str | os.PathLike[str]],
+    out: str | os.PathLike[str],
+    train: Sequence[str] | str = DEFAULT_SPLITS["train"],
+    eval: Sequence[str] | str = DEFAULT_SPLITS["eval"],  # noqa: A002 - the split is called eval
+    min_gap: int = DEFAULT_MIN_GAP,
+    force: bool = False,
+    progress: bool | None = None,
+    block_bytes: int = BLOCK_BYTES,
+) -> PrepareResult:
+    """Build a genome store from FASTA (or GenBank/EMBL) files.
+
+    Args:
+        inputs: one or more sequence files (plain/gzip/bgzip FASTA, GenBank, EMBL).
+        out: the store directory to create.
+        train: chromosomes of the train split, in any naming convention (default chr1, chr2).
+        eval: chromosomes of the held-out split (default chr22).
+        min_gap: N runs at least this long split a chromosome into segments and are dropped;
+            shorter runs stay as N tokens (default 1000; see the module docstring).
+        force: replace an existing store at ``out``.
+        progress: show a progress bar (default: when stderr is a terminal).
+        block_bytes: input bytes handled per step (default 8 MiB; small values only for tests).
+
+    Returns:
+        A :class:`PrepareResult`.
+
+    Raises:
+        InputError: bad arguments or input data; nothing is left at ``out``.
+    """
+    started = time.perf_counter()
+    out = Path(out)
+    paths = [Path(p) for p in inputs]
+    if not paths:
+        raise InputError("no input files; give at least one FASTA file")
+    if min_gap < 1:
+        raise InputError(f"--min-gap must be at least 1, got {min_gap}")
+    requested = {"train": _parse_names(train), "eval": _parse_names(eval)}
+    assignment: dict[str, str] = {}
+    for split, names in requested.items():
+        for name in names:
+            canon = canonical_name(name)
+            if canon in assignment:
+                other = assignment[canon]
+                if other != split:
+                    shown = name if name == canon else f"{name} ({canon})"
+                    raise InputError(f"{shown} is in both --{other} and --{split}; a chromosome may be in one split only")
+                raise InputError(f"{name} is listed twice in --{split}; list each chromosome once")
+            assignment[canon] = split
+    sources: list[SequenceSource] = [open_source(p, block_bytes) for p in paths]  # validates each file's format
+    if len(set(p.resolve() for p in paths)) != len(paths):
+        raise InputError("the same input file is given twice; give each file once")
+
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} exists and is not a directory; choose another path")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(f"--out {out}: the parent directory {parent} does not exist; create it first")
+    _cleanup_stale(out)
+    if out.exists():
+        if not force:
+            raise InputError(f"--out {out} already exists; pass --force to replace it or choose another path")
+        if not _is_store(out):
+            raise InputError(f"--out {out} exists and is not a genolong genome store; refusing to replace it, even with --force")
+
+    tmp = parent / f".{out.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        tmp.mkdir()
+    except OSError as exc:
+        raise InputError(f"--out {out}: cannot create a directory in {parent} ({exc.strerror}); choose a writable location") from None
+    try:
+        manifest, stats = _build(tmp, sources, paths, requested, assignment, min_gap, progress)
+        _fsync_tree(tmp)
+        (tmp / _PARTIAL_MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _fsync_tree(tmp)
+        # Verify under the temporary manifest name: until the last rename nothing opens as a store.
+        GenomeStore._load(tmp, _PARTIAL_MANIFEST, verify=True)
+        old = None
+        if out.exists():
+            old = parent / f".{out.name}{_OLD_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+            out.rename(old)
+        tmp.rename(out)
+        (out / _PARTIAL_MANIFEST).rename(out / MANIFEST_NAME)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    seconds = time.perf_counter() - started
+    frame = pd.DataFrame([{"split": split, **s.as_manifest(), "seconds": s.seconds, "raw_bytes": s.raw_bytes} for split, s in stats])
+    input_bytes = sum(p.stat().st_size for p in paths)
+    return PrepareResult(path=out, manifest=manifest, seconds=seconds, input_bytes=input_bytes, contigs=frame)
+
+
+def _build(
+    tmp: Path,
+    sources: list[SequenceSource],
+    paths: list[Path],
+    requested: dict[str, list[str]],
+    assignment: dict[str, str],
+    min_gap: int,
+    progress: bool | None,
+) -> tuple[dict[str, Any], list[tuple[str, _ContigStats]]]:
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="genolong-write")
+    writers = {split: _SplitWriter(tmp / f"{split}.zarr", min_gap, executor) for split in requested}
+    seen: dict[str, RecordInfo] = {}
+    found: dict[str, RecordInfo] = {}
+    stats: list[tuple[str, _ContigStats]] = []
+    bar = _Progress(progress)
+
+    def check_record(info: RecordInfo) -> bool:
+        contig = info.region.contig
+        if contig in seen:
+            first = seen[contig]
+            same = "" if first.name == info.name else f" (both are {contig})"
+            raise InputError(
+                f"duplicate record: {info.where()} and {first.where()}{same}; keep one of them"
+            )
+        seen[contig] = info
+        return contig in assignment
+
+    try:
+        for source in sources:
+            for info, blocks in source.records(check_record):
+                if blocks is None:
+                    continue
+                split = assignment[info.region.contig]
+                writer = writers[split]
+                contig = _ContigStats(name=info.region.contig, record=info.name, source=source.path.name, start=info.region.start)
+                t0 = time.perf_counter()
+                bar.start(f"{split}:{contig.name}", info.length)
+                writer.begin(contig)
+                for block in blocks:
+                    contig.ambiguous += block.ambiguous
+                    contig.raw_bytes += block.raw_bytes
+                    writer.feed(block.tokens)
+                    bar.update(block.tokens.size)
+                writer.end()
+                bar.stop()
+                if info.region.length is not None and info.region.length != contig.length:
+                    raise InputError(
+                        f"{info.where()}: the name says {info.region.length:,} bases but the record has "
+                        f"{contig.length:,}; fix the name or the sequence"
+                    )
+                contig.seconds = time.perf_counter() - t0
+                found[info.region.contig] = info
+                stats.append((split, contig))
+        missing = [name for names in requested.values() for name in names if canonical_name(name) not in found]
+        if missing:
+            have = sorted({i.name for s in sources for i in s.names})
+            shown = ", ".join(have[:40]) + (f", ... ({len(have)} records)" if len(have) > 40 else "")
+            raise InputError(
+                f"{', '.join(missing)} not found in {', '.join(str(p) for p in paths)}; the input has: {shown}"
+            )
+        splits = {split: writers[split].close() for split in requested}
+    finally:
+        bar.stop()
+        executor.shutdown(wait=True)
+    files: dict[str, Any] = {}
+    for split in requested:
+        files.update(file_digests(tmp, f"{split}.zarr"))
+    manifest = {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "genolong_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "sources": [
+            {"name": p.name, "path": str(p.resolve()), "size": p.stat().st_size, "sha256": sha256_file(p), "format": s.kind}
+            for p, s in zip(paths, sources)
+        ],
+        "alphabet": {str(k): v for k, v in STORE_ALPHABET.items()},
+        "softmask_flag": SOFTMASK,
+        "min_gap": min_gap,
+        "chunk_tokens": CHUNK_TOKENS,
+        "shard_tokens": SHARD_TOKENS,
+        "requested": requested,
+        "unused_records": [i.name for i in seen.values() if i.region.contig not in assignment],
+        "splits": splits,
+        "files": files,
+    }
+    return manifest, stats
+
+
+def format_summary(result: PrepareResult) -> str:
+    """A human-readable table of what :func:`prepare_genome` kept and dropped."""
+    frame = result.contigs
+    if frame.empty:
+        return "(no contigs)"
+    table = frame[["split", "name", "length", "kept", "n", "softmasked", "ambiguous", "dropped", "segments", "seconds"]].copy()
+    total = table.drop(columns=["split", "name"]).sum()
+    table.loc[len(table)] = ["all", "", *total.tolist()]
+    table["seconds"] = table["seconds"].map(lambda s: f"{s:.2f}")
+    for col in ("length", "kept", "n", "softmasked", "ambiguous", "dropped", "segments"):
+        table[col] = table[col].map(lambda v: f"{int(v):,}")
+    mb = result.input_bytes / 1e6
+    lines = [
+        table.to_string(index=False),
+        "",
+        f"store {result.path}: {mb:,.1f} MB of input in {result.seconds:.2f} s ({mb / max(result.seconds, 1e-9):,.1f} MB/s); "
+        f"min_gap {result.manifest['min_gap']:,}",
+    ]
+    unused = result.manifest.get("unused_records", [])
+    if unused:
+        lines.append(f"{len(unused)} record(s) not in any split: {', '.join(unused[:10])}{' ...' if len(unused) > 10 else ''}")
+    return "\n".join(lines)
+
