@@ -153,7 +153,7 @@ def encode(sequence: str | bytes) -> np.ndarray:
     if bad.size:
         i = int(bad[0])
         raise ValueError(
-            f"invalid character {raw[i:i + 1]!r} at position {i}: expected A, C, G, T, N "
+            f"invalid character {chr(raw[i])!r} at position {i}: expected A, C, G, T, N "
             "(either case) or an IUPAC ambiguity code"
         )
     resolve_ambiguous(tokens)

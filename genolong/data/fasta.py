@@ -29,7 +29,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ..errors import InputError
-from .alphabet import ENCODE_LUT, ENCODE_TABLE, INVALID, resolve_ambiguous
+from .alphabet import AMBIGUOUS, ENCODE_LUT, ENCODE_TABLE, INVALID, N, SOFTMASK, resolve_ambiguous
 from .names import Region, parse_record_name
 
 __all__ = [
@@ -82,11 +82,13 @@ class EncodedBlock:
         tokens: ``[L]`` uint8 token ids (case kept, ambiguity codes already N); may be read-only.
         ambiguous: how many of them were IUPAC ambiguity codes.
         raw_bytes: input bytes this block consumed (for throughput reporting).
+        has_n: whether any token is N (False lets consumers skip a pass).
     """
 
     tokens: np.ndarray
     ambiguous: int
     raw_bytes: int
+    has_n: bool = True
 
 
 BlockIterator = Iterator[EncodedBlock]
@@ -117,20 +119,28 @@ class SequenceSource:
         raise NotImplementedError
 
 
-def _encode_piece(piece: bytes, delete: bytes = b"\r\n") -> tuple[np.ndarray, int, int]:
-    """Map raw sequence bytes to token ids, dropping line breaks.
+_INVALID_BYTE = bytes([INVALID])
+_N_BYTES = (bytes([N]), bytes([N | SOFTMASK]))
+_AMBIGUOUS_BYTES = (bytes([AMBIGUOUS]), bytes([AMBIGUOUS | SOFTMASK]))
+
+
+def _encode_piece(piece: bytes, delete: bytes = b"\r\n") -> tuple[EncodedBlock, int]:
+    """Map raw sequence bytes to token ids, dropping line breaks, in one C pass.
 
     Returns:
-        (tokens, ambiguous count, index of the first invalid token or -1).
+        (the encoded block, index of the first invalid token or -1).
     """
     translated = piece.translate(ENCODE_TABLE, delete)
-    bad = translated.find(INVALID.to_bytes(1, "little"))
+    bad = translated.find(_INVALID_BYTE)
     tokens = np.frombuffer(translated, dtype=np.uint8)
     ambiguous = 0
-    if bad < 0 and (b"\x06" in translated or b"\x0e" in translated):
+    if bad < 0 and (_AMBIGUOUS_BYTES[0] in translated or _AMBIGUOUS_BYTES[1] in translated):
         tokens = tokens.copy()
         ambiguous = resolve_ambiguous(tokens)
-    return tokens, ambiguous, bad
+        has_n = True
+    else:
+        has_n = _N_BYTES[0] in translated or _N_BYTES[1] in translated  # memchr: cheap when absent
+    return EncodedBlock(tokens=tokens, ambiguous=ambiguous, raw_bytes=len(piece), has_n=has_n), bad
 
 
 def _invalid_message(where: str, char: int, line: int | None, column: int | None) -> str:
@@ -162,10 +172,13 @@ class _LineLayout:
         self.tail_len = 0  # content length of the line that ended the full-width run
         self.col = 0  # raw bytes of the current unfinished line
         self.pending_cr = False  # the previous piece ended with '\r'
+        self.crlf: bool | None = None  # whether the first line ended with CRLF
 
     def feed(self, piece: bytes) -> None:
         """Check the complete lines of ``piece`` (``[L]`` raw bytes) and carry the unfinished one."""
         arr = np.frombuffer(piece, dtype=np.uint8)
+        if self._all_full_width(piece, arr):
+            return
         newlines = np.flatnonzero(arr == 10)
         cr_total = piece.count(b"\r")
         if newlines.size == 0:
@@ -187,10 +200,44 @@ class _LineLayout:
             if int(ends_cr[inside].sum()) + int(piece.endswith(b"\r")) != cr_total:
                 self._stray_cr(piece, arr)
             content = content - ends_cr
+        else:
+            ends_cr = np.zeros(1, dtype=bool)
+        if self.width is None and self.tail_from is None:
+            self.crlf = bool(ends_cr[0])
         self._check(content)
         self.line += int(newlines.size)
         self.col = len(piece) - int(newlines[-1]) - 1
         self.pending_cr = piece.endswith(b"\r")
+
+    def _all_full_width(self, piece: bytes, arr: np.ndarray) -> bool:
+        """Fast path: True when every line break of ``piece`` sits exactly where full-width lines
+        put it (strided checks plus two byte counts, no pass over newline positions)."""
+        if self.width is None or self.tail_from is not None or self.crlf is None:
+            return False
+        stride = self.width + 1 + int(self.crlf)
+        first = stride - 1 - self.col  # index of the next expected '\n'
+        if first < 0:
+            return False
+        size = len(piece)
+        count = 0 if first >= size else (size - 1 - first) // stride + 1
+        if piece.count(b"\n") != count or (count and not (arr[first::stride] == 10).all()):
+            return False
+        carriage_returns = piece.count(b"\r")
+        if self.crlf:
+            start = first - 1
+            if start < 0:
+                if not self.pending_cr:
+                    return False
+                start += stride
+            expected = arr[start::stride]
+            if carriage_returns != expected.size or not (expected == 13).all():
+                return False
+        elif carriage_returns:
+            return False
+        self.line += count
+        self.col = size - (first + (count - 1) * stride) - 1 if count else self.col + size
+        self.pending_cr = piece.endswith(b"\r")
+        return True
 
     def finish(self) -> None:
         """Account for an unterminated last line at the end of the record."""
@@ -362,12 +409,12 @@ class _FastaScanner:
         for piece in self._pieces():
             start_line = layout.line
             layout.feed(piece)
-            tokens, ambiguous, bad = _encode_piece(piece)
+            block, bad = _encode_piece(piece)
             if bad >= 0:
                 self._raise_invalid(info, piece, start_line, layout)
-            total += tokens.size
-            if tokens.size:
-                yield EncodedBlock(tokens=tokens, ambiguous=ambiguous, raw_bytes=len(piece))
+            total += block.tokens.size
+            if block.tokens.size:
+                yield block
         layout.finish()
         self.line = layout.line
         if total == 0:
@@ -502,13 +549,13 @@ class _IndexedFasta(SequenceSource):
             piece = fasta.fetch(entry.name, start, end).encode("ascii", errors="replace")  # type: ignore[attr-defined]
             if len(piece) != end - start:
                 raise InputError(f"{self.fai} does not match {self.path}: record {entry.name!r} ends before {entry.length:,} bases; re-index with `samtools faidx`")
-            tokens, ambiguous, bad = _encode_piece(piece, b"")
+            block, bad = _encode_piece(piece, b"")
             if bad >= 0:
                 base = start + bad
                 line = base // entry.line_bases + 1
                 raise InputError(_invalid_message(f"{info.where()}, base {base + 1:,}", piece[bad], None, None).replace(
                     ": invalid", f" (sequence line {line}): invalid", 1))
-            yield EncodedBlock(tokens=tokens, ambiguous=ambiguous, raw_bytes=len(piece))
+            yield block
 
 
 # ------------------------------------------------------------------------------------------------
@@ -550,10 +597,10 @@ class _SeqIOSource(SequenceSource):
             raise InputError(f"{info.where()}: the record has no sequence (a CONTIG-only or master record?); remove it or use a record with sequence")
         for start in range(0, len(sequence), self.block_bases):
             piece = sequence[start:start + self.block_bases]
-            tokens, ambiguous, bad = _encode_piece(piece, b"")
+            block, bad = _encode_piece(piece, b"")
             if bad >= 0:
                 raise InputError(_invalid_message(f"{info.where()}, base {start + bad + 1:,}", piece[bad], None, None))
-            yield EncodedBlock(tokens=tokens, ambiguous=ambiguous, raw_bytes=len(piece))
+            yield block
 
 
 # ------------------------------------------------------------------------------------------------

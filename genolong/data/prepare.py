@@ -157,21 +157,27 @@ class _SplitWriter:
         self._pending_len = 0
         self._pending_tokens = []
 
-    def _emit(self, tokens: np.ndarray, pos: int) -> None:
-        """Keep ``tokens`` (record positions ``pos``...) in the open segment, opening one if needed."""
+    def _emit(self, tokens: np.ndarray, pos: int, has_n: bool = True) -> None:
+        """Keep ``tokens`` (record positions ``pos``...) in the open segment, opening one if needed.
+
+        ``has_n=False`` promises that no token is N, which skips two passes.
+        """
         stats = self._stats
         assert stats is not None
+        if tokens.size == 0:
+            return
+        is_n = (tokens & BASE_MASK) == N if has_n else None
         if self._seg_start is None:  # a segment never starts with N: trim them
-            not_n = np.flatnonzero((tokens & BASE_MASK) != N)
-            if not_n.size == 0:
+            lead = int(np.argmin(is_n)) if is_n is not None else 0
+            if is_n is not None and is_n[lead]:  # all N
                 stats.dropped += tokens.size
                 return
-            lead = int(not_n[0])
             stats.dropped += lead
             tokens, pos = tokens[lead:], pos + lead
+            is_n = is_n[lead:] if is_n is not None else None
             self._seg_start, self._seg_offset = pos, self.total
-        raw = tokens.tobytes() if not isinstance(tokens, bytes) else tokens
-        stats.n += raw.count(bytes([N])) + raw.count(bytes([N | SOFTMASK]))
+        if is_n is not None:
+            stats.n += int(np.count_nonzero(is_n))
         stats.softmasked += int(np.count_nonzero(tokens >= SOFTMASK))
         stats.kept += tokens.size
         self._append(tokens)
@@ -206,27 +212,29 @@ class _SplitWriter:
         self._pending_len = 0
         self._pending_tokens = []
 
-    def feed(self, tokens: np.ndarray, n_count: int | None = None) -> None:
+    def feed(self, tokens: np.ndarray, has_n: bool = True) -> None:
         """Add the next tokens of the current contig.
 
         Args:
             tokens: ``[L]`` uint8 token ids.
-            n_count: number of N tokens in ``tokens`` if already known (skips a pass when 0).
+            has_n: False promises that no token is N (skips the N-run search).
         """
         m = tokens.size
+        if m == 0:
+            return
         p0 = self._pos
         self._pos += m
-        if n_count is None:
-            raw = tokens.tobytes()
-            n_count = raw.count(bytes([N])) + raw.count(bytes([N | SOFTMASK]))
-        if n_count == 0:
+        if has_n:
+            is_n = (tokens & BASE_MASK) == N
+            change = np.flatnonzero(is_n[1:] != is_n[:-1]) + 1
+            edges = np.concatenate(([0] if is_n[0] else [], change, [m] if is_n[-1] else [])).astype(np.int64)
+            starts, ends = edges[0::2], edges[1::2]  # N runs [starts[i], ends[i]) in block coordinates
+            has_n = starts.size > 0
+        if not has_n:
             if self._pending_start is not None:
                 self._resolve_pending()
-            self._emit(tokens, p0)
+            self._emit(tokens, p0, has_n=False)
             return
-        is_n = (tokens & BASE_MASK) == N
-        edges = np.flatnonzero(np.diff(is_n.view(np.int8), prepend=0, append=0))
-        starts, ends = edges[0::2], edges[1::2]  # N runs [starts[i], ends[i]) in block coordinates
         cursor = 0
         i = 0
         if self._pending_start is not None:
@@ -242,7 +250,7 @@ class _SplitWriter:
         open_run = last > i and ends[-1] == m
         if open_run:
             last -= 1
-        long_runs = [j for j in range(i, last) if ends[j] - starts[j] >= self.min_gap]
+        long_runs = np.flatnonzero(ends[i:last] - starts[i:last] >= self.min_gap) + i
         for j in long_runs:
             s, e = int(starts[j]), int(ends[j])
             if s > cursor:
@@ -358,16 +366,20 @@ def _is_store(path: Path) -> bool:
         return False
 
 
+def _fsync_file(path: Path) -> None:
+    """fsync a file or a directory (so that its entries are durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
-            with open(Path(dirpath) / name, "rb") as handle:
-                os.fsync(handle.fileno())
-        fd = os.open(dirpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            _fsync_file(Path(dirpath) / name)
+        _fsync_file(Path(dirpath))
 
 
 class _Progress:
@@ -463,13 +475,22 @@ def prepare_genome(
         tmp.mkdir()
     except OSError as exc:
         raise InputError(f"--out {out}: cannot create a directory in {parent} ({exc.strerror}); choose a writable location") from None
+    # Hash the inputs on a side thread (hashlib releases the GIL) while the main thread encodes.
+    hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="genolong-sha256")
+    source_digests = [hasher.submit(sha256_file, p) for p in paths]
+    hasher.shutdown(wait=False)
     try:
         manifest, stats = _build(tmp, sources, paths, requested, assignment, min_gap, progress)
+        for entry, digest in zip(manifest["sources"], source_digests):
+            entry["sha256"] = digest.result()
         _fsync_tree(tmp)
-        (tmp / _PARTIAL_MANIFEST).write_text(json.dumps(manifest, indent=1))
-        _fsync_tree(tmp)
+        partial = tmp / _PARTIAL_MANIFEST
+        partial.write_text(json.dumps(manifest, indent=1))
+        _fsync_file(partial)
+        _fsync_file(tmp)
         # Verify under the temporary manifest name: until the last rename nothing opens as a store.
-        GenomeStore._load(tmp, _PARTIAL_MANIFEST, verify=True)
+        # The file digests were just computed from these files, so structure and sizes suffice.
+        GenomeStore._load(tmp, _PARTIAL_MANIFEST, verify=False)
         old = None
         if out.exists():
             old = parent / f".{out.name}{_OLD_MARK}{os.getpid()}-{secrets.token_hex(4)}"
@@ -479,6 +500,8 @@ def prepare_genome(
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
+        for digest in source_digests:
+            digest.cancel()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     seconds = time.perf_counter() - started
@@ -528,7 +551,7 @@ def _build(
                 for block in blocks:
                     contig.ambiguous += block.ambiguous
                     contig.raw_bytes += block.raw_bytes
-                    writer.feed(block.tokens)
+                    writer.feed(block.tokens, block.has_n)
                     bar.update(block.tokens.size)
                 writer.end()
                 bar.stop()
@@ -560,7 +583,7 @@ def _build(
         "genolong_version": __version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "sources": [
-            {"name": p.name, "path": str(p.resolve()), "size": p.stat().st_size, "sha256": sha256_file(p), "format": s.kind}
+            {"name": p.name, "path": str(p.resolve()), "size": p.stat().st_size, "sha256": None, "format": s.kind}
             for p, s in zip(paths, sources)
         ],
         "alphabet": {str(k): v for k, v in STORE_ALPHABET.items()},
