@@ -98,8 +98,7 @@ class _SplitWriter:
         self.path = path
         self.min_gap = min_gap
         self.executor = executor
-        self.group = create_split_group(path, contigs=[])
-        self.array = self.group["tokens"]
+        self.group, self.array = create_split_group(path, contigs=[])
         self.buffers = [np.empty(SHARD_TOKENS, dtype=np.uint8) for _ in range(2)]
         self.pending_write: list[concurrent.futures.Future[None] | None] = [None, None]
         self.active = 0
@@ -607,6 +606,7 @@ def format_summary(result: PrepareResult) -> str:
     table = frame[["split", "name", "length", "kept", "n", "softmasked", "ambiguous", "dropped", "segments", "seconds"]].copy()
     total = table.drop(columns=["split", "name"]).sum()
     table.loc[len(table)] = ["all", "", *total.tolist()]
+    table["Mbp/s"] = [f"{length / max(sec, 1e-9) / 1e6:,.1f}" for length, sec in zip(table["length"], table["seconds"])]
     table["seconds"] = table["seconds"].map(lambda s: f"{s:.2f}")
     for col in ("length", "kept", "n", "softmasked", "ambiguous", "dropped", "segments"):
         table[col] = table[col].map(lambda v: f"{int(v):,}")
