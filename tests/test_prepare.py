@@ -83,8 +83,6 @@ def test_softmask_kept_and_counted(tmp_path: Path) -> None:
     with gzip.open(SOFTMASKED_CHR16, "rt") as handle:
         handle.readline()
         seq = "".join(line.strip() for line in handle)
-    result = prepare_genome([SOFTMASKED_CHR16], tmp_path / "s", train="chr16", eval="chrM", progress=False) if False else None
-    del result
     out = tmp_path / "s"
     other = write_fasta(tmp_path / "m.fa", [("chrM", "ACGT" * 10)])
     prepare_genome([SOFTMASKED_CHR16, other], out, train="16", eval="MT", progress=False)
@@ -191,15 +189,16 @@ def _genome(draw: st.DrawFn) -> tuple[list[tuple[str, str]], int, int, int, str]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(_genome(), st.sampled_from(["plain", "gzip", "bgzip-indexed"]))
+@given(_genome(), st.sampled_from(["plain", "gzip", "bgzip", "bgzip-indexed", "plain-indexed"]))
 def test_property_round_trip(tmp_path_factory: pytest.TempPathFactory, genome, compress: str) -> None:
     """Random FASTA -> prepare -> decode gives the input back (IUPAC -> N) in the reference segments."""
     records, min_gap, width, block, newline = genome
     tmp = tmp_path_factory.mktemp("prop")
     path = tmp / "g.fa"
-    if compress == "bgzip-indexed":
-        newline = "\n"
-        write_fasta(path, records, width=width, compress="bgzip", index=True)
+    if compress.startswith("bgzip") or compress == "plain-indexed":
+        newline = "\n"  # samtools faidx indexes LF files only
+        write_fasta(path, records, width=width, compress=None if compress == "plain-indexed" else "bgzip",
+                    index=compress.endswith("indexed"))
     else:
         write_fasta(path, records, width=width, compress=None if compress == "plain" else "gzip", newline=newline)
     expected = {canon: seq for canon, seq in records}

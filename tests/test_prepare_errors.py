@@ -110,7 +110,7 @@ def test_invalid_character_gzip_and_indexed(capsys, tmp_path: Path) -> None:
     gz = write_fasta(tmp_path / "g.fa.gz", records, compress="gzip")
     _assert_fails(capsys, tmp_path, [gz], "record 'chr1'", "line 4", "invalid character 'E'")
     bgz = write_fasta(tmp_path / "h.fa.gz", records, compress="bgzip", index=True)
-    _assert_fails(capsys, tmp_path, [bgz], "record 'chr1'", "base 121", "invalid character 'E'")
+    _assert_fails(capsys, tmp_path, [bgz], "record 'chr1' (lines counted from its header)", "line 4", "invalid character 'E'")
 
 
 def test_truncated_gzip(capsys, tmp_path: Path) -> None:

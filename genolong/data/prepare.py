@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pandas as pd
 
 from .. import __version__
 from ..errors import InputError
@@ -300,8 +299,7 @@ class _SplitWriter:
             self.array.resize((self.flushed,))
         names = list(dict.fromkeys(c.name for c in self.contigs))
         self.group.attrs.update({"contigs": names})
-        frame = pd.DataFrame(self.segments, columns=["contig", "start", "end", "offset"])
-        write_segments(self.group, frame)
+        write_segments(self.group, self.segments)
         self.buffers = []
         return {
             "path": self.path.name,
@@ -321,15 +319,15 @@ class PrepareResult:
         manifest: the manifest written into it.
         seconds: wall time.
         input_bytes: bytes of all input files.
-        contigs: per contig statistics (split, name, length, kept, n, softmasked, ambiguous,
-            dropped, gaps, segments, seconds).
+        contigs: one dict per contig: split, name, record, source, start, length, kept, n,
+            softmasked, ambiguous, dropped, gaps, segments, seconds, raw_bytes.
     """
 
     path: Path
     manifest: dict[str, Any]
     seconds: float
     input_bytes: int
-    contigs: pd.DataFrame = field(default_factory=pd.DataFrame)
+    contigs: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _parse_names(names: Sequence[str] | str) -> list[str]:
@@ -489,7 +487,7 @@ def prepare_genome(
         _fsync_file(tmp)
         # Verify under the temporary manifest name: until the last rename nothing opens as a store.
         # The file digests were just computed from these files, so structure and sizes suffice.
-        GenomeStore._load(tmp, _PARTIAL_MANIFEST, verify=False)
+        GenomeStore._load(tmp, _PARTIAL_MANIFEST, verify=False, build=False)
         old = None
         if out.exists():
             old = parent / f".{out.name}{_OLD_MARK}{os.getpid()}-{secrets.token_hex(4)}"
@@ -504,7 +502,7 @@ def prepare_genome(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     seconds = time.perf_counter() - started
-    frame = pd.DataFrame([{"split": split, **s.as_manifest(), "seconds": s.seconds, "raw_bytes": s.raw_bytes} for split, s in stats])
+    frame = [{"split": split, **s.as_manifest(), "seconds": s.seconds, "raw_bytes": s.raw_bytes} for split, s in stats]
     input_bytes = sum(p.stat().st_size for p in paths)
     return PrepareResult(path=out, manifest=manifest, seconds=seconds, input_bytes=input_bytes, contigs=frame)
 
@@ -600,19 +598,20 @@ def _build(
 
 def format_summary(result: PrepareResult) -> str:
     """A human-readable table of what :func:`prepare_genome` kept and dropped."""
-    frame = result.contigs
-    if frame.empty:
+    columns = ("length", "kept", "n", "softmasked", "ambiguous", "dropped", "segments")
+    rows = [[c["split"], c["name"], *(f"{c[k]:,}" for k in columns), f"{c['seconds']:.2f}",
+             f"{c['length'] / max(c['seconds'], 1e-9) / 1e6:,.1f}"] for c in result.contigs]
+    if not rows:
         return "(no contigs)"
-    table = frame[["split", "name", "length", "kept", "n", "softmasked", "ambiguous", "dropped", "segments", "seconds"]].copy()
-    total = table.drop(columns=["split", "name"]).sum()
-    table.loc[len(table)] = ["all", "", *total.tolist()]
-    table["Mbp/s"] = [f"{length / max(sec, 1e-9) / 1e6:,.1f}" for length, sec in zip(table["length"], table["seconds"])]
-    table["seconds"] = table["seconds"].map(lambda s: f"{s:.2f}")
-    for col in ("length", "kept", "n", "softmasked", "ambiguous", "dropped", "segments"):
-        table[col] = table[col].map(lambda v: f"{int(v):,}")
+    seconds = sum(c["seconds"] for c in result.contigs)
+    length = sum(c["length"] for c in result.contigs)
+    rows.append(["all", "", *(f"{sum(c[k] for c in result.contigs):,}" for k in columns), f"{seconds:.2f}",
+                 f"{length / max(seconds, 1e-9) / 1e6:,.1f}"])
+    header = ["split", "name", *columns, "seconds", "Mbp/s"]
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(v).rjust(w) for v, w in zip(row, widths)) for row in [header, *rows]]
     mb = result.input_bytes / 1e6
-    lines = [
-        table.to_string(index=False),
+    lines += [
         "",
         f"store {result.path}: {mb:,.1f} MB of input in {result.seconds:.2f} s ({mb / max(result.seconds, 1e-9):,.1f} MB/s); "
         f"min_gap {result.manifest['min_gap']:,}",
@@ -621,4 +620,3 @@ def format_summary(result: PrepareResult) -> str:
     if unused:
         lines.append(f"{len(unused)} record(s) not in any split: {', '.join(unused[:10])}{' ...' if len(unused) > 10 else ''}")
     return "\n".join(lines)
-

@@ -23,17 +23,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from ..errors import StoreError
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = [
     "SCHEMA",
@@ -94,21 +96,22 @@ def create_split_group(path: str | Path, contigs: list[str]) -> tuple[zarr.Group
     return group, tokens
 
 
-def write_segments(group: zarr.Group, segments: pd.DataFrame) -> None:
+def write_segments(group: zarr.Group, segments: Sequence[tuple[str, int, int, int]]) -> None:
     """Write the segment table into a split group.
 
     Args:
         group: a group made by :func:`create_split_group`.
-        segments: columns contig (name), start, end, offset; one row per segment.
+        segments: one ``(contig name, start, end, offset)`` row per segment, in token order.
     """
     names = list(group.attrs["contigs"])
     index = {name: i for i, name in enumerate(names)}
     sub = group.create_group("segments")
+    numbers = np.array([row[1:] for row in segments], dtype=np.int64).reshape(-1, 3)
     columns = {
-        "contig": np.array([index[c] for c in segments["contig"]], dtype=np.int32),
-        "start": segments["start"].to_numpy(dtype=np.int64),
-        "end": segments["end"].to_numpy(dtype=np.int64),
-        "offset": segments["offset"].to_numpy(dtype=np.int64),
+        "contig": np.array([index[row[0]] for row in segments], dtype=np.int32),
+        "start": numbers[:, 0],
+        "end": numbers[:, 1],
+        "offset": numbers[:, 2],
     }
     for name, values in columns.items():
         array = sub.create_array(name, shape=values.shape, dtype=values.dtype, chunks=(max(1, len(values)),))
@@ -206,12 +209,15 @@ class GenomeStore:
         Raises:
             StoreError: naming what is missing, damaged or of another schema version, and the fix.
         """
-        return cls._load(Path(path), MANIFEST_NAME, verify)
+        store = cls._load(Path(path), MANIFEST_NAME, verify)
+        assert store is not None
+        return store
 
     @classmethod
-    def _load(cls, root: Path, manifest_name: str, verify: bool) -> GenomeStore:
+    def _load(cls, root: Path, manifest_name: str, verify: bool, build: bool = True) -> GenomeStore | None:
         """Open ``root`` reading its manifest from ``manifest_name`` (prepare verifies a store
-        under a temporary manifest name, so that it never looks complete before its rename)."""
+        under a temporary manifest name, so that it never looks complete before its rename).
+        With ``build=False`` only validate, and return None."""
         fix = f"re-run `genolong prepare ... --out {root} --force`"
         manifest_path = root / manifest_name
         if not root.is_dir():
@@ -243,11 +249,11 @@ class GenomeStore:
                 raise StoreError(f"genome store {root} is damaged: {rel} has {file.stat().st_size} bytes, the manifest says {meta['size']}; {fix}")
             if verify and sha256_file(file) != meta["sha256"]:
                 raise StoreError(f"genome store {root} is damaged: {rel} does not match its sha256 in the manifest; {fix}")
-        splits = {name: cls._open_split(root, name, meta, fix) for name, meta in split_meta.items()}
-        return cls(root, manifest, splits)
+        splits = {name: cls._open_split(root, name, meta, fix, build) for name, meta in split_meta.items()}
+        return cls(root, manifest, splits) if build else None  # type: ignore[arg-type]
 
     @staticmethod
-    def _open_split(root: Path, name: str, meta: Mapping[str, Any], fix: str) -> Split:
+    def _open_split(root: Path, name: str, meta: Mapping[str, Any], fix: str, build: bool = True) -> Split | None:
         group_path = root / meta["path"]
         try:
             group = zarr.open_group(str(group_path), mode="r", zarr_format=3)
@@ -260,27 +266,34 @@ class GenomeStore:
             raise StoreError(f"genome store {root}: {meta['path']}/tokens is not a 1-D uint8 array; {fix}")
         if tokens.shape[0] != meta["tokens"]:
             raise StoreError(f"genome store {root}: {meta['path']}/tokens has {tokens.shape[0]} tokens, the manifest says {meta['tokens']}; {fix}")
-        segments = pd.DataFrame(
-            {
-                "contig": pd.Series([names[i] for i in columns["contig"]], dtype=object),
-                "start": columns["start"].astype(np.int64),
-                "end": columns["end"].astype(np.int64),
-                "offset": columns["offset"].astype(np.int64),
-            }
-        )
+        try:
+            contig_names = [names[i] for i in columns["contig"]]
+        except IndexError:
+            raise StoreError(f"genome store {root}: the segment table of split {name!r} names an unknown contig; {fix}") from None
+        start, end, offset = (columns[c].astype(np.int64) for c in ("start", "end", "offset"))
         expected = meta["segments"]
-        if len(segments) != len(expected) or any(
-            tuple(row) != (c, s, e, o) for row, (c, s, e, o) in zip(segments.itertuples(index=False), expected)
+        expected_numbers = np.array([row[1:] for row in expected], dtype=np.int64).reshape(-1, 3)
+        if (
+            contig_names != [row[0] for row in expected]
+            or expected_numbers.shape[0] != start.size
+            or not np.array_equal(expected_numbers, np.stack([start, end, offset], axis=1))
         ):
             raise StoreError(f"genome store {root}: the segment table of split {name!r} disagrees with the manifest; {fix}")
-        lengths = segments["end"] - segments["start"]
-        if len(segments) and (
+        lengths = end - start
+        if start.size and (
             (lengths <= 0).any()
-            or segments["offset"].iloc[0] != 0
-            or (segments["offset"].iloc[1:].to_numpy() != np.cumsum(lengths.to_numpy())[:-1]).any()
+            or offset[0] != 0
+            or (offset[1:] != np.cumsum(lengths)[:-1]).any()
             or int(lengths.sum()) != tokens.shape[0]
         ):
             raise StoreError(f"genome store {root}: the segment table of split {name!r} does not tile its tokens; {fix}")
+        if not build:
+            return None
+        import pandas as pd  # only readers need the frame (prepare verifies without importing pandas)
+
+        segments = pd.DataFrame(
+            {"contig": pd.Series(contig_names, dtype=object), "start": start, "end": end, "offset": offset}
+        )
         return Split(name=name, tokens=tokens, segments=segments, contigs=tuple(meta["contigs"]))
 
     @property
@@ -309,6 +322,8 @@ class GenomeStore:
         for split in self:
             for contig in split.contigs:
                 rows.append({"split": split.name, **{k: v for k, v in contig.items() if not isinstance(v, (list, dict))}})
+        import pandas as pd
+
         return pd.DataFrame(rows)
 
     def __repr__(self) -> str:
