@@ -44,8 +44,10 @@ __all__ = [
     "open_source",
 ]
 
-#: Bytes of decompressed input handled per step (and bases per fetch for indexed input).
-BLOCK_BYTES = 1 << 23
+#: Bytes of decompressed input handled per step. 2 MiB keeps a block in cache across the passes
+#: over it (translate, N search, soft-mask count, copy): 500 Mbp prepared in 3.05 s against 3.55 s
+#: with 8 MiB blocks (2 cores, whole command).
+BLOCK_BYTES = 1 << 21
 
 _GZIP_MAGIC = b"\x1f\x8b"
 _FIX_WRAP = "re-wrap it to one width, e.g. `samtools faidx` or `seqkit seq -w 60`"

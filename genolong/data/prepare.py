@@ -105,6 +105,7 @@ class _SplitWriter:
         self.flushed = 0  # tokens handed to the writer
         self.segments: list[tuple[str, int, int, int]] = []
         self.contigs: list[_ContigStats] = []
+        self.digests: dict[str, tuple[int, int, str]] = {}  # shard files hashed by the writer
         # per-contig state
         self._stats: _ContigStats | None = None
         self._pos = 0  # record position of the next incoming token
@@ -121,10 +122,19 @@ class _SplitWriter:
         return self.flushed + self.fill
 
     def _write(self, data: np.ndarray, start: int) -> None:
+        """Write ``data`` at ``start`` (shard-aligned); then fsync and hash the shard files it
+        completed, here on the writer thread rather than at the end on the main one."""
         end = start + data.size
         if self.array.shape[0] < end:
             self.array.resize((end,))
         self.array[start:end] = data
+        for shard in range(start // SHARD_TOKENS, -(-end // SHARD_TOKENS)):
+            path = self.path / "tokens" / "c" / str(shard)  # zarr v3 default chunk key encoding
+            if path.is_file():
+                _fsync_file(path)
+                stat = path.stat()
+                rel = f"{self.path.name}/tokens/c/{shard}"
+                self.digests[rel] = (stat.st_size, stat.st_mtime_ns, sha256_file(path))
 
     def _flush(self) -> None:
         buf = self.buffers[self.active][: self.fill]
@@ -424,7 +434,7 @@ def prepare_genome(
             shorter runs stay as N tokens (default 1000; see the module docstring).
         force: replace an existing store at ``out``.
         progress: show a progress bar (default: when stderr is a terminal).
-        block_bytes: input bytes handled per step (default 8 MiB; small values only for tests).
+        block_bytes: input bytes handled per step (default 2 MiB; small values only for tests).
 
     Returns:
         A :class:`PrepareResult`.
@@ -573,7 +583,7 @@ def _build(
         executor.shutdown(wait=True)
     files: dict[str, Any] = {}
     for split in requested:
-        files.update(file_digests(tmp, f"{split}.zarr"))
+        files.update(file_digests(tmp, f"{split}.zarr", writers[split].digests))
     manifest = {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,

@@ -128,15 +128,28 @@ def sha256_file(path: str | Path, block: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def file_digests(root: str | Path, subdir: str) -> dict[str, dict[str, Any]]:
-    """Size and sha256 of every file under ``root/subdir``, keyed by path relative to ``root``."""
+def file_digests(
+    root: str | Path, subdir: str, known: Mapping[str, tuple[int, int, str]] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under ``root/subdir``, keyed by path relative to ``root``.
+
+    Args:
+        root: the store directory.
+        subdir: the folder below it to walk (e.g. ``train.zarr``).
+        known: digests computed earlier, ``rel path -> (size, mtime_ns, sha256)``; reused for a
+            file whose size and mtime still match.
+    """
     root = Path(root)
+    known = known or {}
     out: dict[str, dict[str, Any]] = {}
     for dirpath, _, filenames in os.walk(root / subdir):
         for filename in sorted(filenames):
             path = Path(dirpath) / filename
             rel = path.relative_to(root).as_posix()
-            out[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+            stat = path.stat()
+            cached = known.get(rel)
+            same = cached is not None and cached[:2] == (stat.st_size, stat.st_mtime_ns)
+            out[rel] = {"size": stat.st_size, "sha256": cached[2] if same else sha256_file(path)}  # type: ignore[index]
     return dict(sorted(out.items()))
 
 
