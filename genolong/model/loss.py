@@ -1,0 +1,64 @@
+"""The language-model loss on DNA tokens: next-base NLL, masked on N and specials, soft-mask weight.
+
+Store tokens keep case (``genolong.data.alphabet``): the model reads ``token & BASE_MASK`` and
+predicts the next base; a target that is N, padding or a special token never counts, and a
+soft-masked (lowercase) target counts with ``softmask_weight`` (Evo 2 uses 0.1; default 1.0).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..data.alphabet import A, BASE_MASK, SOFTMASK, T
+from ..kernels.ce import chunked_cross_entropy
+
+__all__ = ["model_inputs", "target_weights", "next_token_loss", "bits_per_base"]
+
+
+def model_inputs(tokens: torch.Tensor) -> torch.Tensor:
+    """Store tokens ``[..., T]`` -> model ids ``[..., T]`` (case dropped), int64."""
+    return (tokens & BASE_MASK).long()
+
+
+def target_weights(tokens: torch.Tensor, softmask_weight: float = 1.0) -> torch.Tensor:
+    """Loss weight per target token ``[..., T]`` (fp32).
+
+    A, C, G, T count 1 (``softmask_weight`` when lowercase); N, padding and specials count 0.
+    """
+    base = tokens & BASE_MASK
+    counted = (base >= A) & (base <= T)
+    soft = (tokens & SOFTMASK) > 0
+    weights = counted.float()
+    return torch.where(soft, weights * softmask_weight, weights)
+
+
+def next_token_loss(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    tokens: torch.Tensor,
+    softmask_weight: float = 1.0,
+    chunk_size: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted next-base NLL: position ``t`` predicts the base at ``t + 1``.
+
+    Args:
+        hidden: ``[B, T, H]`` final hidden states.
+        head_weight: ``[V, H]`` LM head (nucleotide vocabulary: V = 8).
+        tokens: ``[B, T]`` store tokens of the same window.
+        softmask_weight: weight of soft-masked targets (default 1.0).
+        chunk_size: rows per cross-entropy chunk.
+
+    Returns:
+        (NLL sum in nats, weight sum), fp32 scalars; their ratio is the mean loss.
+    """
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    targets = tokens[:, 1:]
+    return chunked_cross_entropy(h, head_weight, model_inputs(targets).reshape(-1),
+                                 target_weights(targets, softmask_weight).reshape(-1), chunk_size)
+
+
+def bits_per_base(nats: float) -> float:
+    """Convert a mean NLL in nats to bits per base."""
+    return nats / math.log(2)
