@@ -1,0 +1,131 @@
+"""The KDA (Kimi Delta Attention) mixer of GLM-5.3-Flash: projections, short conv, gates, gated norm.
+
+Per token: ``q, k, v = SiLU(causal depthwise conv(x W_q | x W_k | x W_v))``, split into heads;
+``q`` and ``k`` L2-normalised (eps 1e-6, fp32); the per-channel log decay
+``g = lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias))`` (or the softplus form without
+a lower bound); ``beta = sigmoid(b_proj(x))``; the delta-rule recurrence runs in
+:mod:`genolong.kernels.kda`; the output is ``o_proj(RMSNorm(o) * sigmoid(g_b(g_a(x))))``.
+Parameter names are the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import GatedRMSNorm
+
+__all__ = ["ShortConv", "ForgetGate", "KDAMixer", "l2_normalize"]
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last axis (fla's form: eps inside the root)."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise convolution by shift-and-add, then SiLU.
+
+    ``nn.Conv1d``'s depthwise backward is slow on CPU; for a 4-tap kernel, K shifted
+    multiply-adds compute the same thing with cheap gradients. The parameter keeps the
+    checkpoint's ``Conv1d`` layout, ``weight [C, 1, K]`` in fp32.
+
+    Shapes: ``x [B, T, C] -> [B, T, C]`` in ``x``'s dtype; ``y[t] = sum_j w[j] * x[t - K + 1 + j]``
+    with zeros before the start.
+    """
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, dtype=torch.float32))
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.weight.shape[-1]
+        t = x.shape[1]
+        w = self.weight[:, 0, :].float()  # [C, K]
+        padded = F.pad(x.float(), (0, 0, k - 1, 0))  # [B, T + K - 1, C]
+        out = padded[:, k - 1:] * w[:, k - 1]
+        for j in range(k - 1):
+            out = out + padded[:, j:j + t] * w[:, j]
+        return F.silu(out).to(x.dtype)
+
+
+class ForgetGate(nn.Module):
+    """Low-rank per-channel log decay ``g [B, T, heads, head_dim]`` (fp32, <= 0)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d, h = config.linear_head_dim, config.linear_num_heads
+        self.head_dim, self.num_heads = d, h
+        self.f_a_proj = nn.Linear(config.hidden_size, d, bias=False)
+        self.f_b_proj = nn.Linear(d, d * h, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(d * h, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(h, dtype=torch.float32))
+        self.lower_bound = config.linear_lower_bound
+        # fla's initialisation: dt in [1e-3, 1e-1] through an inverse softplus; A_log = 0 with the
+        # lower-bound gate, log U(1, 16) without it
+        dt = torch.empty(d * h).uniform_(-6.907755, -2.302585).exp().clamp_min(1e-4)
+        with torch.no_grad():
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            if self.lower_bound is not None:
+                self.A_log.zero_()
+            else:
+                self.A_log.copy_(torch.empty(h).uniform_(1.0, 16.0).log())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        raw = raw.view(b, t, self.num_heads, self.head_dim)
+        rate = self.A_log.float().exp().view(1, 1, -1, 1)
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(rate * raw)
+        return -rate * F.softplus(raw, threshold=20.0)
+
+
+class KDAMixer(nn.Module):
+    """The KDA token mixer.
+
+    Args:
+        config: the model config (``linear_*`` fields, ``hidden_size``, ``rms_norm_eps``).
+        chunk_size: KDA chunk length (default 64).
+
+    Shapes: ``x [B, T, H] -> [B, T, H]``; with ``initial_state [B, heads, dk, dv]`` and
+    ``output_final_state=True`` it also returns the final state (for decoding and context
+    parallelism).
+    """
+
+    def __init__(self, config: ModelConfig, chunk_size: int = 64):
+        super().__init__()
+        d, h = config.linear_head_dim, config.linear_num_heads
+        qkv = d * h
+        self.head_dim, self.num_heads, self.chunk_size = d, h, chunk_size
+        self.q_proj = nn.Linear(config.hidden_size, qkv, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, qkv, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, qkv, bias=False)
+        self.conv1d = ShortConv(3 * qkv, config.linear_conv_kernel_dim)
+        self.forget_gate = ForgetGate(config)
+        self.b_proj = nn.Linear(config.hidden_size, h, bias=False)
+        self.g_a_proj = nn.Linear(config.hidden_size, d, bias=False)
+        self.g_b_proj = nn.Linear(d, qkv, bias=False)
+        self.o_norm = GatedRMSNorm(d, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(qkv, config.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, initial_state: torch.Tensor | None = None, output_final_state: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        from ..kernels.kda import chunk_kda
+
+        b, t, _ = x.shape
+        heads = (b, t, self.num_heads, self.head_dim)
+        mixed = self.conv1d(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1))
+        q, k, v = (part.reshape(heads) for part in mixed.split(self.num_heads * self.head_dim, dim=-1))
+        q, k = l2_normalize(q.float()), l2_normalize(k.float())  # in fp32, as fla does
+        g = self.forget_gate(x)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        o, state = chunk_kda(q, k, v.float(), g, beta, initial_state=initial_state,
+                             output_final_state=output_final_state, chunk_size=self.chunk_size)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(heads)
+        out = self.o_proj(self.o_norm(o.to(x.dtype), gate).reshape(b, t, -1))
+        return (out, state) if output_final_state else out
