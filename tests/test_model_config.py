@@ -69,9 +69,16 @@ def test_transformers_reads_our_config_to_the_same_values(hf: dict, name: str) -
 
 
 def test_derived_schedules_match_transformers(hf: dict) -> None:
+    """Per-layer schedules derived from the legacy keys as transformers derives them. (Some of
+    these schedules put a shared DSA layer after a KDA layer, which transformers only rejects
+    when it runs; ModelConfig refuses such configs up front, so the derivation is checked here.)"""
+    from genolong.model.config import _default_layer_types, _default_mlp_layer_types, _legacy_indexer_types
+
     for raw, theirs in zip(_SCHEDULES, hf["schedules"]):
-        ours = ModelConfig.from_hf_dict({"model_type": "glm5_next_text", **raw})
-        assert [list(ours.layer_types), list(ours.mlp_layer_types), list(ours.indexer_types)] == theirs
+        n = raw["num_hidden_layers"]
+        ours = [_default_layer_types(n), _default_mlp_layer_types(n), _legacy_indexer_types(raw, n)]
+        assert [list(x) for x in ours] == theirs
+    assert list(ModelConfig.from_hf_dict({"model_type": "glm5_next_text", **_SCHEDULES[0]}).layer_types) == hf["schedules"][0][0]
 
 
 def test_nested_checkpoint_config_round_trips(tmp_path: Path) -> None:
@@ -99,7 +106,7 @@ def test_legacy_linear_attn_config() -> None:
 
 def test_patterns_and_replace() -> None:
     assert layer_types_from_pattern("KKD", 5) == ("linear_attention", "linear_attention", "indexed_attention", "linear_attention", "linear_attention")
-    config = PRESETS["tiny"].replace(num_hidden_layers=6, pattern="KD")
+    config = PRESETS["tiny"].replace(num_hidden_layers=6, pattern="KD", indexer_types=("full",) * 6)
     assert config.pattern == "KDKDKD" and len(config.mlp_layer_types) == 6
     with pytest.raises(InputError, match="only K"):
         layer_types_from_pattern("KKX")
@@ -113,7 +120,8 @@ def test_patterns_and_replace() -> None:
         ({"model_type": "glm5_next_text", "index_topk": 100}, "multiple of index_kpool"),
         ({"model_type": "glm5_next_text", "num_key_value_heads": 8}, "must equal num_key_value_heads"),
         ({"model_type": "glm5_next_text", "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3}, "one per layer"),
-        ({"model_type": "glm5_next_text", "num_hidden_layers": 4, "indexer_types": ["shared"] * 4}, "first DSA layer"),
+        ({"model_type": "glm5_next_text", "num_hidden_layers": 4, "indexer_types": ["shared"] * 4}, "directly follow a full one"),
+        ({"model_type": "glm5_next_text", "num_hidden_layers": 8, "indexer_types": ["full"] * 7 + ["shared"]}, "layer 6 is not a DSA"),
     ],
 )
 def test_bad_configs_are_refused(changes: dict, message: str) -> None:

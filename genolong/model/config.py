@@ -192,12 +192,16 @@ class ModelConfig:
             )
         if self.num_experts_per_tok > self.n_routed_experts:
             raise InputError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts ({self.n_routed_experts})")
-        first_dsa = next((i for i, t in enumerate(self.layer_types) if t == INDEXED_ATTENTION), None)
-        if first_dsa is not None and self.indexer_types[first_dsa] == "shared":
-            raise InputError(
-                f"indexer_types[{first_dsa}] is 'shared' but no earlier DSA layer runs a full indexer; "
-                "make the first DSA layer 'full'"
-            )
+        # A shared DSA layer reuses the top-k that the layer right before it computed: transformers
+        # hands indices only from a full DSA layer to the next layer (KDA layers pass none on).
+        for i, (layer_type, indexer_type) in enumerate(zip(self.layer_types, self.indexer_types)):
+            if layer_type == INDEXED_ATTENTION and indexer_type == "shared" and (
+                i == 0 or self.layer_types[i - 1] != INDEXED_ATTENTION or self.indexer_types[i - 1] != "full"
+            ):
+                raise InputError(
+                    f"indexer_types[{i}] is 'shared' but layer {i - 1} is not a DSA layer with a full "
+                    "indexer; a shared DSA layer must directly follow a full one"
+                )
 
     # -- derived ---------------------------------------------------------------------------------
     @property
@@ -409,9 +413,9 @@ def _nucleotide(**fields: Any) -> ModelConfig:
 
 
 #: Named configs: ``glm-5.3-flash`` is the released geometry (transformers' defaults); the others
-#: keep every architectural feature (KDA + KPool-DSA with a shared indexer layer, dense + MoE FFNs,
-#: 4 mHC streams) at nucleotide vocabulary and sizes for tests (tiny), the CPU quickstart (small)
-#: and the GPU benchmark (1b).
+#: keep every architectural feature (KDA + KPool-DSA, dense + MoE FFNs, 4 mHC streams) at
+#: nucleotide vocabulary and sizes for tests (tiny), the CPU quickstart (small) and the GPU
+#: benchmark (1b); tiny and small also have a shared-indexer DSA layer (layer 3, after layer 2).
 PRESETS: dict[str, ModelConfig] = {
     "glm-5.3-flash": ModelConfig(),
     "tiny": _nucleotide(
@@ -420,9 +424,9 @@ PRESETS: dict[str, ModelConfig] = {
         kv_lora_rank=32, q_lora_rank=48, v_head_dim=32, qk_nope_head_dim=32,
         index_topk=64, index_head_dim=16, index_n_heads=2, index_kpool=8,
         linear_head_dim=16, linear_num_heads=4, max_position_embeddings=1 << 20,
-        layer_types=layer_types_from_pattern("KKKD", 8),
+        layer_types=layer_types_from_pattern("KKDDKKKD"),
         mlp_layer_types=("dense",) + ("sparse",) * 7,
-        indexer_types=("full",) * 7 + ("shared",),
+        indexer_types=("full",) * 3 + ("shared",) + ("full",) * 4,
     ),
     "small": _nucleotide(
         hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_hidden_layers=8,
@@ -430,9 +434,9 @@ PRESETS: dict[str, ModelConfig] = {
         kv_lora_rank=64, q_lora_rank=128, v_head_dim=64, qk_nope_head_dim=64,
         index_topk=512, index_head_dim=32, index_n_heads=4, index_kpool=16,
         linear_head_dim=32, linear_num_heads=8, max_position_embeddings=1 << 20,
-        layer_types=layer_types_from_pattern("KKKD", 8),
+        layer_types=layer_types_from_pattern("KKDDKKKD"),
         mlp_layer_types=("dense",) + ("sparse",) * 7,
-        indexer_types=("full",) * 7 + ("shared",),
+        indexer_types=("full",) * 3 + ("shared",) + ("full",) * 4,
     ),
     "1b": _nucleotide(
         hidden_size=1536, intermediate_size=4096, moe_intermediate_size=512, num_hidden_layers=16,
