@@ -1,13 +1,18 @@
 """genolong.model: the GLM-5.3-Flash architecture family (KDA + KPool-DSA + MoE + mHC).
 
-Today: :class:`ModelConfig` (config.json round trip, presets, parameter counts) and the blocks
-checked against transformers: RMS norms and the clamped SwiGLU (``layers``), the chunked MoE
-(``moe``) and the hyper-connection streams (``mhc``). The KDA/DSA mixers, ``GenoLM`` and
-checkpoint I/O follow (issue 3).
+- :class:`ModelConfig` (config.json round trip, presets, parameter counts);
+- blocks: RMS norms and the clamped SwiGLU (``layers``), the chunked MoE (``moe``), the
+  hyper-connection streams (``mhc``), the KDA mixer (``kda``) and the DSA mixer (``dsa``);
+- :class:`GenoLM`, the whole language model, equal to transformers' glm5_next text model.
+
+Checkpoint I/O, the decode path and the backend registry follow (issue 3).
 """
 
 from __future__ import annotations
 
 from .config import PRESETS, ModelConfig, ParameterCount, layer_types_from_pattern, parameter_count
+from .dsa import DSAMixer
+from .kda import KDAMixer
+from .lm import GenoLM
 
-__all__ = ["PRESETS", "ModelConfig", "ParameterCount", "layer_types_from_pattern", "parameter_count"]
+__all__ = ["PRESETS", "DSAMixer", "GenoLM", "KDAMixer", "ModelConfig", "ParameterCount", "layer_types_from_pattern", "parameter_count"]

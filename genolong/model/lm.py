@@ -1,0 +1,112 @@
+"""GenoLM: the GLM-5.3-Flash language model as a plain ``nn.Module``, built from a ModelConfig.
+
+Layout (names are the checkpoint's, without its ``model.language_model.`` prefix)::
+
+    embed_tokens -> copy into hc_mult streams
+    layers[i]: attn_hc -> input_layernorm -> self_attn (KDA or DSA) -> merge
+               ffn_hc  -> post_attention_layernorm -> mlp (dense SwiGLU or MoE) -> merge
+    mean of the streams -> norm -> lm_head (untied)
+
+The model knows nothing about parallelism; ``genolong.parallel`` wraps it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import INDEXED_ATTENTION, ModelConfig
+from .kda import KDAMixer
+from .layers import RMSNorm, SwiGLU
+from .loss import next_token_loss
+from .mhc import HyperConnection, collapse_streams, expand_streams, merge_streams
+from .moe import MoE
+
+__all__ = ["Block", "GenoLM"]
+
+
+class Block(nn.Module):
+    """One decoder layer: mixer and feed-forward, each inside a hyper-connection.
+
+    Args:
+        config: the model config.
+        layer_idx: the layer's index (selects KDA or DSA, dense or MoE, full or shared indexer).
+        moe_chunk_tokens: MoE dispatch chunk (default None: whole batch).
+
+    Shapes: ``streams [B, T, m, H] -> [B, T, m, H]``; DSA layers also pass top-k indices
+    ``[B, T, k]`` to a following shared layer.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, moe_chunk_tokens: int | None = None):
+        super().__init__()
+        assert config.layer_types is not None and config.mlp_layer_types is not None
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == INDEXED_ATTENTION:
+            from .dsa import DSAMixer
+
+            self.self_attn: nn.Module = DSAMixer(config, layer_idx)
+        else:
+            self.self_attn = KDAMixer(config)
+        self.mlp: nn.Module = (
+            MoE(config, chunk_tokens=moe_chunk_tokens)
+            if config.mlp_layer_types[layer_idx] == "sparse"
+            else SwiGLU(config.hidden_size, config.intermediate_size, config.swiglu_limit)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+
+    def forward(self, streams: torch.Tensor, prev_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        post, comb, x = self.attn_hc(streams)
+        x = self.input_layernorm(x)
+        indices = None
+        if self.layer_type == INDEXED_ATTENTION:
+            x, indices = self.self_attn(x, prev_indices)
+        else:
+            x = self.self_attn(x)
+        streams = merge_streams(post, comb, x, streams)
+        post, comb, x = self.ffn_hc(streams)
+        x = self.mlp(self.post_attention_layernorm(x))
+        return merge_streams(post, comb, x, streams), indices
+
+
+class GenoLM(nn.Module):
+    """The language model.
+
+    Args:
+        config: architecture (see :class:`ModelConfig` and its presets).
+        moe_chunk_tokens: MoE dispatch chunk size (default None).
+
+    ``forward(input_ids [B, T]) -> hidden [B, T, H]`` (after the final norm); :meth:`logits` and
+    :meth:`loss` take it from there.
+    """
+
+    def __init__(self, config: ModelConfig, moe_chunk_tokens: int | None = None):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.layers = nn.ModuleList(Block(config, i, moe_chunk_tokens) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        nn.init.normal_(self.embed_tokens.weight, std=config.initializer_range)
+        nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        streams = expand_streams(self.embed_tokens(input_ids), self.config.hc_mult)
+        indices = None
+        for layer in self.layers:
+            streams, indices = layer(streams, indices)
+        return self.norm(collapse_streams(streams))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [..., H] -> logits [..., V]`` (materialises them: for short inputs and decoding)."""
+        return self.lm_head(hidden)
+
+    def loss(self, tokens: torch.Tensor, softmask_weight: float = 1.0, chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next-base loss of store tokens ``[B, T]`` (case kept): (NLL sum in nats, weight sum).
+
+        Model inputs are the tokens without case; N, padding and specials never count as targets.
+        """
+        hidden = self(tokens & 7)
+        return next_token_loss(hidden, self.lm_head.weight, tokens, softmask_weight, chunk_size)
