@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from genolong.kernels.testing import rms_ratio
 from genolong.kernels.kda import chunk_kda, recurrent_kda
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # fla warns that Triton has no GPU here
     fla_naive = pytest.importorskip("fla.ops.kda.naive")
-
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -27,12 +27,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def rms_ratio(ref: torch.Tensor, x: torch.Tensor) -> float:
-    """RMS(ref - x) / RMS(ref), computed in float64."""
-    ref, x = ref.double(), x.double()
-    return ((ref - x).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-300)).item()
 
 
 def make_inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, seed: int = 0,

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from genolong.kernels.testing import rms_ratio
 from genolong.model import PRESETS, ModelConfig
 from genolong.model.layers import GatedRMSNorm, RMSNorm, SwiGLU
 from genolong.model.mhc import HyperConnection, collapse_streams, expand_streams, merge_streams
@@ -82,11 +82,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return torch.load(path, weights_only=True)
 
 
-def _rms_ratio(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref, x = ref.detach(), x.detach()
-    return float((ref - x).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-300))
-
-
 def _ours(key: str, config: ModelConfig, chunk_tokens: int | None) -> torch.nn.Module:
     h = config.hidden_size
     return {
@@ -113,13 +108,13 @@ def test_block_matches_transformers(reference: dict, config_name: str, key: str,
     outs = out if isinstance(out, tuple) else (out,)
     assert len(outs) == len(ref["outs"])
     for got, want in zip(outs, ref["outs"]):
-        assert _rms_ratio(want, got) < tolerance
+        assert rms_ratio(want, got) < tolerance
     sum((o * p).sum() for o, p in zip(outs, ref["probes"])).backward()
-    assert _rms_ratio(ref["grad_x"], x.grad) < tolerance
+    assert rms_ratio(ref["grad_x"], x.grad) < tolerance
     if extra is not None:
-        assert _rms_ratio(ref["grad_extra"], extra.grad) < tolerance
+        assert rms_ratio(ref["grad_extra"], extra.grad) < tolerance
     for name, param in module.named_parameters():
-        assert _rms_ratio(ref["grads"][name], param.grad) < tolerance, name
+        assert rms_ratio(ref["grads"][name], param.grad) < tolerance, name
 
 
 def test_moe_records_load_and_chunks_do_not_change_results() -> None:

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from genolong.kernels.testing import rms_ratio
 from genolong.model import PRESETS, ModelConfig
 from genolong.model.dsa import DSAMixer
 
@@ -113,11 +114,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return inputs
 
 
-def _rms_ratio(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref, x = ref.detach().double(), x.detach().double()
-    return float((ref - x).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
-
-
 def _run(mixer: DSAMixer, data: dict, prev: torch.Tensor | None = None) -> tuple[dict, torch.Tensor | None]:
     x = data["x"].clone().requires_grad_(True)
     out, indices = mixer(x, prev)
@@ -181,7 +177,7 @@ def test_full_dsa_layer_matches_transformers(reference: dict, name: str, run: in
     assert all(k.startswith("indexer.") for k in data["no_grad"]) and data["no_grad"]
     assert set(hf) == set(ours)
     for key in hf:
-        assert _rms_ratio(hf[key], ours[key]) < 1e-5, key
+        assert rms_ratio(hf[key], ours[key]) < 1e-5, key
 
 
 @pytest.mark.parametrize("name", list(_CONFIGS))
@@ -205,7 +201,7 @@ def test_shared_dsa_layer_matches_transformers(reference: dict, name: str, run: 
     hf = {"out": data["out"], "x": data["grad_x"], **data["grads"]}
     assert set(hf) == set(ours)
     for key in hf:
-        assert _rms_ratio(hf[key], ours[key]) < 1e-5, key
+        assert rms_ratio(hf[key], ours[key]) < 1e-5, key
 
 
 def test_shared_layer_without_indices_raises() -> None:
@@ -256,4 +252,4 @@ def test_bf16_runs_and_tracks_fp32() -> None:
     got, indices = mixer(xb)
     got.float().square().sum().backward()
     assert got.dtype == torch.bfloat16 and indices is not None and xb.grad is not None
-    assert _rms_ratio(want, got) < 5e-2
+    assert rms_ratio(want, got) < 5e-2

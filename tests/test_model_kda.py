@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from genolong.kernels.testing import rms_ratio
 from genolong.model import PRESETS
 from genolong.model.kda import KDAMixer, ShortConv
 
@@ -56,11 +57,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return torch.load(path, weights_only=True)
 
 
-def _rms_ratio(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref, x = ref.detach().double(), x.detach().double()
-    return float((ref - x).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
-
-
 def _run(mixer: KDAMixer, data: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     mixer = mixer.to(dtype)
     x = data["x"].clone().to(dtype).requires_grad_(True)
@@ -89,11 +85,11 @@ def test_kda_mixer_matches_transformers(reference: dict, name: str, run: int) ->
         mixer.load_state_dict(ref["state"], strict=True)
         results[dtype] = _run(mixer, data, dtype)
     ours, truth = results[torch.float32], results[torch.float64]
-    assert _rms_ratio(hf["out"], ours["out"]) < 1e-5
+    assert rms_ratio(hf["out"], ours["out"]) < 1e-5
     assert set(hf) == set(ours)
     for key in hf:
-        assert _rms_ratio(truth[key], hf[key]) < 1e-4, key
-        assert _rms_ratio(truth[key], ours[key]) < 1e-4, key
+        assert rms_ratio(truth[key], hf[key]) < 1e-4, key
+        assert rms_ratio(truth[key], ours[key]) < 1e-4, key
 
 
 def test_short_conv_equals_depthwise_conv1d() -> None:

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from genolong.kernels.testing import rms_ratio
 from genolong.data.alphabet import encode
 from genolong.model import PRESETS
 from genolong.model.lm import GenoLM
@@ -63,11 +64,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return torch.load(path, weights_only=True)
 
 
-def _rms_ratio(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref, x = ref.detach().double(), x.detach().double()
-    return float((ref - x).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
-
-
 def _run(model: GenoLM, data: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     model = model.to(dtype)
     logits = model.logits(model(data["ids"]))
@@ -87,12 +83,12 @@ def test_genolm_matches_transformers(reference: dict, name: str) -> None:
         model.load_state_dict(ref["state"], strict=True)
         results[dtype] = _run(model, ref, dtype)
     ours, truth = results[torch.float32], results[torch.float64]
-    assert _rms_ratio(ref["logits"], ours["logits"]) < 1e-5
+    assert rms_ratio(ref["logits"], ours["logits"]) < 1e-5
     hf_grads = ref["grads"]
     assert set(hf_grads) == set(ours) - {"logits"}
     for key, hf_grad in hf_grads.items():
-        assert _rms_ratio(truth[key], hf_grad) < 1e-4, key
-        assert _rms_ratio(truth[key], ours[key]) < 1e-4, key
+        assert rms_ratio(truth[key], hf_grad) < 1e-4, key
+        assert rms_ratio(truth[key], ours[key]) < 1e-4, key
 
 
 def test_causality_and_loss_masks() -> None:

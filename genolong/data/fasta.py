@@ -19,7 +19,6 @@ message naming the file, the record, the line and the fix.
 from __future__ import annotations
 
 import bisect
-import concurrent.futures
 import gzip
 import io
 import os
