@@ -68,3 +68,25 @@ def reference_segments(seq: str, min_gap: int) -> list[tuple[int, int]]:
 def expected_text(seq: str) -> str:
     """What decode() returns for ``seq``: ambiguity codes become N, case kept."""
     return re.sub(r"[ryswkmbdhv]", "n", _AMBIGUITY.sub("N", seq))
+
+
+# transformers routes glm5_next's KDA to fla's Triton kernels whenever fla is importable, and those
+# fail on CPU: every transformers reference runs in a child process that hides fla first.
+_TRANSFORMERS_PRELUDE = 'import sys\nsys.modules["fla"] = None\n'
+
+
+def run_transformers(script: str, *args: str, stdin: str = "") -> str:
+    """Run a transformers reference ``script`` (with ``args`` in ``sys.argv[1:]`` and ``stdin``)
+    in a child process where fla cannot be imported; returns its stdout.
+
+    Raises:
+        AssertionError: with the child's stderr if it fails.
+    """
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _TRANSFORMERS_PRELUDE + script, *args], input=stdin,
+                         text=True, capture_output=True)
+    if run.returncode:
+        raise AssertionError(f"the transformers reference failed:\n{run.stderr[-4000:]}")
+    return run.stdout

@@ -121,6 +121,17 @@ def _qkv(B, T, H, HK, D, DV, seed):
     return q, k, v
 
 
+def _assert_forward_backward_close(ref: torch.Tensor, o: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
+    """``o`` equals ``ref``, and so do their gradients w.r.t. ``inputs`` for one random
+    upstream gradient (RMS ratio < 1e-5)."""
+    do = torch.randn_like(ref)
+    g_ref = torch.autograd.grad(ref, inputs, do)
+    g = torch.autograd.grad(o, inputs, do)
+    assert rms_ratio(ref, o) < 1e-5
+    for a, b in zip(g, g_ref):
+        assert rms_ratio(b, a) < 1e-5
+
+
 @pytest.mark.parametrize("T,topk", [(63, 16), (500, 64), (1000, 100)])
 def test_sparse_attention_matches_fla(T, topk):
     torch.manual_seed(T + 1)
@@ -131,12 +142,7 @@ def test_sparse_attention_matches_fla(T, topk):
     idx = idx.gather(-1, torch.rand(idx.shape).argsort(-1))  # order must not matter
     ref = fla_naive.naive_dsa(q, k, v, None, None, indices=idx)
     o = sparse_attention(q, k, v, idx.to(torch.int32), query_block=37)
-    do = torch.randn_like(ref)
-    g_ref = torch.autograd.grad(ref, (q, k, v), do)
-    g = torch.autograd.grad(o, (q, k, v), do)
-    assert rms_ratio(ref, o) < 1e-5
-    for a, b in zip(g, g_ref):
-        assert rms_ratio(b, a) < 1e-5
+    _assert_forward_backward_close(ref, o, (q, k, v))
 
 
 @pytest.mark.parametrize("H,HK,D,DV", [(2, 2, 16, 16), (4, 1, 24, 8)])
@@ -148,12 +154,7 @@ def test_sparse_attention_full_topk_is_dense_causal(H, HK, D, DV):
     o = sparse_attention(q, k, v, idx, query_block=16)
     kr, vr = (x.repeat_interleave(H // HK, dim=2) for x in (k, v))
     ref = F.scaled_dot_product_attention(q.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2), is_causal=True).transpose(1, 2)
-    do = torch.randn_like(ref)
-    g_ref = torch.autograd.grad(ref, (q, k, v), do)
-    g = torch.autograd.grad(o, (q, k, v), do)
-    assert rms_ratio(ref, o) < 1e-5
-    for a, b in zip(g, g_ref):
-        assert rms_ratio(b, a) < 1e-5
+    _assert_forward_backward_close(ref, o, (q, k, v))
 
 
 def test_sparse_attention_empty_rows_and_future_indices():

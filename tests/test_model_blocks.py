@@ -8,8 +8,6 @@ inputs, outputs and gradients; genolong's modules load the same weights by name 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +18,8 @@ from genolong.model.layers import GatedRMSNorm, RMSNorm, SwiGLU
 from genolong.model.mhc import HyperConnection, collapse_streams, expand_streams, merge_streams
 from genolong.model.moe import MoE
 
+from .helpers import run_transformers
+
 _CONFIGS = {
     "tiny": PRESETS["tiny"].replace(n_routed_experts=8, num_experts_per_tok=3, swiglu_limit=0.05),
     "grouped": PRESETS["tiny"].replace(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, norm_topk_prob=False),
@@ -27,7 +27,6 @@ _CONFIGS = {
 
 _HF_SCRIPT = r"""
 import sys, json
-sys.modules["fla"] = None
 import torch
 from transformers import Glm5NextTextConfig
 from transformers.models.glm5_next import modeling_glm5_next as m
@@ -77,8 +76,7 @@ print("ok")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     path = tmp_path_factory.mktemp("hf") / "blocks.pt"
     configs = {name: config.to_hf_dict() for name, config in _CONFIGS.items()}
-    subprocess.run([sys.executable, "-c", _HF_SCRIPT, str(path)], input=json.dumps(configs), text=True,
-                   capture_output=True, check=True)
+    run_transformers(_HF_SCRIPT, str(path), stdin=json.dumps(configs))
     return torch.load(path, weights_only=True)
 
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from genolong.errors import InputError
 from genolong.model import PRESETS, ModelConfig, layer_types_from_pattern, parameter_count
+
+from .helpers import run_transformers
 
 # transformers routes KDA to fla's Triton kernel when fla is importable, which fails on CPU: the
 # transformers side runs once, in a subprocess that hides fla first, and answers every question.
@@ -21,7 +21,6 @@ _SCHEDULES = [
 ]
 _HF_SCRIPT = """
 import sys, json
-sys.modules["fla"] = None
 import torch
 from transformers import Glm5NextTextConfig
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
@@ -44,9 +43,8 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def hf() -> dict:
     presets = {name: config.to_hf_dict() for name, config in PRESETS.items()}
-    run = subprocess.run([sys.executable, "-c", _HF_SCRIPT], input=json.dumps([presets, _SCHEDULES]),
-                         capture_output=True, text=True, check=True)
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    stdout = run_transformers(_HF_SCRIPT, stdin=json.dumps([presets, _SCHEDULES]))
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def test_defaults_are_the_released_geometry() -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -11,6 +9,8 @@ import torch
 from genolong.kernels.testing import rms_ratio
 from genolong.model import PRESETS, ModelConfig
 from genolong.model.dsa import DSAMixer
+
+from .helpers import run_transformers
 
 # Layers 2 (full, followed by a shared layer) and 3 (shared) of the tiny preset's KKDDKKKD.
 # 16 indexer heads with positive weights make exact ties (all-ReLU-zero pool scores) at the top-k
@@ -33,7 +33,6 @@ _FULL, _SHARED = 2, 3
 
 _HF_SCRIPT = r"""
 import sys
-sys.modules["fla"] = None
 import torch
 from transformers import Glm5NextTextConfig
 from transformers.models.glm5_next import modeling_glm5_next as m
@@ -104,8 +103,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     for name, entry in inputs.items():
         entry["attn"] = "sdpa" if name in _SDPA else "eager"
     torch.save(inputs, folder / "in.pt")
-    subprocess.run([sys.executable, "-c", _HF_SCRIPT, str(folder / "in.pt"), str(folder / "out.pt")],
-                   text=True, capture_output=True, check=True)
+    run_transformers(_HF_SCRIPT, str(folder / "in.pt"), str(folder / "out.pt"))
     outputs = torch.load(folder / "out.pt", weights_only=True)
     for name, entry in inputs.items():
         for run, out in zip(entry["runs"], outputs[name]):

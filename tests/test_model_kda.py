@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +10,8 @@ import torch
 from genolong.kernels.testing import rms_ratio
 from genolong.model import PRESETS
 from genolong.model.kda import KDAMixer, ShortConv
+
+from .helpers import run_transformers
 
 _CONFIGS = {
     "lower-bound": PRESETS["tiny"],
@@ -21,7 +21,6 @@ _LENGTHS = (63, 130)
 
 _HF_SCRIPT = r"""
 import sys, json
-sys.modules["fla"] = None
 import torch
 from transformers import Glm5NextTextConfig
 from transformers.models.glm5_next import modeling_glm5_next as m
@@ -52,8 +51,7 @@ torch.save(result, out_path)
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     path = tmp_path_factory.mktemp("hf") / "kda.pt"
     payload = [{n: c.to_hf_dict() for n, c in _CONFIGS.items()}, list(_LENGTHS)]
-    subprocess.run([sys.executable, "-c", _HF_SCRIPT, str(path)], input=json.dumps(payload), text=True,
-                   capture_output=True, check=True)
+    run_transformers(_HF_SCRIPT, str(path), stdin=json.dumps(payload))
     return torch.load(path, weights_only=True)
 
 

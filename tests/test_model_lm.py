@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,6 +11,8 @@ from genolong.kernels.testing import rms_ratio
 from genolong.data.alphabet import encode
 from genolong.model import PRESETS
 from genolong.model.lm import GenoLM
+
+from .helpers import run_transformers
 
 _CONFIGS = {
     "kda-moe": PRESETS["tiny"].replace(num_hidden_layers=4, pattern="K", indexer_types=("full",) * 4),
@@ -24,7 +24,6 @@ _T = 75
 
 _HF_SCRIPT = r"""
 import sys, json
-sys.modules["fla"] = None
 import torch
 from transformers import Glm5NextTextConfig
 from transformers.models.glm5_next import modeling_glm5_next as m
@@ -59,8 +58,7 @@ torch.save(result, out_path)
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     path = tmp_path_factory.mktemp("hf") / "lm.pt"
     payload = [{n: c.to_hf_dict() for n, c in _CONFIGS.items()}, _T]
-    subprocess.run([sys.executable, "-c", _HF_SCRIPT, str(path)], input=json.dumps(payload), text=True,
-                   capture_output=True, check=True)
+    run_transformers(_HF_SCRIPT, str(path), stdin=json.dumps(payload))
     return torch.load(path, weights_only=True)
 
 
