@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.kda import chunk_kda
 from .config import ModelConfig
 from .layers import GatedRMSNorm
 
@@ -115,8 +116,6 @@ class KDAMixer(nn.Module):
     def forward(
         self, x: torch.Tensor, initial_state: torch.Tensor | None = None, output_final_state: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        from ..kernels.kda import chunk_kda
-
         b, t, _ = x.shape
         heads = (b, t, self.num_heads, self.head_dim)
         mixed = self.conv1d(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1))

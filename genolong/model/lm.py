@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from .config import INDEXED_ATTENTION, ModelConfig
+from .dsa import DSAMixer
 from .kda import KDAMixer
 from .layers import RMSNorm, SwiGLU
-from .loss import next_token_loss
+from .loss import model_inputs, next_token_loss
 from .mhc import HyperConnection, collapse_streams, expand_streams, merge_streams
 from .moe import MoE
 
@@ -42,8 +43,6 @@ class Block(nn.Module):
         assert config.layer_types is not None and config.mlp_layer_types is not None
         self.layer_type = config.layer_types[layer_idx]
         if self.layer_type == INDEXED_ATTENTION:
-            from .dsa import DSAMixer
-
             self.self_attn: nn.Module = DSAMixer(config, layer_idx)
         else:
             self.self_attn = KDAMixer(config)
@@ -108,5 +107,5 @@ class GenoLM(nn.Module):
 
         Model inputs are the tokens without case; N, padding and specials never count as targets.
         """
-        hidden = self(tokens & 7)
+        hidden = self(model_inputs(tokens))
         return next_token_loss(hidden, self.lm_head.weight, tokens, softmask_weight, chunk_size)
