@@ -1,11 +1,15 @@
-"""GenoLM against transformers' Glm5NextTextModel + LM head: a KDA-only model and the whole tiny preset."""
+"""GenoLM against transformers' GLM-5.3-Flash (Glm5NextForConditionalGeneration), through checkpoint files both ways:
+a KDA-only model and the whole tiny preset."""
 
 from __future__ import annotations
 
 import json
+import logging
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from genolong.kernels.testing import rms_ratio
 from genolong.data.alphabet import encode
@@ -25,68 +29,116 @@ _T = 75
 _HF_SCRIPT = r"""
 import sys, json
 import torch
-from transformers import Glm5NextTextConfig
+from transformers import Glm5NextConfig
 from transformers.models.glm5_next import modeling_glm5_next as m
-out_path, configs, t = sys.argv[1], *json.loads(sys.stdin.read())
+out_dir, configs, t = sys.argv[1], *json.loads(sys.stdin.read())
 torch.manual_seed(0)
 result = {}
 for name, raw in configs.items():
-    c = Glm5NextTextConfig(**raw)
-    model = m.Glm5NextTextModel(c)
-    head = torch.nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=raw["hidden_size"])
+    full = m.Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=raw, vision_config=vision))
+    model, head, c = full.model.language_model, full.lm_head, full.config.text_config
     with torch.no_grad():
-        for pname, p in [*model.named_parameters(), ("lm_head.weight", head.weight)]:
+        for p in [*model.parameters(), head.weight]:
             p.normal_(0, 0.2)
         for b in model.buffers():
             b.normal_(0, 0.05)
         model.embed_tokens.weight[c.pad_token_id].zero_()
+    full.save_pretrained(f"{out_dir}/{name}")  # transformers' original (released) format
     ids = torch.randint(1, 6, (2, t))
-    hidden = model(input_ids=ids, use_cache=False).last_hidden_state
-    logits = head(hidden)
+    logits = head(model(input_ids=ids, use_cache=False).last_hidden_state)
     probe = torch.randn_like(logits)
     (logits * probe).sum().backward()
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    state["lm_head.weight"] = head.weight.detach().clone()
     grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
     grads["lm_head.weight"] = head.weight.grad.detach().clone()
-    result[name] = {"state": state, "ids": ids, "logits": logits.detach(), "probe": probe, "grads": grads}
-torch.save(result, out_path)
+    result[name] = {"ids": ids, "logits": logits.detach(), "probe": probe, "grads": grads}
+torch.save(result, f"{out_dir}/reference.pt")
+"""
+
+# transformers reads a checkpoint genolong wrote and computes logits on the given ids
+_HF_LOAD_SCRIPT = r"""
+import sys
+import torch
+from transformers.models.glm5_next import modeling_glm5_next as m
+checkpoint, ids_path, out_path = sys.argv[1:]
+full = m.Glm5NextForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32)
+ids = torch.load(ids_path)
+with torch.no_grad():
+    logits = full.lm_head(full.model.language_model(input_ids=ids, use_cache=False).last_hidden_state)
+torch.save(logits, out_path)
 """
 
 
+def _split_with_mtp(directory: Path, num_layers: int) -> None:
+    """Rewrite transformers' single-file checkpoint as 3 shards + index, adding an MTP block
+    (``layers.{num_layers}``, ``shared_head``) as released checkpoints have."""
+    single = directory / "model.safetensors"
+    tensors = load_file(single)
+    names = sorted(tensors)
+    mtp = f"model.language_model.layers.{num_layers}."
+    tensors[mtp + "eh_proj.weight"] = torch.zeros(4, 8)
+    tensors[mtp + "shared_head.norm.weight"] = torch.ones(4)
+    names += [mtp + "eh_proj.weight", mtp + "shared_head.norm.weight"]
+    weight_map = {}
+    for i, part in enumerate((names[0::3], names[1::3], names[2::3])):
+        file = f"model-{i + 1:05d}-of-00003.safetensors"
+        save_file({n: tensors[n] for n in part}, directory / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    single.unlink()
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    path = tmp_path_factory.mktemp("hf") / "lm.pt"
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("hf")
     payload = [{n: c.to_hf_dict() for n, c in _CONFIGS.items()}, _T]
-    run_transformers(_HF_SCRIPT, str(path), stdin=json.dumps(payload))
-    return torch.load(path, weights_only=True)
+    run_transformers(_HF_SCRIPT, str(out), stdin=json.dumps(payload))
+    for name, config in _CONFIGS.items():
+        _split_with_mtp(out / name, config.num_hidden_layers)
+    return out, torch.load(out / "reference.pt", weights_only=True)
 
 
-def _run(model: GenoLM, data: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    model = model.to(dtype)
+def _run(model: GenoLM, data: dict) -> dict[str, torch.Tensor]:
     logits = model.logits(model(data["ids"]))
-    (logits * data["probe"].to(dtype)).sum().backward()
+    (logits * data["probe"].to(logits.dtype)).sum().backward()
     return {"logits": logits.detach(), **{k: p.grad for k, p in model.named_parameters() if p.grad is not None}}
 
 
 @pytest.mark.parametrize("name", list(_CONFIGS))
-def test_genolm_matches_transformers(reference: dict, name: str) -> None:
-    """Same weights by checkpoint name: logits agree to 1e-5 in fp32; every gradient agrees with
-    float64 truth to 1e-4, for both implementations (transformers' KDA core is fp32; see
-    tests/test_model_kda.py)."""
-    ref = reference[name]
+def test_genolm_matches_transformers(reference: tuple[Path, dict], name: str, caplog: pytest.LogCaptureFixture) -> None:
+    """transformers' saved checkpoint (vision tower and MTP block skipped) loaded by GenoLM: logits
+    agree to 1e-5 in fp32; every gradient agrees with float64 truth to 1e-4, for both
+    implementations (transformers' KDA core is fp32; see tests/test_model_kda.py)."""
+    directory, data = reference[0] / name, reference[1][name]
     results = {}
-    for dtype in (torch.float32, torch.float64):
-        model = GenoLM(_CONFIGS[name])
-        model.load_state_dict(ref["state"], strict=True)
-        results[dtype] = _run(model, ref, dtype)
+    with caplog.at_level(logging.INFO, logger="genolong"):
+        for dtype in (torch.float32, torch.float64):
+            results[dtype] = _run(GenoLM.from_pretrained(directory, dtype=dtype), data)
+    assert "skipped MTP block (2 tensors), vision tower (" in caplog.text
     ours, truth = results[torch.float32], results[torch.float64]
-    assert rms_ratio(ref["logits"], ours["logits"]) < 1e-5
-    hf_grads = ref["grads"]
+    assert rms_ratio(data["logits"], ours["logits"]) < 1e-5
+    hf_grads = data["grads"]
     assert set(hf_grads) == set(ours) - {"logits"}
     for key, hf_grad in hf_grads.items():
         assert rms_ratio(truth[key], hf_grad) < 1e-4, key
         assert rms_ratio(truth[key], ours[key]) < 1e-4, key
+
+
+def test_transformers_reads_genolong_checkpoint(reference: tuple[Path, dict], tmp_path: Path) -> None:
+    """GenoLM.save_pretrained -> transformers' from_pretrained: the same logits (fp32, 1e-5), on a
+    model whose weights changed after loading (so nothing is read back from the source)."""
+    model = GenoLM.from_pretrained(reference[0] / "tiny")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ids = reference[1]["tiny"]["ids"]
+    with torch.no_grad():
+        ours = model.logits(model(ids))
+    model.save_pretrained(tmp_path / "ckpt", max_shard_bytes=100_000)
+    torch.save(ids, tmp_path / "ids.pt")
+    run_transformers(_HF_LOAD_SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt"))
+    theirs = torch.load(tmp_path / "logits.pt", weights_only=True)
+    assert rms_ratio(ours, theirs) < 1e-5
 
 
 def test_causality_and_loss_masks() -> None:

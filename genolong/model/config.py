@@ -25,6 +25,7 @@ from typing import Any
 
 from ..data.alphabet import PAD, VOCAB_SIZE
 from ..errors import InputError
+from ..kernels.backends import available_backends
 
 __all__ = [
     "LINEAR_ATTENTION",
@@ -41,6 +42,8 @@ INDEXED_ATTENTION = "indexed_attention"
 _PATTERN_CODES = {"K": LINEAR_ATTENTION, "D": INDEXED_ATTENTION}
 _CODE_OF = {v: k for k, v in _PATTERN_CODES.items()}
 SUPPORTED_MODEL_TYPES = ("glm5_next_text", "glm5_next")
+#: ModelConfig fields that are not transformers config keys.
+_GENOLONG_FIELDS = frozenset({"extra", "wrapper", "kernel_backend"})
 
 # Keys that transformers adds to every config.json; they say nothing about the architecture and
 # are regenerated on save (or derived: qk_head_dim, head_dim).
@@ -146,6 +149,9 @@ class ModelConfig:
     extra: Mapping[str, Any] = field(default_factory=dict)
     #: top-level keys of a multimodal checkpoint config (everything but ``text_config``), or None.
     wrapper: Mapping[str, Any] | None = None
+    #: genolong only (never written to config.json): the kernel backend the layers run
+    #: (``genolong.kernels.backends``: "torch" now).
+    kernel_backend: str = "torch"
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -176,6 +182,10 @@ class ModelConfig:
             bad = sorted(set(values) - set(allowed))
             if bad:
                 raise InputError(f"{name} holds {bad}; allowed values are {list(allowed)}")
+        if self.kernel_backend not in available_backends():
+            raise InputError(
+                f"kernel_backend {self.kernel_backend!r} is not available; choose one of {', '.join(available_backends())}"
+            )
         if self.num_attention_heads != self.num_key_value_heads:
             raise InputError(
                 f"num_attention_heads ({self.num_attention_heads}) must equal num_key_value_heads "
@@ -246,7 +256,7 @@ class ModelConfig:
         if model_type == "glm5_next" and isinstance(config.get("text_config"), Mapping):
             wrapper = {k: v for k, v in config.items() if k != "text_config"}
             text = dict(config["text_config"])
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra", "wrapper"}
+        known = {f.name for f in dataclasses.fields(cls)} - _GENOLONG_FIELDS
         legacy = {k: text.pop(k) for k in ("index_topk_pattern", "index_topk_freq", "index_skip_topk_offset", "linear_attn_config") if k in text}
         values = {k: v for k, v in text.items() if k in known}
         # transformers writes unset generic fields as null (architectures, dtype): absent == None
@@ -271,7 +281,7 @@ class ModelConfig:
         """The config.json dict transformers reads (nested again if it came nested)."""
         text: dict[str, Any] = {"model_type": "glm5_next_text"}
         for f in dataclasses.fields(self):
-            if f.name in ("extra", "wrapper"):
+            if f.name in _GENOLONG_FIELDS:
                 continue
             value = getattr(self, f.name)
             text[f.name] = list(value) if isinstance(value, tuple) else value

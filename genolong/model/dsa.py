@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.backends import get_backend
 from .config import ModelConfig
 from .layers import RMSNorm
 
@@ -67,6 +68,7 @@ class DSAIndexer(nn.Module):
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
         self.index_kpool_compress_ape = nn.Parameter(torch.zeros(self.index_kpool, self.head_dim))
         self.index_kpool_compress_gate = nn.Parameter(torch.ones(self.head_dim, config.hidden_size))
+        self.kernels = get_backend(config.kernel_backend)
 
     def project(
         self, x: torch.Tensor, q_resid: torch.Tensor
@@ -77,22 +79,18 @@ class DSAIndexer(nn.Module):
             ``q_idx [B, T, HI, DI]``, ``k_pool [B, T // P, DI]`` (complete pools only) and the
             per-head weights ``w [B, T, HI]`` float32 (``HI ** -0.5`` folded in).
         """
-        from ..kernels.dsa import kpool_keys
-
         b, t, _ = x.shape
         q_idx = self.wq_b(q_resid).view(b, t, self.n_heads, self.head_dim)
         k_idx = self.k_norm(self.wk(x))
         gate = F.linear(x, self.index_kpool_compress_gate)
-        k_pool = kpool_keys(k_idx, gate, self.index_kpool_compress_ape)
+        k_pool = self.kernels.kpool_keys(k_idx, gate, self.index_kpool_compress_ape)
         w = self.weights_proj(x).float() * (self.n_heads ** -0.5)
         return q_idx, k_pool, w
 
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor) -> torch.Tensor:
-        from ..kernels.dsa import kpool_topk
-
         with torch.no_grad():
             q_idx, k_pool, w = self.project(x, q_resid)
-            return kpool_topk(
+            return self.kernels.kpool_topk(
                 q_idx, k_pool, w, self.index_topk, self.index_kpool, tail=self.always_select_tail,
                 scale=self.softmax_scale, activation="relu",
             )
@@ -142,6 +140,7 @@ class DSAMixer(nn.Module):
         self.indexer: DSAIndexer | None = None if self.shared else DSAIndexer(config)
         # transformers' next_skip_topk (it looks at indexer_types only, clamped at the last layer)
         self.returns_indices = not self.shared and types[min(layer_idx + 1, len(types) - 1)] == "shared"
+        self.kernels = get_backend(config.kernel_backend)
 
     def forward(
         self, x: torch.Tensor, prev_indices: torch.Tensor | None = None
@@ -151,8 +150,6 @@ class DSAMixer(nn.Module):
         Raises:
             ValueError: a shared layer without ``prev_indices`` (or with the wrong shape).
         """
-        from ..kernels.dsa import sparse_attention
-
         b, t, _ = x.shape
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(b, t, self.num_heads, self.qk_head_dim)
@@ -171,6 +168,6 @@ class DSAMixer(nn.Module):
             if prev_indices.dim() != 3 or prev_indices.shape[:2] != (b, t):
                 raise ValueError(f"prev_indices must be [B, T, K] = [{b}, {t}, K]; got {tuple(prev_indices.shape)}")
             indices = prev_indices
-        o = sparse_attention(q, k.contiguous(), v.contiguous(), indices, scale=self.scaling, query_block=self.query_block)
+        o = self.kernels.sparse_attention(q, k.contiguous(), v.contiguous(), indices, scale=self.scaling, query_block=self.query_block)
         out = self.o_proj(o.reshape(b, t, self.num_heads * self.v_head_dim))
         return out, (indices if self.returns_indices else None)

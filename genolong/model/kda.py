@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.kda import chunk_kda
+from ..kernels.backends import get_backend
 from .config import ModelConfig
 from .layers import GatedRMSNorm
 
@@ -112,6 +112,7 @@ class KDAMixer(nn.Module):
         self.g_b_proj = nn.Linear(d, qkv, bias=False)
         self.o_norm = GatedRMSNorm(d, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(qkv, config.hidden_size, bias=False)
+        self.kernels = get_backend(config.kernel_backend)
 
     def forward(
         self, x: torch.Tensor, initial_state: torch.Tensor | None = None, output_final_state: bool = False
@@ -123,7 +124,7 @@ class KDAMixer(nn.Module):
         q, k = l2_normalize(q.float()), l2_normalize(k.float())  # in fp32, as fla does
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x).float())
-        o, state = chunk_kda(q, k, v.float(), g, beta, initial_state=initial_state,
+        o, state = self.kernels.chunk_kda(q, k, v.float(), g, beta, initial_state=initial_state,
                              output_final_state=output_final_state, chunk_size=self.chunk_size)
         gate = self.g_b_proj(self.g_a_proj(x)).view(heads)
         out = self.o_proj(self.o_norm(o.to(x.dtype), gate).reshape(b, t, -1))

@@ -12,11 +12,16 @@ The model knows nothing about parallelism; ``genolong.parallel`` wraps it.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from .config import INDEXED_ATTENTION, ModelConfig
 from .dsa import DSAMixer
+from .hf import load_checkpoint, save_checkpoint
 from .kda import KDAMixer
 from .layers import RMSNorm, SwiGLU
 from .loss import model_inputs, next_token_loss
@@ -109,3 +114,37 @@ class GenoLM(nn.Module):
         """
         hidden = self(model_inputs(tokens))
         return next_token_loss(hidden, self.lm_head.weight, tokens, softmask_weight, chunk_size)
+
+    # -- checkpoints (the GLM-5.3-Flash format; see genolong.model.hf) ------------------------------
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu", moe_chunk_tokens: int | None = None,
+                        kernel_backend: str = "torch") -> GenoLM:
+        """Load a GLM-5.3-Flash-format checkpoint (config.json + safetensors shards), text tower only.
+
+        The model is built on the meta device and filled shard by shard (one checkpoint tensor in
+        flight), so a 313B checkpoint never needs two copies in memory; the vision tower and the MTP
+        block are skipped with one log line.
+
+        Args:
+            directory: the checkpoint directory.
+            dtype: parameter dtype (default float32; buffers keep theirs).
+            device: where the parameters are allocated (default cpu).
+            moe_chunk_tokens: MoE dispatch chunk size (default None).
+            kernel_backend: ``genolong.kernels.backends`` name (default "torch").
+
+        Raises:
+            InputError: unsupported architecture, missing shard, a tensor of the wrong shape
+                (named), missing or unexpected tensors.
+        """
+        config = ModelConfig.from_pretrained(directory).replace(kernel_backend=kernel_backend)
+        with torch.device("meta"):
+            model = cls(config, moe_chunk_tokens=moe_chunk_tokens)
+        load_checkpoint(model, directory, dtype=dtype, device=device)
+        return model
+
+    def save_pretrained(self, directory: str | os.PathLike[str], dtype: torch.dtype | None = None,
+                        max_shard_bytes: int = 5 * 10**9, copy_files: Sequence[str | os.PathLike[str]] = ()) -> Path:
+        """Write this model as a GLM-5.3-Flash-format checkpoint that transformers and the serving
+        engines read (see :func:`genolong.model.hf.save_checkpoint` for the arguments)."""
+        return save_checkpoint(self, directory, dtype=dtype, max_shard_bytes=max_shard_bytes, copy_files=copy_files)
