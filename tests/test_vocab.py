@@ -40,3 +40,25 @@ def test_errors(tmp_path: Path) -> None:
         VocabMap.from_mapping({"A": 1, "C": 1, "G": 3, "T": 4, "N": 5})
     with pytest.raises(InputError, match="lacks N"):
         VocabMap.from_mapping({"A": 1, "C": 2, "G": 3, "T": 4})
+
+
+def test_loss_through_a_text_vocabulary() -> None:
+    """A text-LLM-sized vocabulary: GenoLM.loss(vocab=...) reads and predicts the mapped ids; N and
+    padding targets do not count (and need no id), soft-masked ones count with their weight."""
+    from genolong.data.alphabet import encode
+    from genolong.model import PRESETS, GenoLM
+
+    vocab = VocabMap.from_mapping({"A": 40, "C": 41, "G": 47, "T": 59, "N": 52}, pad=0)
+    torch.manual_seed(1)
+    model = GenoLM(PRESETS["tiny"].replace(vocab_size=64, num_hidden_layers=2, pattern="KK"))
+    tokens = torch.from_numpy(encode("ACGTNacgtnACGTACGTAC")).long()[None]
+    tokens[0, -2:] = 0  # padding at the end
+    total, count = model.loss(tokens, softmask_weight=0.5, vocab=vocab)
+    ids = vocab.to_model(tokens)
+    logits = model.logits(model(ids))[0, :-1]
+    targets = ids[0, 1:]
+    # targets C G T N a c g t n A C G T A C G T pad pad
+    weights = torch.tensor([1, 1, 1, 0, .5, .5, .5, .5, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0])
+    expected = (torch.nn.functional.cross_entropy(logits, targets, reduction="none") * weights).sum()
+    assert float(count) == float(weights.sum())
+    assert torch.allclose(total, expected, rtol=1e-5, atol=1e-5)

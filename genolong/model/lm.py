@@ -27,6 +27,7 @@ from .layers import RMSNorm, SwiGLU
 from .loss import model_inputs, next_token_loss
 from .mhc import HyperConnection, collapse_streams, expand_streams, merge_streams
 from .moe import MoE
+from .vocab import VocabMap
 
 __all__ = ["Block", "GenoLM"]
 
@@ -107,13 +108,16 @@ class GenoLM(nn.Module):
         """``hidden [..., H] -> logits [..., V]`` (materialises them: for short inputs and decoding)."""
         return self.lm_head(hidden)
 
-    def loss(self, tokens: torch.Tensor, softmask_weight: float = 1.0, chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, tokens: torch.Tensor, softmask_weight: float = 1.0, chunk_size: int = 4096,
+             vocab: VocabMap | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Next-base loss of store tokens ``[B, T]`` (case kept): (NLL sum in nats, weight sum).
 
-        Model inputs are the tokens without case; N, padding and specials never count as targets.
+        Model inputs are the tokens without case (through ``vocab`` for a text LLM checkpoint;
+        default None: the nucleotide ids); N, padding and specials never count as targets.
         """
-        hidden = self(model_inputs(tokens))
-        return next_token_loss(hidden, self.lm_head.weight, tokens, softmask_weight, chunk_size)
+        inputs = model_inputs(tokens) if vocab is None else vocab.to_model(tokens)
+        hidden = self(inputs)
+        return next_token_loss(hidden, self.lm_head.weight, tokens, softmask_weight, chunk_size, vocab)
 
     # -- checkpoints (the GLM-5.3-Flash format; see genolong.model.hf) ------------------------------
     @classmethod

@@ -13,6 +13,7 @@ import torch
 
 from ..data.alphabet import A, BASE_MASK, SOFTMASK, T
 from ..kernels.ce import chunked_cross_entropy
+from .vocab import VocabMap
 
 __all__ = ["model_inputs", "target_weights", "next_token_loss", "bits_per_base"]
 
@@ -40,23 +41,30 @@ def next_token_loss(
     tokens: torch.Tensor,
     softmask_weight: float = 1.0,
     chunk_size: int = 4096,
+    vocab: VocabMap | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted next-base NLL: position ``t`` predicts the base at ``t + 1``.
 
     Args:
         hidden: ``[B, T, H]`` final hidden states.
-        head_weight: ``[V, H]`` LM head (nucleotide vocabulary: V = 8).
+        head_weight: ``[V, H]`` LM head (nucleotide vocabulary: V = 8; a text LLM's otherwise).
         tokens: ``[B, T]`` store tokens of the same window.
         softmask_weight: weight of soft-masked targets (default 1.0).
         chunk_size: rows per cross-entropy chunk.
+        vocab: the checkpoint's ids of the bases (a text LLM); default None: the nucleotide ids.
 
     Returns:
         (NLL sum in nats, weight sum), fp32 scalars; their ratio is the mean loss.
     """
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     targets = tokens[:, 1:]
-    return chunked_cross_entropy(h, head_weight, model_inputs(targets).reshape(-1),
-                                 target_weights(targets, softmask_weight).reshape(-1), chunk_size)
+    weights = target_weights(targets, softmask_weight)
+    if vocab is None:
+        ids = model_inputs(targets)
+    else:
+        # uncounted targets (N, padding, specials) may have no id in the map: any id will do
+        ids = vocab.to_model(torch.where(weights > 0, targets, A))
+    return chunked_cross_entropy(h, head_weight, ids.reshape(-1), weights.reshape(-1), chunk_size)
 
 
 def bits_per_base(nats: float) -> float:
