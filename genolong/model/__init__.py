@@ -5,14 +5,17 @@
   hyper-connection streams (``mhc``), the KDA mixer (``kda``) and the DSA mixer (``dsa``);
 - :class:`GenoLM`, the whole language model, equal to transformers' glm5_next text model.
 
-Checkpoint I/O, the decode path and the backend registry follow (issue 3).
+- checkpoints in the GLM-5.3-Flash format (``hf``: :meth:`GenoLM.from_pretrained`,
+  :meth:`GenoLM.save_pretrained`);
+- :class:`Decoder`, the step-by-step inference path (``decode``).
 """
 
 from __future__ import annotations
 
 from .config import PRESETS, ModelConfig, ParameterCount, layer_types_from_pattern, parameter_count
+from .decode import Decoder, DecodeState, decode_log_probs, sequence_log_probs
 from .dsa import DSAMixer
 from .kda import KDAMixer
 from .lm import GenoLM
 
-__all__ = ["PRESETS", "DSAMixer", "GenoLM", "KDAMixer", "ModelConfig", "ParameterCount", "layer_types_from_pattern", "parameter_count"]
+__all__ = ["PRESETS", "DSAMixer", "DecodeState", "Decoder", "GenoLM", "decode_log_probs", "sequence_log_probs", "KDAMixer", "ModelConfig", "ParameterCount", "layer_types_from_pattern", "parameter_count"]
