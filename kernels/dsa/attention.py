@@ -15,43 +15,98 @@ import torch
 __all__ = ["sparse_attention"]
 
 
-def _gather_block(
-    k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, q0: int, q1: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Selected K/V of queries [q0, q1): ks [B, n, K, HK, D], vs [B, n, K, HK, DV], flat [B, n, K], valid."""
-    B, T, HK, D = k.shape
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """``[B, T, HK, D] -> [HK, B * T, D]`` float32, contiguous: one key/value row per (head, token)."""
+    B, T, HK, D = x.shape
+    return x.float().permute(2, 0, 1, 3).reshape(HK, B * T, D).contiguous()
+
+
+def _block_indices(indices: torch.Tensor, T: int, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat rows ``[B * n * K]`` (``b * T + position``, empty slots clamped to row 0) and ``valid [B, n, K]``."""
+    B = indices.shape[0]
     idx = indices[:, q0:q1].long()  # [B, n, K]
-    pos_q = torch.arange(q0, q1, device=k.device)
+    pos_q = torch.arange(q0, q1, device=indices.device)
     valid = (idx >= 0) & (idx <= pos_q[None, :, None])
-    flat = idx.clamp(min=0) + (torch.arange(B, device=k.device) * T)[:, None, None]
-    ks = k.reshape(B * T, HK, -1)[flat].float()
-    vs = v.reshape(B * T, HK, -1)[flat].float()
-    return ks, vs, flat, valid
+    flat = idx.clamp(min=0) + (torch.arange(B, device=indices.device) * T)[:, None, None]
+    return flat.reshape(-1), valid
+
+
+class _Buffers:
+    """Scratch tensors reused across query blocks (float32, contiguous views of flat storage).
+
+    Fresh multi-megabyte tensors per block come from ``mmap`` and are first touched page by page
+    (on CPU that page-fault cost exceeded the gathers themselves); one allocation per call avoids it.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.store: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, *shape: int) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        buf = self.store.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=torch.float32, device=self.device)
+            self.store[name] = buf
+        return buf[:numel].view(*shape)
+
+
+def _gather(x_hf: torch.Tensor, flat: torch.Tensor, rows: int, K: int, out: torch.Tensor) -> torch.Tensor:
+    """Selected rows of ``x_hf [HK, B*T, D]`` for one query block, into ``out``: ``[HK * rows, K, D]``."""
+    HK, _, D = x_hf.shape
+    torch.index_select(x_hf, 1, flat, out=out.view(HK, rows * K, D))
+    return out
+
+
+def _query_block(x: torch.Tensor, q0: int, q1: int, HK: int) -> torch.Tensor:
+    """``x[:, q0:q1] [B, n, H, D] -> [HK * B * n, G, D]`` float32 (KV head major, as :func:`_gather`)."""
+    B, _, H, D = x.shape
+    n = q1 - q0
+    xb = x[:, q0:q1].float().reshape(B, n, HK, H // HK, D)
+    return xb.permute(2, 0, 1, 3, 4).reshape(HK * B * n, H // HK, D)
+
+
+def _unblock(x: torch.Tensor, B: int, n: int, HK: int) -> torch.Tensor:
+    """``[HK * B * n, G, D] -> [B, n, HK * G, D]`` (inverse of :func:`_query_block`)."""
+    G, D = x.shape[-2:]
+    return x.view(HK, B, n, G, D).permute(1, 2, 0, 3, 4).reshape(B, n, HK * G, D)
 
 
 class _SparseAttention(torch.autograd.Function):
+    # Layout: K and V are re-laid out once per call as [HK, B*T, D] so that the gathered rows of a
+    # query block land directly in the [HK * B * n, K, D] layout that batched matmuls take (the
+    # transposes become BLAS flags, not copies); on CPU the permute copies of a [n, K, HK, D]
+    # gather otherwise cost more than the arithmetic. Block-sized scratch tensors are reused.
     @staticmethod
     def forward(ctx, q, k, v, indices, scale, query_block):  # type: ignore[override]
         B, T, H, D = q.shape
         HK, DV = k.shape[2], v.shape[3]
         G = H // HK
+        K = indices.shape[2]
+        k_hf, v_hf = _heads_first(k), _heads_first(v)
         o = torch.empty(B, T, H, DV, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+        buf = _Buffers(q.device)
         for q0 in range(0, T, query_block):
             q1 = min(q0 + query_block, T)
             n = q1 - q0
-            ks, vs, _, valid = _gather_block(k, v, indices, q0, q1)
-            qb = q[:, q0:q1].float().reshape(B, n, HK, G, D)
-            # s: [B, n, HK, G, K]
-            s = torch.einsum("bnhgd,bnkhd->bnhgk", qb, ks) * scale
-            s = s.masked_fill(~valid[:, :, None, None, :], float("-inf"))
+            rows = HK * B * n
+            flat, valid = _block_indices(indices, T, q0, q1)
+            ks = _gather(k_hf, flat, B * n, K, buf.get("ks", rows, K, D))  # [HK*B*n, K, D]
+            vs = _gather(v_hf, flat, B * n, K, buf.get("vs", rows, K, DV))  # [HK*B*n, K, DV]
+            qb = _query_block(q, q0, q1, HK)  # [HK*B*n, G, D]
+            s = torch.bmm(qb, ks.transpose(1, 2), out=buf.get("s", rows, G, K)).mul_(scale)  # [HK*B*n, G, K]
+            mask = ~valid.reshape(1, B * n, 1, K)
+            s.view(HK, B * n, G, K).masked_fill_(mask, float("-inf"))
             m = s.amax(-1, keepdim=True)
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows with no key
-            p = torch.exp(s - m)
+            p = s.sub_(m).exp_()
             l = p.sum(-1, keepdim=True)
-            ob = torch.einsum("bnhgk,bnkhd->bnhgd", p, vs) / l.clamp(min=torch.finfo(torch.float32).tiny)
-            o[:, q0:q1] = ob.reshape(B, n, H, DV).to(q.dtype)
-            lse[:, q0:q1] = (m + torch.log(l)).reshape(B, n, H)  # -inf for rows with no key
+            ob = torch.bmm(p, vs, out=buf.get("ob", rows, G, DV)).div_(l.clamp(min=torch.finfo(torch.float32).tiny))
+            o[:, q0:q1] = _unblock(ob, B, n, HK).to(q.dtype)
+            lse[:, q0:q1] = _unblock(m + torch.log(l), B, n, HK).squeeze(-1)  # -inf for rows with no key
         ctx.save_for_backward(q, k, v, indices, o, lse)
         ctx.scale, ctx.query_block = scale, query_block
         return o
@@ -63,32 +118,43 @@ class _SparseAttention(torch.autograd.Function):
         B, T, H, D = q.shape
         HK, DV = k.shape[2], v.shape[3]
         G = H // HK
-        dq = torch.zeros(B, T, H, D, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(B * T, HK, D, dtype=torch.float32, device=q.device)
-        dv = torch.zeros(B * T, HK, DV, dtype=torch.float32, device=q.device)
-        # delta_t = sum_d dO * O  ([B, T, H])
-        delta = (do.float() * o.float()).sum(-1)
+        K = indices.shape[2]
+        k_hf, v_hf = _heads_first(k), _heads_first(v)
+        dq = torch.empty(B, T, H, D, dtype=torch.float32, device=q.device)
+        dk_hf = torch.zeros_like(k_hf)  # [HK, B*T, D]
+        dv_hf = torch.zeros_like(v_hf)
+        # delta_t = sum_d dO * O  ([B, T, H, 1])
+        delta = (do.float() * o.float()).sum(-1, keepdim=True)
+        lse_f = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf"))).unsqueeze(-1)
+        buf = _Buffers(q.device)
         for q0 in range(0, T, query_block):
             q1 = min(q0 + query_block, T)
             n = q1 - q0
-            ks, vs, flat, valid = _gather_block(k, v, indices, q0, q1)
-            qb = q[:, q0:q1].float().reshape(B, n, HK, G, D)
-            dob = do[:, q0:q1].float().reshape(B, n, HK, G, DV)
-            lb = lse[:, q0:q1].reshape(B, n, HK, G, 1)
-            lb = torch.where(torch.isfinite(lb), lb, torch.full_like(lb, float("inf")))
-            s = torch.einsum("bnhgd,bnkhd->bnhgk", qb, ks) * scale
-            s = s.masked_fill(~valid[:, :, None, None, :], float("-inf"))
-            p = torch.exp(s - lb)  # [B, n, HK, G, K]
-            dp = torch.einsum("bnhgd,bnkhd->bnhgk", dob, vs)
-            ds = p * (dp - delta[:, q0:q1].reshape(B, n, HK, G, 1))
-            dq[:, q0:q1] = (torch.einsum("bnhgk,bnkhd->bnhgd", ds, ks) * scale).reshape(B, n, H, D)
-            flat1 = flat.reshape(-1)
-            dv.index_add_(0, flat1, torch.einsum("bnhgk,bnhgd->bnkhd", p, dob).reshape(-1, HK, DV))
-            dk.index_add_(0, flat1, (torch.einsum("bnhgk,bnhgd->bnkhd", ds, qb) * scale).reshape(-1, HK, D))
+            rows = HK * B * n
+            flat, valid = _block_indices(indices, T, q0, q1)
+            ks = _gather(k_hf, flat, B * n, K, buf.get("ks", rows, K, D))
+            vs = _gather(v_hf, flat, B * n, K, buf.get("vs", rows, K, DV))
+            qb = _query_block(q, q0, q1, HK)  # [HK*B*n, G, D]
+            dob = _query_block(do, q0, q1, HK)  # [HK*B*n, G, DV]
+            lb = _query_block(lse_f, q0, q1, HK)  # [HK*B*n, G, 1]
+            db = _query_block(delta, q0, q1, HK)  # [HK*B*n, G, 1]
+            s = torch.bmm(qb, ks.transpose(1, 2), out=buf.get("s", rows, G, K)).mul_(scale)
+            mask = ~valid.reshape(1, B * n, 1, K)
+            s.view(HK, B * n, G, K).masked_fill_(mask, float("-inf"))
+            p = s.sub_(lb).exp_()  # [HK*B*n, G, K]
+            dp = torch.bmm(dob, vs.transpose(1, 2), out=buf.get("dp", rows, G, K))  # [HK*B*n, G, K]
+            ds = dp.sub_(db).mul_(p)
+            dq[:, q0:q1] = _unblock(torch.bmm(ds, ks, out=buf.get("dqb", rows, G, D)).mul_(scale), B, n, HK)
+            # dV and dK rows of this block reuse the gather buffers (ks, vs are no longer needed)
+            dvs = torch.bmm(p.transpose(1, 2), dob, out=vs).view(HK, -1, DV)  # [HK, B*n*K, DV]
+            dks = torch.bmm(ds.transpose(1, 2), qb, out=ks).mul_(scale).view(HK, -1, D)
+            for h in range(HK):  # index_add_ along dim 0 of a contiguous 2-D tensor is the fast path
+                dv_hf[h].index_add_(0, flat, dvs[h])
+                dk_hf[h].index_add_(0, flat, dks[h])
         return (
             dq.to(q.dtype),
-            dk.reshape(B, T, HK, D).to(k.dtype),
-            dv.reshape(B, T, HK, DV).to(v.dtype),
+            dk_hf.view(HK, B, T, D).permute(1, 2, 0, 3).to(k.dtype).contiguous(),
+            dv_hf.view(HK, B, T, DV).permute(1, 2, 0, 3).to(v.dtype).contiguous(),
             None,
             None,
             None,
