@@ -35,6 +35,7 @@ class KernelBackend:
         kpool_keys: :func:`genolong.kernels.dsa.kpool_keys` signature.
         kpool_topk: :func:`genolong.kernels.dsa.kpool_topk` signature.
         sparse_attention: :func:`genolong.kernels.dsa.sparse_attention` signature.
+        kpool_indexer_kl_loss: :func:`genolong.kernels.dsa.kpool_indexer_kl_loss` signature.
         chunked_cross_entropy: :func:`genolong.kernels.ce.chunked_cross_entropy` signature.
     """
 
@@ -45,6 +46,7 @@ class KernelBackend:
     kpool_keys: Callable
     kpool_topk: Callable
     sparse_attention: Callable
+    kpool_indexer_kl_loss: Callable
     chunked_cross_entropy: Callable
 
 
@@ -88,7 +90,7 @@ def get_backend(name: str = "torch") -> KernelBackend:
 
 def _torch_backend() -> KernelBackend:
     from .ce import chunked_cross_entropy
-    from .dsa import kpool_keys, kpool_topk, sparse_attention
+    from .dsa import kpool_indexer_kl_loss, kpool_keys, kpool_topk, sparse_attention
     from .kda import chunk_kda, recurrent_kda
 
     return KernelBackend(
@@ -99,6 +101,7 @@ def _torch_backend() -> KernelBackend:
         kpool_keys=kpool_keys,
         kpool_topk=kpool_topk,
         sparse_attention=sparse_attention,
+        kpool_indexer_kl_loss=kpool_indexer_kl_loss,
         chunked_cross_entropy=chunked_cross_entropy,
     )
 

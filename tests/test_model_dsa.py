@@ -251,3 +251,53 @@ def test_bf16_runs_and_tracks_fp32() -> None:
     got.float().square().sum().backward()
     assert got.dtype == torch.bfloat16 and indices is not None and xb.grad is not None
     assert rms_ratio(want, got) < 5e-2
+
+
+def test_indexer_kl_trains_only_the_indexer() -> None:
+    """With ``indexer_kl`` on, a training forward leaves the sparse-stage KL on each full-indexer
+    layer; its gradient reaches that layer's indexer parameters and nothing else, and it is not
+    computed without gradients (evaluation, decoding)."""
+    from genolong.model import PRESETS, GenoLM
+    from genolong.model.dsa import DSAMixer
+
+    torch.manual_seed(5)
+    model = GenoLM(PRESETS["tiny"])
+    mixers = [m for m in model.modules() if isinstance(m, DSAMixer)]
+    full = [m for m in mixers if m.indexer is not None]
+    assert len(full) == 2 and len(mixers) == 3
+    for m in full:
+        m.indexer_kl = True
+    tokens = torch.randint(1, 5, (1, 211))  # 26 pools of 8 > 64 / 8 selected: sparse
+    with torch.no_grad():
+        model.loss(tokens)
+    assert all(m.last_indexer_kl is None for m in full)
+    model.loss(tokens)
+    kls = [m.last_indexer_kl for m in full]
+    assert all(kl is not None and float(kl) > 0 for kl in kls)
+    torch.stack(kls).sum().backward()
+    for name, p in model.named_parameters():
+        touched = p.grad is not None and bool(p.grad.abs().sum() > 0)
+        assert touched == (".indexer." in name), name
+
+
+@pytest.mark.parametrize("t", [63, 517])
+def test_absorbed_latent_attention_equals_expanded(t: int) -> None:
+    """The default (kv_b_proj absorbed, attention over the kv latent) equals the plain expanded
+    form forward and in every gradient to 1e-5 (the sparse-attention kernel computes in float32,
+    so only float32 rounding differs)."""
+    torch.manual_seed(t)
+    config = PRESETS["tiny"].replace(index_topk=16, index_kpool=4)
+    mixer = DSAMixer(config, layer_idx=2)
+    x = torch.randn(2, t, config.hidden_size)
+    results = []
+    for absorb in (True, False):
+        mixer.absorb = absorb
+        mixer.zero_grad()
+        out, indices = mixer(x)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in mixer.named_parameters() if p.grad is not None}))
+    (a, ga), (b, gb) = results
+    assert rms_ratio(b, a) < 1e-5
+    assert ga.keys() == gb.keys() and "kv_b_proj.weight" in ga
+    for name in ga:
+        assert rms_ratio(gb[name], ga[name]) < 1e-5, name

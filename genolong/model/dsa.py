@@ -8,6 +8,12 @@ Per token (``x [B, T, H]``)::
     idx     = indexer(x, q_resid)          -> [B, T, index_topk + index_kpool - 1] token positions (no gradient)
     out     = o_proj(sparse_attention(q, k, v, idx, scale=qk_head_dim ** -0.5))
 
+computed with ``kv_b_proj`` absorbed (``DSAMixer.absorb``, the default): with
+``c = RMSNorm(kv_a_proj_with_mqa(x))`` ``[B, T, kv_lora_rank]`` and ``kv_b_proj`` split per head
+into ``W_k [H, qk_nope, C]`` and ``W_v [H, v, C]``, ``q . k_s = (W_k^T q) . c_s`` and
+``sum_s p_s v_s = W_v (sum_s p_s c_s)``, so sparse attention runs over ``c`` as one key/value head
+shared by all heads and gathers ``C`` numbers per selected key instead of ``H * (qk_nope + v)``.
+
 The indexer (transformers' ``Glm5NextTextIndexer``) pools the index keys ``LayerNorm(wk(x))`` of
 every complete ``index_kpool``-token pool (softmax over ``gate + ape`` per channel), scores pool
 ``j`` for query ``t`` as ``sum_h w[t, h] * relu(DI ** -0.5 * q_idx[t, h] . k_pool[j])`` with
@@ -33,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.backends import get_backend
+from ..kernels.dsa import kpool_pool_ids
 from .config import ModelConfig
 from .layers import RMSNorm
 
@@ -141,6 +148,14 @@ class DSAMixer(nn.Module):
         # transformers' next_skip_topk (it looks at indexer_types only, clamped at the last layer)
         self.returns_indices = not self.shared and types[min(layer_idx + 1, len(types) - 1)] == "shared"
         self.kernels = get_backend(config.kernel_backend)
+        self.always_select_tail = config.index_kpool_always_select_tail
+        #: attend in the kv latent (kv_b_proj absorbed; default) or over expanded per-head keys and
+        #: values (the plain form transformers computes; equal up to float rounding)
+        self.absorb = True
+        #: set by the trainer: compute the indexer KL loss in forwards that record gradients
+        self.indexer_kl = False
+        #: the last such forward's indexer KL (scalar fp32, differentiable w.r.t. the indexer only)
+        self.last_indexer_kl: torch.Tensor | None = None
 
     def forward(
         self, x: torch.Tensor, prev_indices: torch.Tensor | None = None
@@ -153,9 +168,7 @@ class DSAMixer(nn.Module):
         b, t, _ = x.shape
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(b, t, self.num_heads, self.qk_head_dim)
-        kv_pass = self.kv_a_proj_with_mqa(x)[..., : self.kv_lora_rank]  # qk_rope_head_dim is 0
-        kv = self.kv_b_proj(self.kv_a_layernorm(kv_pass)).view(b, t, self.num_heads, -1)
-        k, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)[..., : self.kv_lora_rank])  # qk_rope_head_dim is 0
 
         if self.indexer is not None:
             indices = self.indexer(x, q_resid)
@@ -168,6 +181,39 @@ class DSAMixer(nn.Module):
             if prev_indices.dim() != 3 or prev_indices.shape[:2] != (b, t):
                 raise ValueError(f"prev_indices must be [B, T, K] = [{b}, {t}, K]; got {tuple(prev_indices.shape)}")
             indices = prev_indices
-        o = self.kernels.sparse_attention(q, k.contiguous(), v.contiguous(), indices, scale=self.scaling, query_block=self.query_block)
+        if self.absorb:
+            # kv_b_proj absorbed (DeepSeek's MLA trick): q . (W_k c) = (W_k^T q) . c, and the
+            # output W_v (sum p c); attention runs over the [T, kv_lora_rank] latent as one shared
+            # key/value head, so each selected key gathers kv_lora_rank numbers instead of
+            # H * (qk_nope + v) (small: 8x fewer; GLM-5.3-Flash: 64x fewer)
+            w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+            w_k, w_v = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # [H, D, C], [H, DV, C]
+            attn_q = torch.einsum("bthd,hdc->bthc", q, w_k)  # [B, T, H, C]
+            attn_k = latent.unsqueeze(2)  # [B, T, 1, C]
+            o_latent = self.kernels.sparse_attention(attn_q, attn_k, attn_k, indices, scale=self.scaling, query_block=self.query_block)
+            o = torch.einsum("bthc,hvc->bthv", o_latent, w_v)
+        else:
+            kv = self.kv_b_proj(latent).view(b, t, self.num_heads, -1)
+            k, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+            attn_q, attn_k = q, k.contiguous()
+            o = self.kernels.sparse_attention(q, attn_k, v.contiguous(), indices, scale=self.scaling, query_block=self.query_block)
+        if self.indexer is not None and self.indexer_kl and torch.is_grad_enabled():
+            self.last_indexer_kl = self._indexer_kl(x, q_resid, attn_q, attn_k, indices)
         out = self.o_proj(o.reshape(b, t, self.num_heads * self.v_head_dim))
         return out, (indices if self.returns_indices else None)
+
+    def _indexer_kl(self, x: torch.Tensor, q_resid: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                    indices: torch.Tensor) -> torch.Tensor:
+        """Sparse-stage indexer KL (DeepSeek-V3.2, over the selected pools; see
+        :func:`genolong.kernels.dsa.kpool_indexer_kl_loss`). ``q [B, T, H, D]`` and
+        ``k [B, T, HK, D]`` are the main attention's (latent or expanded form: same scores). As
+        DeepSeek does, the indexer's inputs are detached: the KL trains the indexer only, the LM
+        loss everything else."""
+        assert self.indexer is not None
+        q_idx, k_pool, w = self.indexer.project(x.detach(), q_resid.detach())
+        pool = self.indexer.index_kpool
+        pools = kpool_pool_ids(indices, pool, tail=self.always_select_tail)
+        return self.kernels.kpool_indexer_kl_loss(
+            q, k, q_idx, k_pool, w, pools, pool, attn_scale=self.scaling, idx_scale=self.indexer.softmax_scale,
+            tail=self.always_select_tail,
+        )

@@ -19,6 +19,7 @@ from __future__ import annotations
 from .attention import sparse_attention
 from .indexer import indexer_scores, indexer_topk
 from .kpool import kpool_expand, kpool_keys, kpool_topk
+from .kpool_loss import kpool_indexer_kl_loss, kpool_pool_ids, kpool_select_pools
 from .loss import indexer_kl_loss_dense, indexer_kl_loss_sparse
 
 __all__ = [
@@ -27,6 +28,9 @@ __all__ = [
     "kpool_expand",
     "kpool_keys",
     "kpool_topk",
+    "kpool_indexer_kl_loss",
+    "kpool_pool_ids",
+    "kpool_select_pools",
     "sparse_attention",
     "indexer_kl_loss_dense",
     "indexer_kl_loss_sparse",
