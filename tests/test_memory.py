@@ -1,0 +1,287 @@
+"""Memory techniques (recompute, offload, MoE chunks) and the activation meter.
+
+Every technique must leave the loss and every parameter gradient unchanged on the tiny preset
+(T = 600 > index_topk * index_kpool, so the DSA selection is sparse), while the meter shows the
+saving it promises.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from genolong.errors import InputError
+from genolong.memory import ActivationMeter
+from genolong.model import PRESETS, GenoLM, ModelConfig
+from genolong.parallel import (
+    ActivationOffloader,
+    apply_recompute,
+    is_recomputed,
+    offloader_of,
+    parallelize,
+    remove_recompute,
+)
+from genolong.parallel.offload import apply_offload
+
+T = 600
+TINY = PRESETS["tiny"]
+assert T > TINY.index_topk * TINY.index_kpool
+
+
+def _tokens(t: int = T, batch: int = 1) -> torch.Tensor:
+    return torch.randint(1, 6, (batch, t), generator=torch.Generator().manual_seed(1))
+
+
+def _model(config: ModelConfig = TINY, **techniques: object) -> GenoLM:
+    torch.manual_seed(0)
+    return parallelize(GenoLM(config), **techniques)  # type: ignore[arg-type]
+
+
+def _step(model: GenoLM, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], ActivationMeter]:
+    """One metered forward+backward of the mean loss; returns loss, gradients and the meter."""
+    with ActivationMeter(model) as meter:
+        nll, weight = model.loss(tokens)
+        loss = nll / weight
+        loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, meter
+
+
+TECHNIQUES: dict[str, dict[str, object]] = {
+    **{f"selective-{kind}": {"recompute": "selective", "recompute_modules": (kind,)}
+       for kind in ("kda", "dsa", "moe", "mlp", "hc")},
+    "selective": {"recompute": "selective"},
+    "full": {"recompute": "full"},
+    "offload": {"offload": True, "offload_min_bytes": 0},
+    "full+offload": {"recompute": "full", "offload": True, "offload_min_bytes": 0},
+    "selective+offload": {"recompute": "selective", "offload": True, "offload_min_bytes": 0},
+    "moe-chunks": {"moe_chunk_tokens": 100},
+}
+EXACT = {name for name in TECHNIQUES if name != "moe-chunks"}  # same ops on the same values
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> object:
+    """One intra-op thread: these small steps gain nothing from two, and on a shared 2-core
+    machine two OpenMP threads per process thrash (10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor], ActivationMeter]]:
+    """Cache: technique name -> (loss, grads, meter); "none" is the baseline."""
+    return {"none": _step(_model(), _tokens())}
+
+
+def _run(runs: dict, name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], ActivationMeter]:
+    if name not in runs:
+        runs[name] = _step(_model(**TECHNIQUES[name]), _tokens())
+    return runs[name]
+
+
+@pytest.mark.parametrize("name", list(TECHNIQUES))
+def test_technique_leaves_loss_and_gradients_unchanged(runs: dict, name: str) -> None:
+    loss0, grads0, meter0 = runs["none"]
+    loss, grads, meter = _run(runs, name)
+    assert grads.keys() == grads0.keys() and len(grads) > 100
+    if name in EXACT:
+        assert torch.equal(loss, loss0)
+        bad = [n for n in grads0 if not torch.equal(grads[n], grads0[n])]
+    else:  # MoE chunks: other matmul shapes, other float summation order
+        torch.testing.assert_close(loss, loss0, rtol=1e-6, atol=0.0)
+        bad = [n for n in grads0 if (grads[n] - grads0[n]).abs().max() > 1e-4 * grads0[n].abs().max() + 1e-12]
+    assert not bad, f"{name}: gradients differ for {bad[:5]}"
+    # every saved tensor was released by the end of backward
+    assert meter.resident_bytes == 0 and meter.offloaded_bytes == 0
+    assert meter0.peak_resident_bytes > 0
+
+
+def test_meter_shows_each_saving(runs: dict) -> None:
+    none = runs["none"][2].peak_resident_bytes
+    for kind in ("kda", "dsa", "moe", "mlp", "hc"):
+        assert _run(runs, f"selective-{kind}")[2].peak_resident_bytes < none, kind
+    selective = _run(runs, "selective")[2].peak_resident_bytes
+    full = _run(runs, "full")[2].peak_resident_bytes
+    assert full < selective < none
+    assert full < none / 10  # only block inputs (+ what the head and loss save)
+    offload = _run(runs, "offload")[2]
+    assert offload.peak_resident_bytes < none / 2 and offload.peak_offloaded_bytes > none / 2
+    assert all(layer.offloaded_bytes > 0 for layer in offload.layers)
+    full_off = _run(runs, "full+offload")[2]
+    assert all(layer.resident_bytes == 0 for layer in full_off.layers)
+    assert full_off.peak_resident_bytes < full
+
+
+def test_meter_per_layer_attribution(runs: dict) -> None:
+    meter = runs["none"][2]
+    assert len(meter.layers) == TINY.num_hidden_layers
+    per_layer = [layer.resident_bytes for layer in meter.layers]
+    assert min(per_layer) > 0
+    # the embedding saves nothing big; the head and the loss save the final hidden state
+    assert 0 < meter.outside.resident_bytes < min(per_layer)
+    # everything saved stays alive to the end of forward, except a few small temporaries
+    total = sum(per_layer) + meter.outside.resident_bytes
+    assert 0.99 * total <= meter.peak_resident_bytes <= total
+    # full recompute: a layer keeps only its inputs, the [1, T, 4, 64] fp32 streams
+    # (+ the [1, T, K] int64 indices the shared DSA layer 3 receives)
+    full = _run(runs, "full")[2]
+    streams = T * TINY.hc_mult * TINY.hidden_size * 4
+    k = TINY.index_topk + TINY.index_kpool - 1
+    assert [layer.resident_bytes for layer in full.layers] == [streams + (T * k * 8 if i == 3 else 0) for i in range(8)]
+
+
+def test_full_offload_device_bytes_flat_in_layers() -> None:
+    """Doubling the layers doubles the saved bytes without recompute, not with full + offload."""
+    def config(n: int) -> ModelConfig:
+        return TINY.replace(
+            num_hidden_layers=n, layer_types=TINY.layer_types[:4] * (n // 4),
+            mlp_layer_types=("dense",) + ("sparse",) * (n - 1), indexer_types=TINY.indexer_types[:4] * (n // 4),
+        )
+    tokens = _tokens(320)
+    peaks = {}
+    for n in (4, 8):
+        for name, kw in (("none", {}), ("full+offload", TECHNIQUES["full+offload"])):
+            _, _, meter = _step(_model(config(n), **kw), tokens)
+            peaks[name, n] = meter.peak_resident_bytes
+            if name == "full+offload":
+                assert meter.peak_offloaded_bytes > 0 and all(layer.resident_bytes == 0 for layer in meter.layers)
+    assert peaks["none", 8] > 1.7 * peaks["none", 4]
+    assert peaks["full+offload", 8] == peaks["full+offload", 4]
+
+
+def test_recompute_reproduces_the_dsa_indices_exactly() -> None:
+    model = _model(recompute="full")
+    seen: list[torch.Tensor] = []
+    # layer 2 is a full DSA layer that passes its top-k to the shared layer 3
+    assert model.layers[2].self_attn.returns_indices and model.layers[3].self_attn.shared
+    model.layers[2].self_attn.register_forward_hook(lambda m, a, out: seen.append(out[1].clone()))
+    nll, weight = model.loss(_tokens())
+    assert len(seen) == 1
+    (nll / weight).backward()
+    assert len(seen) == 2  # the forward and the recomputation in backward
+    assert torch.equal(seen[0], seen[1])
+    assert (seen[0] >= 0).sum(-1).max() < T  # a sparse selection, not every position
+
+
+def test_offloader_copies_and_restores() -> None:
+    model = _model(recompute="full", offload=True, offload_min_bytes=0)
+    offloader = offloader_of(model)
+    assert isinstance(offloader, ActivationOffloader)
+    nll, weight = model.loss(_tokens())
+    assert offloader.copies_to_host == TINY.num_hidden_layers + 1  # streams per layer, + indices of layer 3
+    assert offloader.host_bytes > 0 and offloader.copies_to_device == 0
+    (nll / weight).backward()
+    assert offloader.copies_to_device == offloader.copies_to_host
+    assert offloader.host_bytes == 0 and offloader.peak_host_bytes > 0
+    # no gradient needed (evaluation): nothing offloaded, nothing recomputed
+    with torch.no_grad():
+        model.loss(_tokens())
+    assert offloader.copies_to_host == TINY.num_hidden_layers + 1
+
+
+def test_offload_threshold_keeps_small_tensors_resident() -> None:
+    class Toy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh()),
+                                         nn.Sequential(nn.Linear(8, 64, bias=False), nn.Tanh())])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers[1](self.layers[0](x))
+
+    model = Toy()
+    offloader = apply_offload(model, min_bytes=1024)
+    x = torch.randn(16, 8, requires_grad=True)
+    with ActivationMeter(model) as meter:
+        out = model(x)
+        # layer 0 saves x and tanh's output (512 bytes each): resident; layer 1 saves its 512-byte
+        # input (already counted) and a 4096-byte tanh output: offloaded
+        assert [(m.resident_bytes, m.offloaded_bytes) for m in meter.layers] == [(1024, 0), (0, 4096)]
+        assert offloader.host_bytes == 4096 and offloader.copies_to_host == 1
+        out.square().sum().backward()
+    assert meter.resident_bytes == 0 and meter.offloaded_bytes == 0 and offloader.host_bytes == 0
+    offloader.detach()  # the same step without offload gives the same gradient
+    grad = x.grad.clone()
+    x.grad = None
+    model(x).square().sum().backward()
+    assert torch.equal(x.grad, grad)
+
+
+def test_meter_counts_a_known_tensor_once() -> None:
+    x = torch.randn(1000, requires_grad=True)  # 4000 bytes
+    weight = nn.Parameter(torch.randn(10, 1000))
+    with ActivationMeter() as meter:
+        y = x.sin() + x.cos()  # both save x: one storage
+        assert meter.resident_bytes == 4000
+        z = F.linear(y, weight)  # saves y (4000 bytes) and the weight (a parameter: not counted)
+        assert meter.resident_bytes == 8000
+        view = x[10:20].exp()  # exp saves its output: a new 40-byte tensor
+        assert meter.resident_bytes == 8040
+        (z.sum() + view.sum()).backward()
+        assert meter.resident_bytes == 0
+    assert meter.peak_resident_bytes == 8040 and meter.offloaded_bytes == 0
+    assert meter.peak_rss_bytes is not None and meter.peak_rss_bytes > 0
+
+
+def test_meter_attributes_to_layers_and_excludes_parameters() -> None:
+    class Toy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh()) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)  # linear saves its input (the weight is not counted); tanh its output
+            return x
+
+    model = Toy()
+    x = torch.randn(16, 8, requires_grad=True)
+    with ActivationMeter(model) as meter:
+        out = model(x).square()  # square saves the last tanh output: already counted in layer 1
+        # layer 1's input is layer 0's output: counted once, in layer 0
+        assert [layer.resident_bytes for layer in meter.layers] == [2 * 512, 512]
+        assert meter.outside.resident_bytes == 0
+        out.sum().backward()
+    assert meter.resident_bytes == 0
+
+
+def test_parallelize_keeps_names_and_applies_once() -> None:
+    plain = GenoLM(TINY)
+    model = parallelize(GenoLM(TINY), recompute="full", offload=True, moe_chunk_tokens=64)
+    assert list(model.state_dict()) == list(plain.state_dict())
+    assert all(is_recomputed(block) for block in model.layers)
+    assert all(m.chunk_tokens == 64 for m in model.modules() if hasattr(m, "chunk_tokens"))
+    with pytest.raises(InputError, match="already applied"):
+        apply_recompute(model, "full")
+    with pytest.raises(InputError, match="already applied"):
+        apply_offload(model)
+    fresh = GenoLM(TINY)
+    names = apply_recompute(fresh, "selective", ("dsa", "mlp"))
+    assert names == ["layers.0.mlp", "layers.2.self_attn", "layers.3.self_attn", "layers.7.self_attn"]
+    assert remove_recompute(fresh) == 4 and not any(is_recomputed(m) for m in fresh.modules())
+    # selective without kinds: the defaults (both mixers and the hyper-connection weights)
+    names = apply_recompute(fresh, "selective", ())
+    assert names[:4] == ["layers.0.self_attn", "layers.0.attn_hc", "layers.0.ffn_hc", "layers.1.self_attn"]
+    assert len(names) == 3 * TINY.num_hidden_layers
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"mesh": object()}, "mesh=None"),
+        ({"recompute": "ful"}, "did you mean 'full'"),
+        ({"recompute": "selective", "recompute_modules": ("mo",)}, "did you mean 'moe'"),
+        ({"moe_chunk_tokens": 0}, "moe_chunk_tokens"),
+        ({"offload": True, "offload_min_bytes": -1}, "offload_min_bytes"),
+    ],
+)
+def test_parallelize_bad_input(kwargs: dict, match: str) -> None:
+    with pytest.raises(InputError, match=match):
+        parallelize(GenoLM(TINY), **kwargs)
+    with pytest.raises(InputError, match="GenoLM"):
+        parallelize(nn.Linear(2, 2))
