@@ -1,0 +1,1 @@
+"""The shipped training recipes (YAML), installed as ``genolong.recipes`` for `genolong quickstart`."""
