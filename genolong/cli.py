@@ -7,6 +7,7 @@ Ctrl-C exits with 130. Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,7 +38,19 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 def _cmd_quickstart(args: argparse.Namespace) -> int:
     from .quickstart import run_quickstart
 
-    run_quickstart(out=Path(args.out), progress=None if not args.quiet else False)
+    run_quickstart(out=Path(args.out), progress=None if not args.quiet else False, overrides=args.set,
+                   train=not args.prepare_only)
+    return 0
+
+
+def _cmd_finetune(args: argparse.Namespace) -> int:
+    from .config import load_recipe
+    from .train.finetune import run
+
+    recipe = load_recipe(args.recipe, args.set)
+    result = run(recipe, resume=args.resume)
+    done = f"genolong finetune: {recipe.name}: {result.global_step} steps; logs in {result.paths.logs}"
+    print(done + (f"; model exported to {result.export}" if result.export else ""))
     return 0
 
 
@@ -69,22 +82,53 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     prep.set_defaults(func=_cmd_prepare)
 
+    tune = sub.add_parser(
+        "finetune",
+        help="train GenoLM on a genome store from a YAML recipe (Lightning)",
+        description=(
+            "Fine-tune (or train from scratch) the GLM-5.3-Flash-architecture model on the windows of a genome "
+            "store, with the recipe's memory techniques; checkpoints, logs and the exported model go to runs/NAME/."
+        ),
+    )
+    tune.add_argument("recipe", metavar="RECIPE", help="YAML recipe (see recipes/)")
+    tune.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a recipe key, e.g. --set train.max_steps=20 (repeatable)")
+    tune.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of this run")
+    tune.set_defaults(func=_cmd_finetune)
+
     quick = sub.add_parser(
         "quickstart",
         help="the whole story on the bundled real human sample, on a CPU",
-        description="Prepare the bundled human sample genome and print its summary.",
+        description=(
+            "Prepare the bundled human sample genome, measure the bundled base model on held-out chr22, fine-tune "
+            "it at long context (recipes/quickstart.yaml) and measure it again."
+        ),
     )
     quick.add_argument("--out", default="genolong-quickstart", metavar="DIR",
                        help="working directory for the quickstart outputs (default: %(default)s)")
     quick.add_argument("--quiet", action="store_true", help="no progress bar")
+    quick.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a key of recipes/quickstart.yaml, e.g. --set train.max_steps=2 (repeatable)")
+    quick.add_argument("--prepare-only", action="store_true", help="prepare the sample store and stop")
     quick.set_defaults(func=_cmd_quickstart)
     return parser
+
+
+def _setup_logging() -> None:
+    """genolong's own log lines (checkpoint loading, kernel backend) on stderr, once."""
+    logger = logging.getLogger("genolong")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``genolong`` command line; returns the process exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    _setup_logging()
     try:
         return int(args.func(args))
     except GenolongError as exc:

@@ -65,10 +65,24 @@ def test_cli_help_and_version(capsys) -> None:
 
 
 def test_quickstart_command(tmp_path: Path) -> None:
-    """`genolong quickstart` as a user runs it: a subprocess, twice (the second run replaces the first)."""
+    """`genolong quickstart` as a user runs it (a subprocess), shortened to 2 steps at 1,024
+    tokens: prepare, base model on held-out chr22, fine-tune, fine-tuned model on the same tiles.
+    Run twice: the second run replaces the first (store and run directory)."""
     for _ in range(2):
-        run = subprocess.run([sys.executable, "-m", "genolong.cli", "quickstart", "--out", str(tmp_path / "qs")],
-                             capture_output=True, text=True, check=True)
+        run = subprocess.run(
+            [sys.executable, "-m", "genolong.cli", "quickstart", "--out", str(tmp_path / "qs"), "--quiet",
+             "--set", "train.max_steps=2", "--set", "train.warmup_steps=1", "--set", "data.context=1024",
+             "--set", "eval.every_n_steps=2", "--set", "checkpoint.every_n_steps=2"],
+            capture_output=True, text=True,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
     assert "train: 6,179,943 tokens in 5 segments" in run.stdout
     assert "eval: 900,000 tokens in 2 segments" in run.stdout
     assert (tmp_path / "qs" / "genome" / "manifest.json").is_file()
+    lines = run.stdout.splitlines()
+    base = next(line for line in lines if line.strip().startswith("base "))
+    tuned = next(line for line in lines if line.strip().startswith("fine-tuned "))
+    assert float(base.split()[1]) > 0 and float(tuned.split()[1]) > 0
+    run_dir = tmp_path / "qs" / "runs" / "quickstart"
+    assert (run_dir / "export" / "model.safetensors").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step0000002.ckpt"]

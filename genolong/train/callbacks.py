@@ -1,0 +1,121 @@
+"""Training callbacks: per-step throughput and memory, and the machine-readable step log.
+
+:class:`StepMetrics` runs every training batch inside an
+:class:`~genolong.memory.meter.ActivationMeter` and logs, through the trainer's loggers (CSV and
+TensorBoard) and to ``steps.jsonl`` in the run directory:
+
+- ``perf/step_time_s`` and ``perf/tokens_per_s`` (window tokens of the batch / step time);
+- ``memory/saved_activation_bytes`` (peak device-resident saved activations),
+  ``memory/offloaded_activation_bytes`` (peak in the host pool), ``memory/peak_bytes`` (CUDA
+  ``max_memory_allocated`` on GPU, the process peak RSS on CPU);
+- whatever the module logged for the step (loss, bits per base, lr, MoE load, ...).
+
+``steps.jsonl`` gets one JSON object per training batch, flushed as it is written: a run killed
+at any moment keeps every finished step, and a resumed run appends the steps it redoes (readers
+take the last record of each step).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from ..memory.meter import ActivationMeter
+
+__all__ = ["StepMetrics", "read_step_log"]
+
+
+class StepMetrics(L.Callback):
+    """Throughput and memory per training batch, and the ``steps.jsonl`` record.
+
+    Args:
+        path: the JSONL file (appended to; parents created).
+        meter: measure saved activations with an :class:`ActivationMeter` (default True).
+    """
+
+    def __init__(self, path: str | Path, meter: bool = True):
+        self.path = Path(path)
+        self.use_meter = meter
+        self._meter: ActivationMeter | None = None
+        self._started = 0.0
+        self._handle: Any = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._handle = self.path.open("a")
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.use_meter:
+            self._meter = ActivationMeter(getattr(pl_module, "model", None))
+            self._meter.__enter__()
+        if torch.cuda.is_available() and pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+        self._started = time.perf_counter()
+
+    def _close_meter(self) -> dict[str, Any]:
+        if self._meter is None:
+            return {}
+        self._meter.__exit__(None, None, None)
+        summary = self._meter.summary()
+        self._meter = None
+        return summary
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        elapsed = time.perf_counter() - self._started
+        memory = self._close_meter()
+        tokens = int(batch["tokens"].numel())
+        if pl_module.device.type == "cuda":
+            peak = int(torch.cuda.max_memory_allocated(pl_module.device))
+        else:
+            peak = int(memory.get("peak_rss_bytes", 0))
+        metrics = {
+            "perf/step_time_s": elapsed,
+            "perf/tokens_per_s": tokens / max(elapsed, 1e-9),
+            "memory/peak_bytes": float(peak),
+        }
+        if memory:
+            metrics["memory/saved_activation_bytes"] = float(memory["peak_resident_bytes"])
+            metrics["memory/offloaded_activation_bytes"] = float(memory["peak_offloaded_bytes"])
+        pl_module.log_dict(metrics)
+        if self._handle is not None:
+            record: dict[str, Any] = {"step": trainer.global_step, "batch": batch_idx, "window_tokens": tokens}
+            for key, value in {**trainer.callback_metrics, **metrics}.items():
+                if key.startswith(("train/", "perf/", "memory/")):
+                    record[key] = float(value)
+            self._handle.write(json.dumps(record) + "\n")
+            self._handle.flush()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._handle is not None and "eval/loss" in trainer.callback_metrics:
+            record = {"step": trainer.global_step, **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("eval/")}}
+            self._handle.write(json.dumps(record) + "\n")
+            self._handle.flush()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._close_meter()
+        self._close()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+def read_step_log(path: str | Path) -> dict[int, dict[str, Any]]:
+    """``steps.jsonl`` -> {step: last training record of that step} (a resumed run's redone
+    steps replace the first attempt's). Evaluation records are skipped."""
+    steps: dict[int, dict[str, Any]] = {}
+    for line in Path(path).read_text().splitlines():
+        record = json.loads(line)
+        if "train/loss" in record:
+            steps[int(record["step"])] = record
+    return steps

@@ -1,0 +1,289 @@
+"""``genolong finetune RECIPE``: build the model, data, strategy, loggers and checkpoints; train.
+
+Run directory layout (``runs/<name>/`` unless the recipe says otherwise)::
+
+    recipe.yaml            the resolved recipe (every key; paths absolute)
+    checkpoints/           step0000020.ckpt ... (Lightning; written atomically, the last
+                           ``checkpoint.keep_last`` kept), including the window sampler position
+    logs/steps.jsonl       one record per training batch (flushed as written) and per evaluation
+    logs/csv/metrics.csv   Lightning CSV logger;  logs/tensorboard/  TensorBoard event files
+    export/                the final model in the GLM-5.3-Flash format (config.json + safetensors)
+
+``--resume`` continues from the newest checkpoint in ``checkpoints/``: the model, optimiser,
+schedule, loop counters, MoE routing biases and the window stream, so the losses of the steps that
+follow equal those of an uninterrupted run (CPU, deterministic). Checkpoints load with
+``weights_only=True``: nothing in them is unpickled as code.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from ..config import Recipe
+from ..data.alphabet import STORE_ALPHABET
+from ..data.datamodule import GenomeDataModule
+from ..data.store import GenomeStore
+from ..errors import InputError
+from ..model.lm import GenoLM
+from ..parallel import parallelize
+from .callbacks import StepMetrics
+from .module import GenoLMModule, OptimSettings
+
+__all__ = ["AtomicModelParallelStrategy", "FinetuneResult", "RunPaths", "latest_checkpoint", "run"]
+
+log = logging.getLogger("genolong")
+
+_STEP_FILE = re.compile(r"^step(\d+)\.ckpt$")
+
+
+class AtomicModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` whose checkpoints appear whole or not at all.
+
+    Each checkpoint is written to ``<name>.tmp`` beside its final path, flushed to disk and
+    renamed into place; a failure (disk full, a kill) leaves the previous checkpoints as they were
+    and no partial file under a checkpoint name.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any = None) -> None:
+        path = Path(self.broadcast(str(filepath)))
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+            if self.is_global_zero:
+                _fsync(tmp)
+                os.replace(tmp, path)
+                _fsync(path.parent)
+        except BaseException:
+            if self.is_global_zero:
+                if tmp.is_dir():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    tmp.unlink(missing_ok=True)
+            raise
+        self.barrier("genolong_checkpoint")
+
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's loader for sharded (DTensor) models; for a plain, unsharded model (one
+        process, no FSDP) a full checkpoint file, read with ``weights_only=True`` unless told
+        otherwise: model and optimiser states are set here, the rest is returned to Lightning."""
+        assert self.model is not None and self.lightning_module is not None
+        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        path = Path(self.broadcast(str(checkpoint_path)))
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
+        strict = self.lightning_module.strict_loading
+        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=StateDictOptions(full_state_dict=True, strict=strict))
+        # Lightning saved the optimiser states re-keyed by parameter id (torch's standard format)
+        for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
+            optimizer.load_state_dict(state)
+        return checkpoint
+
+
+def _fsync(path: Path) -> None:
+    """fsync a file, or every file of a directory and the directory itself."""
+    paths = [p for p in path.rglob("*") if p.is_file()] + [path] if path.is_dir() else [path]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where a run writes (see the module docstring)."""
+
+    root: Path
+    checkpoints: Path
+    logs: Path
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> RunPaths:
+        """The run's paths: ``checkpoint.dir`` and ``logging.dir`` (``runs/<name>/...`` unless the
+        recipe says otherwise); the root, holding recipe.yaml and export/, is the checkpoint
+        directory's parent."""
+        assert recipe.checkpoint.dir is not None and recipe.logging.dir is not None  # filled in on load
+        checkpoints = Path(recipe.checkpoint.dir)
+        return cls(root=checkpoints.parent, checkpoints=checkpoints, logs=Path(recipe.logging.dir))
+
+    @property
+    def steps(self) -> Path:
+        return self.logs / "steps.jsonl"
+
+    @property
+    def export(self) -> Path:
+        return self.root / "export"
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    """The newest complete ``step*.ckpt`` in ``directory`` (temporary files ignored), or None."""
+    if not directory.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_FILE.match(p.name))]
+    return max(found)[1] if found else None
+
+
+@dataclass(frozen=True)
+class FinetuneResult:
+    """What a run produced."""
+
+    paths: RunPaths
+    global_step: int
+    resumed_from: Path | None
+    export: Path | None
+
+
+def _check_store(recipe: Recipe) -> None:
+    """The store must open (schema), encode bases as this genolong does, and hold the splits the
+    recipe names.
+
+    Raises:
+        InputError: another alphabet; StoreError: damaged, another schema, a missing split.
+    """
+    store = GenomeStore.open(recipe.data.store, verify=False)
+    expected = {str(k): v for k, v in STORE_ALPHABET.items()}
+    if store.manifest.get("alphabet") != expected:
+        raise InputError(
+            f"genome store {recipe.data.store} encodes bases as {store.manifest.get('alphabet')}, this genolong's "
+            f"model reads {expected}; re-create the store with `genolong prepare`"
+        )
+    splits = [recipe.data.train_split]
+    if recipe.data.eval_split and recipe.eval.every_n_steps:
+        splits.append(recipe.data.eval_split)
+    for split in splits:
+        store.split(split)
+
+
+def _build_model(recipe: Recipe) -> GenoLM:
+    """The plain model: the checkpoint's weights, or the preset's fresh ones (seeded)."""
+    config = recipe.model_config()
+    chunk = recipe.memory.moe_chunk_tokens
+    if recipe.model.checkpoint is not None:
+        return GenoLM.from_pretrained(recipe.model.checkpoint, moe_chunk_tokens=chunk, config=config)
+    torch.manual_seed(recipe.seed)
+    return GenoLM(config, moe_chunk_tokens=chunk)
+
+
+def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback]) -> L.Trainer:
+    p, t = recipe.parallel, recipe.train
+    accelerator = "cuda" if p.accelerator == "gpu" else p.accelerator
+    loggers: list[Any] = []
+    if recipe.logging.csv:
+        loggers.append(CSVLogger(paths.logs, name="csv", version=""))
+    if recipe.logging.tensorboard:
+        loggers.append(TensorBoardLogger(paths.logs, name="tensorboard", version="", default_hp_metric=False))
+    # Lightning's mesh is (data_parallel, tensor_parallel); genolong.parallel builds its own
+    # (dp_replicate, dp_shard, cp) mesh from the recipe when it needs one
+    strategy = AtomicModelParallelStrategy(
+        data_parallel_size=p.dp_size, tensor_parallel_size=p.cp,
+        save_distributed_checkpoint=p.world_size > 1,
+    )
+    every = recipe.eval.every_n_steps
+    eval_batches: float | int = 1.0
+    if recipe.eval.max_tiles is not None:
+        eval_batches = max(recipe.eval.max_tiles // recipe.eval.batch_size, 1)
+    return L.Trainer(
+        accelerator=accelerator,
+        devices=p.devices,
+        num_nodes=p.num_nodes,
+        strategy=strategy,
+        precision=t.precision,
+        max_steps=t.max_steps,
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        gradient_clip_val=t.grad_clip or None,
+        callbacks=callbacks,
+        logger=loggers or False,
+        log_every_n_steps=recipe.logging.every_n_steps,
+        enable_progress_bar=recipe.logging.progress_bar,
+        enable_model_summary=False,
+        enable_checkpointing=True,
+        val_check_interval=every * t.accumulate_grad_batches if every else None,
+        check_val_every_n_epoch=None,
+        limit_val_batches=eval_batches if every else 0,
+        num_sanity_val_steps=0,
+        deterministic=False,
+        default_root_dir=paths.root,
+    )
+
+
+def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
+    """Train ``recipe``; returns where things went.
+
+    Raises:
+        InputError: missing store/checkpoint, a store the model cannot read, ``resume`` with no
+            checkpoint, or a fresh run over a directory that already has checkpoints.
+    """
+    recipe.check_paths()
+    config = recipe.model_config()
+    vocab = recipe.vocab_map(config)
+    _check_store(recipe)
+    paths = RunPaths.of(recipe)
+    resume_from = latest_checkpoint(paths.checkpoints)
+    if resume and resume_from is None:
+        raise InputError(f"--resume: nothing to resume in {paths.checkpoints} (no step*.ckpt); run without --resume to start")
+    if not resume and resume_from is not None:
+        raise InputError(
+            f"{paths.checkpoints} already holds checkpoints ({resume_from.name}); pass --resume to continue "
+            "that run, or set another name / checkpoint.dir"
+        )
+    recipe.save(paths.root / "recipe.yaml")
+
+    m = recipe.memory
+    module = GenoLMModule(
+        build_model=functools.partial(_build_model, recipe),
+        optim=OptimSettings(
+            lr=recipe.train.lr, min_lr=recipe.train.min_lr, warmup_steps=recipe.train.warmup_steps,
+            max_steps=recipe.train.max_steps, weight_decay=recipe.train.weight_decay, betas=recipe.train.betas,
+            eps=recipe.train.eps, moe_bias_rate=recipe.train.moe_bias_update_rate,
+        ),
+        parallelize=functools.partial(
+            parallelize, recompute=m.recompute, recompute_modules=m.recompute_modules, offload=m.offload,
+            offload_min_bytes=m.offload_min_bytes, moe_chunk_tokens=m.moe_chunk_tokens,
+        ),
+        softmask_weight=recipe.model.softmask_weight,
+        ce_chunk_tokens=m.ce_chunk_tokens,
+        vocab=None if vocab.ids == tuple(range(len(vocab.ids))) else vocab,
+        freeze=recipe.model.freeze,
+        max_consecutive_nonfinite=recipe.train.max_consecutive_nonfinite,
+        indexer_kl_weight=recipe.train.indexer_kl_weight,
+        extra_checkpoint_state={"recipe": recipe.to_dict()},
+    )
+    d = recipe.data
+    datamodule = GenomeDataModule(
+        d.store, train_length=d.context, eval_length=recipe.eval_context, train_split=d.train_split,
+        eval_split=d.eval_split if recipe.eval.every_n_steps else None, batch_size=d.batch_size,
+        eval_batch_size=recipe.eval.batch_size, seed=recipe.seed, rc_prob=d.rc_prob, num_workers=d.num_workers,
+        windows_per_epoch=d.windows_per_epoch, verify=d.verify,
+    )
+    every = recipe.checkpoint.every_n_steps or recipe.train.max_steps
+    checkpoints = ModelCheckpoint(
+        dirpath=paths.checkpoints, filename="step{step:07d}", auto_insert_metric_name=False,
+        every_n_train_steps=every, save_top_k=recipe.checkpoint.keep_last, monitor="step", mode="max",
+        save_last=False, save_on_train_epoch_end=True,
+    )
+    trainer = _trainer(recipe, paths, [checkpoints, StepMetrics(paths.steps)])
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from if resume else None, weights_only=True)
+
+    export = None
+    if recipe.checkpoint.export_safetensors and trainer.is_global_zero:
+        assert module.model is not None
+        source = recipe.model.checkpoint
+        extras = [p for p in (source.glob("tokenizer*") if source else []) if p.is_file()]
+        export = module.model.save_pretrained(paths.export, copy_files=extras)
+    return FinetuneResult(paths=paths, global_step=trainer.global_step, resumed_from=resume_from if resume else None, export=export)

@@ -1,0 +1,269 @@
+"""The LightningModule around GenoLM: loss, optimiser and schedule, MoE bias balancing, NaN guard.
+
+The model is built in :meth:`GenoLMModule.configure_model` (Lightning's ``ModelParallelStrategy``
+calls it once the process group and device mesh exist), then ``genolong.parallel.parallelize``
+applies the memory techniques (and, with issue 6, context parallelism and FSDP2) over the plain
+model.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+
+from ..errors import GenolongError
+from ..model.dsa import DSAMixer
+from ..model.lm import GenoLM
+from ..model.loss import bits_per_base
+from ..model.moe import MoE
+from ..model.vocab import VocabMap
+
+__all__ = ["GenoLMModule", "NonFiniteLossError", "OptimSettings", "WarmupCosine", "freeze_parameters"]
+
+
+class NonFiniteLossError(GenolongError):
+    """Too many consecutive steps with a NaN/inf loss or gradient."""
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """AdamW with linear warm-up and cosine decay.
+
+    Attributes:
+        lr: peak learning rate.
+        min_lr: final learning rate (the cosine ends there at ``max_steps``).
+        warmup_steps: linear warm-up steps from ``lr / warmup_steps``.
+        max_steps: optimiser steps of the run.
+        weight_decay: decoupled weight decay of matrices (norm weights, biases and the other
+            1-D parameters get none).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        moe_bias_rate: aux-loss-free router balancing (DeepSeek-V3): after every step each MoE's
+            ``e_score_correction_bias`` moves by this much towards equal expert load (0: off).
+    """
+
+    lr: float = 1e-4
+    min_lr: float = 1e-5
+    warmup_steps: int = 0
+    max_steps: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    moe_bias_rate: float = 0.001
+
+
+class WarmupCosine:
+    """``LambdaLR`` factor: linear warm-up to 1, then cosine down to ``min_ratio`` at ``max_steps``.
+
+    A class, not a closure, so that the scheduler's ``state_dict`` holds plain numbers (checkpoints
+    load with ``weights_only=True``).
+    """
+
+    def __init__(self, warmup_steps: int, max_steps: int, min_ratio: float):
+        self.warmup_steps, self.max_steps, self.min_ratio = int(warmup_steps), int(max_steps), float(min_ratio)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        span = max(self.max_steps - self.warmup_steps, 1)
+        progress = min((step - self.warmup_steps) / span, 1.0)
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def freeze_parameters(model: torch.nn.Module, patterns: Sequence[str]) -> int:
+    """Set ``requires_grad=False`` on parameters whose name matches any glob in ``patterns``
+    (e.g. ``"embed_tokens.*"``, ``"layers.*.mlp.experts.*"``); returns how many elements froze.
+
+    Raises:
+        GenolongError: a pattern that matches no parameter (a typo would silently train everything).
+    """
+    frozen = 0
+    names = [name for name, _ in model.named_parameters()]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            raise GenolongError(f"freeze pattern {pattern!r} matches no parameter (names look like {names[1]!r})")
+    for name, param in model.named_parameters():
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+            param.requires_grad_(False)
+            frozen += param.numel()
+    return frozen
+
+
+class GenoLMModule(L.LightningModule):
+    """Trains a :class:`GenoLM` on store windows.
+
+    Args:
+        build_model: returns the plain model (from a preset or ``GenoLM.from_pretrained``); called
+            once, in :meth:`configure_model`.
+        optim: optimiser and schedule settings.
+        parallelize: ``model -> model`` applying the memory techniques and parallelism
+            (``genolong.parallel.parallelize`` with the recipe's settings bound); default identity.
+        softmask_weight: loss weight of soft-masked bases (default 1.0).
+        ce_chunk_tokens: rows per chunk of the cross-entropy (default 4096).
+        vocab: base ids -> the checkpoint's token ids (default None: nucleotide ids).
+        freeze: parameter-name globs not trained (default none).
+        max_consecutive_nonfinite: stop after this many NaN/inf steps in a row (default 5).
+        indexer_kl_weight: weight of the DSA indexer KL (mean over the full-indexer layers) added to
+            the loss; it trains only the indexers (default 1.0; 0: logged, not trained).
+        extra_checkpoint_state: plain data stored in every checkpoint (the resolved recipe).
+
+    Batches are the data module's: ``tokens`` torch.long ``[B, T]`` (store tokens, case kept).
+    Logged every step: ``train/loss`` (nats per counted base), ``train/bits_per_base``,
+    ``train/tokens`` (counted targets), ``train/indexer_kl``, ``train/lr``, ``train/moe_load_max_over_mean`` (worst
+    layer), ``train/nonfinite_steps``; the callbacks add throughput and memory.
+    """
+
+    def __init__(
+        self,
+        build_model: Callable[[], GenoLM],
+        optim: OptimSettings,
+        parallelize: Callable[[GenoLM], GenoLM] | None = None,
+        softmask_weight: float = 1.0,
+        ce_chunk_tokens: int = 4096,
+        vocab: VocabMap | None = None,
+        freeze: Sequence[str] = (),
+        max_consecutive_nonfinite: int = 5,
+        indexer_kl_weight: float = 1.0,
+        extra_checkpoint_state: Mapping[str, Any] | None = None,
+    ):
+        super().__init__()
+        self.build_model = build_model
+        self.optim = optim
+        self.parallelize_fn = parallelize
+        self.softmask_weight = softmask_weight
+        self.ce_chunk_tokens = ce_chunk_tokens
+        self.vocab = vocab
+        self.freeze = tuple(freeze)
+        self.max_consecutive_nonfinite = max_consecutive_nonfinite
+        self.indexer_kl_weight = indexer_kl_weight
+        self.extra_checkpoint_state = dict(extra_checkpoint_state or {})
+        self.model: GenoLM | None = None
+        self.indexers: list[DSAMixer] = []
+        self.consecutive_nonfinite = 0
+        self.nonfinite_steps = 0
+
+    # -- model -------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Build the model once (Lightning may call this hook again, e.g. for validation)."""
+        if self.model is not None:
+            return
+        model = self.build_model()
+        if self.freeze:
+            freeze_parameters(model, self.freeze)
+        self.indexers = [m for m in model.modules() if isinstance(m, DSAMixer) and m.indexer is not None]
+        for mixer in self.indexers:
+            mixer.indexer_kl = True
+        self.model = self.parallelize_fn(model) if self.parallelize_fn is not None else model
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tokens [B, T]`` -> (NLL sum in nats, counted-target weight sum)."""
+        assert self.model is not None, "configure_model() has not run"
+        return self.model.loss(tokens, self.softmask_weight, self.ce_chunk_tokens, self.vocab)
+
+    # -- optimisation ------------------------------------------------------------------------------
+    def configure_optimizers(self) -> dict[str, Any]:
+        assert self.model is not None
+        decay, no_decay = [], []
+        for param in self.model.parameters():
+            if param.requires_grad:
+                (decay if param.dim() >= 2 else no_decay).append(param)
+        o = self.optim
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr, betas=o.betas, eps=o.eps,
+        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(o.warmup_steps, o.max_steps, o.min_lr / o.lr))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor | None:
+        nll, weight = self(batch["tokens"])
+        loss = nll / weight.clamp_min(1.0)
+        kls = [m.last_indexer_kl for m in self.indexers if m.last_indexer_kl is not None]
+        kl = torch.stack(kls).mean() if kls else None
+        total = loss if kl is None or self.indexer_kl_weight == 0 else loss + self.indexer_kl_weight * kl
+        if not bool(torch.isfinite(total)):
+            self._count_nonfinite("loss")
+            return None  # Lightning skips backward and the optimiser step
+        if kl is not None:
+            self.log("train/indexer_kl", float(kl.detach()))
+        mean = float(loss.detach())
+        self.log("train/loss", mean, prog_bar=True)
+        self.log("train/bits_per_base", bits_per_base(mean))
+        self.log("train/tokens", float(weight.detach()))
+        self.log("train/moe_load_max_over_mean", self._worst_moe_load())
+        self.log("train/nonfinite_steps", float(self.nonfinite_steps))
+        if self._trainer is not None and self.trainer.optimizers:
+            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        return total
+
+    def _worst_moe_load(self) -> float:
+        """max / mean tokens per expert of the last forward, worst MoE layer (1.0 = balanced)."""
+        assert self.model is not None
+        worst = 0.0
+        for module in self.model.modules():
+            if isinstance(module, MoE) and module.last_load is not None:
+                load = module.last_load.float()
+                worst = max(worst, float(load.max() / load.mean().clamp_min(1e-9)))
+        return worst
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Skip (zero) a step whose gradients hold NaN/inf, counting it like a NaN loss."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads and not all(bool(torch.isfinite(g).all()) for g in grads):
+            for p in self.parameters():
+                p.grad = None
+            self._count_nonfinite("gradient")
+        else:
+            self.consecutive_nonfinite = 0
+            self._balance_experts()
+
+    def _balance_experts(self) -> None:
+        """DeepSeek-V3 aux-loss-free balancing: raise under-loaded experts' routing bias, lower
+        over-loaded ones', by ``optim.moe_bias_rate``. Done with the optimiser step (before
+        Lightning's checkpoint callbacks run), from the last forward's expert loads."""
+        assert self.model is not None
+        if self.optim.moe_bias_rate <= 0:
+            return
+        for module in self.model.modules():
+            if isinstance(module, MoE) and module.last_load is not None:
+                load = module.last_load.float()
+                bias = module.gate.e_score_correction_bias
+                bias.add_(self.optim.moe_bias_rate * torch.sign(load.mean() - load).to(bias.dtype))
+
+    def _count_nonfinite(self, what: str) -> None:
+        self.consecutive_nonfinite += 1
+        self.nonfinite_steps += 1
+        if self.consecutive_nonfinite >= self.max_consecutive_nonfinite:
+            raise NonFiniteLossError(
+                f"{self.consecutive_nonfinite} steps in a row had a non-finite {what} (last at step "
+                f"{self.global_step}); lower train.lr, check the data, or raise train.max_consecutive_nonfinite"
+            )
+
+    # -- validation: mean held-out loss over the eval tiles -------------------------------------------
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
+        nll, weight = self(batch["tokens"])
+        self._val_nll += float(nll)
+        self._val_weight += float(weight)
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_nll, self._val_weight = 0.0, 0.0
+
+    def on_validation_epoch_end(self) -> None:
+        if self._val_weight > 0:
+            mean = self._val_nll / self._val_weight
+            self.log("eval/loss", mean, prog_bar=True, sync_dist=True)
+            self.log("eval/bits_per_base", bits_per_base(mean), sync_dist=True)
+            self.log("eval/tokens", self._val_weight, sync_dist=True)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["genolong"] = {**self.extra_checkpoint_state, "nonfinite_steps": self.nonfinite_steps}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.nonfinite_steps = int(checkpoint.get("genolong", {}).get("nonfinite_steps", 0))
