@@ -40,6 +40,7 @@ from ..data.datamodule import GenomeDataModule
 from ..data.store import GenomeStore
 from ..errors import InputError
 from ..model.lm import GenoLM
+from ..model.vocab import VocabMap
 from ..parallel import parallelize
 from .callbacks import StepMetrics
 from .module import GenoLMModule, OptimSettings
@@ -258,7 +259,7 @@ def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
         ),
         softmask_weight=recipe.model.softmask_weight,
         ce_chunk_tokens=m.ce_chunk_tokens,
-        vocab=None if vocab.ids == tuple(range(len(vocab.ids))) else vocab,
+        vocab=None if vocab == VocabMap.identity() else vocab,
         freeze=recipe.model.freeze,
         max_consecutive_nonfinite=recipe.train.max_consecutive_nonfinite,
         indexer_kl_weight=recipe.train.indexer_kl_weight,

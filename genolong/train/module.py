@@ -145,6 +145,7 @@ class GenoLMModule(L.LightningModule):
         self.extra_checkpoint_state = dict(extra_checkpoint_state or {})
         self.model: GenoLM | None = None
         self.indexers: list[DSAMixer] = []
+        self.moes: list[MoE] = []
         self.consecutive_nonfinite = 0
         self.nonfinite_steps = 0
 
@@ -157,6 +158,7 @@ class GenoLMModule(L.LightningModule):
         if self.freeze:
             freeze_parameters(model, self.freeze)
         self.indexers = [m for m in model.modules() if isinstance(m, DSAMixer) and m.indexer is not None]
+        self.moes = [m for m in model.modules() if isinstance(m, MoE)]
         for mixer in self.indexers:
             mixer.indexer_kl = True
         self.model = self.parallelize_fn(model) if self.parallelize_fn is not None else model
@@ -204,10 +206,9 @@ class GenoLMModule(L.LightningModule):
 
     def _worst_moe_load(self) -> float:
         """max / mean tokens per expert of the last forward, worst MoE layer (1.0 = balanced)."""
-        assert self.model is not None
         worst = 0.0
-        for module in self.model.modules():
-            if isinstance(module, MoE) and module.last_load is not None:
+        for module in self.moes:
+            if module.last_load is not None:
                 load = module.last_load.float()
                 worst = max(worst, float(load.max() / load.mean().clamp_min(1e-9)))
         return worst
@@ -227,11 +228,10 @@ class GenoLMModule(L.LightningModule):
         """DeepSeek-V3 aux-loss-free balancing: raise under-loaded experts' routing bias, lower
         over-loaded ones', by ``optim.moe_bias_rate``. Done with the optimiser step (before
         Lightning's checkpoint callbacks run), from the last forward's expert loads."""
-        assert self.model is not None
         if self.optim.moe_bias_rate <= 0:
             return
-        for module in self.model.modules():
-            if isinstance(module, MoE) and module.last_load is not None:
+        for module in self.moes:
+            if module.last_load is not None:
                 load = module.last_load.float()
                 bias = module.gate.e_score_correction_bias
                 bias.add_(self.optim.moe_bias_rate * torch.sign(load.mean() - load).to(bias.dtype))
