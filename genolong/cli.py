@@ -54,6 +54,41 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .data.store import GenomeStore
+    from .errors import InputError
+    from .evaluation.report import format_bucket_table
+    from .evaluation.score import evaluate, load_eval_model, recipe_context
+
+    context = args.context if args.context is not None else recipe_context(args.checkpoint)
+    if context is None:
+        raise InputError(f"give --context L: {args.checkpoint} is not a finetune run or checkpoint with a recipe to take it from")
+    store = GenomeStore.open(args.store)
+    split = store.split(args.split)
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    model, vocab = load_eval_model(args.checkpoint, dtype=dtype, device=args.device)
+    name = Path(args.checkpoint).resolve()
+    name = name.parent.parent.name if name.suffix == ".ckpt" else (name.parent.name if name.name == "export" else name.name)
+    cut = f"-cut{args.context_cut}" if args.context_cut is not None else ""
+    out = Path(args.out) if args.out else Path("evaluations") / f"{name}-{args.split}-L{context}{cut}"
+    result = evaluate(
+        model, split, out, context, context_cut=args.context_cut, max_tiles=args.max_tiles,
+        first_bucket=args.first_bucket, write_tokens=not args.no_tokens, vocab=vocab,
+        label=args.label or f"{name}{' cut ' + str(args.context_cut) if args.context_cut is not None else ''}",
+        meta={"checkpoint": str(Path(args.checkpoint).resolve()), "store": str(store.path.resolve()), "split": args.split,
+              "dtype": _DTYPES[args.dtype], "device": args.device},
+        force=args.force, progress=None if not args.quiet else False,
+    )
+    print(f"genolong evaluate: {result.meta['tokens']:,} tokens in {result.meta['tiles']} tiles of {context:,} -> {out}")
+    print(format_bucket_table(result.bucket_table()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     from .data.prepare import DEFAULT_MIN_GAP, DEFAULT_SPLITS
@@ -95,6 +130,35 @@ def build_parser() -> argparse.ArgumentParser:
                       help="override a recipe key, e.g. --set train.max_steps=20 (repeatable)")
     tune.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of this run")
     tune.set_defaults(func=_cmd_finetune)
+
+    ev = sub.add_parser(
+        "evaluate",
+        help="held-out loss per token and by preceding-context length (tables, block-bootstrap CIs)",
+        description=(
+            "Tile a held-out split into windows of --context tokens, score every base with the model and write "
+            "the per-token table (parquet), per-window and per-position sums and the bucket table."
+        ),
+    )
+    ev.add_argument("checkpoint", metavar="CHECKPOINT",
+                    help="a model directory (config.json + safetensors, e.g. runs/NAME/export), a run directory "
+                         "runs/NAME or a runs/NAME/checkpoints/step*.ckpt")
+    ev.add_argument("--store", required=True, metavar="DIR", help="genome store (genolong prepare)")
+    ev.add_argument("--split", default="eval", help="split to score (default: %(default)s)")
+    ev.add_argument("--context", type=int, metavar="L",
+                    help="tile length in tokens (default: the run's eval context when CHECKPOINT is a run or .ckpt)")
+    ev.add_argument("--context-cut", type=int, metavar="C",
+                    help="score the same tokens with at most C bases of context each (the model restarts every C bases)")
+    ev.add_argument("--max-tiles", type=int, metavar="N", help="score only the first N tiles (default: all)")
+    ev.add_argument("--first-bucket", type=int, default=1024, metavar="B",
+                    help="upper edge of the first context bucket; later ones double (default: %(default)s)")
+    ev.add_argument("--out", metavar="DIR", help="result directory (default: evaluations/NAME-SPLIT-LCONTEXT[-cutC])")
+    ev.add_argument("--label", help="name of this run in tables and figures (default: from CHECKPOINT)")
+    ev.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter dtype (default: %(default)s)")
+    ev.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")
+    ev.add_argument("--no-tokens", action="store_true", help="do not write the per-token table (aggregates only)")
+    ev.add_argument("--force", action="store_true", help="replace an existing --out")
+    ev.add_argument("--quiet", action="store_true", help="no progress bar")
+    ev.set_defaults(func=_cmd_evaluate)
 
     quick = sub.add_parser(
         "quickstart",

@@ -192,6 +192,10 @@ class TrainSection:
         moe_bias_update_rate: step of the MoE routing-bias balancing (DeepSeek-V3's gamma: after
             each step the bias of an overloaded expert drops by this, of an underloaded one rises;
             0 turns it off). Default 0.001.
+        context_cut: train with at most this many bases of context per target: each window is
+            cut into pieces of ``context_cut + 1`` tokens sharing one token (the same targets, the
+            same loss weights, less context), the short-context control of ``genolong quickstart
+            --control``. None (default): the whole window.
     """
 
     max_steps: int
@@ -207,6 +211,7 @@ class TrainSection:
     max_consecutive_nonfinite: int = 3
     indexer_kl_weight: float = 1.0
     moe_bias_update_rate: float = 0.001
+    context_cut: int | None = None
 
 
 @dataclass(frozen=True)
@@ -1005,6 +1010,7 @@ def _check(recipe: Recipe, ctx: _Context) -> None:
     positive("train.accumulate_grad_batches", t.accumulate_grad_batches)
     positive("train.max_consecutive_nonfinite", t.max_consecutive_nonfinite)
     nonneg("train.indexer_kl_weight", t.indexer_kl_weight)
+    positive("train.context_cut", t.context_cut, allow_none=True)
     nonneg("train.moe_bias_update_rate", t.moe_bias_update_rate)
 
     mem = recipe.memory

@@ -28,6 +28,7 @@ from .alphabet import reverse_complement
 
 __all__ = [
     "SplitLike",
+    "context_cut_spans",
     "Window",
     "TrainWindows",
     "Tile",
@@ -448,3 +449,17 @@ def context_parallel_slice(x: _Seq, cp_rank: int, cp_size: int, dim: int = -1) -
     axis = dim % ndim
     lo, hi = context_parallel_bounds(int(x.shape[axis]), cp_rank, cp_size)  # type: ignore[attr-defined]
     return x[(slice(None),) * axis + (slice(lo, hi),)]  # type: ignore[index]
+
+
+def context_cut_spans(length: int, cut: int | None) -> list[tuple[int, int]]:
+    """Token spans ``[start, stop)`` that score targets ``1 .. length - 1`` of a window with at most
+    ``cut`` bases of context each: ``[kC, min(kC + C + 1, length))`` (consecutive spans share one
+    token, so every target is scored exactly once); one span ``[0, length)`` when ``cut`` is None or
+    ``>= length - 1``. Span ``k`` scores targets ``kC + 1 .. stop - 1``, target ``t`` seeing
+    ``(t - 1) % C + 1`` bases. Used by ``genolong evaluate --context-cut`` and ``train.context_cut``
+    (the short-context control)."""
+    if cut is None or cut >= length - 1:
+        return [(0, length)]
+    if cut < 1:
+        raise InputError(f"--context-cut must be at least 1 base, got {cut}")
+    return [(start, min(start + cut + 1, length)) for start in range(0, length - 1, cut)]

@@ -24,7 +24,7 @@ from .dsa import DSAMixer
 from .hf import load_checkpoint, save_checkpoint
 from .kda import KDAMixer
 from .layers import RMSNorm, SwiGLU
-from .loss import model_inputs, next_token_loss
+from .loss import model_inputs, next_token_loss, next_token_nll
 from .mhc import HyperConnection, collapse_streams, expand_streams, merge_streams
 from .moe import MoE
 from .vocab import VocabMap
@@ -118,6 +118,13 @@ class GenoLM(nn.Module):
         inputs = model_inputs(tokens) if vocab is None else vocab.to_model(tokens)
         hidden = self(inputs)
         return next_token_loss(hidden, self.lm_head.weight, tokens, softmask_weight, chunk_size, vocab)
+
+    @torch.no_grad()
+    def token_nll(self, tokens: torch.Tensor, chunk_size: int = 4096, vocab: VocabMap | None = None) -> torch.Tensor:
+        """Per-target NLL of store tokens ``[B, T]``: ``[B, T - 1]`` float32 nats, NaN where the
+        target does not count (see :func:`genolong.model.loss.next_token_nll`); no gradient."""
+        inputs = model_inputs(tokens) if vocab is None else vocab.to_model(tokens)
+        return next_token_nll(self(inputs), self.lm_head.weight, tokens, chunk_size, vocab)
 
     # -- checkpoints (the GLM-5.3-Flash format; see genolong.model.hf) ------------------------------
     @classmethod

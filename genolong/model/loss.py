@@ -15,7 +15,7 @@ from ..data.alphabet import A, BASE_MASK, SOFTMASK, T
 from ..kernels.ce import chunked_cross_entropy
 from .vocab import VocabMap
 
-__all__ = ["model_inputs", "target_weights", "next_token_loss", "bits_per_base"]
+__all__ = ["model_inputs", "target_weights", "next_token_loss", "next_token_nll", "bits_per_base"]
 
 
 def model_inputs(tokens: torch.Tensor) -> torch.Tensor:
@@ -65,6 +65,44 @@ def next_token_loss(
         # uncounted targets (N, padding, specials) may have no id in the map: any id will do
         ids = vocab.to_model(torch.where(weights > 0, targets, A))
     return chunked_cross_entropy(h, head_weight, ids.reshape(-1), weights.reshape(-1), chunk_size)
+
+
+@torch.no_grad()
+def next_token_nll(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    tokens: torch.Tensor,
+    chunk_size: int = 4096,
+    vocab: VocabMap | None = None,
+) -> torch.Tensor:
+    """Per-target NLL (nats) of the next base, for evaluation: no weighting, no reduction.
+
+    Logits are formed ``chunk_size`` rows at a time in fp32, so a text LLM's vocabulary never
+    needs a ``[T, V]`` tensor.
+
+    Args:
+        hidden: ``[B, T, H]`` final hidden states.
+        head_weight: ``[V, H]`` LM head.
+        tokens: ``[B, T]`` store tokens of the same window.
+        chunk_size: rows per chunk (default 4096).
+        vocab: the checkpoint's ids of the bases (a text LLM); default None: the nucleotide ids.
+
+    Returns:
+        ``[B, T - 1]`` float32: entry ``t`` is ``-log p(tokens[:, t + 1] | tokens[:, :t + 1])``;
+        NaN where the target does not count (N, padding, specials: ``target_weights`` is 0).
+    """
+    b, t, h = hidden.shape
+    targets = tokens[:, 1:]
+    counted = target_weights(targets) > 0
+    safe = torch.where(counted, targets, A)
+    ids = (model_inputs(safe) if vocab is None else vocab.to_model(safe)).reshape(-1)
+    rows = hidden[:, :-1].reshape(-1, h)
+    nll = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, rows.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        logits = (rows[part] @ head_weight.t()).float()  # [c, V]
+        nll[part] = torch.logsumexp(logits, dim=-1) - logits.gather(1, ids[part, None]).squeeze(1)
+    return torch.where(counted, nll.view(b, t - 1), torch.nan)
 
 
 def bits_per_base(nats: float) -> float:

@@ -264,6 +264,7 @@ def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
         max_consecutive_nonfinite=recipe.train.max_consecutive_nonfinite,
         indexer_kl_weight=recipe.train.indexer_kl_weight,
         extra_checkpoint_state={"recipe": recipe.to_dict()},
+        context_cut=recipe.train.context_cut,
     )
     d = recipe.data
     datamodule = GenomeDataModule(

@@ -17,6 +17,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from ..data.alphabet import PAD
+from ..data.windows import context_cut_spans
 from ..errors import GenolongError
 from ..model.dsa import DSAMixer
 from ..model.lm import GenoLM
@@ -24,7 +26,7 @@ from ..model.loss import bits_per_base
 from ..model.moe import MoE
 from ..model.vocab import VocabMap
 
-__all__ = ["GenoLMModule", "NonFiniteLossError", "OptimSettings", "WarmupCosine", "freeze_parameters"]
+__all__ = ["GenoLMModule", "NonFiniteLossError", "OptimSettings", "WarmupCosine", "cut_windows", "freeze_parameters"]
 
 
 class NonFiniteLossError(GenolongError):
@@ -95,6 +97,20 @@ def freeze_parameters(model: torch.nn.Module, patterns: Sequence[str]) -> int:
     return frozen
 
 
+def cut_windows(tokens: torch.Tensor, cut: int) -> torch.Tensor:
+    """Cut windows ``[B, T]`` into ``[B * n, cut + 1]`` pieces that score the same targets with at
+    most ``cut`` bases of context each (:func:`genolong.data.windows.context_cut_spans`); a short
+    last piece is right-padded with PAD, which is never a target and, being after every real
+    token, never seen by one (the model is causal). ``cut >= T - 1`` returns ``tokens`` itself."""
+    spans = context_cut_spans(tokens.shape[1], cut)
+    if len(spans) == 1:
+        return tokens
+    pieces = tokens.new_full((tokens.shape[0], len(spans), cut + 1), PAD)
+    for k, (start, stop) in enumerate(spans):
+        pieces[:, k, : stop - start] = tokens[:, start:stop]
+    return pieces.reshape(-1, cut + 1)
+
+
 class GenoLMModule(L.LightningModule):
     """Trains a :class:`GenoLM` on store windows.
 
@@ -112,6 +128,8 @@ class GenoLMModule(L.LightningModule):
         indexer_kl_weight: weight of the DSA indexer KL (mean over the full-indexer layers) added to
             the loss; it trains only the indexers (default 1.0; 0: logged, not trained).
         extra_checkpoint_state: plain data stored in every checkpoint (the resolved recipe).
+        context_cut: train each target with at most this many bases of context (windows cut by
+            :func:`cut_windows`; the short-context control); default None: whole windows.
 
     Batches are the data module's: ``tokens`` torch.long ``[B, T]`` (store tokens, case kept).
     Logged every step: ``train/loss`` (nats per counted base), ``train/bits_per_base``,
@@ -131,8 +149,10 @@ class GenoLMModule(L.LightningModule):
         max_consecutive_nonfinite: int = 5,
         indexer_kl_weight: float = 1.0,
         extra_checkpoint_state: Mapping[str, Any] | None = None,
+        context_cut: int | None = None,
     ):
         super().__init__()
+        self.context_cut = context_cut
         self.build_model = build_model
         self.optim = optim
         self.parallelize_fn = parallelize
@@ -166,6 +186,8 @@ class GenoLMModule(L.LightningModule):
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``tokens [B, T]`` -> (NLL sum in nats, counted-target weight sum)."""
         assert self.model is not None, "configure_model() has not run"
+        if self.context_cut is not None:
+            tokens = cut_windows(tokens, self.context_cut)
         return self.model.loss(tokens, self.softmask_weight, self.ce_chunk_tokens, self.vocab)
 
     # -- optimisation ------------------------------------------------------------------------------

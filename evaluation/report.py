@@ -1,0 +1,45 @@
+"""Plain-text and Markdown renderings of the evaluation tables (terminal output and REPORT.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+__all__ = ["format_bucket_table", "format_compare_table", "markdown_table"]
+
+
+def _num(value: float, digits: int) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def markdown_table(rows: list[list[str]], header: list[str]) -> str:
+    """A GitHub-flavoured Markdown table (also readable as plain text)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def format_bucket_table(table: pd.DataFrame) -> str:
+    """The bucket table (``EvalResult.bucket_table()``) as Markdown: tokens, nats and bits per base
+    with their 95% block-bootstrap intervals."""
+    rows = [
+        [str(r.bucket), f"{int(r.tokens):,}", _num(r.nats, 4), f"[{_num(r.ci_lo, 4)}, {_num(r.ci_hi, 4)}]",
+         _num(r.bits, 4)]
+        for r in table.itertuples()
+    ]
+    return markdown_table(rows, ["preceding bases", "tokens", "nats/base", "95% CI", "bits/base"])
+
+
+def format_compare_table(table: pd.DataFrame, a: str, b: str) -> str:
+    """A ``compare`` table as Markdown: both means, the change B - A with its paired 95% CI, the
+    relative change, and whether the CI excludes zero."""
+    rows = [
+        [str(r.bucket), f"{int(r.tokens):,}", _num(r.a_nats, 4), _num(r.b_nats, 4),
+         f"{_num(r.diff, 4)} [{_num(r.diff_ci_lo, 4)}, {_num(r.diff_ci_hi, 4)}]",
+         f"{_num(r.rel_pct, 2)}% [{_num(r.rel_ci_lo, 2)}, {_num(r.rel_ci_hi, 2)}]",
+         "yes" if bool(r.supported) else "no"]
+        for r in table.itertuples()
+    ]
+    return markdown_table(rows, ["preceding bases", "tokens", f"{a} nats", f"{b} nats", "B - A (95% CI)",
+                                 "change (95% CI)", "CI excludes 0"])

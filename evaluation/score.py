@@ -1,0 +1,406 @@
+"""``genolong evaluate``: every held-out token's NLL with its preceding-context length.
+
+The eval split is cut into tiles of ``L`` tokens (:class:`~genolong.data.windows.EvalTiles`: each
+segment starts a tile, its last tile is shorter). The target at position ``t`` of a tile (``1 <= t
+< len``) has *offset* ``t``: the bases before it in its tile, which is the preceding context a full
+run gives the model. Targets that are N (or padding/special) are not scored.
+
+``context_cut = C`` scores exactly the same targets but restarts the model every ``C`` inputs: the
+inputs ``[kC, kC + C)`` of a tile run as one window ``tokens[kC : kC + C + 1]`` (windows overlap by
+one token), so a target's visible *context* is ``1 .. C`` bases while its offset (and bucket) stay
+those of the full run. On one model, full vs cut isolates what the context beyond ``C`` buys;
+``C >= L - 1`` is the full run exactly.
+
+Outputs (see :class:`genolong.evaluation.results.EvalResult`): per-tile x per-bucket sums, exact
+per-offset sums, the bucket table with block-bootstrap CIs, and (``write_tokens``) the per-token table
+as one parquet file per tile under ``tokens/``. Work happens in ``.<out>.partial`` next to ``out``;
+after every tile its part file and the running sums are committed (written to a temporary name and
+renamed), so a killed evaluation resumes at the next tile and ends with the same tables as an
+uninterrupted one. The finished directory is renamed to ``out``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from ..data.alphabet import BASE_MASK, SOFTMASK, VOCAB_SIZE
+from ..data.windows import EvalTiles, SplitLike, context_cut_spans
+from ..errors import InputError
+from ..model.lm import GenoLM
+from ..model.vocab import VocabMap
+from .results import EvalResult
+from .stats import bucket_edges
+
+__all__ = ["TOKEN_SCHEMA", "TileScores", "score_tile", "evaluate", "load_eval_model", "read_tokens", "recipe_context"]
+
+log = logging.getLogger(__name__)
+
+#: Columns of the per-token table (``tokens/part-NNNNN.parquet``, one file per tile).
+TOKEN_SCHEMA = pa.schema([
+    ("tile", pa.int32()),            # tile index (row of tiles.parquet)
+    ("contig", pa.dictionary(pa.int32(), pa.string())),
+    ("position", pa.int64()),        # 0-based genomic coordinate of the target base
+    ("offset", pa.int32()),          # bases before it in its tile (bucket key)
+    ("context", pa.int32()),         # bases the model saw (= offset unless context_cut)
+    ("base", pa.uint8()),            # 1..4 = A, C, G, T
+    ("softmask", pa.bool_()),        # lowercase (repeat-masked) in the FASTA
+    ("nll", pa.float32()),           # nats
+])
+_ROW_GROUP = 1 << 20
+_STATE = "state.npz"
+_SETTINGS = "settings.json"
+
+
+@dataclass(frozen=True)
+class TileScores:
+    """The scored targets of one tile (counted targets only), all ``[n]``.
+
+    Attributes:
+        offset: bases before the target in its tile (int64).
+        context: bases the model saw (int64).
+        base: target base id 1..4 (uint8).
+        softmask: the target is soft-masked (bool).
+        nll: NLL in nats (float32).
+    """
+
+    offset: np.ndarray
+    context: np.ndarray
+    base: np.ndarray
+    softmask: np.ndarray
+    nll: np.ndarray
+
+
+@torch.no_grad()
+def score_tile(model: GenoLM, tokens: np.ndarray, context_cut: int | None = None, vocab: VocabMap | None = None,
+               chunk_size: int = 4096, device: torch.device | str = "cpu") -> TileScores:
+    """Score one tile's targets.
+
+    Args:
+        model: the model (eval mode).
+        tokens: ``[T]`` uint8 store tokens of the tile (case kept).
+        context_cut: restart every this many inputs (see the module docstring); None: full context.
+        vocab: base ids -> model ids (default None: nucleotide ids).
+        chunk_size: LM-head rows per chunk.
+        device: where the model runs.
+    """
+    length = int(tokens.shape[0])
+    if length < 2:
+        return TileScores(*(np.zeros(0, dt) for dt in (np.int64, np.int64, np.uint8, bool, np.float32)))
+    ids = torch.from_numpy(np.ascontiguousarray(tokens)).long().to(device)[None]
+    spans = context_cut_spans(length, context_cut)
+    # the whole spans are one batch [n, C + 1] (one forward instead of n); a short last span alone
+    whole = [(a, b) for a, b in spans if b - a == spans[0][1] - spans[0][0]]
+    parts = [model.token_nll(torch.cat([ids[:, a:b] for a, b in whole]), chunk_size, vocab).reshape(-1)]
+    parts += [model.token_nll(ids[:, a:b], chunk_size, vocab)[0] for a, b in spans[len(whole):]]
+    nll = torch.cat(parts).float().cpu().numpy()  # [T - 1]
+    offset = np.arange(1, length, dtype=np.int64)
+    context = offset if context_cut is None or context_cut >= length - 1 else (offset - 1) % context_cut + 1
+    keep = ~np.isnan(nll)
+    targets = tokens[1:]
+    return TileScores(
+        offset=offset[keep], context=context[keep], base=(targets & BASE_MASK)[keep].astype(np.uint8),
+        softmask=((targets & SOFTMASK) > 0)[keep], nll=nll[keep].astype(np.float32),
+    )
+
+
+def _tile_digest(contig: str, start: int, scores: TileScores) -> bytes:
+    """Identity of a tile's scored tokens: where they are, their bases and offsets (not their NLL)."""
+    h = hashlib.sha256(f"{contig}:{start}".encode())
+    h.update(scores.offset.astype("<i8").tobytes())
+    h.update(scores.base.tobytes())
+    return h.digest()
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _write_part(path: Path, tile: int, contig: str, start: int, scores: TileScores) -> None:
+    n = scores.nll.shape[0]
+    table = pa.table({
+        "tile": pa.array(np.full(n, tile, np.int32)),
+        "contig": pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([contig])),
+        "position": pa.array(start + scores.offset),
+        "offset": pa.array(scores.offset.astype(np.int32)),
+        "context": pa.array(scores.context.astype(np.int32)),
+        "base": pa.array(scores.base),
+        "softmask": pa.array(scores.softmask),
+        "nll": pa.array(scores.nll),
+    }, schema=TOKEN_SCHEMA)
+    _atomic_write(path, lambda tmp: pq.write_table(table, tmp, row_group_size=_ROW_GROUP, compression="zstd"))
+
+
+def read_tokens(result_dir: str | os.PathLike[str]) -> pd.DataFrame:
+    """The per-token table of an evaluate result (all tiles, in tile order)."""
+    parts = sorted((Path(result_dir) / "tokens").glob("part-*.parquet"))
+    if not parts:
+        raise InputError(f"{result_dir} has no per-token table (tokens/part-*.parquet); evaluate without --no-tokens")
+    return pd.concat([pq.read_table(p).to_pandas() for p in parts], ignore_index=True)
+
+
+class _Running:
+    """Running sums of an evaluation, saved after every tile (``state.npz``)."""
+
+    def __init__(self, n_tiles: int, n_buckets: int, context: int):
+        self.next_tile = 0
+        self.tile_tokens = np.zeros((n_tiles, n_buckets), np.int64)
+        self.tile_nll = np.zeros((n_tiles, n_buckets), np.float64)
+        self.position_tokens = np.zeros(context, np.int64)
+        self.position_nll = np.zeros(context, np.float64)
+        self.digests = np.zeros((n_tiles, 32), np.uint8)
+        self.seconds = 0.0
+
+    def save(self, path: Path) -> None:
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as f:
+                np.savez(f, next_tile=self.next_tile, tile_tokens=self.tile_tokens, tile_nll=self.tile_nll,
+                         position_tokens=self.position_tokens, position_nll=self.position_nll,
+                         digests=self.digests, seconds=self.seconds)
+        _atomic_write(path, write)
+
+    def load(self, path: Path) -> None:
+        with np.load(path) as z:
+            if z["tile_tokens"].shape != self.tile_tokens.shape or z["position_nll"].shape != self.position_nll.shape:
+                raise InputError(f"{path} does not match this evaluation; delete {path.parent} to start over")
+            self.next_tile = int(z["next_tile"])
+            self.tile_tokens[:] = z["tile_tokens"]
+            self.tile_nll[:] = z["tile_nll"]
+            self.position_tokens[:] = z["position_tokens"]
+            self.position_nll[:] = z["position_nll"]
+            self.digests[:] = z["digests"]
+            self.seconds = float(z["seconds"])
+
+
+def evaluate(
+    model: GenoLM,
+    split: SplitLike,
+    out: str | os.PathLike[str],
+    context: int,
+    context_cut: int | None = None,
+    max_tiles: int | None = None,
+    first_bucket: int = 1024,
+    write_tokens: bool = True,
+    vocab: VocabMap | None = None,
+    chunk_size: int = 4096,
+    label: str | None = None,
+    meta: Mapping[str, Any] | None = None,
+    force: bool = False,
+    progress: bool | None = None,
+) -> EvalResult:
+    """Score the first ``max_tiles`` tiles of ``context`` tokens of ``split`` and write ``out``.
+
+    Args:
+        model: the model (its device and dtype are used as they are).
+        split: the held-out split (``GenomeStore.open(path).split("eval")``).
+        out: result directory (must not exist unless ``force``).
+        context: tile length ``L`` (>= 2).
+        context_cut: restart the model every this many inputs (default None: full context).
+        max_tiles: tiles in order (default None: every tile of the split).
+        first_bucket: upper edge of the first preceding-context bucket (default 1024).
+        write_tokens: write the per-token table ``tokens/`` (default True).
+        vocab: base ids -> model ids (default None: nucleotide ids).
+        chunk_size: LM-head rows per chunk (default 4096).
+        label: display name in tables and figures (default: ``out``'s name).
+        meta: extra plain data for ``meta.json`` (checkpoint, store, split, dtype...); the settings
+            that decide the scores must be in it for a resumed run to be checked against them.
+        force: replace an existing ``out`` (default False).
+        progress: show a progress bar (default: on a terminal).
+
+    Returns:
+        The result, as saved in ``out``.
+
+    Raises:
+        InputError: ``out`` exists (without ``force``), bad context / cut / tile count.
+    """
+    out = Path(out)
+    if out.exists() and not force:
+        raise InputError(f"{out} already exists; pass --force to replace it, or choose another --out")
+    if context_cut is not None and context_cut < 1:
+        raise InputError(f"--context-cut must be at least 1 base, got {context_cut}")
+    if max_tiles is not None and max_tiles < 1:
+        raise InputError(f"--max-tiles must be at least 1, got {max_tiles}")
+    edges = bucket_edges(context, first_bucket)
+    tiles = EvalTiles(split, context)
+    n_tiles = len(tiles) if max_tiles is None else min(max_tiles, len(tiles))
+    settings = {
+        # what the result is of; the CLI names real paths, a library caller may not have them
+        "checkpoint": "(in memory)", "store": "(in memory)", "split": str(getattr(split, "name", "?")),
+        **{k: v for k, v in (meta or {}).items()},
+        "context": int(context), "context_cut": None if context_cut is None else int(context_cut),
+        "tiles": n_tiles, "bucket_edges": edges.tolist(), "write_tokens": bool(write_tokens),
+        "chunk_size": int(chunk_size),
+    }
+    work = out.with_name(f".{out.name}.partial")
+    running = _Running(n_tiles, len(edges) - 1, context)
+    state = work / _STATE
+    if (work / _SETTINGS).is_file() and json.loads((work / _SETTINGS).read_text()) == settings and state.is_file():
+        running.load(state)
+        log.info("resuming the evaluation in %s at tile %d of %d", work, running.next_tile, n_tiles)
+    else:
+        if work.exists():
+            log.info("discarding an unfinished evaluation with other settings in %s", work)
+            shutil.rmtree(work)
+        (work / "tokens").mkdir(parents=True)
+        _atomic_write(work / _SETTINGS, lambda tmp: tmp.write_text(json.dumps(settings, indent=1)))
+    for stale in (work / "tokens").glob("part-*"):  # a part written after the last committed state
+        if not stale.name.endswith(".parquet") or int(stale.name[5:10]) >= running.next_tile:
+            stale.unlink()
+
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    bar = _progress(n_tiles, running.next_tile, progress, label or out.name)
+    try:
+        for i in range(running.next_tile, n_tiles):
+            began = time.perf_counter()
+            tile = tiles[i]
+            scores = score_tile(model, tile.tokens, context_cut, vocab, chunk_size, device)
+            bucket = np.searchsorted(edges, scores.offset, side="right") - 1
+            nll64 = scores.nll.astype(np.float64)
+            running.tile_tokens[i] = np.bincount(bucket, minlength=len(edges) - 1)
+            running.tile_nll[i] = np.bincount(bucket, weights=nll64, minlength=len(edges) - 1)
+            running.position_tokens += np.bincount(scores.offset, minlength=context)
+            running.position_nll += np.bincount(scores.offset, weights=nll64, minlength=context)
+            running.digests[i] = np.frombuffer(_tile_digest(tile.contig, tile.start, scores), np.uint8)
+            if write_tokens:
+                _write_part(work / "tokens" / f"part-{i:05d}.parquet", i, tile.contig, tile.start, scores)
+            running.next_tile = i + 1
+            running.seconds += time.perf_counter() - began
+            running.save(state)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        model.train(was_training)
+        if bar is not None:
+            bar.close()
+
+    tokens = int(running.tile_tokens.sum())
+    result = EvalResult(
+        meta={
+            "format": "genolong-eval/1",
+            "label": label or out.name,
+            **settings,
+            "tokens": tokens,
+            "nll_sum": float(running.tile_nll.sum()),
+            "fingerprint": hashlib.sha256(running.digests.tobytes()).hexdigest(),
+            "seconds": running.seconds,
+            "tokens_per_second": tokens / running.seconds if running.seconds > 0 else None,
+        },
+        tiles=tiles.tiles.iloc[:n_tiles].reset_index(names="tile")[["tile", "contig", "start", "length"]],
+        tile_tokens=running.tile_tokens,
+        tile_nll=running.tile_nll,
+        position_tokens=running.position_tokens,
+        position_nll=running.position_nll,
+    )
+    result.save(work)
+    (work / _STATE).unlink()
+    (work / _SETTINGS).unlink()
+    if not write_tokens:
+        (work / "tokens").rmdir()
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(work, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(work, out)
+    return result
+
+
+def _progress(total: int, done: int, enabled: bool | None, desc: str) -> Any:
+    import sys
+
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=done, desc=f"evaluate {desc}", unit="tile", leave=True)
+
+
+def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> tuple[GenoLM, VocabMap | None]:
+    """The model to evaluate and its vocabulary map, from any of:
+
+    - a GLM-5.3-Flash-format directory (config.json + safetensors; e.g. a run's ``export/``);
+    - a fine-tune run directory (``runs/NAME``, holding ``export/``);
+    - a Lightning checkpoint ``runs/NAME/checkpoints/stepNNNNNNN.ckpt`` (weights and the resolved
+      recipe inside it; read with ``weights_only=True``).
+
+    Returns:
+        (model in eval mode, VocabMap or None for the nucleotide vocabulary).
+
+    Raises:
+        InputError: none of the above, or a checkpoint that does not fit its recipe.
+    """
+    from ..config import parse_recipe
+
+    path = Path(checkpoint)
+    if path.is_dir() and not (path / "config.json").is_file() and (path / "export" / "config.json").is_file():
+        path = path / "export"
+    if path.is_dir() and (path / "config.json").is_file():
+        model = GenoLM.from_pretrained(path, dtype=dtype, device=device)
+        vocab = None
+        if model.config.vocab_size != VOCAB_SIZE:  # a text LLM checkpoint: bases through its tokenizer
+            vocab = VocabMap.from_tokenizer(path, pad=model.config.pad_token_id, bos=model.config.bos_token_id)
+        return model.eval(), vocab
+    if path.is_file() and path.suffix == ".ckpt":
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        recipe_data = state.get("genolong", {}).get("recipe")
+        if recipe_data is None or "state_dict" not in state:
+            raise InputError(f"{path} is not a genolong finetune checkpoint (no recipe or state_dict inside); "
+                             "give a run's export/ directory or a step*.ckpt written by genolong finetune")
+        recipe = parse_recipe(recipe_data, source=str(path))
+        config = recipe.model_config()
+        if dtype != torch.float32:
+            raise InputError(f"{path}: a Lightning checkpoint is evaluated in float32; for --dtype {dtype} evaluate "
+                             "the run's export/ directory (genolong finetune writes it at the end)")
+        model = GenoLM(config)  # a Lightning .ckpt holds a whole unsharded model: it fits in memory
+        weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items()}
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise InputError(f"{path} does not fit its recipe's model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        model = model.to(device=device)
+        vocab = recipe.vocab_map(config)
+        return model.eval(), None if vocab == VocabMap.identity() else vocab
+    raise InputError(
+        f"{path} is not a checkpoint: give a directory with config.json + safetensors (a run's export/), "
+        "a run directory (runs/NAME) or a runs/NAME/checkpoints/step*.ckpt file"
+    )
+
+
+def recipe_context(checkpoint: str | os.PathLike[str]) -> int | None:
+    """The eval context of the run ``checkpoint`` belongs to (its recipe's ``eval.context`` or
+    ``data.context``), or None when it is not part of a genolong finetune run."""
+    import yaml
+
+    path = Path(checkpoint)
+    if path.is_file() and path.suffix == ".ckpt":
+        data = torch.load(path, map_location="cpu", weights_only=True).get("genolong", {}).get("recipe")
+    else:
+        found = [p / "recipe.yaml" for p in (path, path.parent) if (p / "recipe.yaml").is_file()]
+        data = yaml.safe_load(found[0].read_text()) if found else None
+    if not isinstance(data, Mapping):
+        return None
+    evaluation = data.get("eval") or {}
+    context = evaluation.get("context") or (data.get("data") or {}).get("context")
+    return int(context) if context else None
