@@ -151,7 +151,7 @@ def bucket_figure(results: Sequence[EvalResult], n_boot: int = 2000, seed: int =
     ax.set_title(f"Held-out loss by preceding context ({level:.0%} block-bootstrap CI over tiles)")
     ax.grid(True, axis="y", alpha=0.3)
     # below the axes, so that the legend never hides an interval
-    fig.legend(loc="outside lower center", ncols=min(len(parts), 4), frameon=False)
+    fig.legend(loc="outside lower center", ncols=min(len(parts), 2), frameon=False)
     series = pd.concat(parts, ignore_index=True)[["run", "bucket", "lo", "hi", "x", "tokens", "nats", "ci_lo", "ci_hi"]]
     return fig, series
 
@@ -195,10 +195,10 @@ def relative_change_figure(results: Sequence[EvalResult], n_boot: int = 2000, se
     ax.set_xlim(-0.6, len(axis) - 0.4)
     ax.set_xlabel("preceding context (bases before the target in its tile)")
     ax.set_ylabel("relative change in loss (%)")
-    ax.set_title(f"Change in loss vs {names[0]} (paired {level:.0%} block-bootstrap CI; below 0 = better)")
+    ax.set_title(f"Change in loss vs {names[0]}\n(paired {level:.0%} block-bootstrap CI; below 0 = lower loss)")
     ax.grid(True, axis="y", alpha=0.3)
     # below the axes, so that the legend never hides an interval
-    fig.legend(loc="outside lower center", ncols=min(len(parts), 4), frameon=False)
+    fig.legend(loc="outside lower center", ncols=min(len(parts), 2), frameon=False)
     cols = ["run", "reference", "bucket", "lo", "hi", "x", "tokens", "rel_pct", "rel_ci_lo", "rel_ci_hi", "supported"]
     return fig, pd.concat(parts, ignore_index=True)[cols]
 
@@ -220,7 +220,7 @@ def _save(fig: Figure, series: pd.DataFrame, out: Path, stem: str, formats: Sequ
         path = out / f"{stem}.{fmt}"
         # no creation date in the PDF, so that the same tables give the same bytes
         meta = {"CreationDate": None} if fmt == "pdf" else None
-        _replace_into(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=150, metadata=meta))
+        _replace_into(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=150, metadata=meta, bbox_inches="tight"))
         written[path.name] = path
     path = out / f"{stem}.csv"
     _replace_into(path, lambda tmp: series.to_csv(tmp, index=False))

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import pandas as pd
 
-__all__ = ["format_bucket_table", "format_compare_table", "markdown_table"]
+__all__ = ["format_bucket_table", "format_compare_table", "markdown_table", "write_table"]
+
+
+def write_table(table: pd.DataFrame, path: Path) -> None:
+    """Write ``table`` as CSV to ``path`` (parent created), through a temporary name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    table.to_csv(tmp, index=False)
+    os.replace(tmp, path)
 
 
 def _num(value: float, digits: int) -> str:

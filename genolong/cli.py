@@ -39,7 +39,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
     from .quickstart import run_quickstart
 
     run_quickstart(out=Path(args.out), progress=None if not args.quiet else False, overrides=args.set,
-                   train=not args.prepare_only)
+                   train=not args.prepare_only, control=args.control, eval_tiles=args.eval_tiles)
     return 0
 
 
@@ -89,9 +89,61 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_check_logprobs(args: argparse.Namespace) -> int:
+    import torch
+
+    from .data.store import GenomeStore
+    from .errors import InputError
+    from .evaluation.logprobs import check_logprobs
+    from .evaluation.report import markdown_table
+    from .evaluation.score import load_eval_model
+
+    out = Path(args.out) if args.out else Path("evaluations") / f"{Path(args.checkpoint).resolve().name}-logprob-gap-L{args.context}-{_DTYPES[args.dtype]}"
+    if out.exists() and not args.force:
+        raise InputError(f"{out} already exists; pass --force to replace it, or choose another --out")
+    split = GenomeStore.open(args.store).split(args.split)
+    model, vocab = load_eval_model(args.checkpoint, dtype=getattr(torch, _DTYPES[args.dtype]), device=args.device)
+    gap = check_logprobs(model, split, args.context, max_tiles=args.max_tiles, first_bucket=args.first_bucket, vocab=vocab,
+                         progress=None if not args.quiet else False, label=f"{Path(args.checkpoint).name} {_DTYPES[args.dtype]}")
+    gap.save(out)
+    table = gap.table()
+    rows = [[str(r.bucket), f"{int(r.tokens):,}", f"{r.mean_abs_diff:.3g}", f"{r.max_abs_diff:.3g}"] for r in table.itertuples()]
+    print(f"genolong check-logprobs: training path vs step-by-step decode, {_DTYPES[args.dtype]}, {args.max_tiles} tile(s) of "
+          f"{args.context:,} -> {out}")
+    print(markdown_table(rows, ["preceding bases", "tokens", "mean |diff| (nats)", "max |diff| (nats)"]))
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .evaluation.report import format_compare_table, write_table
+    from .evaluation.results import EvalResult
+    from .evaluation.stats import compare
+
+    a, b = EvalResult.load(args.a), EvalResult.load(args.b)
+    table = compare(a, b, n_boot=args.n_boot, seed=args.seed)
+    print(f"genolong compare: A = {a.label} ({args.a}), B = {b.label} ({args.b}); {a.tokens:,} tokens in {a.n_tiles} tiles; "
+          f"95% paired block-bootstrap CIs over tiles ({args.n_boot} resamples)")
+    print(format_compare_table(table, "A", "B"))
+    if args.out:
+        write_table(table, Path(args.out) / "compare.csv")
+        print(f"table written to {Path(args.out) / 'compare.csv'}")
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from .evaluation.plots import plot_results
+    from .evaluation.results import EvalResult
+
+    results = [EvalResult.load(d) for d in args.results]
+    written = plot_results(results, Path(args.out), formats=args.format or ("png", "pdf"), n_boot=args.n_boot, seed=args.seed)
+    print(f"genolong plot: {len(written)} files in {args.out}: {', '.join(sorted(written))}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     from .data.prepare import DEFAULT_MIN_GAP, DEFAULT_SPLITS
+    from .quickstart import DEFAULT_EVAL_TILES
 
     parser = argparse.ArgumentParser(prog="genolong", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--version", action="version", version=f"genolong {__version__}")
@@ -160,12 +212,68 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--quiet", action="store_true", help="no progress bar")
     ev.set_defaults(func=_cmd_evaluate)
 
+    cmp_ = sub.add_parser(
+        "compare",
+        help="change in held-out loss from result A to result B, per context bucket, with paired CIs",
+        description=(
+            "Compare two `genolong evaluate` results on the same tokens (base vs tuned, full vs --context-cut, "
+            "tuned vs control): per bucket and overall, B - A in nats and in percent with 95%% paired "
+            "block-bootstrap intervals over tiles."
+        ),
+    )
+    cmp_.add_argument("a", metavar="A_DIR", help="reference result (e.g. the base model, or the cut run)")
+    cmp_.add_argument("b", metavar="B_DIR", help="result compared with it (e.g. the fine-tuned model)")
+    cmp_.add_argument("--out", metavar="DIR", help="also write DIR/compare.csv")
+    cmp_.add_argument("--n-boot", type=int, default=2000, metavar="N", help="bootstrap resamples (default: %(default)s)")
+    cmp_.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
+    cmp_.set_defaults(func=_cmd_compare)
+
+    plot = sub.add_parser(
+        "plot",
+        help="figures from evaluate results: loss vs position, bucket means, relative change",
+        description=(
+            "Draw per-position loss (log x, smoothed; runs overlaid), bucket means with 95%% CIs and the relative "
+            "change of each run vs the first, from saved `genolong evaluate` tables only."
+        ),
+    )
+    plot.add_argument("results", nargs="+", metavar="RESULT_DIR", help="evaluate results; the first is the reference")
+    plot.add_argument("--out", required=True, metavar="DIR", help="directory for the figures (created)")
+    plot.add_argument("--format", action="append", choices=["png", "pdf", "svg"], default=None,
+                      help="figure format, repeatable (default: png and pdf)")
+    plot.add_argument("--n-boot", type=int, default=2000, metavar="N", help="bootstrap resamples (default: %(default)s)")
+    plot.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
+    plot.set_defaults(func=_cmd_plot, format=None)
+
+    chk = sub.add_parser(
+        "check-logprobs",
+        help="per-token log-probs of the training path vs the step-by-step decode path, by context bucket",
+        description=(
+            "Score held-out tiles with the training path (chunked KDA, blockwise DSA top-k) and with the "
+            "independent step-by-step decode path (recurrent KDA state, latent and index-key caches); report mean "
+            "and max |difference| by preceding-context bucket, as a table and a figure."
+        ),
+    )
+    chk.add_argument("checkpoint", metavar="CHECKPOINT", help="a model directory, run directory or step*.ckpt (as for evaluate)")
+    chk.add_argument("--store", required=True, metavar="DIR", help="genome store (genolong prepare)")
+    chk.add_argument("--split", default="eval", help="split to score (default: %(default)s)")
+    chk.add_argument("--context", type=int, required=True, metavar="L", help="tile length in tokens")
+    chk.add_argument("--max-tiles", type=int, default=1, metavar="N", help="tiles to check (default: %(default)s)")
+    chk.add_argument("--first-bucket", type=int, default=1024, metavar="B", help="upper edge of the first bucket (default: %(default)s)")
+    chk.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter dtype (default: %(default)s)")
+    chk.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    chk.add_argument("--out", metavar="DIR", help="result directory (default: evaluations/NAME-logprob-gap-LCONTEXT-DTYPE)")
+    chk.add_argument("--force", action="store_true", help="replace an existing --out")
+    chk.add_argument("--quiet", action="store_true", help="no progress bar")
+    chk.set_defaults(func=_cmd_check_logprobs)
+
     quick = sub.add_parser(
         "quickstart",
         help="the whole story on the bundled real human sample, on a CPU",
         description=(
-            "Prepare the bundled human sample genome, measure the bundled base model on held-out chr22, fine-tune "
-            "it at long context (recipes/quickstart.yaml) and measure it again."
+            "Prepare the bundled human sample genome, evaluate the bundled short-context base model on held-out "
+            "chr22, fine-tune it at long context (recipes/quickstart.yaml), evaluate it with full and with cut "
+            "context (and a short-context control with --control), compare with bootstrap CIs, draw the figures "
+            "and write OUT/REPORT.md."
         ),
     )
     quick.add_argument("--out", default="genolong-quickstart", metavar="DIR",
@@ -174,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a key of recipes/quickstart.yaml, e.g. --set train.max_steps=2 (repeatable)")
     quick.add_argument("--prepare-only", action="store_true", help="prepare the sample store and stop")
+    quick.add_argument("--control", action="store_true",
+                       help="also train and evaluate the short-context control (same windows, context cut at the base's "
+                            "training length; a few more minutes)")
+    quick.add_argument("--eval-tiles", type=int, default=DEFAULT_EVAL_TILES, metavar="N",
+                       help="held-out tiles scored per model (default: %(default)s)")
     quick.set_defaults(func=_cmd_quickstart)
     return parser
 

@@ -278,3 +278,37 @@ def test_evaluate_cli_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixt
     GenoLM(PRESETS["tiny"]).save_pretrained(tmp_path / "model")
     assert main(["evaluate", str(tmp_path / "model"), "--store", str(sample_store)]) == 2
     assert "give --context" in capsys.readouterr().err
+
+
+def test_compare_plot_and_check_logprobs_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str], sample_store: Path) -> None:
+    torch.manual_seed(0)
+    GenoLM(PRESETS["tiny"]).save_pretrained(tmp_path / "model")
+    common = ["--store", str(sample_store), "--max-tiles", "3", "--first-bucket", "64", "--quiet"]
+    assert main(["evaluate", str(tmp_path / "model"), "--context", "256", "--out", str(tmp_path / "full"), *common]) == 0
+    assert main(["evaluate", str(tmp_path / "model"), "--context", "256", "--context-cut", "32",
+                 "--out", str(tmp_path / "cut"), *common]) == 0
+    assert main(["evaluate", str(tmp_path / "model"), "--context", "128", "--out", str(tmp_path / "short"), *common]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "cut"), str(tmp_path / "full"), "--out", str(tmp_path / "cmp")]) == 0
+    printed = capsys.readouterr().out
+    table = pd.read_csv(tmp_path / "cmp" / "compare.csv")
+    expected = compare(EvalResult.load(tmp_path / "cut"), EvalResult.load(tmp_path / "full"))
+    np.testing.assert_allclose(table["diff"], expected["diff"])
+    assert f"{expected['diff'].iloc[-1]:.4f}" in printed
+    # other tiles (another context) are other tokens: refused in one line
+    assert main(["compare", str(tmp_path / "full"), str(tmp_path / "short")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--context" in err
+    assert main(["plot", str(tmp_path / "full"), str(tmp_path / "cut"), "--out", str(tmp_path / "fig")]) == 0
+    for stem in ("position_loss", "buckets", "relative_change"):
+        assert (tmp_path / "fig" / f"{stem}.png").read_bytes().startswith(b"\x89PNG")
+        assert (tmp_path / "fig" / f"{stem}.pdf").read_bytes().startswith(b"%PDF")
+    capsys.readouterr()
+    assert main(["check-logprobs", str(tmp_path / "model"), "--store", str(sample_store), "--context", "192",
+                 "--first-bucket", "64", "--out", str(tmp_path / "gap"), "--quiet"]) == 0
+    gap = pd.read_csv(tmp_path / "gap" / "logprob_gap.csv").set_index("bucket")
+    assert gap.loc["all", "tokens"] > 150 and gap.loc["all", "mean_abs_diff"] <= 1e-5
+    assert (tmp_path / "gap" / "logprob_gap.png").is_file()
+    assert main(["check-logprobs", str(tmp_path / "model"), "--store", str(sample_store), "--context", "192",
+                 "--out", str(tmp_path / "gap")]) == 2
+    assert "already exists" in capsys.readouterr().err
