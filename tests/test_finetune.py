@@ -11,10 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
 
+from genolong.data.store import GenomeStore
+from genolong.evaluation.score import evaluate, load_eval_model
 from genolong.model import GenoLM
 from genolong.train import GenoLMModule, NonFiniteLossError, OptimSettings, freeze_parameters, read_step_log
 from genolong.train.finetune import AtomicModelParallelStrategy, latest_checkpoint
@@ -95,6 +98,20 @@ def test_sigkill_then_resume_gives_the_same_losses(sample_store: Path, tmp_path:
     # checkpoints hold plain data only
     checkpoint = torch.load(resumed_from, weights_only=True)
     assert checkpoint["genolong"]["recipe"]["name"] == "killed" and "GenomeDataModule" in checkpoint
+    # evaluating the killed-and-resumed run gives the same tables as evaluating the uninterrupted one
+    split = GenomeStore.open(sample_store).split("eval")
+    results = []
+    for name in ("straight", "killed"):
+        model, vocab = load_eval_model(tmp_path / "runs" / name)  # a run directory: its export/
+        assert vocab is None
+        results.append(evaluate(model, split, tmp_path / f"eval-{name}", 256, max_tiles=3, first_bucket=64, progress=False))
+    assert results[0].fingerprint == results[1].fingerprint
+    assert np.array_equal(results[0].tile_nll, results[1].tile_nll)
+    assert np.array_equal(results[0].position_nll, results[1].position_nll)
+    # the last Lightning checkpoint (with the recipe inside) loads as the same model as the export
+    from_ckpt, _ = load_eval_model(latest_checkpoint(ckpt_dir))
+    sc = from_ckpt.state_dict()
+    assert sc.keys() == sb.keys() and all(torch.equal(sc[k], sb[k]) for k in sb)
 
 
 def test_resume_needs_a_checkpoint_and_fresh_runs_refuse_old_ones(sample_store: Path, tmp_path: Path) -> None:
