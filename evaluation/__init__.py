@@ -1,9 +1,18 @@
-"""genolong.evaluation: held-out loss by preceding-context length, comparisons and plots.
+"""genolong.evaluation: held-out loss by preceding-context length, comparisons, plots, log-prob gap.
 
-Installed as ``genolong.evaluation`` (see ``package-dir`` in pyproject.toml). The evaluation
-commands arrive with issue 5.
+Installed as ``genolong.evaluation`` (see ``package-dir`` in pyproject.toml). Modules:
+
+- ``score``: ``genolong evaluate`` (per-token NLL, ``--context-cut``, resumable result directories);
+- ``results``: :class:`EvalResult`, the saved tables (per-tile x bucket and per-offset sums);
+- ``stats``: context buckets, block bootstrap over tiles, paired :func:`compare`;
+- ``plots``: the figures of ``genolong plot``;
+- ``logprobs``: ``genolong check-logprobs`` (training path vs step-by-step decode);
+- ``report``: Markdown tables for the terminal and the quickstart's REPORT.md.
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from .results import EvalResult
+from .stats import compare
+
+__all__ = ["EvalResult", "compare"]

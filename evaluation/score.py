@@ -46,7 +46,7 @@ from ..model.vocab import VocabMap
 from .results import EvalResult
 from .stats import bucket_edges
 
-__all__ = ["TOKEN_SCHEMA", "TileScores", "score_tile", "evaluate", "load_eval_model", "read_tokens", "recipe_context"]
+__all__ = ["TOKEN_SCHEMA", "TileScores", "model_signature", "score_tile", "evaluate", "load_eval_model", "read_tokens", "recipe_context"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,17 @@ def _tile_digest(contig: str, start: int, scores: TileScores) -> bytes:
     h.update(scores.offset.astype("<i8").tobytes())
     h.update(scores.base.tobytes())
     return h.digest()
+
+
+@torch.no_grad()
+def model_signature(model: torch.nn.Module) -> str:
+    """A cheap identity of the weights: sha256 over each parameter's name, shape, dtype, sum and
+    sum of squares (float64). A resumed evaluation must be of the same weights as its first part."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        x = p.detach().double()
+        h.update(f"{name}{tuple(p.shape)}{p.dtype}{float(x.sum()):.17g}{float(x.square().sum()):.17g}".encode())
+    return h.hexdigest()
 
 
 def _atomic_write(path: Path, write: Any) -> None:
@@ -243,6 +254,7 @@ def evaluate(
         # what the result is of; the CLI names real paths, a library caller may not have them
         "checkpoint": "(in memory)", "store": "(in memory)", "split": str(getattr(split, "name", "?")),
         **{k: v for k, v in (meta or {}).items()},
+        "model_signature": model_signature(model),
         "context": int(context), "context_cut": None if context_cut is None else int(context_cut),
         "tiles": n_tiles, "bucket_edges": edges.tolist(), "write_tokens": bool(write_tokens),
         "chunk_size": int(chunk_size),

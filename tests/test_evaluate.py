@@ -312,3 +312,49 @@ def test_compare_plot_and_check_logprobs_commands(tmp_path: Path, capsys: pytest
     assert main(["check-logprobs", str(tmp_path / "model"), "--store", str(sample_store), "--context", "192",
                  "--out", str(tmp_path / "gap")]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_an_interrupted_evaluation_resumes_only_for_the_same_weights(tiny: GenoLM, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    split = make_split([1000], seed=6)
+    whole = evaluate(tiny, split, tmp_path / "whole", context=128, progress=False)
+    calls = {"n": 0}
+    real = GenoLM.token_nll
+
+    def failing(self: GenoLM, *args, **kwargs):  # the third tile fails, as a crash would
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated crash")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenoLM, "token_nll", failing)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        evaluate(tiny, split, tmp_path / "r", context=128, progress=False)
+    assert not (tmp_path / "r").exists() and sorted(p.name for p in (tmp_path / ".r.partial" / "tokens").iterdir()) == [
+        "part-00000.parquet", "part-00001.parquet"]
+    monkeypatch.setattr(GenoLM, "token_nll", real)
+    # other weights: the partial work is discarded, the result is that model's own
+    torch.manual_seed(1)
+    other = GenoLM(PRESETS["tiny"]).eval()
+    fresh = evaluate(other, split, tmp_path / "other-fresh", context=128, progress=False)
+    calls["n"] = 0
+    monkeypatch.setattr(GenoLM, "token_nll", failing)
+    with pytest.raises(RuntimeError):
+        evaluate(tiny, split, tmp_path / "r2", context=128, progress=False)
+    monkeypatch.setattr(GenoLM, "token_nll", real)
+    (tmp_path / ".r2.partial").rename(tmp_path / ".other.partial")
+    switched = evaluate(other, split, tmp_path / "other", context=128, progress=False)
+    np.testing.assert_array_equal(switched.tile_nll, fresh.tile_nll)
+    # the same weights: it resumes at tile 2 (2 tiles are not scored again) and ends equal to one run
+    counted = {"n": 0}
+
+    def counting(self: GenoLM, *args, **kwargs):
+        counted["n"] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenoLM, "token_nll", counting)
+    resumed = evaluate(tiny, split, tmp_path / "r", context=128, progress=False)
+    assert counted["n"] == whole.n_tiles - 2
+    np.testing.assert_array_equal(resumed.tile_nll, whole.tile_nll)
+    np.testing.assert_array_equal(resumed.position_nll, whole.position_nll)
+    pd.testing.assert_frame_equal(read_tokens(tmp_path / "r"), read_tokens(tmp_path / "whole"))
