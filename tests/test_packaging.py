@@ -12,6 +12,8 @@ import pytest
 import genolong.evaluation
 import genolong.kernels
 from genolong.cli import main
+from genolong.evaluation.results import EvalResult
+from genolong.evaluation.stats import compare
 from genolong.quickstart import sample_fasta
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,24 +67,39 @@ def test_cli_help_and_version(capsys) -> None:
 
 
 def test_quickstart_command(tmp_path: Path) -> None:
-    """`genolong quickstart` as a user runs it (a subprocess), shortened to 2 steps at 1,024
-    tokens: prepare, base model on held-out chr22, fine-tune, fine-tuned model on the same tiles.
-    Run twice: the second run replaces the first (store and run directory)."""
+    """`genolong quickstart --control` as a user runs it (a subprocess), shortened to 2 steps at
+    2,048 tokens and 2 held-out tiles: prepare, evaluate the base, fine-tune, evaluate full and cut,
+    train and evaluate the control, compare, plot, REPORT.md. Run twice: the second run replaces
+    the first (store, runs, results)."""
     for _ in range(2):
         run = subprocess.run(
-            [sys.executable, "-m", "genolong.cli", "quickstart", "--out", str(tmp_path / "qs"), "--quiet",
-             "--set", "train.max_steps=2", "--set", "train.warmup_steps=1", "--set", "data.context=1024",
-             "--set", "eval.every_n_steps=2", "--set", "checkpoint.every_n_steps=2"],
+            [sys.executable, "-m", "genolong.cli", "quickstart", "--out", str(tmp_path / "qs"), "--quiet", "--control",
+             "--eval-tiles", "2", "--set", "train.max_steps=2", "--set", "train.warmup_steps=1",
+             "--set", "data.context=2048", "--set", "eval.every_n_steps=2", "--set", "checkpoint.every_n_steps=2"],
             capture_output=True, text=True,
         )
         assert run.returncode == 0, run.stderr[-3000:]
     assert "train: 6,179,943 tokens in 5 segments" in run.stdout
     assert "eval: 900,000 tokens in 2 segments" in run.stdout
-    assert (tmp_path / "qs" / "genome" / "manifest.json").is_file()
-    lines = run.stdout.splitlines()
-    base = next(line for line in lines if line.strip().startswith("base "))
-    tuned = next(line for line in lines if line.strip().startswith("fine-tuned "))
-    assert float(base.split()[1]) > 0 and float(tuned.split()[1]) > 0
-    run_dir = tmp_path / "qs" / "runs" / "quickstart"
-    assert (run_dir / "export" / "model.safetensors").is_file()
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step0000002.ckpt"]
+    assert "[8/8 |" in run.stdout and "genolong quickstart: done in" in run.stdout
+    qs = tmp_path / "qs"
+    assert (qs / "genome" / "manifest.json").is_file()
+    for name in ("quickstart", "control"):
+        assert (qs / "runs" / name / "export" / "model.safetensors").is_file()
+        assert sorted(p.name for p in (qs / "runs" / name / "checkpoints").iterdir()) == ["step0000002.ckpt"]
+    results = {name: EvalResult.load(qs / "eval" / name) for name in ("base", "tuned", "tuned-cut", "control")}
+    assert len({r.fingerprint for r in results.values()}) == 1  # the same tokens everywhere
+    assert results["tuned-cut"].context_cut == 1024 and results["tuned"].context_cut is None
+    assert results["tuned"].tokens == results["base"].tokens > 4000
+    # the control was trained on the same windows with the context cut: it differs from the tuned model
+    assert results["control"].mean_nll != results["tuned"].mean_nll
+    report = (qs / "REPORT.md").read_text()
+    for what in ("## Held-out loss by preceding context", "fine-tuned vs base", "full vs cut at 1,024",
+                 "fine-tuned vs short-context control", "figures/position_loss.png", "figures/relative_change.png"):
+        assert what in report, what
+    table = compare(results["base"], results["tuned"])
+    overall = table.set_index("bucket").loc["all"]
+    assert f"{overall.b_nats:.4f}" in report and f"{overall.rel_pct:.2f}%" in report
+    for figure in ("position_loss", "buckets", "relative_change"):
+        assert (qs / "figures" / f"{figure}.png").read_bytes().startswith(b"\x89PNG")
+        assert (qs / "figures" / f"{figure}.pdf").read_bytes().startswith(b"%PDF")
