@@ -140,6 +140,22 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scoring_arguments(parser: argparse.ArgumentParser, out_default: str) -> None:
+    """The arguments ``evaluate`` and ``check-logprobs`` share: what to score, where, how."""
+    parser.add_argument("checkpoint", metavar="CHECKPOINT",
+                        help="a model directory (config.json + safetensors, e.g. runs/NAME/export), a run directory "
+                             "runs/NAME or a runs/NAME/checkpoints/step*.ckpt")
+    parser.add_argument("--store", required=True, metavar="DIR", help="genome store (genolong prepare)")
+    parser.add_argument("--split", default="eval", help="split to score (default: %(default)s)")
+    parser.add_argument("--first-bucket", type=int, default=1024, metavar="B",
+                        help="upper edge of the first context bucket; later ones double (default: %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter dtype (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")
+    parser.add_argument("--out", metavar="DIR", help=f"result directory (default: {out_default})")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     from .data.prepare import DEFAULT_MIN_GAP, DEFAULT_SPLITS
@@ -191,25 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
             "the per-token table (parquet), per-window and per-position sums and the bucket table."
         ),
     )
-    ev.add_argument("checkpoint", metavar="CHECKPOINT",
-                    help="a model directory (config.json + safetensors, e.g. runs/NAME/export), a run directory "
-                         "runs/NAME or a runs/NAME/checkpoints/step*.ckpt")
-    ev.add_argument("--store", required=True, metavar="DIR", help="genome store (genolong prepare)")
-    ev.add_argument("--split", default="eval", help="split to score (default: %(default)s)")
+    _scoring_arguments(ev, out_default="evaluations/NAME-SPLIT-LCONTEXT[-cutC]")
     ev.add_argument("--context", type=int, metavar="L",
                     help="tile length in tokens (default: the run's eval context when CHECKPOINT is a run or .ckpt)")
     ev.add_argument("--context-cut", type=int, metavar="C",
                     help="score the same tokens with at most C bases of context each (the model restarts every C bases)")
     ev.add_argument("--max-tiles", type=int, metavar="N", help="score only the first N tiles (default: all)")
-    ev.add_argument("--first-bucket", type=int, default=1024, metavar="B",
-                    help="upper edge of the first context bucket; later ones double (default: %(default)s)")
-    ev.add_argument("--out", metavar="DIR", help="result directory (default: evaluations/NAME-SPLIT-LCONTEXT[-cutC])")
     ev.add_argument("--label", help="name of this run in tables and figures (default: from CHECKPOINT)")
-    ev.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter dtype (default: %(default)s)")
-    ev.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")
     ev.add_argument("--no-tokens", action="store_true", help="do not write the per-token table (aggregates only)")
-    ev.add_argument("--force", action="store_true", help="replace an existing --out")
-    ev.add_argument("--quiet", action="store_true", help="no progress bar")
     ev.set_defaults(func=_cmd_evaluate)
 
     cmp_ = sub.add_parser(
@@ -253,17 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
             "and max |difference| by preceding-context bucket, as a table and a figure."
         ),
     )
-    chk.add_argument("checkpoint", metavar="CHECKPOINT", help="a model directory, run directory or step*.ckpt (as for evaluate)")
-    chk.add_argument("--store", required=True, metavar="DIR", help="genome store (genolong prepare)")
-    chk.add_argument("--split", default="eval", help="split to score (default: %(default)s)")
+    _scoring_arguments(chk, out_default="evaluations/NAME-logprob-gap-LCONTEXT-DTYPE")
     chk.add_argument("--context", type=int, required=True, metavar="L", help="tile length in tokens")
     chk.add_argument("--max-tiles", type=int, default=1, metavar="N", help="tiles to check (default: %(default)s)")
-    chk.add_argument("--first-bucket", type=int, default=1024, metavar="B", help="upper edge of the first bucket (default: %(default)s)")
-    chk.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter dtype (default: %(default)s)")
-    chk.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
-    chk.add_argument("--out", metavar="DIR", help="result directory (default: evaluations/NAME-logprob-gap-LCONTEXT-DTYPE)")
-    chk.add_argument("--force", action="store_true", help="replace an existing --out")
-    chk.add_argument("--quiet", action="store_true", help="no progress bar")
     chk.set_defaults(func=_cmd_check_logprobs)
 
     quick = sub.add_parser(

@@ -1,10 +1,12 @@
-"""Shared fixtures: the bundled sample prepared once per session."""
+"""Shared fixtures: the bundled sample prepared once per session, and one torch thread per module."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from genolong.data.prepare import prepare_genome
 from genolong.quickstart import SAMPLE_EVAL, SAMPLE_TRAIN, sample_fasta
@@ -16,3 +18,17 @@ def sample_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sample") / "genome"
     prepare_genome([sample_fasta()], out, train=SAMPLE_TRAIN, eval=SAMPLE_EVAL, progress=False)
     return out
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op torch thread for a test module (``pytestmark = pytest.mark.usefixtures("one_thread")``).
+
+    These tests run many small ops: with two OpenMP threads on a shared 2-core machine each op can
+    wait for a descheduled worker (one ``index_add_`` took 45 ms under load; a loss + backward at
+    T = 200 took 0.47 s with 2 threads and 0.025 s with 1).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

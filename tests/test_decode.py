@@ -8,7 +8,6 @@ state, the short-conv state, the MLA latent cache and the incremental KPool inde
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,14 +21,7 @@ from genolong.model.dsa import DSAIndexer
 TOL = 1e-4  # max |log-prob difference|, fp32 (issue 3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # A decode step is a few thousand tiny ops: with two OpenMP threads on a shared 2-core machine
-    # every op can wait for a descheduled worker (45 ms for one index_add_ measured under load).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,17 +19,7 @@ from genolong.kernels.dsa.kpool_loss import (
 from genolong.kernels.testing import rms_ratio
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Run these small-tensor tests on one intra-op thread (restored after each test).
-
-    Measured here on 2 shared cores: a loss + backward at T = 200 took 0.47 s with 2 threads and
-    0.025 s with 1 (thread hand-offs dominate ops on tensors this small).
-    """
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _inputs(B, T, H, HK, D, HI, DI, P, dtype, seed, w=True):

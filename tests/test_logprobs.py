@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,13 +54,7 @@ def make_split(lengths: tuple[int, ...] = (700, 500), seed: int = 0) -> Split:
     return Split("eval", tokens, pd.DataFrame(rows, columns=["contig", "start", "end", "offset"]))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # a decode step is thousands of tiny ops: a second OpenMP thread on a shared machine only waits
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -62,14 +62,7 @@ TECHNIQUES: dict[str, dict[str, object]] = {
 EXACT = {name for name in TECHNIQUES if name != "moe-chunks"}  # same ops on the same values
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> object:
-    """One intra-op thread: these small steps gain nothing from two, and on a shared 2-core
-    machine two OpenMP threads per process thrash (10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
