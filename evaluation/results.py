@@ -1,6 +1,6 @@
 """The result of one ``genolong evaluate`` run: aggregates of per-token NLL, saved as a directory.
 
-Layout of a result directory (format ``genolong-eval/1``; see the evaluation spec):
+Layout of a result directory (format ``genolong-eval/1``; written by ``genolong evaluate``, see :mod:`genolong.evaluation.score`):
 
 - ``meta.json``: run description (label, checkpoint, store, split, context, context_cut,
   bucket_edges, tiles, tokens, nll_sum, fingerprint, free extras);
@@ -55,7 +55,7 @@ class EvalResult:
     """Aggregated NLL of one evaluation run over ``W`` tiles of ``L`` tokens and ``K`` offset buckets.
 
     Attributes:
-        meta: the ``meta.json`` object (keys of the spec plus free extras).
+        meta: the ``meta.json`` object (the keys listed above plus free extras).
         tiles: one row per tile: ``tile`` (int64, 0..W-1), ``contig`` (str), ``start`` (int64,
             genomic 0-based start), ``length`` (int64 tokens).
         tile_tokens: ``[W, K]`` int64 counted targets of each tile in each bucket.
