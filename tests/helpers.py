@@ -1,13 +1,21 @@
-"""Test helpers: small FASTA writers, a naive reference segmenter, paths of the test data."""
+"""Test helpers: small FASTA writers, a naive reference segmenter, paths of the test data, the
+transformers child process and the multi-process (gloo) launcher."""
 
 from __future__ import annotations
 
 import gzip
 import re
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pysam
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_DATA = Path(__file__).resolve().parent / "data"
@@ -90,3 +98,39 @@ def run_transformers(script: str, *args: str, stdin: str = "") -> str:
     if run.returncode:
         raise AssertionError(f"the transformers reference failed:\n{run.stderr[-4000:]}")
     return run.stdout
+
+
+# -- multi-process runs (gloo) ----------------------------------------------------------------------
+
+
+def _rank_entry(rank: int, fn: Callable[..., None], world: int, init_file: str, args: tuple[Any, ...]) -> None:
+    # one intra-op thread per process: the machine's cores are shared by all ranks
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., None], world: int, tmp_path: Path, *args: Any, timeout: float = 120.0) -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined in a gloo process group.
+
+    ``fn`` must be a module-level function (it is pickled). A rank that raises fails the call with
+    its traceback (the other ranks are terminated); a run longer than ``timeout`` seconds is
+    terminated and fails the test (the process group's own timeout, 60 s, also ends a rank stuck
+    in a collective whose partner died).
+    """
+    init_file = tmp_path / f"pg_init_{time.monotonic_ns()}"
+    ctx = mp.start_processes(_rank_entry, args=(fn, world, str(init_file), args), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            for p in ctx.processes:
+                p.join(5)
+            pytest.fail(f"{world}-process run of {fn.__name__} did not finish within {timeout:.0f} s")
