@@ -21,13 +21,15 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.float().permute(2, 0, 1, 3).reshape(HK, B * T, D).contiguous()
 
 
-def _block_indices(indices: torch.Tensor, T: int, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat rows ``[B * n * K]`` (``b * T + position``, empty slots clamped to row 0) and ``valid [B, n, K]``."""
+def _block_indices(indices: torch.Tensor, TK: int, q0: int, q1: int, q_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat key rows ``[B * n * K]`` (``b * TK + position``, invalid slots sent to row 0) and
+    ``valid [B, n, K]`` for query rows ``q0:q1`` (global positions ``q_offset + q0 ..``)."""
     B = indices.shape[0]
     idx = indices[:, q0:q1].long()  # [B, n, K]
-    pos_q = torch.arange(q0, q1, device=indices.device)
+    pos_q = torch.arange(q_offset + q0, q_offset + q1, device=indices.device)
     valid = (idx >= 0) & (idx <= pos_q[None, :, None])
-    flat = idx.clamp(min=0) + (torch.arange(B, device=indices.device) * T)[:, None, None]
+    # invalid slots (empty, or future positions that a context-parallel rank may not hold) read row 0
+    flat = torch.where(valid, idx, 0) + (torch.arange(B, device=indices.device) * TK)[:, None, None]
     return flat.reshape(-1), valid
 
 
@@ -80,9 +82,9 @@ class _SparseAttention(torch.autograd.Function):
     # transposes become BLAS flags, not copies); on CPU the permute copies of a [n, K, HK, D]
     # gather otherwise cost more than the arithmetic. Block-sized scratch tensors are reused.
     @staticmethod
-    def forward(ctx, q, k, v, indices, scale, query_block):  # type: ignore[override]
+    def forward(ctx, q, k, v, indices, scale, query_block, q_offset):  # type: ignore[override]
         B, T, H, D = q.shape
-        HK, DV = k.shape[2], v.shape[3]
+        TK, HK, DV = k.shape[1], k.shape[2], v.shape[3]
         G = H // HK
         K = indices.shape[2]
         k_hf, v_hf = _heads_first(k), _heads_first(v)
@@ -93,7 +95,7 @@ class _SparseAttention(torch.autograd.Function):
             q1 = min(q0 + query_block, T)
             n = q1 - q0
             rows = HK * B * n
-            flat, valid = _block_indices(indices, T, q0, q1)
+            flat, valid = _block_indices(indices, TK, q0, q1, q_offset)
             ks = _gather(k_hf, flat, B * n, K, buf.get("ks", rows, K, D))  # [HK*B*n, K, D]
             vs = _gather(v_hf, flat, B * n, K, buf.get("vs", rows, K, DV))  # [HK*B*n, K, DV]
             qb = _query_block(q, q0, q1, HK)  # [HK*B*n, G, D]
@@ -108,15 +110,15 @@ class _SparseAttention(torch.autograd.Function):
             o[:, q0:q1] = _unblock(ob, B, n, HK).to(q.dtype)
             lse[:, q0:q1] = _unblock(m + torch.log(l), B, n, HK).squeeze(-1)  # -inf for rows with no key
         ctx.save_for_backward(q, k, v, indices, o, lse)
-        ctx.scale, ctx.query_block = scale, query_block
+        ctx.scale, ctx.query_block, ctx.q_offset = scale, query_block, q_offset
         return o
 
     @staticmethod
     def backward(ctx, do):  # type: ignore[override]
         q, k, v, indices, o, lse = ctx.saved_tensors
-        scale, query_block = ctx.scale, ctx.query_block
+        scale, query_block, q_offset = ctx.scale, ctx.query_block, ctx.q_offset
         B, T, H, D = q.shape
-        HK, DV = k.shape[2], v.shape[3]
+        TK, HK, DV = k.shape[1], k.shape[2], v.shape[3]
         G = H // HK
         K = indices.shape[2]
         k_hf, v_hf = _heads_first(k), _heads_first(v)
@@ -131,7 +133,7 @@ class _SparseAttention(torch.autograd.Function):
             q1 = min(q0 + query_block, T)
             n = q1 - q0
             rows = HK * B * n
-            flat, valid = _block_indices(indices, T, q0, q1)
+            flat, valid = _block_indices(indices, TK, q0, q1, q_offset)
             ks = _gather(k_hf, flat, B * n, K, buf.get("ks", rows, K, D))
             vs = _gather(v_hf, flat, B * n, K, buf.get("vs", rows, K, DV))
             qb = _query_block(q, q0, q1, HK)  # [HK*B*n, G, D]
@@ -153,8 +155,9 @@ class _SparseAttention(torch.autograd.Function):
                 dk_hf[h].index_add_(0, flat, dks[h])
         return (
             dq.to(q.dtype),
-            dk_hf.view(HK, B, T, D).permute(1, 2, 0, 3).to(k.dtype).contiguous(),
-            dv_hf.view(HK, B, T, DV).permute(1, 2, 0, 3).to(v.dtype).contiguous(),
+            dk_hf.view(HK, B, TK, D).permute(1, 2, 0, 3).to(k.dtype).contiguous(),
+            dv_hf.view(HK, B, TK, DV).permute(1, 2, 0, 3).to(v.dtype).contiguous(),
+            None,
             None,
             None,
             None,
@@ -168,24 +171,28 @@ def sparse_attention(
     indices: torch.Tensor,
     scale: float | None = None,
     query_block: int = 64,
+    q_offset: int = 0,
 ) -> torch.Tensor:
     """Attention of each query over its selected keys only; differentiable w.r.t. q, k, v.
 
     ``o[b, t, h] = sum_{s in S(b, t)} softmax_s(scale * q[b, t, h] . k[b, s, h // G]) v[b, s, h // G]``
-    with ``S(b, t) = {indices[b, t, i] : 0 <= indices[b, t, i] <= t}`` (``-1`` slots and positions
-    after ``t`` are ignored) and ``G = H // HK`` (GQA/MQA; query head ``h`` uses KV head
+    with ``S(b, t) = {indices[b, t, i] : 0 <= indices[b, t, i] <= q_offset + t}`` (``-1`` slots and
+    positions after the query's are ignored) and ``G = H // HK`` (GQA/MQA; query head ``h`` uses KV head
     ``h // G``, as fla's ``repeat(k, 'b t h d -> b t (h g) d')``). A row with no valid key gives 0.
     Indices are assumed distinct within a row (a repeated index would be counted twice); the
     indexer and KPool expansion guarantee it. Computed in float32, returned in ``q.dtype``.
 
     Args:
-        q: queries ``[B, T, H, D]``.
-        k: keys ``[B, T, HK, D]`` with ``H % HK == 0``.
-        v: values ``[B, T, HK, DV]`` (``DV`` may differ from ``D``, as in MLA).
+        q: queries ``[B, T, H, D]`` at positions ``q_offset .. q_offset + T - 1``.
+        k: keys ``[B, TK, HK, D]`` of positions ``0 .. TK - 1`` with ``H % HK == 0`` and
+            ``TK >= q_offset + T`` (``TK = T`` without an offset).
+        v: values ``[B, TK, HK, DV]`` (``DV`` may differ from ``D``, as in MLA).
         indices: ``[B, T, K]`` int64 or int32 selected key positions, ``-1`` padded.
         scale: softmax scale, default ``D ** -0.5``.
         query_block: queries per chunk (default 64); the gathered K/V of a chunk hold
             ``B * query_block * K * HK * (D + DV)`` float32 values.
+        q_offset: position of the first query (default 0): a context-parallel rank's queries
+            attend over keys gathered from the ranks before it.
 
     Returns:
         o: ``[B, T, H, DV]`` in ``q.dtype``.
@@ -193,10 +200,14 @@ def sparse_attention(
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or indices.dim() != 3:
         raise ValueError("expected q [B, T, H, D], k [B, T, HK, D], v [B, T, HK, DV], indices [B, T, K]")
     B, T, H, D = q.shape
-    if k.shape[:2] != (B, T) or v.shape[:3] != k.shape[:3] or k.shape[3] != D or indices.shape[:2] != (B, T):
+    if (k.shape[0] != B or k.shape[1] < q_offset + T or v.shape[:3] != k.shape[:3] or k.shape[3] != D
+            or indices.shape[:2] != (B, T)):
         raise ValueError(
-            f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, indices {tuple(indices.shape)}"
+            f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, indices {tuple(indices.shape)}, "
+            f"q_offset {q_offset} (keys must cover positions 0 .. q_offset + T - 1)"
         )
+    if q_offset < 0:
+        raise ValueError(f"q_offset must be >= 0, got {q_offset}")
     HK = k.shape[2]
     if HK == 0 or H % HK != 0:
         raise ValueError(f"the number of query heads ({H}) must be a multiple of the KV heads ({HK})")
@@ -205,4 +216,4 @@ def sparse_attention(
     if query_block < 1:
         raise ValueError(f"query_block must be positive, got {query_block}")
     sc = D ** -0.5 if scale is None else float(scale)
-    return _SparseAttention.apply(q, k, v, indices, sc, query_block)
+    return _SparseAttention.apply(q, k, v, indices, sc, query_block, int(q_offset))
