@@ -114,6 +114,18 @@ def _cmd_check_logprobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from .config import load_recipe
+    from .parallel.plan import format_plan, plan
+
+    result = plan(load_recipe(args.recipe, args.set), gpus=args.gpus, gpu_mem_gib=args.gpu_mem, host_mem_gib=args.host_mem,
+                  gpus_per_node=args.gpus_per_node, moe_imbalance=args.moe_imbalance, kda_kernel=args.kda_kernel)
+    print(json.dumps(result.to_dict(), indent=1) if args.json else format_plan(result))
+    return 0
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .evaluation.report import format_compare_table, write_table
     from .evaluation.results import EvalResult
@@ -198,6 +210,29 @@ def build_parser() -> argparse.ArgumentParser:
                       help="override a recipe key, e.g. --set train.max_steps=20 (repeatable)")
     tune.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of this run")
     tune.set_defaults(func=_cmd_finetune)
+
+    pl = sub.add_parser(
+        "plan",
+        help="will a recipe fit? per-GPU device memory, pinned host memory, and the cheapest change that fits",
+        description=(
+            "Predict a recipe's memory per GPU (parameters, gradients and AdamW state under FSDP sharding; saved "
+            "and recomputed activations per layer type under the recipe's recompute, offload and context "
+            "parallelism; MoE dispatch, DSA and cross-entropy buffers; workspace) and the pinned host memory "
+            "for offload per GPU and per node, with a verdict and the cheapest change that makes it fit."
+        ),
+    )
+    pl.add_argument("recipe", metavar="RECIPE", help="YAML recipe (see recipes/)")
+    pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key (repeatable)")
+    pl.add_argument("--gpus", type=int, metavar="N", help="number of GPUs (default: the recipe's devices x num_nodes)")
+    pl.add_argument("--gpu-mem", type=float, default=80.0, metavar="GiB", help="memory per GPU (default: %(default)s)")
+    pl.add_argument("--host-mem", type=float, metavar="GiB", help="host RAM per node (default: not checked)")
+    pl.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs per node (default: %(default)s)")
+    pl.add_argument("--moe-imbalance", type=float, default=4.0, metavar="X",
+                    help="tokens on the busiest expert rank over the mean (default: %(default)s, as the reference saw)")
+    pl.add_argument("--kda-kernel", choices=["torch", "fla"], default=None,
+                    help="whose KDA kernel's saved tensors to count (default: torch, the measured one)")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(func=_cmd_plan)
 
     ev = sub.add_parser(
         "evaluate",

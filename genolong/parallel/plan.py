@@ -1,0 +1,919 @@
+"""The memory planner behind ``genolong plan``: will a recipe fit, per GPU and per node, before it runs?
+
+Everything is predicted from formulas over the :class:`~genolong.model.config.ModelConfig`
+dimensions and the recipe's settings; nothing is measured or looked up. The activation formulas
+are an inventory of what autograd keeps for backward in genolong's own layers (the torch kernels
+in ``genolong.kernels``), storage by storage, written from the code of each layer; the tests
+(``tests/test_plan.py``) hold them to within 10% of :class:`~genolong.memory.meter.ActivationMeter`
+on the ``tiny`` and ``small`` presets over lengths, recompute modes, offload and CP.
+
+Per GPU (one process), device memory is the sum of:
+
+- **parameters, gradients, optimizer state** under FSDP2 sharding. The shard group is
+  ``dp_shard * cp`` ranks (as the recipes say: with context parallelism, parameters are sharded
+  over all ranks of a replica); ``dp_replicate`` replicas each hold a full sharded copy.
+  ``32-true``: fp32 parameters (4 B), gradients (4 B), AdamW moments (8 B) per parameter.
+  ``bf16-mixed``: fp32 master parameters, fp32 gradients (FSDP reduce dtype) and fp32 moments,
+  the same 16 B per parameter, plus the bf16 compute copies below.
+- **FSDP working copies**: the unsharded parameters of the block being computed and of the one
+  prefetched (2 x the largest FSDP unit, in the compute dtype) and the unsharded gradient of one
+  unit before its reduce-scatter (fp32). None without sharding in fp32.
+- **saved activations** that stay on the device (see :func:`activation_estimate`), for
+  ``tokens_per_rank = batch_size * context / cp`` tokens.
+- **transients** while backward runs: the activations a recomputed region rebuilds (the largest
+  one), the activation gradients in flight (3 x the residual streams of a layer), and the
+  largest of: one MoE dispatch chunk, the DSA indexer/top-k and sparse-attention buffers (with
+  the CP all-gather of the latent and pooled keys), the cross-entropy chunk.
+- **workspace**: :data:`WORKSPACE_BYTES` (CUDA context, cuBLAS and NCCL buffers) plus
+  :data:`FRAGMENTATION` of everything else (allocator rounding and fragmentation).
+
+Pinned host memory per GPU is the offloaded activation pool at its peak (end of forward);
+per node it is that times the GPUs of a node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import KDA_CHUNK, Recipe, kernel_multiple, parse_recipe
+from ..errors import InputError
+from ..model.config import INDEXED_ATTENTION, LINEAR_ATTENTION, ModelConfig, parameter_count
+from .recompute import DEFAULT_SELECTIVE, MODULE_KINDS, RECOMPUTE_MODES
+
+__all__ = [
+    "FRAGMENTATION",
+    "GIB",
+    "KDA_KERNELS",
+    "WORKSPACE_BYTES",
+    "ActivationEstimate",
+    "Plan",
+    "SavedTensor",
+    "activation_estimate",
+    "format_plan",
+    "layer_saved_tensors",
+    "outside_saved_tensors",
+    "plan",
+]
+
+GIB = 1 << 30
+#: Fixed device workspace: CUDA context, cuBLAS workspaces, NCCL buffers (about 2 GiB on H100/B200).
+WORKSPACE_BYTES = 2 * GIB
+#: Allocator rounding and fragmentation, as a fraction of everything else on the device.
+FRAGMENTATION = 0.05
+#: Sub-block size of the torch chunked KDA (``genolong.kernels.kda.chunk._SUB_BLOCK``): the
+#: in-chunk matrices come from one matmul per sub-block, then a block-inverse hierarchy.
+KDA_SUB_BLOCK = 16
+#: Queries per block of the DSA sparse attention (``DSAMixer.query_block``) and of the indexer KL.
+DSA_QUERY_BLOCK = 64
+#: Query and pool tile of the KPool indexer top-k (``kernels.dsa.kpool_topk`` defaults).
+INDEXER_TILE = 256
+
+_F32 = 4
+_I64 = 8
+_KIND_ALIASES = {"attn": ("kda", "dsa"), "ffn": ("moe", "mlp")}
+
+
+# -- saved-tensor inventory ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One storage autograd keeps for backward (counted once, as the meter counts storages).
+
+    Attributes:
+        kind: the part of the layer it belongs to: ``kda``, ``dsa``, ``indexer_kl``, ``moe``,
+            ``mlp``, ``mhc`` (hyper-connections and stream merges), ``norm``, ``block_input``
+            (full recompute) or ``outside`` (embedding, final norm, loss).
+        name: what it is (for the breakdown).
+        bytes_per_token: bytes per token of the rank's sequence slice.
+        views: how many storage-sized host copies the offloader makes of it (it copies each
+            distinct view autograd saves: e.g. the mHC streams are saved as a flat, a 4-D and a
+            batched-matmul view, three copies).
+        piece_tokens: the tensor is saved in pieces of this many tokens (per KDA chunk, per
+            expert, per query block); the offload threshold applies to a piece. None: whole.
+        const_bytes: bytes that do not grow with the tokens.
+    """
+
+    kind: str
+    name: str
+    bytes_per_token: float
+    views: float = 1.0
+    piece_tokens: float | None = None
+    const_bytes: float = 0.0
+
+    def nbytes(self, tokens: int) -> float:
+        """Device bytes of the storage for ``tokens`` tokens."""
+        return self.bytes_per_token * tokens + self.const_bytes
+
+    def piece_bytes(self, tokens: int) -> float:
+        """Bytes of one saved piece (what the offload threshold compares)."""
+        if self.piece_tokens is None:
+            return self.nbytes(tokens)
+        return self.bytes_per_token * min(self.piece_tokens, tokens)
+
+
+def _resolve_kinds(recompute: str, modules: Sequence[str]) -> frozenset[str]:
+    if recompute not in RECOMPUTE_MODES:
+        raise InputError(f"recompute {recompute!r} is unknown; choose one of {', '.join(RECOMPUTE_MODES)}")
+    if isinstance(modules, str):
+        modules = (modules,)
+    for kind in modules:
+        if kind not in MODULE_KINDS:
+            raise InputError(f"recompute module kind {kind!r} is unknown; choose from {', '.join(MODULE_KINDS)}")
+    if recompute != "selective":
+        return frozenset()
+    kinds: set[str] = set()
+    for kind in tuple(modules) or DEFAULT_SELECTIVE:
+        kinds.update(_KIND_ALIASES.get(kind, (kind,)))
+    return frozenset(kinds)
+
+
+def _norm(kind: str, name: str, width: int, a: int) -> list[SavedTensor]:
+    """RMSNorm over ``width``: the fp32 input (``x.float()``: the input itself in fp32, a copy
+    otherwise), the ``[T, 1]`` rsqrt and the normalised value cast back to the compute dtype."""
+    return [
+        SavedTensor(kind, f"{name} input (fp32)", width * _F32),
+        SavedTensor(kind, f"{name} rsqrt", _F32),
+        SavedTensor(kind, f"{name} normalised", width * a),
+    ]
+
+
+def _kda_intra_floats(K: int, C: int, c: int) -> float:
+    """fp32 numbers per token per head the torch chunked KDA keeps inside ``_intra_chunk``.
+
+    Sub-blocks of ``c`` tokens: decay factors (row, col: 2K), the stacked k|q (2K) and their
+    product (2K), the decayed keys (K), the beta-weighted lower triangle (``c``); the block
+    inverse inside a sub-block keeps, at level h = 1: the ones (1); at h = 2, 4, ..: the
+    off-diagonal quadrant, the inverse so far and a product (2h; 3.5h at the last level, h = c/2). Levels ``h = c ..
+    C/2`` across sub-blocks keep decays (K/2 + K/2), stacked k|q and product (2K), decayed keys
+    (K/2), the off-diagonal block (h), its beta-weighted half (h/2), the inverse (h) and a
+    product (h/2): ``3.5K + 3h``.
+    """
+    floats = 7.0 * K + c + 1.0
+    h = 2
+    while h < c:
+        # the last sub-block level also keeps the inverse of the level below in a 2h-wide
+        # buffer and a full-size quadrant copy: 3.5h instead of 2h
+        floats += 3.5 * h if 2 * h == c else 2.0 * h
+        h *= 2
+    h = c
+    while h < C:
+        floats += 3.5 * K + 3.0 * h
+        h *= 2
+    return floats
+
+
+#: KDA chunk kernels the planner knows: ``torch`` (genolong's, validated against the meter) and
+#: ``fla`` (fla-core's Triton ``chunk_kda``, an estimate from its ``save_for_backward``: not
+#: runnable on CPU, so not validated here).
+KDA_KERNELS = ("torch", "fla")
+
+
+def _kda(cfg: ModelConfig, a: int, recomputed: bool, kernel: str = "torch") -> list[SavedTensor]:
+    """The KDA mixer (``genolong.model.kda.KDAMixer`` with ``genolong.kernels.kda.chunk_kda``).
+
+    Recomputed: only its input ``x [T, H]``. Otherwise (per token; ``q = heads * d``):
+    the input (H, shared by the six projections); the short conv's padded input (3q fp32, saved
+    as 4 shifted slices: 4 offload copies), its pre-activation (3q fp32) and q|k|v after SiLU in
+    fp32 (3q); the L2 norms' roots (2 x heads) and the normalised keys (q fp32, saved through 3
+    views); the gate's low-rank input (d), raw logits and sigmoid (2q fp32); beta (heads fp32);
+    the chunk kernel's in-chunk matrices (:func:`_kda_intra_floats` per head), then per head the
+    decays (computed twice) and their products with q, k, beta, two views of the decayed keys
+    (10K), beta*v and u (2V), the two
+    ``[C, C]`` chunk matrices (2C) and per chunk the transition ``[K, K]``, two states ``[K, V]``
+    and the final decay (``(K^2 + 2KV + K) / C``); the output (q fp32), its norm's rsqrt
+    (heads), normalised value before and after the weight (2q fp32), gate sigmoid (q fp32), the
+    gated product in the compute dtype (q) and the gate's low-rank input (d).
+
+    ``kernel="fla"`` replaces the chunk kernel's part with what fla-core's ``ChunkKDAFunction``
+    saves (it recomputes the rest in backward): per head the scaled q, the cumulative and raw
+    log decays (3K fp32), ``Aqk`` and ``Akk`` (2C fp32) and the sigmoid beta.
+    """
+    H = cfg.hidden_size
+    if recomputed:
+        return [SavedTensor("kda", "mixer input (recomputed)", H * a)]
+    d, heads = cfg.linear_head_dim, cfg.linear_num_heads
+    q = d * heads
+    K = V = d
+    C = KDA_CHUNK
+    mixer = [
+        SavedTensor("kda", "mixer input", H * a),
+        SavedTensor("kda", "conv padded input", 3 * q * _F32, views=4.0),
+        SavedTensor("kda", "conv pre-activation", 3 * q * _F32),
+        SavedTensor("kda", "q|k|v", 3 * q * _F32),
+        SavedTensor("kda", "l2 norm roots", 2 * heads * _F32),
+        SavedTensor("kda", "normalised k", q * _F32, views=3.0),
+        SavedTensor("kda", "gate low-rank", d * a),
+        SavedTensor("kda", "gate logits + sigmoid", 2 * q * _F32),
+        SavedTensor("kda", "beta", heads * _F32, views=4.0),
+    ]
+    intra = _kda_intra_floats(K, C, KDA_SUB_BLOCK)
+    if kernel == "fla":
+        chunk = [SavedTensor("kda", "fla chunk_kda: q, decays, Aqk, Akk, beta", heads * (3 * K + 2 * C + 1) * _F32)]
+    else:
+        chunk = [
+            # the decay factors of the sub-blocks and of levels c..C/2 are saved by exp (as they
+            # are) and by the product (unsqueezed): two offload copies, 2K more per head
+            SavedTensor("kda", "chunk: in-chunk matrices", heads * intra * _F32, views=1.0 + 2.0 * K / intra),
+            SavedTensor("kda", "chunk: decays, u, w, q_eff", heads * (10 * K + 2 * V + 2 * C) * _F32),
+            SavedTensor("kda", "chunk: transitions + states", heads * (K * K + 2 * K * V + K) / C * _F32, piece_tokens=C),
+        ]
+    return mixer + chunk + [SavedTensor("kda", "output + gated norm", (4 * q + heads) * _F32 + q * a + d * a)]
+
+
+def _index_slots(cfg: ModelConfig) -> int:
+    return cfg.index_topk + (cfg.index_kpool - 1 if cfg.index_kpool_always_select_tail and cfg.index_kpool > 1 else 0)
+
+
+def _dsa(cfg: ModelConfig, layer: int, a: int, recomputed: bool, prev_recomputed: bool,
+         indexer_kl: bool) -> list[SavedTensor]:
+    """The DSA mixer (``genolong.model.dsa.DSAMixer``, absorbed MLA over the kv latent).
+
+    Recomputed: its input (H) and, on a ``shared`` layer, the top-k indices it receives
+    (``index_topk + index_kpool - 1`` int64 per token). Otherwise: the input (H); the q and kv
+    low-rank norms (:func:`_norm` at q_lora_rank and kv_lora_rank) and the normalised q
+    residual; the per-head queries (heads x qk_head_dim); the latent (kv_lora_rank, the one
+    key/value head); the absorbed queries and the attention output in the latent (2 x heads x
+    kv_lora_rank), the log-sum-exp (heads fp32), the output before o_proj (heads x v_head_dim);
+    the indices (full layers; a shared layer reuses the previous layer's storage). With the
+    indexer KL (the trainer turns it on): index queries (HI x DI), the index key LayerNorm
+    (input, output, mean/rstd), the KPool softmax, the pooled keys (DI / P), head weights (HI
+    fp32) and, per selected pool, pool id, validity and target log-probability (13 B).
+    """
+    H = cfg.hidden_size
+    assert cfg.indexer_types is not None
+    shared = cfg.indexer_types[layer] == "shared"
+    slots = _index_slots(cfg)
+    if recomputed:
+        out = [SavedTensor("dsa", "mixer input (recomputed)", H * a)]
+        if shared:
+            out.append(SavedTensor("dsa", "received top-k indices", slots * _I64))
+        return out
+    heads = cfg.num_attention_heads
+    out = [SavedTensor("dsa", "mixer input", H * a)]
+    out += _norm("dsa", "q_a norm", cfg.q_lora_rank, a)
+    out += [SavedTensor("dsa", "q residual", cfg.q_lora_rank * a)]
+    out += _norm("dsa", "kv_a norm", cfg.kv_lora_rank, a)
+    out += [
+        SavedTensor("dsa", "queries", heads * cfg.qk_head_dim * a),
+        SavedTensor("dsa", "kv latent", cfg.kv_lora_rank * a),
+        SavedTensor("dsa", "absorbed queries + latent output", 2 * heads * cfg.kv_lora_rank * a),
+        SavedTensor("dsa", "log-sum-exp", heads * _F32),
+        SavedTensor("dsa", "attention output", heads * cfg.v_head_dim * a),
+    ]
+    if not shared:
+        out.append(SavedTensor("dsa", "top-k indices", slots * _I64))
+    elif prev_recomputed:
+        out.append(SavedTensor("dsa", "received top-k indices", slots * _I64))
+    if indexer_kl and not shared:
+        hi, di, pool = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
+        pools = cfg.index_topk // pool
+        blk = float(DSA_QUERY_BLOCK)
+        out += [
+            SavedTensor("indexer_kl", "index queries", hi * di * a, piece_tokens=blk),
+            SavedTensor("indexer_kl", "index key norm (input, output, mean/rstd)", 2 * di * a + 2 * _F32),
+            SavedTensor("indexer_kl", "kpool softmax", di * a),
+            SavedTensor("indexer_kl", "pooled keys", di * a / pool),
+            SavedTensor("indexer_kl", "head weights", hi * _F32, piece_tokens=blk),
+            SavedTensor("indexer_kl", "pool ids, validity, target", pools * (_I64 + 1 + _F32), piece_tokens=blk),
+        ]
+    return out
+
+
+def _swiglu(kind: str, name: str, inner: int, a: int) -> list[SavedTensor]:
+    """A clamped SwiGLU's six ``[T, inner]`` tensors: gate and up projections, clamped gate, SiLU
+    output, clamped up, and the product that ``down_proj`` reads."""
+    return [SavedTensor(kind, f"{name} gate/up/clamps/silu/product", 6 * inner * a)]
+
+
+def _ffn(cfg: ModelConfig, layer: int, a: int, recomputed: bool, tokens: int, chunk: int | None) -> list[SavedTensor]:
+    """The feed-forward: dense SwiGLU (input H + :func:`_swiglu`) or MoE.
+
+    MoE (``genolong.model.moe.MoE``), not recomputed, per token: the input (H in the compute
+    dtype, plus its fp32 copy for the router in bf16); router sigmoid scores
+    (E fp32), top-k indices (k int64), chosen weights and their sum (k + 1 fp32), the expert
+    sort order and token map (2k int64); per (token, slot): the gathered input (H), gate|up (2I),
+    clamped gate, SiLU, clamped up, product (4I), the expert output (H), its weight (fp32) and
+    the weighted output that ``index_add_`` keeps as its source (H);
+    the shared expert (:func:`_swiglu`). Recomputed: the input only.
+    """
+    assert cfg.mlp_layer_types is not None
+    H = cfg.hidden_size
+    if cfg.mlp_layer_types[layer] == "dense":
+        if recomputed:
+            return [SavedTensor("mlp", "input (recomputed)", H * a)]
+        return [SavedTensor("mlp", "input", H * a)] + _swiglu("mlp", "dense", cfg.intermediate_size, a)
+    if recomputed:
+        return [SavedTensor("moe", "input (recomputed)", H * a)]
+    E, k, inner = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    c = min(chunk or tokens, tokens)
+    per_expert = max(c / E, 1.0)  # tokens whose slots land in one expert's piece, on average
+    return [
+        # the router reads it per chunk ([c, H] views), the shared expert whole: two offload
+        # copies when chunked (one view when not); in bf16 the router reads an fp32 copy
+        SavedTensor("moe", "input", H * a, views=2.0 if a == _F32 and c < tokens else 1.0),
+        *([SavedTensor("moe", "input fp32 (router)", H * _F32)] if a != _F32 else []),
+        SavedTensor("moe", "router scores", E * _F32),
+        SavedTensor("moe", "top-k indices, order, token map", 3 * k * _I64),
+        SavedTensor("moe", "routing weights", (k + 1) * _F32),
+        SavedTensor("moe", "routed experts", k * ((3 * H + 6 * inner) * a + _F32), piece_tokens=per_expert),
+        *_swiglu("moe", "shared expert", inner * cfg.n_shared_experts, a),
+    ]
+
+
+def _mhc(cfg: ModelConfig, name: str, a: int, recomputed: bool) -> list[SavedTensor]:
+    """One hyper-connection (``genolong.model.mhc.HyperConnection``) and the stream merge after
+    its block.
+
+    The streams it reads (``m x H``; saved flat, 4-D and by the merge's batched matmul: three
+    offload copies; in bf16 the flat fp32 copy is a separate storage); unless recomputed: the
+    RMS-normalised flat streams (mH fp32), its rsqrt, the mixing logits ((2+m)m), pre/post
+    sigmoids and pre (3m), the softmax (m^2) and the Sinkhorn iterations (each division keeps
+    its numerator ``[m, m]`` and denominator ``[m]``: ``2 * iters - 1`` divisions), all fp32.
+    The merge keeps post (m), the block output (H) and the transposed mixing matrix (m^2).
+    """
+    H, m = cfg.hidden_size, cfg.hc_mult
+    out: list[SavedTensor] = []
+    if recomputed:
+        out.append(SavedTensor("mhc", f"{name} streams", m * H * a, views=2.0))
+    elif a == _F32:
+        out.append(SavedTensor("mhc", f"{name} streams", m * H * a, views=3.0))
+    else:
+        out += [SavedTensor("mhc", f"{name} streams", m * H * a, views=2.0),
+                SavedTensor("mhc", f"{name} streams fp32", m * H * _F32)]
+    if not recomputed:
+        iters = max(cfg.hc_sinkhorn_iters, 1)
+        out += [
+            SavedTensor("mhc", f"{name} normalised streams", m * H * _F32),
+            SavedTensor("mhc", f"{name} weights", ((2 + m) * m + 1 + 3 * m + m * m + (2 * iters - 1) * (m * m + m)) * _F32),
+        ]
+    out.append(SavedTensor("mhc", f"{name} merge", (m + m * m + H) * a))
+    return out
+
+
+def layer_saved_tensors(config: ModelConfig, layer: int, recompute: str = "none",
+                        recompute_modules: Sequence[str] = (), *, dtype_bytes: int = 4,
+                        indexer_kl: bool = False, tokens: int = 4096,
+                        moe_chunk_tokens: int | None = None, kda_kernel: str = "torch") -> list[SavedTensor]:
+    """What layer ``layer`` keeps for backward, storage by storage.
+
+    Args:
+        config: the architecture.
+        layer: layer index.
+        recompute: "none", "selective" or "full" (as :func:`genolong.parallel.apply_recompute`).
+        recompute_modules: kinds for "selective" (default: ``DEFAULT_SELECTIVE``).
+        dtype_bytes: bytes of the compute dtype (4: fp32, 2: bf16); parts the layers compute in
+            fp32 stay 4.
+        indexer_kl: the DSA indexer KL is computed (the trainer does; a bare model does not).
+        tokens: tokens of the slice (only sets the piece sizes of per-expert tensors).
+        moe_chunk_tokens: MoE dispatch chunk (piece sizes only).
+        kda_kernel: ``torch`` (default) or ``fla`` (see :data:`KDA_KERNELS`).
+
+    Returns:
+        The :class:`SavedTensor` list; under "full" only the block inputs (``streams [T, m, H]``
+        and, on a shared DSA layer, the received indices).
+    """
+    cfg = config
+    assert cfg.layer_types is not None and cfg.indexer_types is not None
+    kinds = _resolve_kinds(recompute, recompute_modules)
+    a = dtype_bytes
+    if recompute == "full":
+        out = [SavedTensor("block_input", "streams", cfg.hc_mult * cfg.hidden_size * a)]
+        if cfg.layer_types[layer] == INDEXED_ATTENTION and cfg.indexer_types[layer] == "shared":
+            out.append(SavedTensor("block_input", "received top-k indices", _index_slots(cfg) * _I64))
+        return out
+    hc = "hc" in kinds
+    out = _mhc(cfg, "attn_hc", a, hc)
+    out += _norm("norm", "input_layernorm", cfg.hidden_size, a)
+    if cfg.layer_types[layer] == LINEAR_ATTENTION:
+        out += _kda(cfg, a, "kda" in kinds, kda_kernel)
+    else:
+        out += _dsa(cfg, layer, a, "dsa" in kinds, "dsa" in kinds, indexer_kl)
+    out += _mhc(cfg, "ffn_hc", a, hc)
+    out += _norm("norm", "post_attention_layernorm", cfg.hidden_size, a)
+    assert cfg.mlp_layer_types is not None
+    ffn_kind = "mlp" if cfg.mlp_layer_types[layer] == "dense" else "moe"
+    out += _ffn(cfg, layer, a, ffn_kind in kinds, tokens, moe_chunk_tokens)
+    return out
+
+
+def outside_saved_tensors(config: ModelConfig, dtype_bytes: int = 4) -> list[SavedTensor]:
+    """What the embedding, the final norm and the chunked cross-entropy keep (per token): the
+    input ids (int64), the final RMSNorm (:func:`_norm`), the hidden state the loss reads (H),
+    the targets (int64), token weights and log-sum-exp (fp32)."""
+    H = config.hidden_size
+    return [
+        SavedTensor("outside", "input ids", _I64),
+        *_norm("outside", "final norm", H, dtype_bytes),
+        SavedTensor("outside", "loss: hidden, targets, weights, lse", H * dtype_bytes + _I64 + 2 * _F32),
+    ]
+
+
+@dataclass
+class ActivationEstimate:
+    """Predicted saved activations of one training step on one rank (see :func:`activation_estimate`).
+
+    Attributes:
+        tokens: tokens of the rank's slice.
+        layer_resident: per layer, bytes kept on the device.
+        layer_offloaded: per layer, bytes in the host pool (the offloader's copies).
+        outside_bytes: embedding, final norm and loss (always on the device).
+        peak_resident_bytes: device peak of saved activations (forward end, or backward with the
+            offloader's two-layer prefetch window).
+        peak_offloaded_bytes: host pool peak (end of forward): the pinned host memory.
+        peak_total_bytes: peak of device + host saved bytes.
+        by_kind: saved bytes (device + host, storages) by part: kda, dsa, moe, mhc, ...
+        rebuilt_bytes: the largest recomputed region's activations, rebuilt during its backward
+            (not seen by the meter; 0 without recompute).
+        plain_by_kind: saved bytes by part without any recompute (what recompute rebuilds).
+    """
+
+    tokens: int
+    layer_resident: list[int]
+    layer_offloaded: list[int]
+    outside_bytes: int
+    peak_resident_bytes: int
+    peak_offloaded_bytes: int
+    peak_total_bytes: int
+    by_kind: dict[str, int]
+    rebuilt_bytes: int
+    plain_by_kind: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def saved_bytes(self) -> int:
+        """All saved storages at the end of forward (device and host), counting each storage once."""
+        return sum(self.by_kind.values())
+
+
+def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "none",
+                        recompute_modules: Sequence[str] = (), offload: bool = False,
+                        offload_min_bytes: int = 1 << 20, dtype_bytes: int = 4, indexer_kl: bool = False,
+                        moe_chunk_tokens: int | None = None, batch: int = 1,
+                        kda_kernel: str = "torch") -> ActivationEstimate:
+    """Saved-activation bytes of one forward + backward on ``batch x tokens`` tokens of one rank.
+
+    What :class:`~genolong.memory.meter.ActivationMeter` measures around ``model.loss(...)
+    .backward()`` of a GenoLM prepared by :func:`genolong.parallel.parallelize` with the same
+    settings. Under context parallelism pass the slice, ``context / cp``.
+
+    Args:
+        config: the architecture.
+        tokens: tokens per sequence slice on this rank (> 0).
+        recompute, recompute_modules: as :func:`genolong.parallel.parallelize`.
+        offload: CPU activation offload; ``offload_min_bytes``: its threshold (default 1 MiB).
+        dtype_bytes: 4 (fp32) or 2 (bf16 compute).
+        indexer_kl: count the DSA indexer KL's saved tensors (the trainer computes it).
+        moe_chunk_tokens: MoE dispatch chunk (only changes per-expert piece sizes).
+        batch: sequences per step on this rank (default 1).
+        kda_kernel: ``torch`` (default; genolong's kernels, validated) or ``fla`` (estimate).
+
+    Raises:
+        InputError: non-positive tokens or batch, an unknown recompute mode or kind, a bad dtype
+            or KDA kernel.
+    """
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise InputError(f"tokens must be a positive integer, got {tokens!r}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise InputError(f"batch must be a positive integer, got {batch!r}")
+    if dtype_bytes not in (2, 4):
+        raise InputError(f"dtype_bytes must be 4 (fp32) or 2 (bf16), got {dtype_bytes!r}")
+    if kda_kernel not in KDA_KERNELS:
+        raise InputError(f"kda_kernel {kda_kernel!r} is unknown; choose one of {', '.join(KDA_KERNELS)}")
+    n = tokens * batch
+    L = config.num_hidden_layers
+    resident: list[int] = []
+    offloaded: list[int] = []
+    by_kind: dict[str, int] = {}
+    plain_by_kind: dict[str, int] = {}
+    rebuilt = 0
+    for i in range(L):
+        items = layer_saved_tensors(config, i, recompute, recompute_modules, dtype_bytes=dtype_bytes,
+                                    indexer_kl=indexer_kl, tokens=n, moe_chunk_tokens=moe_chunk_tokens,
+                                    kda_kernel=kda_kernel)
+        res = off = 0.0
+        for t in items:
+            size = t.nbytes(n)
+            by_kind[t.kind] = by_kind.get(t.kind, 0) + int(round(size))
+            if offload and t.piece_bytes(n) >= offload_min_bytes:
+                off += size * t.views
+            else:
+                res += size
+        resident.append(int(round(res)))
+        offloaded.append(int(round(off)))
+        plain = layer_saved_tensors(config, i, "none", dtype_bytes=dtype_bytes, indexer_kl=indexer_kl,
+                                    tokens=n, moe_chunk_tokens=moe_chunk_tokens, kda_kernel=kda_kernel)
+        for t in plain:
+            plain_by_kind[t.kind] = plain_by_kind.get(t.kind, 0) + int(round(t.nbytes(n)))
+        if recompute != "none":
+            if recompute == "full":
+                region = sum(t.nbytes(n) for t in plain)
+            else:
+                kinds = _resolve_kinds(recompute, recompute_modules)
+                region = max([sum(t.nbytes(n) for t in plain if t.kind == k or (k == "dsa" and t.kind == "indexer_kl"))
+                              for k in kinds if k != "hc"] + [0])
+                if "hc" in kinds:
+                    region = max(region, sum(t.nbytes(n) for t in plain if t.kind == "mhc") / 2)
+            rebuilt = max(rebuilt, int(round(region)))
+    outside = int(round(sum(t.nbytes(n) for t in outside_saved_tensors(config, dtype_bytes))))
+    by_kind["outside"] = plain_by_kind["outside"] = outside
+    fwd_resident = outside + sum(resident)
+    fwd_total = fwd_resident + sum(offloaded)
+    peak_resident, peak_total = fwd_resident, fwd_total
+    if offload:
+        # backward of layer i: layers > i released; the offloader holds layer i's tensors and
+        # prefetches layer i - 1's back on the device
+        for i in range(L - 1, -1, -1):
+            window = offloaded[i] + (offloaded[i - 1] if i > 0 else 0)
+            res = sum(resident[: i + 1]) + window
+            peak_resident = max(peak_resident, res)
+            peak_total = max(peak_total, res + sum(offloaded[: i + 1]))
+    return ActivationEstimate(
+        tokens=n, layer_resident=resident, layer_offloaded=offloaded, outside_bytes=outside,
+        peak_resident_bytes=peak_resident, peak_offloaded_bytes=sum(offloaded), peak_total_bytes=peak_total,
+        by_kind=by_kind, rebuilt_bytes=rebuilt, plain_by_kind=plain_by_kind,
+    )
+
+
+# -- the plan --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """Per-GPU memory plan of a recipe on a cluster (see :func:`plan`; :func:`format_plan` prints it).
+
+    Attributes:
+        recipe: the recipe's name.
+        model: a one-line description of the architecture.
+        gpus, gpus_per_node, nodes: the cluster.
+        cp, dp_shard, dp_replicate: the mesh; ``shard_group = cp * dp_shard`` ranks share one
+            sharded copy of parameters, gradients and optimizer state.
+        tokens_per_rank: ``batch_size * context / cp``.
+        precision, recompute, recompute_modules, offload, moe_chunk_tokens, ce_chunk_tokens:
+            the recipe's settings the plan used.
+        parameters: total parameters of the model.
+        device: bytes per GPU by line item (parameters, gradients, optimizer, fsdp working
+            copies, saved activations, rebuilt activations, activation gradients, MoE dispatch,
+            DSA buffers, cross-entropy chunk, workspace), in print order.
+        transient_peak: which of the mutually exclusive transients (MoE dispatch, DSA buffers,
+            cross-entropy chunk) the total counts (the largest).
+        activations_by_kind: saved activation bytes (device + host) by part of the model, under
+            the recipe's recompute.
+        plain_by_kind: the same without recompute (what recomputation rebuilds, layer by layer).
+        device_total: the predicted peak per GPU; gpu_mem: the budget (bytes).
+        host_per_gpu, host_per_node: pinned host memory for offloaded activations; host_mem:
+            the per-node budget (bytes) or None (not checked).
+        fits_device, fits_host, fits: the verdict.
+        suggestion: the cheapest change that fits, as ``--set`` overrides (and ``--gpus N`` when
+            it needs more GPUs); empty when the plan fits or nothing tried fits.
+        suggestion_total: the predicted per-GPU total after the suggestion (None if none).
+        assumptions: the assumptions the numbers rest on, most important first.
+    """
+
+    recipe: str
+    model: str
+    gpus: int
+    gpus_per_node: int
+    nodes: int
+    cp: int
+    dp_shard: int
+    dp_replicate: int
+    shard_group: int
+    tokens_per_rank: int
+    precision: str
+    recompute: str
+    recompute_modules: tuple[str, ...]
+    offload: bool
+    moe_chunk_tokens: int | None
+    ce_chunk_tokens: int
+    parameters: int
+    device: dict[str, int]
+    transient_peak: str
+    activations_by_kind: dict[str, int]
+    plain_by_kind: dict[str, int]
+    device_total: int
+    gpu_mem: int
+    host_per_gpu: int
+    host_per_node: int
+    host_mem: int | None
+    fits_device: bool
+    fits_host: bool
+    fits: bool
+    suggestion: list[str] = field(default_factory=list)
+    suggestion_total: int | None = None
+    assumptions: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict of every field (bytes as integers) for ``genolong plan --json``."""
+        out = dataclasses.asdict(self)
+        out["recompute_modules"] = list(self.recompute_modules)
+        return out
+
+
+def _model_config(recipe: Recipe) -> ModelConfig:
+    """The recipe's architecture without needing the checkpoint on disk: its config.json when it
+    is there, else the preset (``model.preset`` names the geometry for this purpose)."""
+    ckpt = recipe.model.checkpoint
+    if ckpt is not None and (ckpt / "config.json").is_file():
+        return recipe.model_config()
+    if recipe.model.preset is None:
+        raise InputError(f"model.checkpoint {str(ckpt)!r} has no config.json and model.preset is not set; "
+                         "set model.preset to the checkpoint's geometry (e.g. glm-5.3-flash) to plan before downloading it")
+    return ModelConfig.from_preset(recipe.model.preset, **dict(recipe.model.overrides))
+
+
+def _largest_unit(cfg: ModelConfig) -> int:
+    """Parameters of the largest FSDP unit: one block, the embedding or the LM head."""
+    best = max(cfg.vocab_size * cfg.hidden_size, 0)
+    assert cfg.layer_types is not None
+    for i in range(cfg.num_hidden_layers):
+        one = cfg.replace(num_hidden_layers=1, layer_types=(cfg.layer_types[i],),
+                          mlp_layer_types=(cfg.mlp_layer_types[i],),  # type: ignore[index]
+                          indexer_types=("full",))
+        pc = parameter_count(one)
+        count = pc.total - pc.embedding - pc.lm_head - cfg.hidden_size  # the block alone
+        best = max(best, count)
+    return best
+
+
+def _check_positive(name: str, value: Any, kind: type = float, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    ok = not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
+    if not ok or not math.isfinite(value) or value <= 0:
+        raise InputError(f"{name} must be a positive {'number' if kind is float else 'integer'}, got {value!r}")
+
+
+def _describe(cfg: ModelConfig, count: int) -> str:
+    moe = sum(1 for t in (cfg.mlp_layer_types or ()) if t == "sparse")
+    return (f"{count / 1e9:.1f}B params, {cfg.num_hidden_layers} layers ({cfg.pattern.count('K')} KDA + "
+            f"{cfg.pattern.count('D')} DSA, {moe} MoE x {cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}), "
+            f"hidden {cfg.hidden_size}, mHC x {cfg.hc_mult}")
+
+
+def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None,
+               gpus_per_node: int, moe_imbalance: float, kda_kernel: str) -> Plan:
+    par, mem = recipe.parallel, recipe.memory
+    cp, rep = par.cp, par.dp_replicate
+    if gpus % (cp * rep):
+        raise InputError(f"--gpus {gpus} is not divisible by parallel.cp x parallel.dp_replicate = {cp * rep}; "
+                         f"use a multiple of {cp * rep}")
+    dp_shard = gpus // (cp * rep)
+    shard = dp_shard * cp
+    context = recipe.data.context
+    if context % cp:
+        raise InputError(f"data.context {context} is not divisible by parallel.cp {cp}")
+    tokens = recipe.data.batch_size * context // cp
+    bf16 = recipe.train.precision == "bf16-mixed"
+    a = 2 if bf16 else 4
+    H, m = cfg.hidden_size, cfg.hc_mult
+    count = parameter_count(cfg).total
+
+    # parameters, gradients, AdamW state: fp32, sharded over the shard group (ceil: uneven shards)
+    per_rank = math.ceil(count / shard)
+    device: dict[str, int] = {
+        "parameters (fp32 master, sharded)": 4 * per_rank,
+        "gradients (fp32, sharded)": 4 * per_rank,
+        "AdamW moments (2 x fp32, sharded)": 8 * per_rank,
+    }
+    unit = _largest_unit(cfg)
+    working = 0
+    if shard > 1 or bf16:
+        working = 2 * unit * a + (unit * 4 if shard > 1 else 0)
+    device["FSDP unsharded params (2 units) + grad (1 unit)"] = working
+
+    act = activation_estimate(cfg, context // cp, recompute=mem.recompute, recompute_modules=mem.recompute_modules,
+                              offload=mem.offload, offload_min_bytes=mem.offload_min_bytes, dtype_bytes=a,
+                              indexer_kl=True, moe_chunk_tokens=mem.moe_chunk_tokens, batch=recipe.data.batch_size,
+                              kda_kernel=kda_kernel)
+    device["saved activations (resident peak)"] = act.peak_resident_bytes
+    device["rebuilt activations (largest recomputed region)"] = act.rebuilt_bytes
+    device["activation gradients in flight (3 x streams)"] = 3 * tokens * m * H * a
+
+    # transients that do not coexist: the largest counts
+    assert cfg.mlp_layer_types is not None and cfg.layer_types is not None
+    moe_bytes = 0
+    if "sparse" in cfg.mlp_layer_types:
+        c = min(mem.moe_chunk_tokens or tokens, tokens)
+        moe_bytes = int(moe_imbalance * c * cfg.num_experts_per_tok * (2 * H + 3 * cfg.moe_intermediate_size) * a)
+    dsa_bytes = 0
+    if INDEXED_ATTENTION in cfg.layer_types:
+        slots = _index_slots(cfg)
+        qb = DSA_QUERY_BLOCK
+        tile = INDEXER_TILE * INDEXER_TILE * (cfg.index_n_heads + 3) * 4 + 2 * INDEXER_TILE * (cfg.index_topk // cfg.index_kpool) * 8
+        gather = qb * slots * (2 * cfg.kv_lora_rank + 2 * cfg.num_attention_heads) * 4
+        allgather = 0
+        if cp > 1:  # the whole sequence's latent and pooled index keys, and their gradients
+            full = recipe.data.batch_size * context
+            allgather = 2 * full * (cfg.kv_lora_rank + cfg.index_head_dim / cfg.index_kpool) * a
+        dsa_bytes = int(tile + gather + allgather)
+    ce = min(mem.ce_chunk_tokens, tokens)
+    ce_bytes = ce * cfg.vocab_size * (2 * 4 + a)
+    transients = {"MoE dispatch chunk": moe_bytes, "DSA indexer / top-k / gather buffers": dsa_bytes,
+                  "cross-entropy chunk": ce_bytes}
+    peak_name = max(transients, key=lambda k: transients[k])
+    for name, value in transients.items():
+        device[name] = value
+    subtotal = sum(v for k, v in device.items() if k not in transients) + transients[peak_name]
+    device["workspace (context, NCCL, fragmentation)"] = int(WORKSPACE_BYTES + FRAGMENTATION * subtotal)
+    total = subtotal + device["workspace (context, NCCL, fragmentation)"]
+
+    gpu_mem = int(gpu_mem_gib * GIB)
+    per_node = min(gpus_per_node, gpus)
+    host_gpu = act.peak_offloaded_bytes
+    host_node = host_gpu * per_node
+    host_mem = None if host_mem_gib is None else int(host_mem_gib * GIB)
+    fits_device = total <= gpu_mem
+    fits_host = host_mem is None or host_node <= host_mem
+    assumptions = [
+        f"saved activations from formulas over the config, {tokens:,} tokens per rank, KDA chunk kernel {kda_kernel!r} "
+        + ("(genolong's torch kernels: validated against ActivationMeter within 10% on tiny/small, fp32)" if kda_kernel == "torch"
+           else "(fla-core's save set: an estimate, not validated on this CPU machine)")
+        + "; bf16 sizes assume bf16 compute with the layers' fp32 parts kept fp32",
+        f"parameters, gradients and AdamW state fp32 (16 B/param) sharded over cp x dp_shard = {shard} ranks (FSDP2); "
+        f"2 unsharded units in {'bf16' if bf16 else 'fp32'} + 1 unsharded fp32 gradient in flight",
+        f"recompute {mem.recompute}" + (f" ({', '.join(mem.recompute_modules or DEFAULT_SELECTIVE)})" if mem.recompute == 'selective' else "")
+        + ": the largest recomputed region is rebuilt whole during its backward (MoE chunks do not bound it)",
+        "offload: every saved tensor of at least offload_min_bytes goes to pinned host memory, one host copy per "
+        "distinct view autograd saves; two layers are back on the device in backward (prefetch)" if mem.offload
+        else "offload off: all saved activations stay on the device",
+        f"MoE dispatch buffer for the busiest GPU at {moe_imbalance:g} x the mean load (the reference saw 4x)",
+        "DSA under CP all-gathers the whole sequence's kv latent and pooled index keys (and their gradients)",
+        f"workspace {WORKSPACE_BYTES / GIB:.0f} GiB + {FRAGMENTATION:.0%} fragmentation; the largest of MoE dispatch, "
+        "DSA buffers and the cross-entropy chunk counts (they do not overlap)",
+        "indexer KL on (the trainer computes it); batch_size sequences per rank",
+    ]
+    return Plan(
+        recipe=recipe.name, model=_describe(cfg, count), gpus=gpus, gpus_per_node=gpus_per_node,
+        nodes=math.ceil(gpus / gpus_per_node), cp=cp, dp_shard=dp_shard, dp_replicate=rep, shard_group=shard,
+        tokens_per_rank=tokens, precision=recipe.train.precision, recompute=mem.recompute,
+        recompute_modules=tuple(mem.recompute_modules), offload=mem.offload, moe_chunk_tokens=mem.moe_chunk_tokens,
+        ce_chunk_tokens=mem.ce_chunk_tokens, parameters=count, device=device, transient_peak=peak_name,
+        activations_by_kind=act.by_kind, plain_by_kind=act.plain_by_kind, device_total=int(total), gpu_mem=gpu_mem, host_per_gpu=host_gpu,
+        host_per_node=host_node, host_mem=host_mem, fits_device=fits_device, fits_host=fits_host,
+        fits=fits_device and fits_host, assumptions=assumptions,
+    )
+
+
+def _candidates(recipe: Recipe, cfg: ModelConfig, gpus: int) -> list[tuple[list[str], int]]:
+    """Changes to try, cheapest first: (``--set`` overrides, gpus)."""
+    mem, par = recipe.memory, recipe.parallel
+    out: list[tuple[list[str], int]] = []
+    if mem.recompute == "none":
+        out.append((["memory.recompute=selective", "memory.recompute_modules=[attn,hc]"], gpus))
+    if mem.recompute != "full":
+        if mem.recompute == "selective":
+            kinds = _resolve_kinds("selective", mem.recompute_modules)
+            if not {"moe", "mlp"} <= kinds:
+                mods = sorted(set(mem.recompute_modules or DEFAULT_SELECTIVE) | {"ffn"})
+                out.append(([f"memory.recompute_modules=[{','.join(mods)}]"], gpus))
+        out.append((["memory.recompute=full"], gpus))
+    if not mem.offload:
+        out.append((["memory.offload=true"], gpus))
+    tokens = recipe.data.batch_size * recipe.data.context // par.cp
+    assert cfg.mlp_layer_types is not None
+    if "sparse" in cfg.mlp_layer_types:
+        chunk = min(mem.moe_chunk_tokens or tokens, tokens)
+        if chunk > 1024:
+            out.append(([f"memory.moe_chunk_tokens={chunk // 4}"], gpus))
+    if mem.ce_chunk_tokens > 512:
+        out.append(([f"memory.ce_chunk_tokens={mem.ce_chunk_tokens // 4}"], gpus))
+    cp = par.cp
+    for factor in (2, 4, 8):
+        new = cp * factor
+        if recipe.data.context % kernel_multiple(cfg, new) == 0 and gpus % (new * par.dp_replicate) == 0:
+            out.append(([f"parallel.cp={new}", "parallel.dp_shard=-1"], gpus))
+    for factor in (2, 4):  # more GPUs: a larger FSDP group shards parameters and optimizer state thinner
+        out.append((["parallel.dp_shard=-1"], gpus * factor))
+    return out
+
+
+def _with_gpus(overrides: list[str], gpus: int, gpus_per_node: int) -> list[str]:
+    devices = min(gpus, gpus_per_node)
+    return [*overrides, f"parallel.devices={devices}", f"parallel.num_nodes={math.ceil(gpus / devices)}"]
+
+
+def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, host_mem_gib: float | None = None,
+         gpus_per_node: int = 8, moe_imbalance: float = 4.0, *, kda_kernel: str | None = None) -> Plan:
+    """Plan a recipe's memory per GPU and per node; suggest the cheapest change when it does not fit.
+
+    Args:
+        recipe: a loaded :class:`~genolong.config.Recipe` (its architecture comes from the
+            checkpoint's config.json when present, else from ``model.preset``).
+        gpus: GPUs in all (default: the recipe's ``devices x num_nodes``); ``dp_shard`` becomes
+            ``gpus / (cp * dp_replicate)``.
+        gpu_mem_gib: device memory per GPU in GiB (default 80).
+        host_mem_gib: host RAM per node in GiB for the pinned offload pool, or None (not checked).
+        gpus_per_node: GPUs per node (default 8).
+        moe_imbalance: busiest-GPU MoE load over the mean (default 4.0, as the reference saw).
+        kda_kernel: KDA chunk kernel whose saved tensors count: ``torch`` or ``fla`` (default
+            None: the model's ``kernel_backend``, ``torch`` today; ``fla`` is an estimate).
+
+    Returns:
+        A :class:`Plan`. When it does not fit, ``suggestion`` holds the first change of a
+        cost-ordered list (selective recompute, more modules, full recompute, offload, smaller
+        MoE chunks, smaller cross-entropy chunks, larger CP, more GPUs) that fits on its own, or
+        else the shortest prefix of that list applied together that fits.
+
+    Raises:
+        InputError: a non-positive or non-integer size, gpus not divisible by the mesh, a
+            recipe whose architecture cannot be resolved.
+    """
+    if not isinstance(recipe, Recipe):
+        raise InputError(f"plan needs a Recipe (genolong.config.load_recipe), got {type(recipe).__name__}")
+    _check_positive("--gpus", gpus, int, allow_none=True)
+    _check_positive("--gpu-mem", gpu_mem_gib)
+    _check_positive("--host-mem", host_mem_gib, allow_none=True)
+    _check_positive("--gpus-per-node", gpus_per_node, int)
+    _check_positive("moe_imbalance", moe_imbalance)
+    if moe_imbalance < 1:
+        raise InputError(f"moe_imbalance is the busiest GPU's load over the mean and must be >= 1, got {moe_imbalance}")
+    cfg = _model_config(recipe)
+    kernel = cfg.kernel_backend if kda_kernel is None else kda_kernel
+    if kernel not in KDA_KERNELS:
+        raise InputError(f"kda_kernel {kernel!r} is unknown; choose one of {', '.join(KDA_KERNELS)}")
+    world = recipe.parallel.world_size if gpus is None else gpus
+    base = _plan_once(recipe, cfg, world, gpu_mem_gib, host_mem_gib, gpus_per_node, moe_imbalance, kernel)
+    if base.fits:
+        return base
+    data = recipe.to_dict()
+
+    def attempt(overrides: list[str], n: int) -> Plan | None:
+        try:
+            changed = parse_recipe(data, _with_gpus(overrides, n, gpus_per_node))
+            return _plan_once(changed, cfg, n, gpu_mem_gib, host_mem_gib, gpus_per_node, moe_imbalance, kernel)
+        except InputError:
+            return None
+
+    candidates = _candidates(recipe, cfg, world)
+    for overrides, n in candidates:
+        result = attempt(overrides, n)
+        if result is not None and result.fits:
+            base.suggestion = overrides + ([f"--gpus {n}"] if n != world else [])
+            base.suggestion_total = result.device_total
+            return base
+    merged: dict[str, str] = {}
+    n = world
+    for overrides, m in candidates:
+        for item in overrides:
+            merged[item.split("=", 1)[0]] = item
+        n = max(n, m)
+        result = attempt(list(merged.values()), n)
+        if result is not None and result.fits:
+            base.suggestion = list(merged.values()) + ([f"--gpus {n}"] if n != world else [])
+            base.suggestion_total = result.device_total
+            return base
+    return base
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:,.1f}"
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a text table: cluster and settings, device memory per GPU by line item, the
+    saved activations by part, pinned host memory, the verdict, the suggestion and the assumptions."""
+    p = plan
+    lines = [
+        f"plan: {p.recipe} -- {p.model}",
+        f"cluster: {p.gpus} GPUs = {p.nodes} nodes x {min(p.gpus_per_node, p.gpus)}; mesh cp {p.cp} x dp_shard {p.dp_shard}"
+        f" x dp_replicate {p.dp_replicate} (parameters sharded over {p.shard_group})",
+        f"per rank: {p.tokens_per_rank:,} tokens; {p.precision}; recompute {p.recompute}"
+        + (f" ({', '.join(p.recompute_modules) or 'default'})" if p.recompute == "selective" else "")
+        + f"; offload {'on' if p.offload else 'off'}; MoE chunk {p.moe_chunk_tokens or 'all'}; CE chunk {p.ce_chunk_tokens}",
+        "",
+        "| device memory per GPU | GiB |",
+        "|---|---:|",
+    ]
+    transients = ("MoE dispatch chunk", "DSA indexer / top-k / gather buffers", "cross-entropy chunk")
+    for name, value in p.device.items():
+        note = ""
+        if name in transients:
+            note = " (counted: largest transient)" if name == p.transient_peak else " (not counted: overlaps)"
+        lines.append(f"| {name}{note} | {_gib(value)} |")
+    lines.append(f"| **total (peak)** | **{_gib(p.device_total)}** of {_gib(p.gpu_mem)} |")
+    n = p.tokens_per_rank
+    lines += ["", "| activations by part, all layers | saved: KiB/token | saved: GiB | without recompute: KiB/token | GiB |",
+              "|---|---:|---:|---:|---:|"]
+    kinds = sorted(set(p.activations_by_kind) | set(p.plain_by_kind), key=lambda k: -p.plain_by_kind.get(k, 0))
+    for kind in kinds:
+        saved, plain = p.activations_by_kind.get(kind, 0), p.plain_by_kind.get(kind, 0)
+        lines.append(f"| {kind} | {saved / n / 1024:,.1f} | {_gib(saved)} | {plain / n / 1024:,.1f} | {_gib(plain)} |")
+    host_budget = "" if p.host_mem is None else f" (budget {_gib(p.host_mem)} GiB per node)"
+    lines += [
+        "",
+        f"pinned host memory for offload: {_gib(p.host_per_gpu)} GiB per GPU, {_gib(p.host_per_node)} GiB per node{host_budget}",
+        f"verdict: {'FITS' if p.fits else 'DOES NOT FIT'} (device {'ok' if p.fits_device else 'over'}, host "
+        f"{'ok' if p.fits_host else 'over'})",
+    ]
+    if not p.fits:
+        if p.suggestion:
+            lines.append(f"cheapest change that fits: {' '.join('--set ' + s if not s.startswith('--') else s for s in p.suggestion)}"
+                         f" -> {_gib(p.suggestion_total or 0)} GiB per GPU")
+        else:
+            lines.append("no change tried fits (recompute, offload, chunks, up to 8x CP, 4x GPUs): use larger GPUs or a shorter context")
+    lines += ["", "assumptions:"] + [f"- {a}" for a in p.assumptions]
+    return "\n".join(lines)

@@ -1,0 +1,240 @@
+"""The memory planner (``genolong.parallel.plan``): predicted saved activations against the meter,
+exact parameter and optimizer bytes, the reference plan, suggestions that fit, bad input.
+
+Planner vs meter: one metered training step (``model.loss(tokens)`` then ``backward``) of a GenoLM
+prepared by ``genolong.parallel.parallelize`` with the same settings, fp32, on one process. Context
+parallelism gives each rank ``T / cp`` tokens; on one process that is a step on ``T / cp`` tokens,
+which the planner must predict from ``tokens_per_rank``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from genolong.config import Recipe, load_recipe, parse_recipe
+from genolong.errors import InputError
+from genolong.memory import ActivationMeter
+from genolong.model import PRESETS, GenoLM
+from genolong.model.dsa import DSAMixer
+from genolong.parallel import parallelize
+from genolong.parallel.plan import GIB, activation_estimate, format_plan, plan
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 0.10
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _meter_step(preset: str, tokens: int, indexer_kl: bool = False, dtype: torch.dtype = torch.float32,
+                **techniques: object) -> ActivationMeter:
+    """One metered forward + backward of ``preset`` (parameters in ``dtype``) on ``tokens`` bases."""
+    torch.manual_seed(0)
+    model = parallelize(GenoLM(PRESETS[preset]).to(dtype), **techniques)  # type: ignore[arg-type]
+    mixers = [m for m in model.modules() if isinstance(m, DSAMixer) and m.indexer is not None]
+    for mixer in mixers:
+        mixer.indexer_kl = indexer_kl
+    ids = torch.randint(1, 6, (1, tokens), generator=torch.Generator().manual_seed(1))
+    with ActivationMeter(model) as meter:
+        nll, weight = model.loss(ids)
+        loss = nll / weight
+        if indexer_kl:
+            loss = loss + sum(m.last_indexer_kl for m in mixers)
+        loss.backward()
+    return meter
+
+
+def _rel(predicted: float, measured: float) -> float:
+    return abs(predicted - measured) / measured
+
+
+SELECTIVE = {"recompute": "selective", "recompute_modules": ("kda", "dsa")}
+FULL = {"recompute": "full"}
+OFF = {"offload": True, "offload_min_bytes": 0}
+CASES = [
+    # (preset, T, cp, techniques)
+    ("tiny", 512, 1, {}),
+    ("tiny", 1024, 1, {}),
+    ("tiny", 2048, 1, {}),
+    ("tiny", 1024, 1, SELECTIVE),
+    ("tiny", 2048, 1, SELECTIVE),
+    ("tiny", 2048, 1, FULL),
+    ("tiny", 1024, 1, OFF),
+    ("tiny", 1024, 1, {**SELECTIVE, **OFF}),
+    ("tiny", 2048, 1, {**FULL, **OFF}),
+    ("tiny", 2048, 2, {}),
+    ("tiny", 2048, 4, SELECTIVE),
+    ("small", 512, 1, {}),
+    ("small", 1024, 1, SELECTIVE),
+    ("small", 1024, 1, {**FULL, **OFF}),
+    ("small", 1024, 2, {**SELECTIVE, **OFF}),
+]
+
+
+def _case_id(case: tuple) -> str:
+    preset, t, cp, tech = case
+    parts = [tech.get("recompute", "none")] + (["offload"] if tech.get("offload") else [])
+    return f"{preset}-T{t}-cp{cp}-{'+'.join(parts)}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_planner_matches_meter(case: tuple) -> None:
+    preset, t, cp, techniques = case
+    local = t // cp  # a CP rank holds one contiguous slice of T / cp tokens
+    meter = _meter_step(preset, local, **techniques)
+    est = activation_estimate(PRESETS[preset], local, **techniques)  # type: ignore[arg-type]
+    errors = {"resident peak": _rel(est.peak_resident_bytes, meter.peak_resident_bytes),
+              "total peak": _rel(est.peak_total_bytes, meter.peak_total_bytes)}
+    if techniques.get("offload"):
+        errors["offloaded peak"] = _rel(est.peak_offloaded_bytes, meter.peak_offloaded_bytes)
+    print(f"{_case_id(case)}: " + ", ".join(f"{k} {v:.3%}" for k, v in errors.items()))
+    assert max(errors.values()) < TOLERANCE, errors
+
+
+def test_planner_matches_meter_with_indexer_kl() -> None:
+    """The trainer computes the DSA indexer KL: its saved tensors are counted too."""
+    meter = _meter_step("tiny", 1024, indexer_kl=True)
+    est = activation_estimate(PRESETS["tiny"], 1024, indexer_kl=True)
+    plain = activation_estimate(PRESETS["tiny"], 1024)
+    assert est.by_kind["indexer_kl"] > 0 and est.peak_resident_bytes > plain.peak_resident_bytes
+    assert _rel(est.peak_resident_bytes, meter.peak_resident_bytes) < TOLERANCE
+
+
+@pytest.mark.parametrize("techniques", [{}, {**SELECTIVE, **OFF}], ids=["none", "selective+offload"])
+def test_planner_matches_meter_bf16(techniques: dict) -> None:
+    """bf16 compute: projections and streams in 2 bytes, the layers' fp32 parts (norms, KDA
+    kernel, mHC weights, router) in 4."""
+    meter = _meter_step("tiny", 1024, dtype=torch.bfloat16, **techniques)
+    est = activation_estimate(PRESETS["tiny"], 1024, dtype_bytes=2, **techniques)
+    fp32 = activation_estimate(PRESETS["tiny"], 1024, **techniques)
+    assert est.peak_total_bytes < 0.95 * fp32.peak_total_bytes
+    assert _rel(est.peak_resident_bytes, meter.peak_resident_bytes) < TOLERANCE
+    assert _rel(est.peak_total_bytes, meter.peak_total_bytes) < TOLERANCE
+
+
+def _recipe(tmp_path: Path, preset: str = "tiny", context: int = 1024, **sections: dict) -> Recipe:
+    data: dict = {
+        "name": "plan-test",
+        "model": {"preset": preset},
+        "data": {"store": str(tmp_path / "store"), "context": context},
+        "train": {"max_steps": 10},
+        "parallel": {"accelerator": "cpu"},
+    }
+    for key, value in sections.items():
+        data.setdefault(key, {}).update(value)
+    return parse_recipe(data)
+
+
+def test_parameter_and_optimizer_bytes_are_exact(tmp_path: Path) -> None:
+    numel = sum(p.numel() for p in GenoLM(PRESETS["tiny"]).parameters())
+    single = plan(_recipe(tmp_path), gpu_mem_gib=80)
+    assert single.parameters == numel
+    assert single.device["parameters (fp32 master, sharded)"] == 4 * numel
+    assert single.device["gradients (fp32, sharded)"] == 4 * numel
+    assert single.device["AdamW moments (2 x fp32, sharded)"] == 8 * numel
+    assert single.device["FSDP unsharded params (2 units) + grad (1 unit)"] == 0  # nothing to gather
+    # sharded over cp x dp_shard = 2 x 3 ranks (uneven shards round up)
+    sharded = plan(_recipe(tmp_path, parallel={"cp": 2, "devices": 6}))
+    assert (sharded.cp, sharded.dp_shard, sharded.shard_group) == (2, 3, 6)
+    assert sharded.device["parameters (fp32 master, sharded)"] == 4 * math.ceil(numel / 6)
+    assert sharded.device["AdamW moments (2 x fp32, sharded)"] == 8 * math.ceil(numel / 6)
+    assert sharded.device["FSDP unsharded params (2 units) + grad (1 unit)"] > 0
+    # CP: the activations are those of T / cp tokens on each rank
+    assert sharded.tokens_per_rank == 512
+    est = activation_estimate(PRESETS["tiny"], 512, indexer_kl=True)
+    assert sharded.device["saved activations (resident peak)"] == est.peak_resident_bytes
+
+
+def test_reference_plan_1m_on_64_gpus_of_180_gb() -> None:
+    recipe = load_recipe(ROOT / "recipes" / "1m.yaml")
+    p = plan(recipe, gpus=64, gpu_mem_gib=180)
+    assert (p.gpus, p.nodes, p.cp, p.dp_shard, p.shard_group, p.tokens_per_rank) == (64, 8, 8, 8, 64, 131072)
+    assert p.parameters > 300e9
+    # full recompute + offload keeps each layer's input streams on the host: 45 layers x 131,072
+    # tokens x 4 streams x 4096 x bf16 = 180 GiB per GPU, the reference's pinned-memory figure
+    assert p.host_per_gpu == 45 * 131072 * 4 * 4096 * 2 == 180 * GIB
+    assert p.host_per_node == 8 * p.host_per_gpu
+    assert p.device_total == sum(v for k, v in p.device.items()
+                                 if k not in ("MoE dispatch chunk", "DSA indexer / top-k / gather buffers", "cross-entropy chunk")
+                                 or k == p.transient_peak)
+    text = format_plan(p)
+    print(text)
+    assert "verdict: " in text and ("FITS" in text or "DOES NOT FIT" in text)
+    assert "assumptions:" in text and len(p.assumptions) >= 5
+    assert "180.0 GiB per GPU" in text
+    as_json = json.loads(json.dumps(p.to_dict()))
+    assert as_json["host_per_gpu"] == p.host_per_gpu and as_json["fits"] == p.fits
+
+
+def test_over_budget_plan_suggests_a_change_that_fits(tmp_path: Path) -> None:
+    recipe = _recipe(tmp_path, preset="small", context=65536)
+    base = plan(recipe, gpu_mem_gib=1000)
+    assert base.fits and base.suggestion == []
+    budget = (base.device_total - 0.6 * base.device["saved activations (resident peak)"]) / GIB
+    over = plan(recipe, gpu_mem_gib=budget)
+    assert not over.fits and over.suggestion and over.suggestion_total is not None
+    assert over.suggestion_total <= budget * GIB
+    sets = [s for s in over.suggestion if not s.startswith("--gpus")]
+    gpus = [int(s.split()[1]) for s in over.suggestion if s.startswith("--gpus")]
+    changed = parse_recipe(recipe.to_dict(), sets)
+    applied = plan(changed, gpus=gpus[0] if gpus else None, gpu_mem_gib=budget)
+    assert applied.fits and applied.device_total == over.suggestion_total
+    assert "cheapest change that fits" in format_plan(over)
+    # host memory: an offload pool larger than the node's RAM does not fit
+    offload = _recipe(tmp_path, preset="small", context=65536, memory={"offload": True, "recompute": "full"})
+    tight = plan(offload, gpu_mem_gib=1000, host_mem_gib=0.001)
+    assert tight.host_per_gpu > 0 and not tight.fits_host and not tight.fits
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"gpus": 0}, "--gpus"),
+        ({"gpus": 3}, "divisible"),
+        ({"gpu_mem_gib": -1}, "--gpu-mem"),
+        ({"host_mem_gib": 0}, "--host-mem"),
+        ({"gpus_per_node": 1.5}, "--gpus-per-node"),
+        ({"moe_imbalance": 0.5}, "moe_imbalance"),
+    ],
+)
+def test_bad_input(tmp_path: Path, kwargs: dict, match: str) -> None:
+    recipe = _recipe(tmp_path, parallel={"cp": 2, "devices": 2})
+    with pytest.raises(InputError, match=match):
+        plan(recipe, **kwargs)
+
+
+def test_bad_input_estimate_and_recipe() -> None:
+    with pytest.raises(InputError, match="Recipe"):
+        plan("recipes/1m.yaml")  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="tokens"):
+        activation_estimate(PRESETS["tiny"], 0)
+    with pytest.raises(InputError, match="recompute"):
+        activation_estimate(PRESETS["tiny"], 64, recompute="ful")
+    with pytest.raises(InputError, match="kind"):
+        activation_estimate(PRESETS["tiny"], 64, recompute="selective", recompute_modules=("mo",))
+    with pytest.raises(InputError, match="dtype_bytes"):
+        activation_estimate(PRESETS["tiny"], 64, dtype_bytes=3)
+
+
+def test_plan_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """`genolong plan` prints the table, or JSON equal to plan().to_dict(); bad sizes are one-line errors."""
+    from genolong.cli import main
+    from genolong.config import load_recipe
+
+    recipe = ROOT / "recipes" / "1m.yaml"
+    assert main(["plan", str(recipe), "--gpus", "64", "--gpu-mem", "180"]) == 0
+    table = capsys.readouterr().out
+    assert "verdict:" in table and "pinned host memory for offload" in table
+    assert main(["plan", str(recipe), "--gpus", "64", "--gpu-mem", "180", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    expected = plan(load_recipe(recipe), gpus=64, gpu_mem_gib=180.0)
+    assert printed == json.loads(json.dumps(expected.to_dict()))
+    assert printed["gpus"] == 64 and printed["cp"] == 8 and isinstance(printed["fits"], bool)
+    assert main(["plan", str(recipe), "--gpus", "63"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "63" in err
