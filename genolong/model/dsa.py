@@ -34,6 +34,8 @@ transformers module's state dict works with ``strict=True``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -156,15 +158,24 @@ class DSAMixer(nn.Module):
         self.indexer_kl = False
         #: the last such forward's indexer KL (scalar fp32, differentiable w.r.t. the indexer only)
         self.last_indexer_kl: torch.Tensor | None = None
+        #: the context-parallel process group (genolong.parallel.context.apply_context_parallel)
+        self.cp_group: Any = None
 
     def forward(
         self, x: torch.Tensor, prev_indices: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Mix ``x [B, T, H]``; returns ``(out [B, T, H], indices for the next layer or None)``.
 
+        With ``cp_group`` set (context parallelism) ``x`` is this rank's slice and the layer runs
+        through :func:`genolong.parallel.cp_dsa.cp_dsa_forward` (indices in global positions).
+
         Raises:
             ValueError: a shared layer without ``prev_indices`` (or with the wrong shape).
         """
+        if self.cp_group is not None:
+            from ..parallel.cp_dsa import cp_dsa_forward
+
+            return cp_dsa_forward(self, x, self.cp_group, prev_indices)
         b, t, _ = x.shape
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(b, t, self.num_heads, self.qk_head_dim)

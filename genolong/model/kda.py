@@ -10,6 +10,8 @@ Parameter names are the checkpoint's.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,7 +36,8 @@ class ShortConv(nn.Module):
     checkpoint's ``Conv1d`` layout, ``weight [C, 1, K]`` in fp32.
 
     Shapes: ``x [B, T, C] -> [B, T, C]`` in ``x``'s dtype; ``y[t] = sum_j w[j] * x[t - K + 1 + j]``
-    with zeros before the start.
+    with zeros before the start, or the ``halo [B, K - 1, C]`` rows there (the previous
+    context-parallel rank's last inputs).
     """
 
     def __init__(self, channels: int, kernel_size: int):
@@ -42,11 +45,14 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, dtype=torch.float32))
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, halo: torch.Tensor | None = None) -> torch.Tensor:
         k = self.weight.shape[-1]
         t = x.shape[1]
         w = self.weight[:, 0, :].float()  # [C, K]
-        padded = F.pad(x.float(), (0, 0, k - 1, 0))  # [B, T + K - 1, C]
+        if halo is None:
+            padded = F.pad(x.float(), (0, 0, k - 1, 0))  # [B, T + K - 1, C]
+        else:
+            padded = torch.cat([halo.float(), x.float()], dim=1)
         out = padded[:, k - 1:] * w[:, k - 1]
         for j in range(k - 1):
             out = out + padded[:, j:j + t] * w[:, j]
@@ -93,8 +99,13 @@ class KDAMixer(nn.Module):
         chunk_size: KDA chunk length (default 64).
 
     Shapes: ``x [B, T, H] -> [B, T, H]``; with ``initial_state [B, heads, dk, dv]`` and
-    ``output_final_state=True`` it also returns the final state (for decoding and context
-    parallelism).
+    ``output_final_state=True`` it also returns the final state (for decoding).
+
+    Context parallelism: with ``cp_group`` set (``genolong.parallel.context.apply_context_parallel``)
+    ``x`` is this rank's contiguous slice of the sequence; the short conv takes the previous rank's
+    last inputs (:func:`genolong.kernels.kda.cp.conv_halo`) and the recurrence the earlier ranks'
+    states (:func:`genolong.kernels.kda.cp.cp_chunk_kda`), so the slice's outputs equal those rows
+    of the whole sequence's.
     """
 
     def __init__(self, config: ModelConfig, chunk_size: int = 64):
@@ -113,19 +124,35 @@ class KDAMixer(nn.Module):
         self.o_norm = GatedRMSNorm(d, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(qkv, config.hidden_size, bias=False)
         self.kernels = get_backend(config.kernel_backend)
+        self.cp_group: Any = None  # a torch.distributed process group under context parallelism
 
     def forward(
         self, x: torch.Tensor, initial_state: torch.Tensor | None = None, output_final_state: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         b, t, _ = x.shape
         heads = (b, t, self.num_heads, self.head_dim)
-        mixed = self.conv1d(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1))
+        projected = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        halo = None
+        if self.cp_group is not None:
+            if initial_state is not None or output_final_state:
+                raise ValueError("KDAMixer: initial_state / output_final_state (decoding) do not combine with context parallelism")
+            from ..kernels.kda.cp import conv_halo
+
+            halo = conv_halo(projected, self.conv1d.weight.shape[-1], self.cp_group)
+        mixed = self.conv1d(projected, halo)
         q, k, v = (part.reshape(heads) for part in mixed.split(self.num_heads * self.head_dim, dim=-1))
         q, k = l2_normalize(q.float()), l2_normalize(k.float())  # in fp32, as fla does
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x).float())
-        o, state = self.kernels.chunk_kda(q, k, v.float(), g, beta, initial_state=initial_state,
-                             output_final_state=output_final_state, chunk_size=self.chunk_size)
+        if self.cp_group is not None:
+            from ..kernels.kda.cp import cp_chunk_kda
+
+            o = cp_chunk_kda(q, k, v.float(), g, beta, group=self.cp_group, chunk_size=self.chunk_size,
+                             kda_fn=self.kernels.chunk_kda)
+            state = None
+        else:
+            o, state = self.kernels.chunk_kda(q, k, v.float(), g, beta, initial_state=initial_state,
+                                              output_final_state=output_final_state, chunk_size=self.chunk_size)
         gate = self.g_b_proj(self.g_a_proj(x)).view(heads)
         out = self.o_proj(self.o_norm(o.to(x.dtype), gate).reshape(b, t, -1))
         return (out, state) if output_final_state else out
