@@ -49,6 +49,7 @@ from ..model.lm import GenoLM
 from ..model.loss import model_inputs
 from ..model.vocab import VocabMap
 
+from .files import replace_dir
 from .plots import OKABE_ITO
 from .stats import bucket_edges, bucket_labels, format_bases
 
@@ -165,18 +166,7 @@ class LogprobGap:
             fig.savefig(work / names["png"], dpi=150)
             fig.savefig(work / names["pdf"])
             _verify(work, names, len(table), self.tokens)
-            if out.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-                old.rmdir()
-                os.replace(out, old)
-                try:
-                    os.replace(work, out)
-                except BaseException:
-                    os.replace(old, out)
-                    raise
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(work, out)
+            replace_dir(work, out)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise

@@ -13,7 +13,6 @@ Units: loss in nats per base (natural-log NLL of the next base), relative change
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 from ..errors import InputError
+from .files import replace_file
 from .results import EvalResult
 from .stats import check_comparable, compare, format_bases
 
@@ -203,27 +203,16 @@ def relative_change_figure(results: Sequence[EvalResult], n_boot: int = 2000, se
     return fig, pd.concat(parts, ignore_index=True)[cols]
 
 
-def _replace_into(path: Path, write) -> None:
-    """Write ``path`` through a temporary sibling and ``os.replace``: the file appears whole or not at all."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _save(fig: Figure, series: pd.DataFrame, out: Path, stem: str, formats: Sequence[str],
           written: dict[str, Path]) -> None:
     for fmt in formats:
         path = out / f"{stem}.{fmt}"
         # no creation date in the PDF, so that the same tables give the same bytes
         meta = {"CreationDate": None} if fmt == "pdf" else None
-        _replace_into(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=150, metadata=meta, bbox_inches="tight"))
+        replace_file(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=150, metadata=meta, bbox_inches="tight"))
         written[path.name] = path
     path = out / f"{stem}.csv"
-    _replace_into(path, lambda tmp: series.to_csv(tmp, index=False))
+    replace_file(path, lambda tmp: series.to_csv(tmp, index=False))
     written[path.name] = path
 
 

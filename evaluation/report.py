@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pandas as pd
+
+from .files import replace_file
 
 __all__ = ["format_bucket_table", "format_compare_table", "markdown_table", "write_table"]
 
@@ -14,9 +15,7 @@ __all__ = ["format_bucket_table", "format_compare_table", "markdown_table", "wri
 def write_table(table: pd.DataFrame, path: Path) -> None:
     """Write ``table`` as CSV to ``path`` (parent created), through a temporary name."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    table.to_csv(tmp, index=False)
-    os.replace(tmp, path)
+    replace_file(path, lambda tmp: table.to_csv(tmp, index=False))
 
 
 def _num(value: float, digits: int) -> str:

@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Mapping
@@ -43,6 +44,7 @@ from ..data.windows import EvalTiles, SplitLike, context_cut_spans
 from ..errors import InputError
 from ..model.lm import GenoLM
 from ..model.vocab import VocabMap
+from .files import replace_dir, replace_file
 from .results import EvalResult
 from .stats import bucket_edges
 
@@ -137,12 +139,6 @@ def model_signature(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _atomic_write(path: Path, write: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def _write_part(path: Path, tile: int, contig: str, start: int, scores: TileScores) -> None:
     n = scores.nll.shape[0]
     table = pa.table({
@@ -155,7 +151,7 @@ def _write_part(path: Path, tile: int, contig: str, start: int, scores: TileScor
         "softmask": pa.array(scores.softmask),
         "nll": pa.array(scores.nll),
     }, schema=TOKEN_SCHEMA)
-    _atomic_write(path, lambda tmp: pq.write_table(table, tmp, row_group_size=_ROW_GROUP, compression="zstd"))
+    replace_file(path, lambda tmp: pq.write_table(table, tmp, row_group_size=_ROW_GROUP, compression="zstd"))
 
 
 def read_tokens(result_dir: str | os.PathLike[str]) -> pd.DataFrame:
@@ -184,7 +180,7 @@ class _Running:
                 np.savez(f, next_tile=self.next_tile, tile_tokens=self.tile_tokens, tile_nll=self.tile_nll,
                          position_tokens=self.position_tokens, position_nll=self.position_nll,
                          digests=self.digests, seconds=self.seconds)
-        _atomic_write(path, write)
+        replace_file(path, write)
 
     def load(self, path: Path) -> None:
         with np.load(path) as z:
@@ -270,10 +266,11 @@ def evaluate(
             log.info("discarding an unfinished evaluation with other settings in %s", work)
             shutil.rmtree(work)
         (work / "tokens").mkdir(parents=True)
-        _atomic_write(work / _SETTINGS, lambda tmp: tmp.write_text(json.dumps(settings, indent=1)))
-    for stale in (work / "tokens").glob("part-*"):  # a part written after the last committed state
-        if not stale.name.endswith(".parquet") or int(stale.name[5:10]) >= running.next_tile:
-            stale.unlink()
+        replace_file(work / _SETTINGS, lambda tmp: tmp.write_text(json.dumps(settings, indent=1)))
+    for entry in (work / "tokens").iterdir():  # a part (or its temporary file) after the last committed state
+        part = re.fullmatch(r"part-(\d{5})\.parquet", entry.name)
+        if part is None or int(part.group(1)) >= running.next_tile:
+            entry.unlink()
 
     was_training = model.training
     model.eval()
@@ -326,14 +323,7 @@ def evaluate(
     (work / _SETTINGS).unlink()
     if not write_tokens:
         (work / "tokens").rmdir()
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(work, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(work, out)
+    replace_dir(work, out)
     return result
 
 
@@ -407,7 +397,8 @@ def recipe_context(checkpoint: str | os.PathLike[str]) -> int | None:
 
     path = Path(checkpoint)
     if path.is_file() and path.suffix == ".ckpt":
-        data = torch.load(path, map_location="cpu", weights_only=True).get("genolong", {}).get("recipe")
+        # mmap: only the recipe is read, not the weights and optimiser states
+        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("genolong", {}).get("recipe")
     else:
         found = [p / "recipe.yaml" for p in (path, path.parent) if (p / "recipe.yaml").is_file()]
         data = yaml.safe_load(found[0].read_text()) if found else None
