@@ -187,8 +187,7 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
     heldout = store.split(recipe.data.eval_split or "eval")
     shutil.rmtree(out / "eval", ignore_errors=True)
 
-    def score(name: str, label: str, model_dir: Path, context_cut: int | None = None) -> None:
-        model, _ = load_eval_model(model_dir)
+    def score(name: str, label: str, model_dir: Path, model: Any, context_cut: int | None = None) -> None:
         story.results[name] = evaluate(
             model, heldout, out / "eval" / name, story.context, context_cut=context_cut, max_tiles=eval_tiles,
             label=label, meta={"checkpoint": str(model_dir), "store": str(store.path), "split": heldout.name},
@@ -199,15 +198,16 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
 
     stages.start(f"evaluating the base model ({base.name}, trained at {cut:,} tokens) on {eval_tiles} held-out "
                  f"chr22 tiles of {story.context:,} tokens")
-    score("base", "base", base)
+    score("base", "base", base, load_eval_model(base)[0])
     stages.start(f"fine-tuning at {recipe.data.context:,} tokens for {recipe.train.max_steps} steps "
                  f"({recipe.memory.recompute} recompute) -> {runs / 'quickstart'}")
     tuned = run(recipe)
     assert tuned.export is not None
     stages.start("evaluating the fine-tuned model, full context")
-    score("tuned", "fine-tuned", tuned.export)
+    tuned_model = load_eval_model(tuned.export)[0]  # scored twice: full context, then cut
+    score("tuned", "fine-tuned", tuned.export, tuned_model)
     stages.start(f"evaluating the fine-tuned model with its context cut at {cut:,} bases (same tokens)")
-    score("tuned-cut", f"fine-tuned, cut at {cut:,}", tuned.export, context_cut=cut)
+    score("tuned-cut", f"fine-tuned, cut at {cut:,}", tuned.export, tuned_model, context_cut=cut)
     story.comparisons += [
         ("base", "tuned", "What did fine-tuning at long context change? (fine-tuned vs base, both with full context)", None),
         ("tuned-cut", "tuned", f"What does context beyond {cut:,} bases buy the fine-tuned model? (full vs cut at {cut:,}, same model)", None),
@@ -219,7 +219,7 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
         trained = run(control_recipe)
         assert trained.export is not None
         stages.start("evaluating the control, full context")
-        score("control", f"control (trained cut at {cut:,})", trained.export)
+        score("control", f"control (trained cut at {cut:,})", trained.export, load_eval_model(trained.export)[0])
         story.comparisons.append(
             ("control", "tuned", f"What does training at long context buy over the same tokens at {cut:,}? "
              "(fine-tuned vs short-context control)", None))
@@ -265,6 +265,7 @@ def _reading(table: pd.DataFrame, a: str, b: str, tiles: int) -> list[str]:
 
 def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
     from . import __version__
+    from .evaluation.files import replace_file
     from .evaluation.report import format_compare_table, markdown_table
 
     r = story.recipe
@@ -332,6 +333,4 @@ def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
         "Stage times: " + "; ".join(f"{what.split(' (')[0].split(' ->')[0]}: {_clock(sec)}" for what, sec in stages.times.items()),
         "",
     ]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n".join(lines))
-    os.replace(tmp, path)
+    replace_file(path, lambda tmp: tmp.write_text("\n".join(lines)))
