@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import InputError
 from ..kernels.backends import get_backend
 from ..kernels.dsa import kpool_pool_ids
 from .config import ModelConfig
@@ -161,6 +162,21 @@ class DSAMixer(nn.Module):
         #: the context-parallel process group (genolong.parallel.context.apply_context_parallel)
         self.cp_group: Any = None
 
+    def check_prev_indices(self, prev_indices: torch.Tensor | None, b: int, t: int) -> None:
+        """A shared layer's ``prev_indices`` must be ``[b, t, K]``: the indices the full DSA layer
+        right before it returned (for the same tokens).
+
+        Raises:
+            InputError (a ValueError): missing, or of the wrong shape.
+        """
+        if prev_indices is None:
+            raise InputError(
+                f"DSA layer {self.layer_idx} is a 'shared' indexer layer and needs prev_indices: the top-k "
+                "indices returned by the full DSA layer right before it"
+            )
+        if prev_indices.dim() != 3 or prev_indices.shape[:2] != (b, t):
+            raise InputError(f"prev_indices must be [B, T, K] = [{b}, {t}, K]; got {tuple(prev_indices.shape)}")
+
     def forward(
         self, x: torch.Tensor, prev_indices: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -184,13 +200,7 @@ class DSAMixer(nn.Module):
         if self.indexer is not None:
             indices = self.indexer(x, q_resid)
         else:
-            if prev_indices is None:
-                raise ValueError(
-                    f"DSA layer {self.layer_idx} is a 'shared' indexer layer and needs prev_indices: the top-k "
-                    "indices returned by the full DSA layer right before it"
-                )
-            if prev_indices.dim() != 3 or prev_indices.shape[:2] != (b, t):
-                raise ValueError(f"prev_indices must be [B, T, K] = [{b}, {t}, K]; got {tuple(prev_indices.shape)}")
+            self.check_prev_indices(prev_indices, b, t)
             indices = prev_indices
         if self.absorb:
             # kv_b_proj absorbed (DeepSeek's MLA trick): q . (W_k c) = (W_k^T q) . c, and the

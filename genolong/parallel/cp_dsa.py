@@ -187,13 +187,8 @@ def cp_dsa_forward(
                 f"the CP slice length ({t}) must be a multiple of index_kpool ({ix.index_kpool}) so that no KPool "
                 "pool straddles two ranks; choose a sequence length divisible by cp * index_kpool"
             )
-    elif prev_indices is None:
-        raise InputError(
-            f"DSA layer {mixer.layer_idx} is a 'shared' indexer layer and needs prev_indices: the indices the "
-            "full DSA layer before it returned on this rank"
-        )
-    elif prev_indices.dim() != 3 or prev_indices.shape[:2] != (b, t):
-        raise InputError(f"prev_indices must be [B, T_local, K] = [{b}, {t}, K]; got {tuple(prev_indices.shape)}")
+    else:
+        mixer.check_prev_indices(prev_indices, b, t)  # the indices the full layer before it returned on this rank
     if not dist.is_initialized():
         raise InputError("cp_dsa_forward needs an initialised torch.distributed process group (the CP group)")
     group = dist.group.WORLD if group is None else group
