@@ -55,3 +55,22 @@ def test_next_token_loss_masks_n_specials_and_weights_softmask() -> None:
     want = -(logp[torch.arange(7), targets] * weights[0, 1:]).sum()
     assert torch.allclose(total, want, rtol=1e-6) and float(count) == pytest.approx(2.2)
     assert bits_per_base(2 * 0.6931471805599453) == pytest.approx(2.0)
+
+
+def test_next_token_loss_split_at_any_point_sums_to_the_whole() -> None:
+    """Context parallelism: a slice that is given the next slice's first token (``next_tokens``)
+    scores its last position too, so the slices' (NLL, weight) sums equal the whole window's."""
+    from genolong.data.alphabet import encode
+    from genolong.model.loss import next_token_loss
+
+    tokens = torch.from_numpy(encode("ACgtNnACGTTAcgA")).long()[None].repeat(2, 1)
+    tokens[1, 3] = 5  # N
+    torch.manual_seed(1)
+    hidden = torch.randn(2, tokens.shape[1], 16)
+    head = torch.randn(8, 16)
+    whole = next_token_loss(hidden, head, tokens, softmask_weight=0.3)
+    for cut in (1, 4, 5, 9, 14):
+        first = next_token_loss(hidden[:, :cut], head, tokens[:, :cut], 0.3, next_tokens=tokens[:, cut:cut + 1])
+        second = next_token_loss(hidden[:, cut:], head, tokens[:, cut:], 0.3)
+        assert torch.allclose(first[0] + second[0], whole[0], rtol=1e-6)
+        assert float(first[1] + second[1]) == pytest.approx(float(whole[1]))

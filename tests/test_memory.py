@@ -266,7 +266,7 @@ def test_parallelize_keeps_names_and_applies_once() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"mesh": object()}, "mesh=None"),
+        ({"param_dtype": torch.bfloat16}, "need a mesh"),
         ({"recompute": "ful"}, "did you mean 'full'"),
         ({"recompute": "selective", "recompute_modules": ("mo",)}, "did you mean 'moe'"),
         ({"moe_chunk_tokens": 0}, "moe_chunk_tokens"),

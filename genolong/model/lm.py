@@ -109,15 +109,17 @@ class GenoLM(nn.Module):
         return self.lm_head(hidden)
 
     def loss(self, tokens: torch.Tensor, softmask_weight: float = 1.0, chunk_size: int = 4096,
-             vocab: VocabMap | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             vocab: VocabMap | None = None, next_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Next-base loss of store tokens ``[B, T]`` (case kept): (NLL sum in nats, weight sum).
 
         Model inputs are the tokens without case (through ``vocab`` for a text LLM checkpoint;
         default None: the nucleotide ids); N, padding and specials never count as targets.
+        ``next_tokens [B, 1]``: the token after the window's last, predicted by its last position
+        (a context-parallel slice: the next rank's first token); default None.
         """
         inputs = model_inputs(tokens) if vocab is None else vocab.to_model(tokens)
         hidden = self(inputs)
-        return next_token_loss(hidden, self.lm_head.weight, tokens, softmask_weight, chunk_size, vocab)
+        return next_token_loss(hidden, self.lm_head.weight, tokens, softmask_weight, chunk_size, vocab, next_tokens)
 
     @torch.no_grad()
     def token_nll(self, tokens: torch.Tensor, chunk_size: int = 4096, vocab: VocabMap | None = None) -> torch.Tensor:

@@ -42,6 +42,7 @@ def next_token_loss(
     softmask_weight: float = 1.0,
     chunk_size: int = 4096,
     vocab: VocabMap | None = None,
+    next_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted next-base NLL: position ``t`` predicts the base at ``t + 1``.
 
@@ -52,12 +53,19 @@ def next_token_loss(
         softmask_weight: weight of soft-masked targets (default 1.0).
         chunk_size: rows per cross-entropy chunk.
         vocab: the checkpoint's ids of the bases (a text LLM); default None: the nucleotide ids.
+        next_tokens: ``[B, 1]`` the store token after the last of ``tokens``, which the last
+            position then predicts (context parallelism: the first token of the next rank's
+            slice); default None: the last position predicts nothing.
 
     Returns:
         (NLL sum in nats, weight sum), fp32 scalars; their ratio is the mean loss.
     """
-    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    targets = tokens[:, 1:]
+    if next_tokens is None:
+        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        targets = tokens[:, 1:]
+    else:
+        h = hidden.reshape(-1, hidden.shape[-1])
+        targets = torch.cat([tokens[:, 1:], next_tokens], dim=1)
     weights = target_weights(targets, softmask_weight)
     if vocab is None:
         ids = model_inputs(targets)

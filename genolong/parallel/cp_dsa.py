@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 
 from ..errors import InputError
 from ..kernels.dsa import indexer_scores, kpool_expand, kpool_pool_ids
@@ -68,6 +67,43 @@ _QUERY_BLOCK = 256
 # ----------------------------------------------------------------------------- collectives
 
 
+class _AllGather(torch.autograd.Function):
+    """Differentiable all-gather over a (sub)group: ``x [*S]`` -> ``[W, *S]`` in group-rank order;
+    backward reduce-scatters, so each rank receives the sum over ranks of its piece's gradients.
+
+    torch's ``torch.distributed.nn.functional.all_gather`` is deprecated, and its gloo backward
+    passes group ranks where global ranks are expected, which fails on any group that is not the
+    whole world (e.g. the CP groups of a dp x cp mesh). gloo has no reduce-scatter: there the
+    backward is one scatter per source rank (each rank receives ``(W - 1)`` pieces, the same
+    volume as a reduce-scatter).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        x = x.contiguous()
+        out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, x, group=group)
+        ctx.group = group
+        return torch.stack(out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        group = ctx.group
+        pieces = list(grad.contiguous().unbind(0))
+        out = torch.empty_like(pieces[0])
+        if dist.get_backend(group) != dist.Backend.GLOO:
+            dist.reduce_scatter(out, pieces, group=group)
+            return out, None
+        rank = dist.get_rank(group)
+        received = []
+        for src in range(len(pieces)):
+            buffer = torch.empty_like(out)
+            dist.scatter(buffer, pieces if src == rank else None, src=dist.get_global_rank(group, src), group=group)
+            received.append(buffer)
+        return torch.stack(received).sum(0), None
+
+
 def _gather_prefix(parts: list[torch.Tensor], group: dist.ProcessGroup, rank: int) -> list[torch.Tensor]:
     """One differentiable all-gather of several sequence tensors ``[B, n_i, ...]`` (same dtype),
     packed into one buffer; returns each one's pieces of ranks ``0..rank`` concatenated along dim 1
@@ -78,7 +114,7 @@ def _gather_prefix(parts: list[torch.Tensor], group: dist.ProcessGroup, rank: in
     b = parts[0].shape[0]
     sizes = [x[0].numel() for x in parts]
     packed = torch.cat([x.reshape(b, -1) for x in parts], dim=1)  # [B, sum(sizes)]
-    gathered = torch.stack(dist_nn.all_gather(packed, group=group)[: rank + 1], dim=1)  # [B, rank + 1, n]
+    gathered = _AllGather.apply(packed, group)[: rank + 1].transpose(0, 1)  # [B, rank + 1, n]
     out = []
     for x, chunk in zip(parts, gathered.split(sizes, dim=2)):
         out.append(chunk.reshape(b, (rank + 1) * x.shape[1], *x.shape[2:]))

@@ -1,25 +1,43 @@
-"""Apply genolong's memory techniques to a plain GenoLM, in a fixed order (the torchtitan pattern).
+"""Apply genolong's memory techniques and parallelism to a plain GenoLM, in a fixed order (the
+torchtitan pattern).
 
-Order: MoE token chunks -> activation recompute -> CPU activation offload. Each step only sets
-attributes or installs hooks/forwards on the existing modules: parameter names, ``state_dict``
-keys and the module tree are unchanged, so checkpoints load and save as without them.
-Context parallelism and FSDP2 (multi-process meshes) are not part of this version:
-``mesh`` accepts only None.
+Order, and why:
+
+1. MoE token chunks (an attribute of each MoE);
+2. context parallelism over the mesh's ``cp`` group (the KDA / DSA mixers exchange states and
+   keys; :func:`genolong.parallel.context.apply_context_parallel`), before recompute so that a
+   recomputed block repeats the same collectives in backward;
+3. activation recompute (per block or per module);
+4. CPU activation offload (hooks around each block; inside a recomputed block only the block
+   inputs are saved, so those are what moves);
+5. FSDP2 last: ``fully_shard`` on every block, then on the root (embeddings, final norm, head),
+   over the mesh's ``dp_shard x cp`` ranks (:func:`genolong.parallel.mesh.fsdp_mesh`; HSDP when
+   ``dp_replicate > 1``). FSDP2's unshard / reshard hooks then wrap the recompute and offload
+   machinery, so a block's full parameters exist only while it runs forward or backward, and the
+   offloader never copies parameters (it skips them by identity and storage).
+
+Steps 1, 3 and 4 only set attributes or install hooks/forwards on the existing modules; step 5
+turns parameters into DTensor shards but keeps their names: ``state_dict`` keys are unchanged, so
+checkpoints load and save as without them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
+import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..errors import InputError
 from ..model.moe import MoE
+from .context import apply_context_parallel
+from .mesh import cp_group, fsdp_mesh
 from .offload import apply_offload
 from .recompute import apply_recompute
 
-__all__ = ["parallelize", "apply_moe_chunks"]
+__all__ = ["apply_fsdp", "apply_moe_chunks", "parallelize"]
 
 
 def apply_moe_chunks(model: nn.Module, chunk_tokens: int | None) -> int:
@@ -50,9 +68,12 @@ def parallelize(
     offload: bool = False,
     offload_min_bytes: int = 2**20,
     moe_chunk_tokens: int | None = None,
-    mesh: Any = None,
+    mesh: DeviceMesh | None = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """Apply the single-process memory techniques to a GenoLM in place; returns the same model.
+    """Apply the memory techniques, context parallelism and FSDP2 to a GenoLM in place (in the
+    order of the module docstring); returns the same model.
 
     Args:
         model: a :class:`~genolong.model.GenoLM` (``input_ids [B, T] -> hidden [B, T, H]``).
@@ -69,19 +90,28 @@ def parallelize(
             and :func:`genolong.parallel.offload.offloader_of`.
         offload_min_bytes: smallest saved tensor worth offloading (default 1 MiB).
         moe_chunk_tokens: MoE dispatch chunk in tokens (default None: the whole batch).
-        mesh: reserved for the device mesh of context parallelism and FSDP2; only None (one
-            process) is accepted in this version.
+        mesh: the job's ``(dp_replicate, dp_shard, cp)`` mesh from
+            :func:`genolong.parallel.mesh.build_mesh` (default None: one process, no FSDP2).
+            With a mesh, the model must then be fed each rank's slice of every window
+            (``genolong.data.windows.context_parallel_bounds``) and its gradients are FSDP2's:
+            summed (not averaged) over the ``dp_shard x cp`` ranks, so scale the loss of each
+            rank by the global target count (as :class:`genolong.train.module.GenoLMModule`
+            does) for the gradient of the global mean.
+        param_dtype: FSDP2 mixed precision: the dtype parameters are all-gathered in and
+            computed with (default None: as stored; ``torch.bfloat16`` for bf16-mixed runs).
+        reduce_dtype: FSDP2 mixed precision: the dtype of the gradient reduce-scatter (default
+            None: ``param_dtype``; ``torch.float32`` keeps the reduction exact-ish in bf16 runs).
 
     Raises:
-        InputError: a mesh, an unknown recompute mode or module kind, a bad chunk size or
-            threshold, a model that is not a GenoLM, or techniques already applied.
+        InputError: an unknown recompute mode or module kind, a bad chunk size or threshold, a
+            model that is not a GenoLM, techniques already applied, or precision settings
+            without a mesh.
 
     Loss and gradients are unchanged by every combination (exactly for recompute and offload,
-    up to float summation order for MoE chunks).
+    up to float summation order for MoE chunks, context parallelism and the FSDP2 reduction).
     """
-    if mesh is not None:
-        raise InputError("parallelize(mesh=...): context parallelism and FSDP2 are not available in this version; "
-                         "pass mesh=None (one process)")
+    if mesh is None and (param_dtype is not None or reduce_dtype is not None):
+        raise InputError("param_dtype / reduce_dtype are FSDP2's mixed precision: they need a mesh (a multi-process run)")
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise InputError(f"parallelize needs a GenoLM (a model with .layers); got {type(model).__name__}")
@@ -90,7 +120,37 @@ def parallelize(
     if not isinstance(offload, bool):
         raise InputError(f"offload must be true or false, got {offload!r}")
     apply_moe_chunks(model, moe_chunk_tokens)
+    if mesh is not None:
+        apply_context_parallel(model, cp_group(mesh))
     apply_recompute(model, recompute, recompute_modules)
     if offload:
         apply_offload(model, offload_min_bytes)
+    if mesh is not None:
+        apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    return model
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype | None = None) -> nn.Module:
+    """FSDP2 over ``mesh``'s ``dp_shard x cp`` ranks: one ``fully_shard`` unit per block, then the
+    root (embeddings, final norm, LM head and whatever else is left).
+
+    Every parameter becomes a ``Shard(0)`` DTensor over :func:`genolong.parallel.mesh.fsdp_mesh`
+    (2-D HSDP: replicated over ``dp_replicate``). Gradients are summed over those ranks (divide
+    factor 1): each rank's share of the loss is already divided by the global target count, and
+    the context-parallel ranks' gradients are partial sums of the same sequence's, so an average
+    would be wrong for them. Returns ``model``.
+    """
+    shard_mesh = fsdp_mesh(mesh)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    units = [*model.layers, model]  # type: ignore[attr-defined]
+    for i, unit in enumerate(units):
+        # the root is resharded anyway after forward; the last block stays unsharded because
+        # backward needs it first (torchtitan's choice)
+        fully_shard(unit, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=i < len(units) - 2)
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+        # a plain SUM (not NCCL's PreMulSum by 1): gloo has no PreMulSum, and with a factor of
+        # 1 there is no separate scaling to pay for
+        unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     return model
