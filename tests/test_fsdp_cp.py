@@ -58,7 +58,7 @@ def _reference(case: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     model.load_state_dict(case["state"])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     nll, weight = model.loss(case["tokens"], softmask_weight=0.5)
-    _step(model, nll / total)
+    _step(model, nll / weight)
     return {n: (p.detach() - before[n]).float() for n, p in model.named_parameters()}
 
 
