@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -346,7 +347,8 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
     - a GLM-5.3-Flash-format directory (config.json + safetensors; e.g. a run's ``export/``);
     - a fine-tune run directory (``runs/NAME``, holding ``export/``);
     - a Lightning checkpoint ``runs/NAME/checkpoints/stepNNNNNNN.ckpt`` (weights and the resolved
-      recipe inside it; read with ``weights_only=True``).
+      recipe inside it; read with ``weights_only=True``): a file from a one-process run, a
+      directory of shards (torch.distributed.checkpoint) from a multi-process one.
 
     Returns:
         (model in eval mode, VocabMap or None for the nucleotide vocabulary).
@@ -365,10 +367,11 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
         if model.config.vocab_size != VOCAB_SIZE:  # a text LLM checkpoint: bases through its tokenizer
             vocab = VocabMap.from_tokenizer(path, pad=model.config.pad_token_id, bos=model.config.bos_token_id)
         return model.eval(), vocab
-    if path.is_file() and path.suffix == ".ckpt":
-        state = torch.load(path, map_location="cpu", weights_only=True)
+    sharded = path.is_dir() and path.suffix == ".ckpt" and (path / _DCP_META).is_file()
+    if (path.is_file() and path.suffix == ".ckpt") or sharded:
+        state = torch.load(path / _DCP_META if sharded else path, map_location="cpu", weights_only=True)
         recipe_data = state.get("genolong", {}).get("recipe")
-        if recipe_data is None or "state_dict" not in state:
+        if recipe_data is None or (not sharded and "state_dict" not in state):
             raise InputError(f"{path} is not a genolong finetune checkpoint (no recipe or state_dict inside); "
                              "give a run's export/ directory or a step*.ckpt written by genolong finetune")
         recipe = parse_recipe(recipe_data, source=str(path))
@@ -376,11 +379,14 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
         if dtype != torch.float32:
             raise InputError(f"{path}: a Lightning checkpoint is evaluated in float32; for --dtype {dtype} evaluate "
                              "the run's export/ directory (genolong finetune writes it at the end)")
-        model = GenoLM(config)  # a Lightning .ckpt holds a whole unsharded model: it fits in memory
-        weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items()}
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        if missing or unexpected:
-            raise InputError(f"{path} does not fit its recipe's model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        model = GenoLM(config)  # the whole model in this process: evaluation runs it unsharded
+        if sharded:
+            _load_sharded_weights(model, path)
+        else:
+            weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items()}
+            missing, unexpected = model.load_state_dict(weights, strict=False)
+            if missing or unexpected:
+                raise InputError(f"{path} does not fit its recipe's model: missing {missing[:3]}, unexpected {unexpected[:3]}")
         model = model.to(device=device)
         vocab = recipe.vocab_map(config)
         return model.eval(), None if vocab == VocabMap.identity() else vocab
@@ -390,15 +396,36 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
     )
 
 
+# Lightning's file of everything but the model and optimiser in a sharded (DCP) checkpoint directory
+_DCP_META = "meta.pt"
+
+
+def _load_sharded_weights(model: GenoLM, path: Path) -> None:
+    """Fill ``model`` in place from a multi-process run's sharded checkpoint directory
+    (torch.distributed.checkpoint, written by Lightning's ``ModelParallelStrategy``: the model
+    under ``state_dict.model.*``), resharded to whole tensors in this one process; the optimiser
+    states in it are not read."""
+    import torch.distributed.checkpoint as dcp
+
+    weights = {f"model.{k}": v for k, v in model.state_dict().items()}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load({"state_dict": weights}, checkpoint_id=path, no_dist=True)
+    except Exception as error:  # DCP reports a missing key or another shape as a CheckpointException
+        raise InputError(f"{path} does not fit its recipe's model ({str(error).splitlines()[-1][:200]})") from error
+
+
 def recipe_context(checkpoint: str | os.PathLike[str]) -> int | None:
     """The eval context of the run ``checkpoint`` belongs to (its recipe's ``eval.context`` or
     ``data.context``), or None when it is not part of a genolong finetune run."""
     import yaml
 
     path = Path(checkpoint)
-    if path.is_file() and path.suffix == ".ckpt":
+    if path.suffix == ".ckpt" and (path.is_file() or (path / _DCP_META).is_file()):
         # mmap: only the recipe is read, not the weights and optimiser states
-        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("genolong", {}).get("recipe")
+        meta = path / _DCP_META if path.is_dir() else path
+        data = torch.load(meta, map_location="cpu", weights_only=True, mmap=True).get("genolong", {}).get("recipe")
     else:
         found = [p / "recipe.yaml" for p in (path, path.parent) if (p / "recipe.yaml").is_file()]
         data = yaml.safe_load(found[0].read_text()) if found else None
