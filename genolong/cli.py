@@ -49,8 +49,9 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.set)
     result = run(recipe, resume=args.resume)
-    done = f"genolong finetune: {recipe.name}: {result.global_step} steps; logs in {result.paths.logs}"
-    print(done + (f"; model exported to {result.export}" if result.export else ""))
+    if result.is_global_zero:  # one line for the job, not one per process
+        done = f"genolong finetune: {recipe.name}: {result.global_step} steps; logs in {result.paths.logs}"
+        print(done + (f"; model exported to {result.export}" if result.export else ""))
     return 0
 
 

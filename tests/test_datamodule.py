@@ -178,6 +178,28 @@ def test_eval_tiles_are_padded_and_cover_the_eval_split(genome):
     assert tiles[4]["length"] == 100 and tiles[6]["length"] == 133 and len(tiles) == 7
 
 
+@pytest.mark.parametrize(("dp_size", "max_tiles"), [(2, None), (3, None), (3, 5), (4, 2)])
+def test_eval_tiles_are_dealt_out_to_data_parallel_ranks(genome, dp_size, max_tiles):
+    """Tile i goes to rank i mod dp_size; every rank gets the same number of items (FSDP2 needs the
+    same steps everywhere), the short shares padded with empty tiles that count nothing."""
+    count = 7 if max_tiles is None else max_tiles
+    shares = []
+    for rank in range(dp_size):
+        dm = make_dm(genome, eval_batch_size=1, dp_rank=rank, dp_size=dp_size, eval_max_tiles=max_tiles)
+        dm.setup("validate")
+        shares.append([(int(b["tile_index"]), int(b["length"]), b["tokens"]) for b in dm.val_dataloader()])
+    assert {len(share) for share in shares} == {math.ceil(count / dp_size)}
+    real = sorted(index for share in shares for index, _, _ in share if index >= 0)
+    assert real == list(range(count))
+    for rank, share in enumerate(shares):
+        assert [i for i, _, _ in share if i >= 0] == list(range(rank, count, dp_size))
+        for index, length, tokens in share:
+            if index < 0:
+                assert length == 0 and (tokens == alphabet.PAD).all()
+    with pytest.raises(InputError, match="eval_max_tiles"):
+        GenomeDataModule(genome.path, train_length=256, eval_max_tiles=0)
+
+
 def test_state_dict_resume_continues_the_stream(genome):
     straight = take_batches(make_dm(genome).train_dataloader(), 6)
     first = make_dm(genome, num_workers=2)

@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -150,20 +150,27 @@ class EvalTileDataset(Dataset):
 
     Args:
         tiles: the tiles of the eval split.
+        indices: the tiles this dataset serves, in order (default None: all); ``-1`` is an empty
+            tile (all PAD, ``length`` 0, ``tile_index`` -1), which evens out the data-parallel
+            ranks' shares (every rank must run the same number of steps under FSDP2).
 
     Items are dicts: ``tokens`` torch.long ``[L]`` (positions ``>= length`` are ``alphabet.PAD``),
     ``length`` (int, true tile length), ``contig`` (str), ``start`` (int, 0-based genomic),
     ``offset`` (int, into ``split.tokens``) and ``tile_index`` (int).
     """
 
-    def __init__(self, tiles: EvalTiles):
+    def __init__(self, tiles: EvalTiles, indices: Sequence[int] | None = None):
         self.tiles = tiles
+        self.indices = list(range(len(tiles))) if indices is None else [int(i) for i in indices]
 
     def __len__(self) -> int:
-        return len(self.tiles)
+        return len(self.indices)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        tile = self.tiles[index]
+        if self.indices[index] < 0:
+            tokens = torch.full((self.tiles.length,), PAD, dtype=torch.long)
+            return {"tokens": tokens, "length": 0, "contig": "", "start": 0, "offset": 0, "tile_index": -1}
+        tile = self.tiles[self.indices[index]]
         tokens = torch.full((self.tiles.length,), PAD, dtype=torch.long)
         tokens[: tile.length] = torch.from_numpy(tile.tokens)
         return {
@@ -193,9 +200,13 @@ class GenomeDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes (default 0: read in the main process).
         windows_per_epoch: training windows per epoch per data-parallel rank (default ``None``:
             endless, train with ``max_steps``).
-        dp_rank, dp_size: data-parallel rank and size (default: the trainer's ``global_rank`` and
-            ``world_size``). Pass them when context parallelism groups ranks: every rank of a
-            context-parallel group must get the same windows.
+        dp_rank, dp_size: data-parallel rank and size (default: the trainer strategy's
+            data-parallel rank and size, ``distributed_sampler_kwargs``: under Lightning's
+            ``ModelParallelStrategy`` the ranks of one context-parallel group share them, so they
+            get the same windows and tiles).
+        eval_max_tiles: validate on the first this many tiles of the eval split (default None:
+            all). The tiles are dealt out to the data-parallel ranks (tile ``i`` to rank
+            ``i mod dp_size``), each rank's share padded with empty tiles to the same length.
         verify: check every store file's sha256 on open (default True).
         pin_memory: DataLoader ``pin_memory`` (default False).
 
@@ -224,6 +235,7 @@ class GenomeDataModule(L.LightningDataModule):
         dp_size: int | None = None,
         verify: bool = True,
         pin_memory: bool = False,
+        eval_max_tiles: int | None = None,
     ):
         super().__init__()
         if num_workers < 0:
@@ -245,6 +257,9 @@ class GenomeDataModule(L.LightningDataModule):
         self.dp_size = dp_size
         self.verify = verify
         self.pin_memory = pin_memory
+        if eval_max_tiles is not None and eval_max_tiles < 1:
+            raise InputError(f"eval_max_tiles must be >= 1 or None, got {eval_max_tiles}")
+        self.eval_max_tiles = eval_max_tiles
         self.store: GenomeStore | None = None
         self.train_windows: TrainWindows | None = None
         self.eval_tiles: EvalTiles | None = None
@@ -255,6 +270,9 @@ class GenomeDataModule(L.LightningDataModule):
             return self.dp_rank, self.dp_size
         trainer = self.trainer
         if trainer is not None:
+            kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+            if "num_replicas" in kwargs:
+                return int(kwargs["rank"]), int(kwargs["num_replicas"])
             return int(trainer.global_rank), int(trainer.world_size)
         return 0, 1
 
@@ -296,8 +314,12 @@ class GenomeDataModule(L.LightningDataModule):
     def _eval_dataloader(self) -> DataLoader:
         if self.eval_tiles is None:
             raise RuntimeError("no eval split: construct with eval_split=... and call setup() first")
+        count = len(self.eval_tiles) if self.eval_max_tiles is None else min(self.eval_max_tiles, len(self.eval_tiles))
+        rank, size = self._data_parallel()
+        share = list(range(rank, count, size))
+        share += [-1] * (-(-count // size) - len(share))  # even shares: empty tiles count nothing
         return DataLoader(
-            EvalTileDataset(self.eval_tiles),
+            EvalTileDataset(self.eval_tiles, share),
             batch_size=self.eval_batch_size,
             shuffle=False,
             num_workers=self.num_workers,
@@ -305,11 +327,12 @@ class GenomeDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader | list[Any]:
-        """Eval tiles in order (an empty list when ``eval_split`` is None: no validation)."""
+        """This data-parallel rank's eval tiles in order (an empty list when ``eval_split`` is
+        None: no validation)."""
         return [] if self.eval_split is None else self._eval_dataloader()
 
     def test_dataloader(self) -> DataLoader:
-        """Eval tiles in order."""
+        """This data-parallel rank's eval tiles in order."""
         return self._eval_dataloader()
 
     def record_batch(self, batch: Mapping[str, Any]) -> None:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "ActivationMeter", "Charge", "LayerMemory", "current_meter", "peak_rss_bytes", "tensor_bytes", "track_saved",
@@ -68,7 +69,9 @@ def _param_storages(modules: Sequence[nn.Module]) -> set[tuple[str, int]]:
     keys = set()
     for module in modules:
         for t in (*module.parameters(), *module.buffers()):
-            if t.device.type != "meta" and t.numel():
+            if isinstance(t, DTensor):
+                t = t.to_local()  # an FSDP2 shard: its local storage (the gathered copies are Parameters)
+            if t.device.type != "meta" and t.numel() and t.untyped_storage().nbytes():
                 keys.add(_storage_key(t))
     return keys
 

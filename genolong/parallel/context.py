@@ -6,9 +6,11 @@ KDA layers take the previous rank's short-conv inputs and the earlier ranks' sta
 (:mod:`genolong.kernels.kda.cp`); DSA layers all-gather the kv latent and pooled index keys and
 select over global positions (:mod:`genolong.parallel.cp_dsa`). Embeddings, hyper-connections,
 norms, feed-forwards and the LM head work per token. Parameter gradients of a rank are its share:
-sum them over the group (FSDP2 does, when the CP ranks are part of its sharding mesh). Slicing the
-windows (with ``genolong.data.windows.context_parallel_bounds``) and reducing the loss over the
-group belong to the trainer (not wired yet).
+sum them over the group (FSDP2 does, when the CP ranks are part of its sharding mesh:
+:func:`genolong.parallel.parallelize` with a mesh). Slicing the windows
+(``genolong.data.windows.context_parallel_bounds``, the last position of a slice predicting the
+next slice's first token: ``GenoLM.loss(next_tokens=...)``) and reducing the loss over the group
+are the trainer's (:class:`genolong.train.module.GenoLMModule`).
 """
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ class StepMetrics(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.use_meter:
-            self._meter = ActivationMeter(getattr(pl_module, "model", None))
-            self._meter.__enter__()
+            meter = ActivationMeter(getattr(pl_module, "model", None))
+            self._meter = meter.__enter__()  # set only once entered: on_exception closes it
         if torch.cuda.is_available() and pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
         self._started = time.perf_counter()

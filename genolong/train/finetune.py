@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..config import Recipe
@@ -148,6 +151,7 @@ class FinetuneResult:
     global_step: int
     resumed_from: Path | None
     export: Path | None
+    is_global_zero: bool = True  # False on the other processes of a multi-process job
 
 
 def _check_store(recipe: Recipe) -> None:
@@ -181,6 +185,31 @@ def _build_model(recipe: Recipe) -> GenoLM:
     return GenoLM(config, moe_chunk_tokens=chunk)
 
 
+def _parallelize(recipe: Recipe, model: GenoLM, mesh: DeviceMesh | None) -> GenoLM:
+    """The recipe's memory techniques, and over a multi-process ``mesh`` context parallelism and
+    FSDP2; a bf16-mixed run all-gathers parameters in bf16 and reduces gradients in fp32."""
+    m = recipe.memory
+    mixed = mesh is not None and recipe.train.precision == "bf16-mixed"
+    parallelize(model, recompute=m.recompute, recompute_modules=m.recompute_modules, offload=m.offload,
+                offload_min_bytes=m.offload_min_bytes, moe_chunk_tokens=m.moe_chunk_tokens, mesh=mesh,
+                param_dtype=torch.bfloat16 if mixed else None, reduce_dtype=torch.float32 if mixed else None)
+    return model
+
+
+def _full_model(model: GenoLM) -> GenoLM | None:
+    """``model`` itself when it is not sharded; for an FSDP2 model, a plain copy with the full
+    parameters on rank 0 (None on the other ranks; every rank must call this)."""
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return model
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    with torch.device("meta"):
+        plain = GenoLM(model.config)
+    plain.load_state_dict(state, assign=True)
+    return plain
+
+
 def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback]) -> L.Trainer:
     p, t = recipe.parallel, recipe.train
     accelerator = "cuda" if p.accelerator == "gpu" else p.accelerator
@@ -196,9 +225,6 @@ def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback]) -> L.
         save_distributed_checkpoint=p.world_size > 1,
     )
     every = recipe.eval.every_n_steps
-    eval_batches: float | int = 1.0
-    if recipe.eval.max_tiles is not None:
-        eval_batches = max(recipe.eval.max_tiles // recipe.eval.batch_size, 1)
     return L.Trainer(
         accelerator=accelerator,
         devices=p.devices,
@@ -216,7 +242,10 @@ def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback]) -> L.
         enable_checkpointing=True,
         val_check_interval=every * t.accumulate_grad_batches if every else None,
         check_val_every_n_epoch=None,
-        limit_val_batches=eval_batches if every else 0,
+        limit_val_batches=1.0 if every else 0,
+        # the data module deals windows and eval tiles out by data-parallel rank itself (the ranks
+        # of a context-parallel group must get the same ones; every rank the same number)
+        use_distributed_sampler=False,
         num_sanity_val_steps=0,
         deterministic=False,
         default_root_dir=paths.root,
@@ -253,10 +282,8 @@ def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
             max_steps=recipe.train.max_steps, weight_decay=recipe.train.weight_decay, betas=recipe.train.betas,
             eps=recipe.train.eps, moe_bias_rate=recipe.train.moe_bias_update_rate,
         ),
-        parallelize=functools.partial(
-            parallelize, recompute=m.recompute, recompute_modules=m.recompute_modules, offload=m.offload,
-            offload_min_bytes=m.offload_min_bytes, moe_chunk_tokens=m.moe_chunk_tokens,
-        ),
+        parallelize=functools.partial(_parallelize, recipe),
+        parallel=recipe.parallel,
         softmask_weight=recipe.model.softmask_weight,
         ce_chunk_tokens=m.ce_chunk_tokens,
         vocab=None if vocab == VocabMap.identity() else vocab,
@@ -271,7 +298,7 @@ def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
         d.store, train_length=d.context, eval_length=recipe.eval_context, train_split=d.train_split,
         eval_split=d.eval_split if recipe.eval.every_n_steps else None, batch_size=d.batch_size,
         eval_batch_size=recipe.eval.batch_size, seed=recipe.seed, rc_prob=d.rc_prob, num_workers=d.num_workers,
-        windows_per_epoch=d.windows_per_epoch, verify=d.verify,
+        windows_per_epoch=d.windows_per_epoch, verify=d.verify, eval_max_tiles=recipe.eval.max_tiles,
     )
     every = recipe.checkpoint.every_n_steps or recipe.train.max_steps
     checkpoints = ModelCheckpoint(
@@ -280,12 +307,18 @@ def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
         save_last=False, save_on_train_epoch_end=True,
     )
     trainer = _trainer(recipe, paths, [checkpoints, StepMetrics(paths.steps)])
+    # the module logs eval/* already summed over all ranks (Lightning cannot know)
+    warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting", category=UserWarning)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from if resume else None, weights_only=True)
 
     export = None
-    if recipe.checkpoint.export_safetensors and trainer.is_global_zero:
+    if recipe.checkpoint.export_safetensors:
         assert module.model is not None
-        source = recipe.model.checkpoint
-        extras = [p for p in (source.glob("tokenizer*") if source else []) if p.is_file()]
-        export = module.model.save_pretrained(paths.export, copy_files=extras)
-    return FinetuneResult(paths=paths, global_step=trainer.global_step, resumed_from=resume_from if resume else None, export=export)
+        model = _full_model(module.model)  # collective when sharded: every rank takes part
+        if trainer.is_global_zero:
+            assert model is not None
+            source = recipe.model.checkpoint
+            extras = [p for p in (source.glob("tokenizer*") if source else []) if p.is_file()]
+            export = model.save_pretrained(paths.export, copy_files=extras)
+    return FinetuneResult(paths=paths, global_step=trainer.global_step, resumed_from=resume_from if resume else None, export=export,
+                          is_global_zero=trainer.is_global_zero)

@@ -1,9 +1,16 @@
 """The LightningModule around GenoLM: loss, optimiser and schedule, MoE bias balancing, NaN guard.
 
 The model is built in :meth:`GenoLMModule.configure_model` (Lightning's ``ModelParallelStrategy``
-calls it once the process group and device mesh exist), then ``genolong.parallel.parallelize``
-applies the memory techniques (and, with issue 6, context parallelism and FSDP2) over the plain
-model.
+calls it once the process group exists), then ``genolong.parallel.parallelize`` applies the
+memory techniques and, in a multi-process job, context parallelism and FSDP2 over the job's
+``(dp_replicate, dp_shard, cp)`` mesh.
+
+In a multi-process job every rank of a context-parallel group receives the same windows (the data
+module shards by data-parallel rank) and runs the model on its contiguous slice; the loss a rank
+backpropagates is its NLL sum over the *global* count of targets (one all-reduce of two scalars
+per step), and FSDP2 sums the gradients over the ranks, so the step is the one a single process
+would take on the whole global batch. Logged losses, the indexer KL, the MoE loads (and so the
+routing-bias updates, identical on every rank) and the validation loss are reduced over all ranks.
 """
 
 from __future__ import annotations
@@ -16,15 +23,19 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ..data.alphabet import PAD
-from ..data.windows import context_cut_spans
-from ..errors import GenolongError
+from ..data.windows import context_cut_spans, context_parallel_bounds
+from ..errors import GenolongError, InputError
 from ..model.dsa import DSAMixer
 from ..model.lm import GenoLM
 from ..model.loss import bits_per_base
 from ..model.moe import MoE
 from ..model.vocab import VocabMap
+from ..parallel.mesh import ParallelSizes, build_mesh, cp_rank, cp_size, dp_size
 
 __all__ = ["GenoLMModule", "NonFiniteLossError", "OptimSettings", "WarmupCosine", "cut_windows", "freeze_parameters"]
 
@@ -111,6 +122,18 @@ def cut_windows(tokens: torch.Tensor, cut: int) -> torch.Tensor:
     return pieces.reshape(-1, cut + 1)
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """``x`` summed over all ranks of the job (``x`` itself in a single process)."""
+    if _distributed():
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
 class GenoLMModule(L.LightningModule):
     """Trains a :class:`GenoLM` on store windows.
 
@@ -118,8 +141,11 @@ class GenoLMModule(L.LightningModule):
         build_model: returns the plain model (from a preset or ``GenoLM.from_pretrained``); called
             once, in :meth:`configure_model`.
         optim: optimiser and schedule settings.
-        parallelize: ``model -> model`` applying the memory techniques and parallelism
-            (``genolong.parallel.parallelize`` with the recipe's settings bound); default identity.
+        parallelize: ``(model, mesh) -> model`` applying the memory techniques and parallelism
+            (``genolong.parallel.parallelize`` with the recipe's settings bound; ``mesh`` is None
+            in a single process); default identity.
+        parallel: the recipe's ``parallel`` section (``cp``, ``dp_shard``, ``dp_replicate``):
+            the mesh built in a multi-process job (default None: one process only).
         softmask_weight: loss weight of soft-masked bases (default 1.0).
         ce_chunk_tokens: rows per chunk of the cross-entropy (default 4096).
         vocab: base ids -> the checkpoint's token ids (default None: nucleotide ids).
@@ -141,7 +167,8 @@ class GenoLMModule(L.LightningModule):
         self,
         build_model: Callable[[], GenoLM],
         optim: OptimSettings,
-        parallelize: Callable[[GenoLM], GenoLM] | None = None,
+        parallelize: Callable[[GenoLM, DeviceMesh | None], GenoLM] | None = None,
+        parallel: ParallelSizes | None = None,
         softmask_weight: float = 1.0,
         ce_chunk_tokens: int = 4096,
         vocab: VocabMap | None = None,
@@ -156,6 +183,8 @@ class GenoLMModule(L.LightningModule):
         self.build_model = build_model
         self.optim = optim
         self.parallelize_fn = parallelize
+        self.parallel = parallel
+        self.mesh: DeviceMesh | None = None
         self.softmask_weight = softmask_weight
         self.ce_chunk_tokens = ce_chunk_tokens
         self.vocab = vocab
@@ -166,6 +195,7 @@ class GenoLMModule(L.LightningModule):
         self.model: GenoLM | None = None
         self.indexers: list[DSAMixer] = []
         self.moes: list[MoE] = []
+        self._step_loads: list[torch.Tensor] = []  # [E] float per MoE layer, summed over ranks
         self.consecutive_nonfinite = 0
         self.nonfinite_steps = 0
 
@@ -181,14 +211,27 @@ class GenoLMModule(L.LightningModule):
         self.moes = [m for m in model.modules() if isinstance(m, MoE)]
         for mixer in self.indexers:
             mixer.indexer_kl = True
-        self.model = self.parallelize_fn(model) if self.parallelize_fn is not None else model
+        if _distributed():
+            if self.parallel is None:
+                raise InputError("a multi-process run needs the recipe's parallel section (GenoLMModule(parallel=...))")
+            self.mesh = build_mesh(self.parallel, world_size=dist.get_world_size(), device_type=self.device.type)
+            if cp_size(self.mesh) > 1 and self.context_cut is not None:
+                raise InputError("train.context_cut trains short pieces one process can hold: set parallel.cp: 1 with it")
+        self.model = self.parallelize_fn(model, self.mesh) if self.parallelize_fn is not None else model
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``tokens [B, T]`` -> (NLL sum in nats, counted-target weight sum)."""
+        """``tokens [B, T]`` -> (NLL sum in nats, counted-target weight sum) of this rank's share:
+        the whole windows in one process, its context-parallel slice of them otherwise (the slice's
+        last position predicts the next slice's first token)."""
         assert self.model is not None, "configure_model() has not run"
         if self.context_cut is not None:
             tokens = cut_windows(tokens, self.context_cut)
-        return self.model.loss(tokens, self.softmask_weight, self.ce_chunk_tokens, self.vocab)
+        next_tokens = None
+        if cp_size(self.mesh) > 1:
+            total = tokens.shape[1]
+            lo, hi = context_parallel_bounds(total, cp_rank(self.mesh), cp_size(self.mesh))
+            tokens, next_tokens = tokens[:, lo:hi], (tokens[:, hi:hi + 1] if hi < total else None)
+        return self.model.loss(tokens, self.softmask_weight, self.ce_chunk_tokens, self.vocab, next_tokens)
 
     # -- optimisation ------------------------------------------------------------------------------
     def configure_optimizers(self) -> dict[str, Any]:
@@ -207,38 +250,55 @@ class GenoLMModule(L.LightningModule):
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor | None:
         nll, weight = self(batch["tokens"])
-        loss = nll / weight.clamp_min(1.0)
         kls = [m.last_indexer_kl for m in self.indexers if m.last_indexer_kl is not None]
         kl = torch.stack(kls).mean() if kls else None
-        total = loss if kl is None or self.indexer_kl_weight == 0 else loss + self.indexer_kl_weight * kl
-        if not bool(torch.isfinite(total)):
+        # global sums over all ranks: (NLL, target weight, indexer KL); a NaN anywhere is a NaN
+        # in the sums, so every rank takes the same decision below
+        totals = _all_reduce_sum(torch.stack([nll.detach().float(), weight.detach().float(),
+                                              kl.detach().float() if kl is not None else nll.new_zeros(())]))
+        global_weight = totals[1].clamp_min(1.0)
+        loss = nll / global_weight  # this rank's share: the shares sum to the global mean
+        # each CP group's KL shares sum to its sequences' KL; average that over the DP groups
+        kl_share = None if kl is None else kl / dp_size(self.mesh)
+        total = loss if kl_share is None or self.indexer_kl_weight == 0 else loss + self.indexer_kl_weight * kl_share
+        mean = float(totals[0] / global_weight)
+        if not math.isfinite(mean) or not math.isfinite(float(totals[2])):
             self._count_nonfinite("loss")
-            return None  # Lightning skips backward and the optimiser step
+            return None  # Lightning skips backward and the optimiser step (on every rank)
+        self._reduce_moe_loads()
         if kl is not None:
-            self.log("train/indexer_kl", float(kl.detach()))
-        mean = float(loss.detach())
+            self.log("train/indexer_kl", float(totals[2]) / dp_size(self.mesh))
         self.log("train/loss", mean, prog_bar=True)
         self.log("train/bits_per_base", bits_per_base(mean))
-        self.log("train/tokens", float(weight.detach()))
+        self.log("train/tokens", float(totals[1]))
         self.log("train/moe_load_max_over_mean", self._worst_moe_load())
         self.log("train/nonfinite_steps", float(self.nonfinite_steps))
         if self._trainer is not None and self.trainer.optimizers:
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return total
 
+    def _reduce_moe_loads(self) -> None:
+        """Keep this step's expert loads of every MoE layer, summed over all ranks (one
+        all-reduce), so the logged balance and the routing-bias updates see the global batch and
+        agree on every rank. Kept apart from ``MoE.last_load``, which a recomputed forward in
+        backward overwrites with the local loads."""
+        loads = [m.last_load for m in self.moes]
+        if any(x is None for x in loads):
+            self._step_loads = []
+            return
+        summed = _all_reduce_sum(torch.cat([x.float().reshape(-1) for x in loads]))  # type: ignore[union-attr]
+        self._step_loads = list(summed.split([m.gate.num_experts for m in self.moes]))
+
     def _worst_moe_load(self) -> float:
-        """max / mean tokens per expert of the last forward, worst MoE layer (1.0 = balanced)."""
-        worst = 0.0
-        for module in self.moes:
-            if module.last_load is not None:
-                load = module.last_load.float()
-                worst = max(worst, float(load.max() / load.mean().clamp_min(1e-9)))
-        return worst
+        """max / mean tokens per expert of this step, worst MoE layer (1.0 = balanced)."""
+        return max((float(load.max() / load.mean().clamp_min(1e-9)) for load in self._step_loads), default=0.0)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Skip (zero) a step whose gradients hold NaN/inf, counting it like a NaN loss."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads and not all(bool(torch.isfinite(g).all()) for g in grads):
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.parameters() if p.grad is not None]
+        # each rank holds a shard of the gradients: agree on whether any shard is non-finite
+        bad = torch.tensor([0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0], device=self.device)
+        if float(_all_reduce_sum(bad)) > 0:
             for p in self.parameters():
                 p.grad = None
             self._count_nonfinite("gradient")
@@ -252,11 +312,9 @@ class GenoLMModule(L.LightningModule):
         Lightning's checkpoint callbacks run), from the last forward's expert loads."""
         if self.optim.moe_bias_rate <= 0:
             return
-        for module in self.moes:
-            if module.last_load is not None:
-                load = module.last_load.float()
-                bias = module.gate.e_score_correction_bias
-                bias.add_(self.optim.moe_bias_rate * torch.sign(load.mean() - load).to(bias.dtype))
+        for module, load in zip(self.moes, self._step_loads):
+            bias = module.gate.e_score_correction_bias
+            bias.add_(self.optim.moe_bias_rate * torch.sign(load.mean() - load).to(bias.device, bias.dtype))
 
     def _count_nonfinite(self, what: str) -> None:
         self.consecutive_nonfinite += 1
@@ -277,11 +335,14 @@ class GenoLMModule(L.LightningModule):
         self._val_nll, self._val_weight = 0.0, 0.0
 
     def on_validation_epoch_end(self) -> None:
-        if self._val_weight > 0:
-            mean = self._val_nll / self._val_weight
-            self.log("eval/loss", mean, prog_bar=True, sync_dist=True)
-            self.log("eval/bits_per_base", bits_per_base(mean), sync_dist=True)
-            self.log("eval/tokens", self._val_weight, sync_dist=True)
+        # sums over all ranks (each holds other tiles, or another slice of the same ones)
+        nll, weight = (float(x) for x in _all_reduce_sum(torch.tensor([self._val_nll, self._val_weight], dtype=torch.float64,
+                                                                         device=self.device)))
+        if weight > 0:
+            mean = nll / weight
+            self.log("eval/loss", mean, prog_bar=True)
+            self.log("eval/bits_per_base", bits_per_base(mean))
+            self.log("eval/tokens", weight)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
