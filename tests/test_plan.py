@@ -238,3 +238,126 @@ def test_plan_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", str(recipe), "--gpus", "63"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "63" in err
+
+
+# -- communication per training step ---------------------------------------------------------------
+
+
+def _cp_calls_by_hand(preset: str, t_local: int, cp: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
+    """KDA payload and DSA received bytes of one step, layer by layer from the per-call formulas."""
+    from genolong.kernels.kda.cp import conv_halo_comm_bytes, cp_kda_comm_bytes
+    from genolong.parallel.cp_dsa import cp_dsa_comm_bytes
+
+    cfg = PRESETS[preset]
+    e = torch.empty((), dtype=dtype).element_size()
+    out = {"kda_fwd": 0, "kda_bwd": 0, "dsa_fwd": 0, "dsa_bwd": 0}
+    for layer_type, indexer in zip(cfg.layer_types, cfg.indexer_types):
+        if layer_type == "linear_attention":
+            state = cp_kda_comm_bytes(1, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_head_dim, cp)
+            halo = conv_halo_comm_bytes(1, 3 * cfg.linear_num_heads * cfg.linear_head_dim, cfg.linear_conv_kernel_dim,
+                                        cp, dtype)
+            out["kda_fwd"] += state["forward"] + halo["forward"]
+            out["kda_bwd"] += state["backward"] + halo["backward"]
+        else:
+            dsa = cp_dsa_comm_bytes(cfg, 1, t_local, cp, full_indexer=indexer == "full", dtype_bytes=e)
+            out["dsa_fwd"] += dsa["forward"]
+            out["dsa_bwd"] += dsa["backward"]
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_comm_cp_rows_are_the_per_call_formulas_summed_over_layers(cp: int) -> None:
+    """The plan's KDA (payload) and DSA (received) totals equal the per-call formulas summed over
+    tiny's layers (5 KDA, 2 full-indexer DSA, 1 shared-indexer DSA), at two lengths; KDA is constant
+    in T, DSA linear; a shared-indexer layer moves less than a full one."""
+    from genolong.parallel.plan import PAYLOAD, RECEIVED, comm_estimate
+
+    totals = {}
+    for T in (1024, 2048):
+        est = comm_estimate(PRESETS["tiny"], T // cp, cp)
+        hand = _cp_calls_by_hand("tiny", T // cp, cp)
+        assert est.part_total("kda") == hand["kda_fwd"] + hand["kda_bwd"] > 0
+        assert est.part_total("dsa") == hand["dsa_fwd"] + hand["dsa_bwd"] > 0
+        assert {r.convention for r in est.rows if r.part == "kda"} == {PAYLOAD}
+        assert {r.convention for r in est.rows if r.part == "dsa"} == {RECEIVED}
+        assert est.part_total("fsdp") == 0  # no shard group given
+        full, shared = [r for r in est.rows if r.part == "dsa"]
+        assert (full.layers, shared.layers) == (2, 1) and 0 < shared.forward < full.forward / 2
+        totals[T] = est
+    assert totals[2048].part_total("kda") == totals[1024].part_total("kda")
+    assert totals[2048].part_total("dsa") == 2 * totals[1024].part_total("dsa")
+    # ring wire bytes: an all-gather sends W - 1 times the piece, an all-reduce 2 (W - 1) / W the buffer
+    state = next(r for r in totals[1024].rows if r.name.startswith("KDA state"))
+    assert state.wire == (cp - 1) * state.forward + 2 * (cp - 1) * state.backward // cp
+
+
+def test_comm_is_zero_without_cp_and_doubles_forward_under_recompute() -> None:
+    from genolong.parallel.plan import comm_estimate
+
+    single = comm_estimate(PRESETS["tiny"], 2048, 1)
+    assert all(r.total == 0 and r.wire == 0 for r in single.rows)
+    hand = _cp_calls_by_hand("tiny", 512, 4)
+    full = comm_estimate(PRESETS["tiny"], 512, 4, recompute="full")
+    assert full.part_total("kda") == 2 * hand["kda_fwd"] + hand["kda_bwd"]
+    assert full.part_total("dsa") == 2 * hand["dsa_fwd"] + hand["dsa_bwd"]
+    dsa_only = comm_estimate(PRESETS["tiny"], 512, 4, recompute="selective", recompute_modules=("dsa",))
+    assert dsa_only.part_total("kda") == hand["kda_fwd"] + hand["kda_bwd"]
+    assert dsa_only.part_total("dsa") == 2 * hand["dsa_fwd"] + hand["dsa_bwd"]
+    # bf16 compute: the halo rows and the DSA latent halve, the fp32 KDA states do not
+    bf16 = comm_estimate(PRESETS["tiny"], 512, 4, dtype_bytes=2)
+    hand16 = _cp_calls_by_hand("tiny", 512, 4, torch.bfloat16)
+    assert bf16.part_total("kda") == hand16["kda_fwd"] + hand16["kda_bwd"]
+    assert bf16.part_total("dsa") == (hand["dsa_fwd"] + hand["dsa_bwd"]) // 2
+    with pytest.raises(InputError, match="tokens"):
+        comm_estimate(PRESETS["tiny"], 0, 2)
+    with pytest.raises(InputError, match="cp"):
+        comm_estimate(PRESETS["tiny"], 512, 0)
+
+
+def test_comm_fsdp_rows_against_the_model_modules(tmp_path: Path) -> None:
+    """FSDP2 units are the real model's blocks and the root; per unit of n parameters over S ranks
+    each rank receives (S - 1) ceil(n / S) elements per all-gather / reduce-scatter."""
+    from genolong.parallel.plan import fsdp_units
+
+    model = GenoLM(PRESETS["tiny"])
+    blocks = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    root = sum(p.numel() for p in model.parameters()) - sum(blocks)
+    assert fsdp_units(PRESETS["tiny"]) == blocks + [root]
+    # bf16-mixed on cp 2 x dp_shard 3: S = 6, bf16 all-gathers, fp32 reduce-scatter
+    p = plan(_recipe(tmp_path, parallel={"cp": 2, "devices": 6}, train={"precision": "bf16-mixed"}))
+    S = 6
+    rows = {r.name: r for r in p.comm.rows if r.part == "fsdp"}
+    shard = [math.ceil(n / S) for n in blocks + [root]]
+    assert rows["FSDP parameter all-gather fwd (bf16)"].forward == sum((S - 1) * s * 2 for s in shard)
+    # backward re-gathers every block but the last (reshard_after_forward; the root is not resharded)
+    assert rows["FSDP parameter all-gather bwd, resharded units (bf16)"].backward == sum((S - 1) * s * 2 for s in shard[:-2])
+    assert rows["FSDP gradient reduce-scatter (fp32)"].backward == sum((S - 1) * s * 4 for s in shard)
+    assert p.comm.part_total("fsdp") == sum(r.total for r in rows.values())
+    hand = _cp_calls_by_hand("tiny", 512, 2, torch.bfloat16)
+    assert p.comm.part_total("kda") == hand["kda_fwd"] + hand["kda_bwd"]
+    assert p.comm.part_total("dsa") == hand["dsa_fwd"] + hand["dsa_bwd"]
+    # HSDP: 2 replicas of a 3-rank shard group add a ring all-reduce of the fp32 shards
+    hsdp = plan(_recipe(tmp_path, parallel={"cp": 1, "devices": 6, "dp_replicate": 2}))
+    shard3 = [math.ceil(n / 3) for n in blocks + [root]]
+    replica = next(r for r in hsdp.comm.rows if r.name.startswith("HSDP"))
+    assert replica.backward == sum(2 * s * 4 // 2 for s in shard3)
+    assert hsdp.comm.part_total("kda") == hsdp.comm.part_total("dsa") == 0
+    # one GPU: nothing travels
+    assert plan(_recipe(tmp_path)).comm.part_total("fsdp") == 0
+
+
+def test_comm_in_the_1m_plan() -> None:
+    """recipes/1m.yaml on 64 GPUs: bf16, full recompute, cp 8, T_local = 131,072, FSDP over 64."""
+    p = plan(load_recipe(ROOT / "recipes" / "1m.yaml"), gpus=64, gpu_mem_gib=180)
+    state = 64 * 128 * (128 + 128) * 4                     # B H K (K + V) fp32 = 8 MiB per KDA layer
+    halo = 3 * 3 * 64 * 128 * 2                            # kernel - 1 rows of q|k|v in bf16
+    kda = 34 * (2 * state + 8 * state) + 34 * (2 * (8 + halo) + 8 * halo)  # forward twice (recompute)
+    dsa = 11 * 3 * 7 * 131072 * (512 + 128 // 16) * 2      # all-gather fwd, again in recompute, reduce-scatter
+    assert p.comm.part_total("kda") == kda and p.comm.part_total("dsa") == dsa
+    fsdp = p.comm.part_total("fsdp")
+    assert 0.99 * (63 / 64) * p.parameters * (2 + 4) < fsdp < (63 / 64) * p.parameters * (2 + 2 + 4)
+    text = format_plan(p)
+    assert "communication per rank per step" in text and "**KDA (CP) total**" in text and "**FSDP total**" in text
+    as_json = json.loads(json.dumps(p.to_dict()))
+    assert as_json["comm"]["totals"] == {"kda": kda, "dsa": dsa, "fsdp": fsdp}
+    assert as_json["comm"]["conventions"] == {"kda": "payload", "dsa": "received", "fsdp": "received"}

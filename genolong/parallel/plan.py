@@ -29,6 +29,16 @@ Per GPU (one process), device memory is the sum of:
 
 Pinned host memory per GPU is the offloaded activation pool at its peak (end of forward);
 per node it is that times the GPUs of a node.
+
+Communication per rank per training step (:func:`comm_estimate`, ``Plan.comm``): the
+context-parallel collectives of the token mixers, summed over the layers from the exact per-call
+formulas (KDA: :func:`genolong.kernels.kda.cp.cp_kda_comm_bytes` and ``conv_halo_comm_bytes``,
+which count the payload a rank hands to the collective; DSA:
+:func:`genolong.parallel.cp_dsa.cp_dsa_comm_bytes`, which counts the bytes a rank receives), the
+forward collectives again when recompute reruns a mixer, and FSDP2's parameter all-gathers and
+gradient reduce-scatter over the shard group (bytes received). Every row also gives the bytes a rank
+sends with ring algorithms, one unit for all rows. ``benchmarks/cp_step.py`` holds the CP rows to the
+bytes counted through ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -39,9 +49,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..config import KDA_CHUNK, Recipe, kernel_multiple, parse_recipe
 from ..errors import InputError
+from ..kernels.kda.cp import conv_halo_comm_bytes, cp_kda_comm_bytes
 from ..model.config import INDEXED_ATTENTION, LINEAR_ATTENTION, ModelConfig, parameter_count
+from .cp_dsa import cp_dsa_comm_bytes
 from .recompute import DEFAULT_SELECTIVE, MODULE_KINDS, RECOMPUTE_MODES
 
 __all__ = [
@@ -49,11 +63,18 @@ __all__ = [
     "GIB",
     "KDA_KERNELS",
     "WORKSPACE_BYTES",
+    "COMM_CONVENTIONS",
+    "PAYLOAD",
+    "RECEIVED",
     "ActivationEstimate",
+    "CommEstimate",
+    "CommRow",
     "Plan",
     "SavedTensor",
     "activation_estimate",
+    "comm_estimate",
     "format_plan",
+    "fsdp_units",
     "layer_saved_tensors",
     "outside_saved_tensors",
     "plan",
@@ -538,6 +559,207 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
     )
 
 
+# -- communication per training step -----------------------------------------------------------
+
+#: Counting conventions of a :class:`CommRow`. ``payload``: the bytes this rank hands to the
+#: collective (for an all-gather its own piece, for an all-reduce the whole buffer), as
+#: :func:`genolong.kernels.kda.cp.cp_kda_comm_bytes` and ``conv_halo_comm_bytes`` count.
+#: ``received``: the bytes this rank receives from the other ranks, as
+#: :func:`genolong.parallel.cp_dsa.cp_dsa_comm_bytes` counts (and FSDP here).
+PAYLOAD = "payload"
+RECEIVED = "received"
+COMM_CONVENTIONS = (PAYLOAD, RECEIVED)
+
+
+@dataclass(frozen=True)
+class CommRow:
+    """One line of a rank's communication in one training step (forward + backward of
+    ``batch_size`` sequences): one kind of collective summed over the layers or FSDP units it runs in.
+
+    Attributes:
+        part: ``kda`` and ``dsa`` (the context-parallel collectives of the token mixers, over the
+            ``cp`` group) or ``fsdp`` (parameter all-gathers and gradient reductions, over the
+            ``dp_shard x cp`` shard group, and across ``dp_replicate`` replicas).
+        name: what travels.
+        layers: the layers (or FSDP units) the row sums over.
+        convention: :data:`PAYLOAD` or :data:`RECEIVED` (see there); ``forward``, ``recompute``
+            and ``backward`` count in it, so that they equal the per-call formulas summed.
+        forward: bytes of the forward collectives.
+        recompute: bytes of the forward collectives that recomputation runs again in backward
+            (the CP collectives sit inside the recomputed mixers; 0 without recompute).
+        backward: bytes of the backward collectives.
+        wire: bytes this rank sends with ring algorithms (all-gather of a piece ``p``:
+            ``(W - 1) p``; all-reduce of a buffer ``N``: ``2 (W - 1) / W * N``; reduce-scatter:
+            ``(W - 1) / W * N``, which equals the bytes received): one unit for every row.
+    """
+
+    part: str
+    name: str
+    layers: int
+    convention: str
+    forward: int
+    recompute: int
+    backward: int
+    wire: int
+
+    @property
+    def total(self) -> int:
+        """``forward + recompute + backward`` in the row's convention."""
+        return self.forward + self.recompute + self.backward
+
+
+@dataclass
+class CommEstimate:
+    """Bytes through the collectives of one rank in one training step (see :func:`comm_estimate`).
+
+    Attributes:
+        cp, shard_group, dp_replicate: the group sizes the rows assume.
+        tokens_per_rank: ``batch * T_local`` tokens of the rank's slices.
+        rows: the :class:`CommRow` lines, KDA, then DSA, then FSDP.
+    """
+
+    cp: int
+    shard_group: int
+    dp_replicate: int
+    tokens_per_rank: int
+    rows: list[CommRow]
+
+    def part_total(self, part: str) -> int:
+        """Per-step bytes of ``part`` (``kda``, ``dsa`` or ``fsdp``) in its rows' convention (one per part)."""
+        return sum(r.total for r in self.rows if r.part == part)
+
+    def part_wire(self, part: str) -> int:
+        """Per-step ring-algorithm bytes sent for ``part``."""
+        return sum(r.wire for r in self.rows if r.part == part)
+
+
+def _ring_allgather(piece: int, world: int) -> int:
+    return (world - 1) * piece
+
+
+def _ring_allreduce(buffer: int, world: int) -> int:
+    return 2 * (world - 1) * buffer // world
+
+
+def fsdp_units(config: ModelConfig) -> list[int]:
+    """Parameters of each FSDP2 unit as :func:`genolong.parallel.apply_fsdp` builds them: one per
+    block (in layer order), then the root (embedding, final norm, LM head); they sum to
+    :func:`~genolong.model.config.parameter_count` ``.total``."""
+    cfg = config
+    assert cfg.layer_types is not None and cfg.mlp_layer_types is not None and cfg.indexer_types is not None
+    pc = parameter_count(cfg)
+    root = pc.embedding + pc.lm_head + cfg.hidden_size
+    blocks: list[int] = []
+    previous = root
+    # a block's count is the difference of two prefixes of the layer schedule (a prefix is a
+    # valid config: a shared-indexer layer always follows the full layer it reads)
+    for i in range(1, cfg.num_hidden_layers + 1):
+        prefix = cfg.replace(num_hidden_layers=i, layer_types=cfg.layer_types[:i],
+                             mlp_layer_types=cfg.mlp_layer_types[:i], indexer_types=cfg.indexer_types[:i])
+        count = parameter_count(prefix).total
+        blocks.append(count - previous)
+        previous = count
+    return blocks + [root]
+
+
+def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, dtype_bytes: int = 4,
+                  recompute: str = "none", recompute_modules: Sequence[str] = (), shard_group: int = 1,
+                  dp_replicate: int = 1) -> CommEstimate:
+    """Bytes one rank moves through the collectives in one training step (forward + backward).
+
+    Context parallelism (per layer call, the exact per-call formulas, summed over the layers):
+
+    - KDA layer (:data:`PAYLOAD` convention): :func:`genolong.kernels.kda.cp.cp_kda_comm_bytes`
+      (state all-gather forward, all-reduce backward; fp32 states) and
+      :func:`~genolong.kernels.kda.cp.conv_halo_comm_bytes` (the short conv's ``kernel - 1`` rows
+      of q|k|v, ``3 * heads * head_dim`` channels in the compute dtype, plus the 8-byte length).
+    - DSA layer (:data:`RECEIVED` convention): :func:`genolong.parallel.cp_dsa.cp_dsa_comm_bytes`,
+      the kv latent and, on ``full``-indexer layers only, the pooled index keys (all-gather
+      forward, reduce-scatter backward), in the compute dtype. The indexer KL's 8-byte count
+      all-reduce per full layer is not counted.
+    - Recompute (``full``, or ``selective`` with the mixer's kind) runs a mixer's forward
+      collectives again in backward.
+
+    FSDP2 (:data:`RECEIVED` convention; ``S = shard_group`` ranks, per unit of ``n`` parameters
+    a shard of ``ceil(n / S)``; the per-parameter padding of FSDP2 is ignored):
+    parameter all-gather in forward, ``(S - 1) ceil(n / S) dtype_bytes`` per unit; again in
+    backward for the units resharded after forward (every block but the last; the root is not);
+    the fp32 gradient reduce-scatter ``(S - 1) ceil(n / S) 4``; with ``dp_replicate = R > 1`` a
+    ring all-reduce of the fp32 gradient shard across replicas, ``2 (R - 1) / R ceil(n / S) 4``.
+
+    Args:
+        config: the architecture.
+        tokens: ``T_local``, tokens of one sequence slice on this rank (``context / cp``).
+        cp: the context-parallel group size (1: no CP rows are non-zero).
+        batch: sequences per step on this rank (default 1).
+        dtype_bytes: bytes of the compute dtype (4: fp32, 2: bf16; FSDP's parameter dtype).
+        recompute, recompute_modules: as :func:`activation_estimate`.
+        shard_group: FSDP ranks sharing one sharded copy (``dp_shard * cp``; 1: no FSDP).
+        dp_replicate: replicas (HSDP; default 1).
+
+    Returns:
+        A :class:`CommEstimate` (bytes per rank per step, integers).
+
+    Raises:
+        InputError: non-positive sizes, a bad dtype or recompute setting.
+    """
+    for name, value in (("tokens", tokens), ("cp", cp), ("batch", batch), ("shard_group", shard_group),
+                        ("dp_replicate", dp_replicate)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be a positive integer, got {value!r}")
+    if dtype_bytes not in (2, 4):
+        raise InputError(f"dtype_bytes must be 4 (fp32) or 2 (bf16), got {dtype_bytes!r}")
+    kinds = _resolve_kinds(recompute, recompute_modules)
+    cfg = config
+    assert cfg.layer_types is not None and cfg.indexer_types is not None
+    n_kda = sum(t == LINEAR_ATTENTION for t in cfg.layer_types)
+    n_full = sum(t == INDEXED_ATTENTION and i == "full" for t, i in zip(cfg.layer_types, cfg.indexer_types))
+    n_shared = sum(t == INDEXED_ATTENTION and i == "shared" for t, i in zip(cfg.layer_types, cfg.indexer_types))
+    redo_kda = recompute == "full" or "kda" in kinds
+    redo_dsa = recompute == "full" or "dsa" in kinds
+    compute = torch.float32 if dtype_bytes == 4 else torch.bfloat16
+    rows: list[CommRow] = []
+
+    def payload_row(name: str, layers: int, call: dict[str, int], redo: bool) -> CommRow:
+        # forward calls are all-gathers of the rank's piece, backward calls all-reduces of W pieces
+        fwd, bwd = layers * call["forward"], layers * call["backward"]
+        rec = fwd if redo else 0
+        wire = _ring_allgather(fwd + rec, cp) + _ring_allreduce(bwd, cp)
+        return CommRow("kda", name, layers, PAYLOAD, fwd, rec, bwd, wire)
+
+    heads, d = cfg.linear_num_heads, cfg.linear_head_dim
+    state = cp_kda_comm_bytes(batch, heads, d, d, cp, torch.float32)  # the mixer runs KDA on fp32 q, k, v
+    halo = conv_halo_comm_bytes(batch, 3 * heads * d, cfg.linear_conv_kernel_dim, cp, compute)
+    rows.append(payload_row("KDA state all-gather fwd / all-reduce bwd (cp_kda_comm_bytes)", n_kda, state, redo_kda))
+    rows.append(payload_row("KDA short-conv halo (conv_halo_comm_bytes)", n_kda, halo, redo_kda))
+    for name, layers, full in (("DSA latent + pooled index keys, full-indexer layers", n_full, True),
+                               ("DSA latent, shared-indexer layers", n_shared, False)):
+        call = cp_dsa_comm_bytes(cfg, batch, tokens, cp, full_indexer=full, dtype_bytes=dtype_bytes)
+        fwd, bwd = layers * call["forward"], layers * call["backward"]
+        rec = fwd if redo_dsa else 0
+        # received bytes of an all-gather / reduce-scatter are what a ring sends
+        rows.append(CommRow("dsa", name + " (cp_dsa_comm_bytes)", layers, RECEIVED, fwd, rec, bwd, fwd + rec + bwd))
+
+    units = fsdp_units(cfg)
+    S, R = shard_group, dp_replicate
+    shards = [math.ceil(n / S) for n in units]
+    resharded = shards[: len(units) - 2]  # every block but the last (the root is never resharded)
+    gather_fwd = sum((S - 1) * s * dtype_bytes for s in shards)
+    gather_bwd = sum((S - 1) * s * dtype_bytes for s in resharded)
+    reduce = sum((S - 1) * s * _F32 for s in shards)
+    p_dtype = "bf16" if dtype_bytes == 2 else "fp32"
+    rows.append(CommRow("fsdp", f"FSDP parameter all-gather fwd ({p_dtype})", len(units), RECEIVED, gather_fwd, 0, 0,
+                        gather_fwd))
+    rows.append(CommRow("fsdp", f"FSDP parameter all-gather bwd, resharded units ({p_dtype})", len(resharded),
+                        RECEIVED, 0, 0, gather_bwd, gather_bwd))
+    rows.append(CommRow("fsdp", "FSDP gradient reduce-scatter (fp32)", len(units), RECEIVED, 0, 0, reduce, reduce))
+    if R > 1:
+        replicas = sum(_ring_allreduce(s * _F32, R) for s in shards)
+        rows.append(CommRow("fsdp", "HSDP gradient all-reduce across replicas (fp32, ring)", len(units), RECEIVED, 0, 0,
+                            replicas, replicas))
+    return CommEstimate(cp=cp, shard_group=S, dp_replicate=R, tokens_per_rank=batch * tokens, rows=rows)
+
+
 # -- the plan --------------------------------------------------------------------------------------
 
 
@@ -567,6 +789,8 @@ class Plan:
         host_per_gpu, host_per_node: pinned host memory for offloaded activations; host_mem:
             the per-node budget (bytes) or None (not checked).
         fits_device, fits_host, fits: the verdict.
+        comm: bytes through the collectives per rank per training step (:func:`comm_estimate`):
+            KDA and DSA context-parallel rows and FSDP rows, each in its stated convention.
         suggestion: the cheapest change that fits, as ``--set`` overrides (and ``--gpus N`` when
             it needs more GPUs); empty when the plan fits or nothing tried fits.
         suggestion_total: the predicted per-GPU total after the suggestion (None if none).
@@ -602,6 +826,7 @@ class Plan:
     fits_device: bool
     fits_host: bool
     fits: bool
+    comm: CommEstimate
     suggestion: list[str] = field(default_factory=list)
     suggestion_total: int | None = None
     assumptions: list[str] = field(default_factory=list)
@@ -610,6 +835,9 @@ class Plan:
         """A JSON-safe dict of every field (bytes as integers) for ``genolong plan --json``."""
         out = dataclasses.asdict(self)
         out["recompute_modules"] = list(self.recompute_modules)
+        out["comm"]["totals"] = {part: self.comm.part_total(part) for part in ("kda", "dsa", "fsdp")}
+        out["comm"]["wire_totals"] = {part: self.comm.part_wire(part) for part in ("kda", "dsa", "fsdp")}
+        out["comm"]["conventions"] = {"kda": PAYLOAD, "dsa": RECEIVED, "fsdp": RECEIVED}
         return out
 
 
@@ -745,7 +973,13 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
         f"workspace {WORKSPACE_BYTES / GIB:.0f} GiB + {FRAGMENTATION:.0%} fragmentation; the largest of MoE dispatch, "
         "DSA buffers and the cross-entropy chunk counts (they do not overlap)",
         "indexer KL on (the trainer computes it); batch_size sequences per rank",
+        "communication per rank per training step (one forward + backward, accumulate_grad_batches = 1): KDA rows "
+        "count the payload each rank hands to the collective (cp_kda_comm_bytes, conv_halo_comm_bytes), DSA and FSDP "
+        "rows the bytes each rank receives (cp_dsa_comm_bytes; FSDP per unit (S-1) x ceil(n/S)); the wire column "
+        "converts every row to bytes sent with ring algorithms; recompute repeats the mixers' forward collectives",
     ]
+    comm = comm_estimate(cfg, context // cp, cp, batch=recipe.data.batch_size, dtype_bytes=a, recompute=mem.recompute,
+                         recompute_modules=mem.recompute_modules, shard_group=shard, dp_replicate=rep)
     return Plan(
         recipe=recipe.name, model=_describe(cfg, count), gpus=gpus, gpus_per_node=gpus_per_node,
         nodes=math.ceil(gpus / gpus_per_node), cp=cp, dp_shard=dp_shard, dp_replicate=rep, shard_group=shard,
@@ -754,7 +988,7 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
         ce_chunk_tokens=mem.ce_chunk_tokens, parameters=count, device=device, transient_peak=peak_name,
         activations_by_kind=act.by_kind, plain_by_kind=act.plain_by_kind, device_total=int(total), gpu_mem=gpu_mem, host_per_gpu=host_gpu,
         host_per_node=host_node, host_mem=host_mem, fits_device=fits_device, fits_host=fits_host,
-        fits=fits_device and fits_host, assumptions=assumptions,
+        fits=fits_device and fits_host, comm=comm, assumptions=assumptions,
     )
 
 
@@ -873,9 +1107,18 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / GIB:,.1f}"
 
 
+def _size(nbytes: float) -> str:
+    """Bytes as MiB below 1 GiB, else GiB (``0`` for nothing)."""
+    if nbytes == 0:
+        return "0"
+    if nbytes < GIB:
+        return f"{nbytes / (1 << 20):,.2f} MiB"
+    return f"{nbytes / GIB:,.1f} GiB"
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as a text table: cluster and settings, device memory per GPU by line item, the
-    saved activations by part, pinned host memory, the verdict, the suggestion and the assumptions."""
+    saved activations by part, communication per rank per step (KDA / DSA / FSDP), pinned host memory, the verdict, the suggestion and the assumptions."""
     p = plan
     lines = [
         f"plan: {p.recipe} -- {p.model}",
@@ -902,6 +1145,16 @@ def format_plan(plan: Plan) -> str:
     for kind in kinds:
         saved, plain = p.activations_by_kind.get(kind, 0), p.plain_by_kind.get(kind, 0)
         lines.append(f"| {kind} | {saved / n / 1024:,.1f} | {_gib(saved)} | {plain / n / 1024:,.1f} | {_gib(plain)} |")
+    lines += ["", f"| communication per rank per step (cp {p.comm.cp}, FSDP over {p.comm.shard_group}"
+              + (f" x {p.comm.dp_replicate} replicas" if p.comm.dp_replicate > 1 else "")
+              + ") | layers | counts | forward | recompute | backward | step | ring wire |",
+              "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in p.comm.rows:
+        lines.append(f"| {r.name} | {r.layers} | {r.convention} | {_size(r.forward)} | {_size(r.recompute)} | "
+                     f"{_size(r.backward)} | {_size(r.total)} | {_size(r.wire)} |")
+    for part, label in (("kda", "KDA (CP)"), ("dsa", "DSA (CP)"), ("fsdp", "FSDP")):
+        lines.append(f"| **{label} total** | | | | | | **{_size(p.comm.part_total(part))}** | "
+                     f"**{_size(p.comm.part_wire(part))}** |")
     host_budget = "" if p.host_mem is None else f" (budget {_gib(p.host_mem)} GiB per node)"
     lines += [
         "",
