@@ -5,9 +5,26 @@ fla's layout, the DSA pooled-key indexer and sparse attention, the chunked cross
 model asks for one by name (``ModelConfig.kernel_backend``, default ``"torch"``); the choice is
 logged once per process.
 
-``torch`` (the reference, CPU and GPU) is the backend that ships now; ``fla`` (fla-core's Triton
-KDA) and ``triton`` (genolong's DSA kernels) register here with the GPU path. A backend's module
-is imported only when the backend is first asked for, so a CPU machine never imports Triton.
+Registered backends:
+
+- ``torch``: the plain-torch reference ops (CPU and GPU).
+- ``fla``: KDA training forms (``chunk_kda``, and ``chunk_kda_gated`` with the gate and beta
+  applied inside the kernel) from fla-core's Triton ``chunk_kda`` through
+  :mod:`genolong.kernels.kda.fla_backend` (fla-core >= 0.5.2, CUDA); every other op (decoding
+  ``recurrent_kda``, the DSA indexer, KPool, sparse attention, indexer KL loss, cross-entropy) is
+  the torch reference.
+- ``triton``: DSA sparse attention from genolong's Triton kernel
+  (``genolong.kernels.dsa.triton_attention.sparse_attention_triton``), KDA ``chunk_kda`` from fla
+  when fla-core imports (else the torch reference); the rest is the torch reference.
+- ``auto``: ``triton`` when CUDA is available and genolong's Triton DSA kernel imports, else
+  ``fla`` when CUDA is available and fla-core imports, else ``torch``; it loads and returns the
+  resolved backend (whose ``name`` is the resolved one) and the log line names both.
+
+In the GPU backends, the fast ops run on CUDA tensors; tensors on any other device go through the
+torch reference op (so a model built with ``auto`` on a CUDA machine still runs on CPU).
+
+A backend's module is imported only when the backend is first asked for, so a CPU machine never
+imports Triton or fla.
 """
 
 from __future__ import annotations
@@ -15,10 +32,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import InputError
 
-__all__ = ["KernelBackend", "available_backends", "get_backend", "register_backend"]
+__all__ = ["KernelBackend", "available_backends", "get_backend", "register_backend", "resolve_auto"]
 
 log = logging.getLogger("genolong")
 
@@ -31,6 +49,9 @@ class KernelBackend:
         name: registry name (``"torch"``, ...).
         description: one line for the log.
         chunk_kda: :func:`genolong.kernels.kda.chunk_kda` signature (training form).
+        chunk_kda_gated: :func:`genolong.kernels.kda.fla_backend.reference_chunk_kda_gated`
+            signature (training form with the gate and beta computed from their raw inputs; in
+            the kernel on the fla backend).
         recurrent_kda: :func:`genolong.kernels.kda.recurrent_kda` signature (decoding form).
         kpool_keys: :func:`genolong.kernels.dsa.kpool_keys` signature.
         kpool_topk: :func:`genolong.kernels.dsa.kpool_topk` signature.
@@ -42,6 +63,7 @@ class KernelBackend:
     name: str
     description: str
     chunk_kda: Callable
+    chunk_kda_gated: Callable
     recurrent_kda: Callable
     kpool_keys: Callable
     kpool_topk: Callable
@@ -82,21 +104,150 @@ def get_backend(name: str = "torch") -> KernelBackend:
     try:
         backend = _LOADERS[name]()
     except ImportError as exc:
-        raise InputError(f"kernel backend {name!r} cannot load here ({exc}); use kernel_backend 'torch'") from None
+        raise InputError(f"kernel backend {name!r} cannot load here ({_one_line(exc)}); use kernel_backend 'torch'") from None
     _LOADED[name] = backend
-    log.info("genolong: kernel backend %r: %s", name, backend.description)
+    if backend.name == name:
+        log.info("genolong: kernel backend %r: %s", name, backend.description)
+    else:
+        log.info("genolong: kernel backend %r resolved to %r: %s", name, backend.name, backend.description)
     return backend
+
+
+def _one_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (Triton and CUDA errors can span many lines)."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _on_cuda(fast: Callable, reference: Callable) -> Callable:
+    """An op that runs ``fast`` when its first tensor argument is on CUDA, else ``reference``."""
+
+    def op(*args: Any, **kwargs: Any) -> Any:
+        first = args[0] if args else next(iter(kwargs.values()))
+        return (fast if first.is_cuda else reference)(*args, **kwargs)
+
+    op.__name__ = op.__qualname__ = getattr(fast, "__name__", "op")
+    op.__doc__ = fast.__doc__
+    return op
+
+
+def _require_cuda(name: str) -> None:
+    if not _cuda_available():
+        raise InputError(f"kernel backend {name!r} needs CUDA (torch.cuda.is_available() is False here); "
+                         "use kernel_backend 'torch' or 'auto'")
+
+
+def _fla_chunk_kda() -> tuple[Callable, Callable]:
+    """fla-core's ``chunk_kda`` through genolong's adapters: ``(chunk_kda, chunk_kda_gated)``
+    (raises ImportError / InputError)."""
+    from .kda.fla_backend import load_fla_kernel, make_fla_chunk_kda, make_fla_chunk_kda_gated
+
+    kernel = load_fla_kernel()
+    return make_fla_chunk_kda(kernel), make_fla_chunk_kda_gated(kernel)
+
+
+def _triton_sparse_attention() -> Callable:
+    """genolong's Triton DSA sparse attention (the reference op's signature and semantics).
+
+    Raises:
+        ImportError: the kernel module (or Triton) fails to import, naming the cause.
+    """
+    try:
+        from .dsa.triton_attention import sparse_attention_triton
+    except ImportError:
+        raise
+    except Exception as exc:  # Triton raises RuntimeError & co. when it finds no usable driver
+        raise ImportError(f"genolong.kernels.dsa.triton_attention failed to import: {type(exc).__name__}: "
+                          f"{_one_line(exc)}") from exc
+    return sparse_attention_triton
+
+
+def _fla_backend() -> KernelBackend:
+    _require_cuda("fla")
+    reference = _torch_backend()
+    fla_kda, fla_kda_gated = _fla_chunk_kda()
+    return KernelBackend(
+        name="fla",
+        description="fla-core Triton chunk_kda for KDA training (CUDA tensors; gate and beta in the kernel "
+                    "through chunk_kda_gated); torch reference for recurrent KDA, the DSA indexer/KPool/"
+                    "sparse attention/KL loss and chunked CE",
+        chunk_kda=_on_cuda(fla_kda, reference.chunk_kda),
+        chunk_kda_gated=_on_cuda(fla_kda_gated, reference.chunk_kda_gated),
+        recurrent_kda=reference.recurrent_kda,
+        kpool_keys=reference.kpool_keys,
+        kpool_topk=reference.kpool_topk,
+        sparse_attention=reference.sparse_attention,
+        kpool_indexer_kl_loss=reference.kpool_indexer_kl_loss,
+        chunked_cross_entropy=reference.chunked_cross_entropy,
+    )
+
+
+def _triton_backend() -> KernelBackend:
+    _require_cuda("triton")
+    reference = _torch_backend()
+    sparse_attention = _on_cuda(_triton_sparse_attention(), reference.sparse_attention)
+    try:
+        fla_kda, fla_kda_gated = _fla_chunk_kda()
+        chunk_kda = _on_cuda(fla_kda, reference.chunk_kda)
+        chunk_kda_gated = _on_cuda(fla_kda_gated, reference.chunk_kda_gated)
+        kda_from = "fla-core Triton chunk_kda for KDA training"
+    except (ImportError, InputError) as exc:
+        log.info("genolong: kernel backend 'triton': fla unavailable (%s); KDA uses the torch reference", _one_line(exc))
+        chunk_kda, chunk_kda_gated = reference.chunk_kda, reference.chunk_kda_gated
+        kda_from = "torch chunked KDA (fla unavailable)"
+    return KernelBackend(
+        name="triton",
+        description=f"genolong Triton DSA sparse attention (CUDA tensors); {kda_from}; torch reference "
+                    "for recurrent KDA, the DSA indexer/KPool/KL loss and chunked CE",
+        chunk_kda=chunk_kda,
+        chunk_kda_gated=chunk_kda_gated,
+        recurrent_kda=reference.recurrent_kda,
+        kpool_keys=reference.kpool_keys,
+        kpool_topk=reference.kpool_topk,
+        sparse_attention=sparse_attention,
+        kpool_indexer_kl_loss=reference.kpool_indexer_kl_loss,
+        chunked_cross_entropy=reference.chunked_cross_entropy,
+    )
+
+
+def resolve_auto() -> str:
+    """The backend ``auto`` stands for here: ``triton`` when CUDA is available and genolong's
+    Triton DSA kernel imports (its KDA from fla-core when that imports too), else ``fla`` when CUDA
+    is available and fla-core imports, else ``torch``. Each candidate that cannot load is logged
+    with its reason."""
+    if not _cuda_available():
+        return "torch"
+    for name in ("triton", "fla"):
+        try:
+            get_backend(name)
+        except InputError as exc:
+            log.info("genolong: kernel backend 'auto': %s", exc)
+            continue
+        return name
+    return "torch"
+
+
+def _auto_backend() -> KernelBackend:
+    return get_backend(resolve_auto())
 
 
 def _torch_backend() -> KernelBackend:
     from .ce import chunked_cross_entropy
     from .dsa import kpool_indexer_kl_loss, kpool_keys, kpool_topk, sparse_attention
     from .kda import chunk_kda, recurrent_kda
+    from .kda.fla_backend import reference_chunk_kda_gated
 
     return KernelBackend(
         name="torch",
         description="plain torch (chunked KDA, blockwise pooled-key DSA top-k, query-chunked sparse attention, chunked CE)",
         chunk_kda=chunk_kda,
+        chunk_kda_gated=reference_chunk_kda_gated,
         recurrent_kda=recurrent_kda,
         kpool_keys=kpool_keys,
         kpool_topk=kpool_topk,
@@ -107,3 +258,6 @@ def _torch_backend() -> KernelBackend:
 
 
 register_backend("torch", _torch_backend)
+register_backend("fla", _fla_backend)
+register_backend("triton", _triton_backend)
+register_backend("auto", _auto_backend)

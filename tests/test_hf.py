@@ -216,8 +216,8 @@ def test_backend_registry(caplog: pytest.LogCaptureFixture) -> None:
     assert get_backend("torch") is backend
     with pytest.raises(InputError, match="unknown kernel backend 'cuda-magic'; this build has torch"):
         get_backend("cuda-magic")
-    with pytest.raises(InputError, match="kernel_backend 'fla' is not available"):
-        _CONFIG.replace(kernel_backend="fla")
+    with pytest.raises(InputError, match="kernel_backend 'cuda-magic' is not available"):
+        _CONFIG.replace(kernel_backend="cuda-magic")
     assert "kernel_backend" not in _CONFIG.to_hf_dict()
     model = GenoLM(_CONFIG)
     assert model.layers[0].self_attn.kernels is backend and model.layers[2].self_attn.kernels is backend

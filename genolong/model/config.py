@@ -150,7 +150,7 @@ class ModelConfig:
     #: top-level keys of a multimodal checkpoint config (everything but ``text_config``), or None.
     wrapper: Mapping[str, Any] | None = None
     #: genolong only (never written to config.json): the kernel backend the layers run
-    #: (``genolong.kernels.backends``: "torch" now).
+    #: (``genolong.kernels.backends``: "torch", "fla", "triton" or "auto").
     kernel_backend: str = "torch"
 
     def __post_init__(self) -> None:

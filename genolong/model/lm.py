@@ -132,7 +132,7 @@ class GenoLM(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", moe_chunk_tokens: int | None = None,
-                        kernel_backend: str = "torch", config: ModelConfig | None = None) -> GenoLM:
+                        kernel_backend: str | None = None, config: ModelConfig | None = None) -> GenoLM:
         """Load a GLM-5.3-Flash-format checkpoint (config.json + safetensors shards), text tower only.
 
         The model is built on the meta device and filled shard by shard (one checkpoint tensor in
@@ -144,7 +144,8 @@ class GenoLM(nn.Module):
             dtype: parameter dtype (default float32; buffers keep theirs).
             device: where the parameters are allocated (default cpu).
             moe_chunk_tokens: MoE dispatch chunk size (default None).
-            kernel_backend: ``genolong.kernels.backends`` name (default "torch").
+            kernel_backend: ``genolong.kernels.backends`` name (default None: the config's own,
+                ``"torch"`` unless ``config`` says otherwise, e.g. a recipe's ``model.overrides``).
             config: the architecture to build instead of ``directory/config.json``'s (e.g. that
                 config with a larger ``index_topk``); the tensor shapes must still match.
 
@@ -152,7 +153,9 @@ class GenoLM(nn.Module):
             InputError: unsupported architecture, missing shard, a tensor of the wrong shape
                 (named), missing or unexpected tensors.
         """
-        config = (config or ModelConfig.from_pretrained(directory)).replace(kernel_backend=kernel_backend)
+        config = config or ModelConfig.from_pretrained(directory)
+        if kernel_backend is not None:
+            config = config.replace(kernel_backend=kernel_backend)
         with torch.device("meta"):
             model = cls(config, moe_chunk_tokens=moe_chunk_tokens)
         load_checkpoint(model, directory, dtype=dtype, device=device)
