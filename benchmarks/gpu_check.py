@@ -1,0 +1,505 @@
+#!/usr/bin/env python
+"""One-shot GPU check (issue 7): kernel correctness, DSA vs dense attention, and the ``1b`` preset.
+
+Three parts, each guarded (a failure is recorded under ``errors`` in the JSON and the next part
+still runs), the JSON rewritten atomically after every measurement so a killed run keeps what it
+had:
+
+(a) ``correctness``: bf16 outputs and gradients of the fast ops against a float32 reference at
+    ``T = 32k`` (the RMS-ratio criterion, ``RMS(ref - x) / RMS(ref)``, of
+    :func:`genolong.kernels.testing.rms_ratio`):
+
+    - DSA sparse attention: ``genolong.kernels.dsa.triton_attention.sparse_attention_triton``
+      (when it imports) on the ``1b`` preset's absorbed-MLA shapes (12 query heads over one
+      shared ``kv_lora_rank``-wide latent key/value head, top-k ``index_topk + index_kpool - 1``
+      random causal positions per query), against the torch :func:`~genolong.kernels.dsa.sparse_attention`
+      in float32 on the same (bf16-rounded) inputs;
+    - KDA: the fla backend (:mod:`genolong.kernels.kda.fla_backend`, fla-core's ``chunk_kda`` in
+      bf16) against genolong's torch :func:`~genolong.kernels.kda.chunk_kda` in float32 with an
+      initial state (``1b`` geometry: 12 heads x 128, lower-bound gate ``-5 sigmoid``), also with
+      float32 inputs (what the KDA layer passes) and in the gated form (gate and beta computed in
+      fla's kernel from their raw inputs), with forward+backward times;
+
+    the bf16 torch reference's own ratios are recorded beside them, as the yardstick for bf16.
+(b) ``dsa_vs_sdpa``: forward+backward time of one DSA layer of the ``1b`` preset (``DSAMixer``, the
+    first full-indexer layer, bf16, top-k 2048, backend ``--backend``) against dense causal
+    ``scaled_dot_product_attention`` (flash) on ``[1, 12, T, 128]`` q/k/v, at 32k and 128k; the
+    SDPA figure is the attention core only (no projections), so the ratio favours SDPA.
+    Target (issue 7): ``sdpa_ms / dsa_ms >= 4`` at 128k.
+(c) ``model``: tokens/s and peak device memory of one training step (``GenoLM.loss`` forward +
+    backward, bf16 weights, batch 1) of the ``1b`` preset with ``parallelize(recompute="full")``,
+    with and without activation offload, at 32k and 128k. Target: 128k fits in one H200 with
+    recompute + offload.
+
+``--small`` runs every part at tiny sizes (``tiny`` preset, T of a few hundred) on the machine's
+device (CPU here, torch backend; on CPU the KDA candidate is the fla adapter bound to fla's pure-torch
+``naive_recurrent_kda`` and the DSA candidate the bf16 torch reference) in well under a minute: it
+checks the script, not the kernels. A time budget (``--budget-s``, default 420 s) skips what would
+start after it, recorded as skipped.
+
+Example::
+
+    python benchmarks/gpu_check.py --out $OUT/gpu_check.json           # on the GPU (8 min)
+    python benchmarks/gpu_check.py --small --out /tmp/gpu_check.json    # CPU smoke run
+
+Prints a summary and writes JSON (default ``$OUT/gpu_check.json``, else
+``benchmarks/results/gpu_check.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+GiB = 2**30
+
+
+class Check:
+    """The JSON document being filled, written atomically after every update."""
+
+    def __init__(self, path: Path, budget_s: float):
+        self.path = path
+        self.t0 = time.perf_counter()
+        self.budget_s = budget_s
+        self.doc: dict[str, Any] = {"errors": {}, "skipped": []}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def over_budget(self, what: str) -> bool:
+        """True (and ``what`` recorded as skipped) when the time budget is spent."""
+        if self.elapsed() > self.budget_s:
+            self.doc["skipped"].append(f"{what}: time budget {self.budget_s:.0f} s spent")
+            self.write()
+            return True
+        return False
+
+    def write(self) -> None:
+        self.doc["elapsed_s"] = round(self.elapsed(), 2)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.doc, indent=2, default=str) + "\n")
+        os.replace(tmp, self.path)
+
+    def guard(self, key: str, fn: Callable[[], None]) -> None:
+        """Run ``fn``; an exception is recorded as ``errors[key]`` (type, message, last frames)."""
+        try:
+            fn()
+        except Exception as exc:  # one failing part must not stop the others
+            self.doc["errors"][key] = f"{type(exc).__name__}: {exc}"[:2000]
+            self.doc.setdefault("tracebacks", {})[key] = traceback.format_exc()[-4000:]
+            print(f"[gpu_check] {key} FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        self.write()
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> int | None:
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
+
+def _timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: bool = True) -> dict[str, Any]:
+    """Run ``fn`` once to warm up (unless ``warmup`` is False), then ``repeats`` times; median and
+    all times in ms, peak device bytes of the timed runs (None off CUDA)."""
+    if warmup:
+        fn()
+    _sync(device)
+    _reset_peak(device)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return {"ms": round(times[len(times) // 2], 3), "all_ms": [round(t, 3) for t in times], "peak_bytes": _peak(device)}
+
+
+def causal_random_indices(T: int, topk: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    """``[1, T, topk]`` int32 key positions: query ``t`` selects ``t - off`` for ``topk`` distinct
+    offsets (0 and random others in ``[0, 4 topk)``), ``-1`` where that is before position 0."""
+    gen = torch.Generator().manual_seed(seed)
+    span = max(4 * topk, topk + 1)
+    off = torch.randperm(span - 1, generator=gen)[: topk - 1] + 1
+    off = torch.cat([torch.zeros(1, dtype=torch.long), off.sort().values])          # [topk]
+    idx = torch.arange(T).unsqueeze(1) - off.unsqueeze(0)                              # [T, topk]
+    idx = torch.where(idx >= 0, idx, torch.full_like(idx, -1))
+    return idx.to(torch.int32).unsqueeze(0).to(device)
+
+
+def _grads(out: torch.Tensor, dout: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return list(torch.autograd.grad(out, inputs, dout))
+
+
+def _ratios(ref: list[torch.Tensor], got: list[torch.Tensor], names: list[str]) -> dict[str, float]:
+    from genolong.kernels.testing import rms_ratio
+
+    return {name: rms_ratio(r, g) for name, r, g in zip(names, ref, got)}
+
+
+# ------------------------------------------------------------------------------------------------
+# (a) correctness
+
+def check_dsa_correctness(c: Check, a: argparse.Namespace, device: torch.device) -> None:
+    from genolong.kernels.dsa import sparse_attention
+    from genolong.model import PRESETS
+
+    cfg = PRESETS[a.preset]
+    T, H, C = a.correct_T, cfg.num_attention_heads, cfg.kv_lora_rank
+    topk = cfg.index_topk + cfg.index_kpool - 1
+    res: dict[str, Any] = {"T": T, "heads": H, "latent_dim": C, "topk": topk}
+    c.doc.setdefault("correctness", {})["dsa_sparse_attention"] = res
+    if device.type == "cuda":
+        from genolong.kernels.backends import _triton_sparse_attention
+
+        candidate, res["impl"] = _triton_sparse_attention(), "genolong Triton sparse_attention_triton (bf16)"
+    else:
+        candidate, res["impl"] = sparse_attention, "torch reference in bf16 (no CUDA: script check only)"
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q = (torch.randn(1, T, H, C, generator=gen) * 0.5).to(device, torch.bfloat16)
+    kv = torch.randn(1, T, 1, C, generator=gen).to(device, torch.bfloat16)
+    dout = torch.randn(1, T, H, C, generator=gen).to(device, torch.bfloat16)
+    idx = causal_random_indices(T, topk, device)
+    scale = (cfg.qk_head_dim) ** -0.5
+
+    def run(fn: Callable, dtype: torch.dtype) -> list[torch.Tensor]:
+        # fresh leaves each run (k and v hold the same values, as the latent MLA passes them)
+        qq, kk, vv = (x.detach().to(dtype).clone().requires_grad_(True) for x in (q, kv, kv))
+        o = fn(qq, kk, vv, idx, scale=scale)
+        return [o.detach()] + _grads(o, dout.to(o.dtype), [qq, kk, vv])
+
+    names = ["o", "dq", "dk", "dv"]
+    ref = run(sparse_attention, torch.float32)
+    res["rms_ratio"] = _ratios(ref, run(candidate, torch.bfloat16), names)
+    res["torch_bf16_rms_ratio"] = _ratios(ref, run(sparse_attention, torch.bfloat16), names)
+    res["finite"] = all(bool(torch.isfinite(x).all()) for x in ref)
+    print(f"[gpu_check] DSA sparse attention T={T}: {res['rms_ratio']}", flush=True)
+
+
+def check_kda_correctness(c: Check, a: argparse.Namespace, device: torch.device) -> None:
+    from genolong.kernels.kda import chunk_kda
+    from genolong.kernels.kda.fla_backend import fla_version, make_fla_chunk_kda
+    from genolong.model import PRESETS
+    from genolong.model.kda import l2_normalize
+
+    cfg = PRESETS[a.preset]
+    T, H, K = a.correct_T, cfg.linear_num_heads, cfg.linear_head_dim
+    res: dict[str, Any] = {"T": T, "heads": H, "head_dim": K, "fla_core": fla_version()}
+    c.doc.setdefault("correctness", {})["kda_fla"] = res
+    from fla.ops.kda.naive import naive_recurrent_kda  # pure torch (imports fla, hence Triton)
+
+    if device.type == "cuda":
+        candidate = make_fla_chunk_kda(kernel_dtype=torch.bfloat16)
+        as_layer = make_fla_chunk_kda()  # what the KDA layer runs: float32 q, k, v in the kernel
+        res["impl"] = "fla-core chunk_kda via genolong adapter (q, k, v, beta bf16; g, state fp32)"
+    else:
+        def naive(*, chunk_size: int, **kw: Any) -> Any:  # fla's naive op takes no chunk_size
+            return naive_recurrent_kda(**kw)
+
+        candidate = make_fla_chunk_kda(kernel=naive, kernel_dtype=torch.bfloat16)
+        as_layer = make_fla_chunk_kda(kernel=naive)
+        res["impl"] = "fla adapter bound to fla naive_recurrent_kda (no CUDA: script check only)"
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q = l2_normalize(torch.randn(1, T, H, K, generator=gen)).to(device)
+    k = l2_normalize(torch.randn(1, T, H, K, generator=gen)).to(device)
+    v = torch.randn(1, T, H, K, generator=gen).to(device)
+    g = (-5.0 * torch.sigmoid(torch.randn(1, T, H, K, generator=gen) - 3.0)).to(device)
+    beta = torch.sigmoid(torch.randn(1, T, H, generator=gen)).to(device)
+    h0 = (0.1 * torch.randn(1, H, K, K, generator=gen)).to(device)
+    dout = torch.randn(1, T, H, K, generator=gen).to(device)
+    dht = torch.randn(1, H, K, K, generator=gen).to(device)
+    # bf16-rounded inputs for every run, so the ratios measure the kernels, not the input rounding
+    q, k, v, beta = (x.to(torch.bfloat16).float() for x in (q, k, v, beta))
+
+    def run(fn: Callable, dtype: torch.dtype) -> list[torch.Tensor]:
+        xs = [x.detach().to(dtype).clone().requires_grad_(True) for x in (q, k, v)]
+        gg, bb, hh = (x.detach().to(dt).clone().requires_grad_(True)
+                      for x, dt in ((g, torch.float32), (beta, dtype), (h0, torch.float32)))
+        o, ht = fn(*xs, gg, bb, initial_state=hh, output_final_state=True)
+        loss = (o.float() * dout).sum() + (ht.float() * dht).sum()
+        grads = torch.autograd.grad(loss, [*xs, gg, bb, hh])
+        return [o.detach().float(), ht.detach().float()] + [x.float() for x in grads]
+
+    names = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    ref = run(chunk_kda, torch.float32)
+    res["rms_ratio"] = _ratios(ref, run(candidate, torch.bfloat16), names)
+    res["torch_bf16_rms_ratio"] = _ratios(ref, run(chunk_kda, torch.bfloat16), names)
+    print(f"[gpu_check] KDA fla T={T}: {res['rms_ratio']}", flush=True)
+    c.write()
+    # the KDA layer hands the op float32 q, k, v, g, beta: the same kernel on float32 inputs
+    res["fp32_inputs_rms_ratio"] = _ratios(ref, run(as_layer, torch.float32), names)
+    print(f"[gpu_check] KDA fla (fp32 inputs, as the layer calls it) T={T}: {res['fp32_inputs_rms_ratio']}", flush=True)
+    c.write()
+    # forward+backward time of one call (bf16 candidate vs the float32 torch reference)
+    res["fwd_bwd_ms"] = {"candidate_bf16": _timed(lambda: run(candidate, torch.bfloat16), device, 2)["ms"],
+                         "candidate_fp32": _timed(lambda: run(as_layer, torch.float32), device, 2)["ms"],
+                         "torch_fp32": _timed(lambda: run(chunk_kda, torch.float32), device, 1)["ms"]}
+
+    # the gated op: gate and beta from their raw inputs, in fla's kernel (the layer's lower-bound gate)
+    from genolong.kernels.kda.fla_backend import make_fla_chunk_kda_gated, reference_chunk_kda_gated
+
+    gres: dict[str, Any] = {"T": T, "lower_bound": -5.0}
+    c.doc["correctness"]["kda_fla_gated"] = gres
+    if device.type == "cuda":
+        gated = make_fla_chunk_kda_gated(kernel_dtype=torch.bfloat16)
+        gres["impl"] = "fla-core chunk_kda, use_gate_in_kernel + use_beta_sigmoid_in_kernel + safe_gate"
+    else:
+        from fla.ops.kda.gate import naive_kda_lowerbound_gate
+
+        def naive_gated(*, chunk_size: int, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
+                        A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float, safe_gate: bool, **kw: Any) -> Any:
+            kw["g"] = naive_kda_lowerbound_gate(kw["g"], A_log, dt_bias, lower_bound)
+            kw["beta"] = torch.sigmoid(kw["beta"])
+            return naive_recurrent_kda(**kw)
+
+        gated = make_fla_chunk_kda_gated(kernel=naive_gated, kernel_dtype=torch.bfloat16)
+        gres["impl"] = "gated fla adapter bound to fla's naive gate + naive_recurrent_kda (no CUDA: script check only)"
+    g_raw = torch.randn(1, T, H, K, generator=gen).to(device)
+    beta_logits = torch.randn(1, T, H, generator=gen).to(device)
+    A_log = torch.zeros(H, device=device)
+    dt_bias = (0.1 * torch.randn(H * K, generator=gen)).to(device)
+
+    def run_gated(fn: Callable, dtype: torch.dtype) -> list[torch.Tensor]:
+        xs = [x.detach().to(dtype).clone().requires_grad_(True) for x in (q, k, v)]
+        rest = [x.detach().clone().requires_grad_(True) for x in (g_raw, beta_logits, A_log, dt_bias, h0)]
+        o, ht = fn(*xs, *rest[:4], lower_bound=-5.0, initial_state=rest[4], output_final_state=True)
+        loss = (o.float() * dout).sum() + (ht.float() * dht).sum()
+        grads = torch.autograd.grad(loss, [*xs, *rest])
+        return [o.detach().float(), ht.detach().float()] + [x.float() for x in grads]
+
+    gnames = ["o", "ht", "dq", "dk", "dv", "dg_raw", "dbeta_logits", "dA_log", "ddt_bias", "dh0"]
+    gref = run_gated(reference_chunk_kda_gated, torch.float32)
+    gres["rms_ratio"] = _ratios(gref, run_gated(gated, torch.bfloat16), gnames)
+    gres["fwd_bwd_ms"] = {"candidate_bf16": _timed(lambda: run_gated(gated, torch.bfloat16), device, 2)["ms"]}
+    print(f"[gpu_check] KDA fla gated T={T}: {gres['rms_ratio']}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# (b) DSA layer vs dense causal SDPA
+
+def bench_dsa_vs_sdpa(c: Check, a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
+    from genolong.model import PRESETS, DSAMixer
+    from genolong.model.config import INDEXED_ATTENTION
+
+    cfg = PRESETS[a.preset].replace(kernel_backend=a.backend)
+    if not a.small:
+        cfg = cfg.replace(index_topk=2048)
+    layer_idx = next(i for i, (lt, it) in enumerate(zip(cfg.layer_types, cfg.indexer_types))
+                     if lt == INDEXED_ATTENTION and it == "full")
+    torch.manual_seed(0)
+    with torch.device(device):
+        mixer = DSAMixer(cfg, layer_idx).to(dtype)
+    rows: list[dict[str, Any]] = []
+    c.doc["dsa_vs_sdpa"] = {"preset": a.preset, "layer": layer_idx, "topk": cfg.index_topk,
+                            "backend": mixer.kernels.name, "dtype": str(dtype), "rows": rows}
+    H, D = cfg.num_attention_heads, cfg.qk_nope_head_dim
+    for T in a.dsa_lengths:
+        if c.over_budget(f"dsa_vs_sdpa T={T}"):
+            return
+        row: dict[str, Any] = {"T": T}
+        rows.append(row)
+
+        def dsa_step() -> None:
+            x = torch.randn(1, T, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
+            out, _ = mixer(x)
+            out.backward(torch.ones_like(out))
+
+        def sdpa_step() -> None:
+            q, k, v = (torch.randn(1, H, T, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(torch.ones_like(out))
+
+        for name, fn in (("dsa", dsa_step), ("sdpa", sdpa_step)):
+            try:
+                row[name] = _timed(fn, device, a.repeats)
+            except Exception as exc:
+                row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            c.write()
+        if "ms" in row.get("dsa", {}) and "ms" in row.get("sdpa", {}):
+            row["sdpa_over_dsa"] = round(row["sdpa"]["ms"] / row["dsa"]["ms"], 3)
+        print(f"[gpu_check] DSA vs SDPA T={T}: {row}", flush=True)
+        c.write()
+
+
+# ------------------------------------------------------------------------------------------------
+# (c) the 1b preset: tokens/s and peak memory
+
+def bench_model(c: Check, a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
+    from genolong.model import PRESETS, GenoLM
+    from genolong.parallel import parallelize
+
+    if a.model_preset not in PRESETS:
+        raise KeyError(f"preset {a.model_preset!r} not in genolong.model.PRESETS ({', '.join(PRESETS)})")
+    cfg = PRESETS[a.model_preset].replace(kernel_backend=a.backend)
+    rows: list[dict[str, Any]] = []
+    c.doc["model"] = {"preset": a.model_preset, "backend": a.backend, "dtype": str(dtype), "recompute": "full",
+                      "rows": rows}
+    for offload in (True, False):  # the target configuration (recompute + offload) first
+        if c.over_budget(f"model offload={offload}"):
+            return
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = GenoLM(cfg).to(dtype)
+        model = parallelize(model, recompute="full", offload=offload)
+        c.doc["model"]["parameters"] = sum(p.numel() for p in model.parameters())
+        try:
+            # one short warm-up step per model (Triton autotuning, allocator, pinned host pool);
+            # the long steps are timed once each, cold for their length
+            warm = torch.randint(1, 5, (1, min(a.model_lengths[0], 4096)), generator=torch.Generator().manual_seed(0))
+            nll, weight = model.loss(warm.to(device))
+            (nll / weight).backward()
+            model.zero_grad(set_to_none=True)
+            for T in a.model_lengths:
+                if c.over_budget(f"model T={T} offload={offload}"):
+                    return
+                row: dict[str, Any] = {"T": T, "offload": offload}
+                rows.append(row)
+                tokens = torch.randint(1, 5, (1, T), generator=torch.Generator().manual_seed(T)).to(device)
+
+                def step() -> None:
+                    model.zero_grad(set_to_none=True)
+                    nll, weight = model.loss(tokens)
+                    (nll / weight).backward()
+                    row["loss"] = float((nll / weight).detach())
+
+                try:
+                    timing = _timed(step, device, 1, warmup=False)
+                    row.update(seconds=timing["ms"] / 1e3, tokens_per_s=round(T / (timing["ms"] / 1e3), 1),
+                               peak_bytes=timing["peak_bytes"],
+                               peak_gib=None if timing["peak_bytes"] is None else round(timing["peak_bytes"] / GiB, 2))
+                except Exception as exc:  # e.g. out of memory at 128k without offload
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+                    model.zero_grad(set_to_none=True)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                print(f"[gpu_check] model {a.model_preset} T={T} offload={offload}: {row}", flush=True)
+                c.write()
+        finally:
+            model = None  # type: ignore[assignment]  # free it before the next configuration
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------
+
+def _lengths(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out", nargs="?", default=None, help="JSON path (default $OUT/gpu_check.json or benchmarks/results)")
+    p.add_argument("--out", dest="out_opt", default=None, help="JSON path (same as the positional argument)")
+    p.add_argument("--small", "--dry-run", action="store_true", help="tiny sizes on any device (script check, < 1 min on CPU)")
+    p.add_argument("--backend", default="auto", help="kernel backend for parts (b) and (c) (default auto)")
+    p.add_argument("--parts", default="correctness,dsa,model", help="comma list of correctness,dsa,model")
+    p.add_argument("--budget-s", type=float, default=420.0, help="skip work that would start after this many seconds")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per DSA/SDPA point (default 3; small 1)")
+    p.add_argument("--correct-T", type=int, default=None, help="length of part (a) (default 32768; small 200)")
+    p.add_argument("--dsa-lengths", type=_lengths, default=None, help="part (b) lengths (default 32768,131072)")
+    p.add_argument("--model-lengths", type=_lengths, default=None, help="part (c) lengths (default 32768,131072)")
+    p.add_argument("--model-preset", default=None, help="part (c) preset (default 1b; small: tiny)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="parts (b) and (c) (default auto: bf16 on CUDA, fp32 elsewhere)")
+    a = p.parse_args(argv)
+    small = a.small
+    a.preset = "tiny" if small else "1b"
+    a.model_preset = a.model_preset or a.preset
+    a.repeats = a.repeats or (1 if small else 3)
+    a.correct_T = a.correct_T or (200 if small else 32768)
+    a.dsa_lengths = a.dsa_lengths or ([256, 512] if small else [32768, 131072])
+    a.model_lengths = a.model_lengths or ([128, 256] if small else [32768, 131072])
+    out = a.out_opt or a.out
+    if out is None:
+        out = Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else HERE / "results" / "gpu_check.json"
+    a.out = Path(out)
+    a.parts = [x for x in a.parts.split(",") if x]
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    c = Check(a.out, a.budget_s)
+    cuda = torch.cuda.is_available() and not a.small
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(a.dtype, torch.bfloat16 if cuda else torch.float32)
+    if not cuda:
+        a.backend = "torch"  # the CPU check runs the reference backend
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+
+    import genolong
+    from genolong.kernels.backends import get_backend
+    from genolong.kernels.kda.fla_backend import fla_version
+
+    meta: dict[str, Any] = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "small": a.small, "device": str(device),
+        "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "fla_core": fla_version(),
+        "genolong": getattr(genolong, "__version__", None), "python": platform.python_version(),
+    }
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except Exception as exc:
+        meta["triton"] = f"unavailable: {exc}"
+    c.doc["meta"] = meta
+    try:
+        meta["backend"] = get_backend(a.backend).name
+        a.backend = meta["backend"]
+    except Exception as exc:
+        c.doc["errors"]["backend"] = f"{type(exc).__name__}: {exc}"
+        a.backend = "torch"
+        meta["backend"] = "torch"
+    if cuda:
+        meta["device_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / GiB, 1)
+    c.write()
+    print(f"[gpu_check] {meta}", flush=True)
+
+    if "correctness" in a.parts:
+        c.guard("correctness.dsa", lambda: check_dsa_correctness(c, a, device))
+        c.guard("correctness.kda", lambda: check_kda_correctness(c, a, device))
+    if "dsa" in a.parts:
+        c.guard("dsa_vs_sdpa", lambda: bench_dsa_vs_sdpa(c, a, device, dtype))
+    if "model" in a.parts:
+        c.guard("model", lambda: bench_model(c, a, device, dtype))
+    c.doc["done"] = True
+    c.write()
+    print(f"[gpu_check] wrote {a.out} in {c.elapsed():.1f} s; errors: {list(c.doc['errors']) or 'none'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
