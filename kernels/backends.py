@@ -13,8 +13,9 @@ Registered backends:
   :mod:`genolong.kernels.kda.fla_backend` (fla-core >= 0.5.2, CUDA); every other op (decoding
   ``recurrent_kda``, the DSA indexer, KPool, sparse attention, indexer KL loss, cross-entropy) is
   the torch reference.
-- ``triton``: DSA sparse attention from genolong's Triton kernel
-  (``genolong.kernels.dsa.triton_attention.sparse_attention_triton``), KDA ``chunk_kda`` from fla
+- ``triton``: the DSA pooled-key scores with a running top-k and the sparse attention from
+  genolong's Triton kernels (``genolong.kernels.dsa.triton_topk.kpool_topk_triton``,
+  ``genolong.kernels.dsa.triton_attention.sparse_attention_triton``), KDA ``chunk_kda`` from fla
   when fla-core imports (else the torch reference); the rest is the torch reference.
 - ``auto``: ``triton`` when CUDA is available and genolong's Triton DSA kernel imports, else
   ``fla`` when CUDA is available and fla-core imports, else ``torch``; it loads and returns the
@@ -152,20 +153,22 @@ def _fla_chunk_kda() -> tuple[Callable, Callable]:
     return make_fla_chunk_kda(kernel), make_fla_chunk_kda_gated(kernel)
 
 
-def _triton_sparse_attention() -> Callable:
-    """genolong's Triton DSA sparse attention (the reference op's signature and semantics).
+def _triton_op(module: str, function: str) -> Callable:
+    """One of genolong's Triton DSA kernels, ``genolong.kernels.dsa.<module>.<function>`` (each
+    has its torch reference op's signature and semantics).
 
     Raises:
         ImportError: the kernel module (or Triton) fails to import, naming the cause.
     """
+    import importlib
+
     try:
-        from .dsa.triton_attention import sparse_attention_triton
+        return getattr(importlib.import_module(f"{__package__}.dsa.{module}"), function)
     except ImportError:
         raise
     except Exception as exc:  # Triton raises RuntimeError & co. when it finds no usable driver
-        raise ImportError(f"genolong.kernels.dsa.triton_attention failed to import: {type(exc).__name__}: "
+        raise ImportError(f"genolong.kernels.dsa.{module} failed to import: {type(exc).__name__}: "
                           f"{_one_line(exc)}") from exc
-    return sparse_attention_triton
 
 
 def _fla_backend() -> KernelBackend:
@@ -191,7 +194,8 @@ def _fla_backend() -> KernelBackend:
 def _triton_backend() -> KernelBackend:
     _require_cuda("triton")
     reference = _torch_backend()
-    sparse_attention = _on_cuda(_triton_sparse_attention(), reference.sparse_attention)
+    sparse_attention = _on_cuda(_triton_op("triton_attention", "sparse_attention_triton"), reference.sparse_attention)
+    kpool_topk = _on_cuda(_triton_op("triton_topk", "kpool_topk_triton"), reference.kpool_topk)
     try:
         fla_kda, fla_kda_gated = _fla_chunk_kda()
         chunk_kda = _on_cuda(fla_kda, reference.chunk_kda)
@@ -203,13 +207,14 @@ def _triton_backend() -> KernelBackend:
         kda_from = "torch chunked KDA (fla unavailable)"
     return KernelBackend(
         name="triton",
-        description=f"genolong Triton DSA sparse attention (CUDA tensors); {kda_from}; torch reference "
-                    "for recurrent KDA, the DSA indexer/KPool/KL loss and chunked CE",
+        description=f"genolong Triton DSA kernels for CUDA tensors (pooled-key scores with a running top-k, "
+                    f"sparse attention); {kda_from}; torch reference for recurrent KDA, KPool key pooling, "
+                    "the indexer KL loss and chunked CE",
         chunk_kda=chunk_kda,
         chunk_kda_gated=chunk_kda_gated,
         recurrent_kda=reference.recurrent_kda,
         kpool_keys=reference.kpool_keys,
-        kpool_topk=reference.kpool_topk,
+        kpool_topk=kpool_topk,
         sparse_attention=sparse_attention,
         kpool_indexer_kl_loss=reference.kpool_indexer_kl_loss,
         chunked_cross_entropy=reference.chunked_cross_entropy,

@@ -41,6 +41,7 @@ from genolong.kernels.testing import rms_ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_MODULE = "genolong.kernels.dsa.triton_attention"
+TOPK_MODULE = "genolong.kernels.dsa.triton_topk"
 FLA_PARAMS = inspect.signature(fla_kda.chunk_kda).parameters
 
 
@@ -279,6 +280,17 @@ def _fake_triton_module(calls: list[dict[str, Any]]) -> types.ModuleType:
     return module
 
 
+def _fake_topk_module(calls: list[dict[str, Any]]) -> types.ModuleType:
+    module = types.ModuleType(TOPK_MODULE)
+
+    def kpool_topk_triton(q_idx, k_pool, w_idx, topk, pool_size, **kwargs):
+        calls.append({"topk": topk})
+        return q_idx.new_zeros(q_idx.shape[:2] + (topk,), dtype=torch.long)
+
+    module.kpool_topk_triton = kpool_topk_triton  # type: ignore[attr-defined]
+    return module
+
+
 def test_registry_names_and_auto_on_cpu(fresh_registry: None, caplog: pytest.LogCaptureFixture) -> None:
     """All four names are registered; on this CPU machine auto is torch, logged once with both
     names; the GPU backends refuse to load without CUDA, in one line."""
@@ -305,12 +317,15 @@ def test_auto_resolves_to_gpu_backends(fresh_registry: None, monkeypatch: pytest
     monkeypatch.setattr(backends, "_cuda_available", lambda: True)
     calls: list[dict[str, Any]] = []
     monkeypatch.setitem(sys.modules, TRITON_MODULE, _fake_triton_module(calls))
+    monkeypatch.setitem(sys.modules, TOPK_MODULE, _fake_topk_module(calls))
     with caplog.at_level(logging.INFO, logger="genolong"):
         auto = get_backend("auto")
     assert auto.name == "triton" and "resolved to 'triton'" in caplog.text
-    assert "fla-core Triton chunk_kda" in auto.description and "Triton DSA sparse attention" in auto.description
+    assert "fla-core Triton chunk_kda" in auto.description and "Triton DSA kernels" in auto.description
     torch_ops = get_backend("torch")
-    assert auto.recurrent_kda is torch_ops.recurrent_kda and auto.kpool_topk is torch_ops.kpool_topk
+    assert auto.recurrent_kda is torch_ops.recurrent_kda and auto.kpool_topk is not torch_ops.kpool_topk
+    qi, kp = torch.randn(1, 16, 2, 4), torch.randn(1, 4, 4)
+    assert torch.equal(auto.kpool_topk(qi, kp, None, 8, 4), torch_ops.kpool_topk(qi, kp, None, 8, 4))
     # CPU tensors: the dispatching ops fall through to the torch reference
     q, k, v, g, beta, _ = _inputs(1, 20, 2, 8, 8, seed=9)
     assert torch.equal(auto.chunk_kda(q, k, v, g, beta)[0], chunk_kda(q, k, v, g, beta)[0])

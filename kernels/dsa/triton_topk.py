@@ -1,0 +1,292 @@
+"""KPool indexer selection as a Triton kernel: pooled-key scores with a blockwise running top-k.
+
+Same op as the torch reference :func:`genolong.kernels.dsa.kpool_topk` (same signature, checks and
+result): pool ``j`` is scored for query ``t`` as
+
+    I[t, j] = sum_h w_idx[t, h] * act(scale * q_idx[t, h] . k_pool[j])
+
+and is eligible iff ``(j + 1) * P - 1 <= t``; the best ``KP = topk // P`` eligible pools per query
+are kept (ties: the lowest pool wins), best first, then expanded into token positions plus the
+query's incomplete tail pool by the torch :func:`~genolong.kernels.dsa.kpool_expand`.
+
+Layout of the work. One program handles one (block of ``BLOCK_Q`` queries, batch row). It walks
+the pools ``0 .. (q_last + 1) // P - 1`` its queries can see in tiles of ``BLOCK_N`` pools; per tile
+and index head ``h`` one ``tl.dot`` gives ``q_idx[t, h] . k_pool[j]`` for the whole
+``[BLOCK_Q, BLOCK_N]`` tile (the head loop keeps the dot's M side at ``BLOCK_Q`` whatever ``HI``
+is), the activation and the head weight are applied and the heads summed in registers. No score
+matrix ever reaches memory: the state of a program is the tile and a running buffer of
+``BLOCK_K = next_power_of_2(KP)`` keys per query, i.e. ``O(BLOCK_Q * (BLOCK_N + BLOCK_K))``.
+
+Exact running top-k in registers. Every candidate ``(score, pool j)`` is packed into one int64 key,
+as the reference's ``_encode`` does: the high 32 bits hold an order-preserving image of the float32
+score (``bits ^ 0x7FFFFFFF`` for negative floats; ``-0.0`` folded into ``+0.0`` first), the low 32
+bits ``0x7FFFFFFF - j`` (here a non-negative int32, so ``j < 2**31``). Keys are unique per query and
+their int64 order is "higher score first, then lower pool", so any exact top-k over them has one
+answer. Ineligible pools (and padded slots) get ``INT64_MIN``, below every real key. Per tile the
+kernel takes ``tl.topk(tile, BLOCK_K)`` (bitonic, sorted descending), interleaves it with the
+running buffer (``tl.join``) and keeps ``tl.topk(.., BLOCK_K)`` of the ``2 * BLOCK_K`` candidates:
+the buffer holds the exact top-``BLOCK_K`` of all pools seen so far, so its first ``KP`` keys are
+the exact top-``KP`` (``BLOCK_K >= KP``; the extra slots only pad ``KP`` to a power of two).
+
+Index mapping. The kernel decodes the final buffer in registers and writes int32 pool ids
+``j = 0x7FFFFFFF - low32(key)`` into ``[B, T, KP]`` (``-1`` for the ``INT64_MIN`` key: fewer than
+``KP`` eligible pools), best first; pool ``j`` is tokens ``[j * P, (j + 1) * P)``. The wrapper widens
+them to int64 (torch indexing wants int64) and calls :func:`kpool_expand`, so the result is the
+reference's ``[B, T, topk + P - 1]`` (``[B, T, topk]`` without tail) int64 token layout.
+
+Scores and exactness. Tiles are loaded in the inputs' dtype (fp16/bf16/fp32; float64 is computed
+in float32 like the reference) and the dot accumulates in float32 (IEEE, not TF32, for fp32
+inputs); ``scale`` multiplies the float32 dot, the activation, the weights and the head sum run in
+float32. The reference computes ``(scale * q) . k`` with ``torch.matmul`` and sums the heads with
+another matmul: the two scores are both float32 roundings of the same sum, so the selections are
+identical unless two candidates at the selection boundary lie within float32 rounding of each
+other (then either may win); inputs whose scores are exact in float32 (the tests' dyadic grids)
+give identical scores and therefore bitwise-identical selections, ties included.
+Activations: ``"relu"`` (DSA's) and ``None`` (identity) are computed in the kernel; other names
+are refused (use the torch backend).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from ...errors import InputError
+from .kpool import kpool_expand
+
+__all__ = ["kpool_topk_triton"]
+
+# Dtypes the kernel loads directly; anything else (float64) is computed in float32, as the reference.
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Tile bounds (powers of two). 16 is the smallest tl.dot operand side on GPUs. The pool tile is
+# also at least BLOCK_K wide (the per-tile top-k must produce a full buffer's worth of keys).
+_MIN_BLOCK = 16
+_MAX_BLOCK_Q = 32  # the running buffer is [BLOCK_Q, BLOCK_K] int64 in registers
+_MAX_BLOCK_N = 128
+_ACTIVATIONS = ("relu", None)
+
+
+@triton.jit
+def _kpool_topk_kernel(
+    Q, KPOOL, W, OUT,
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kd,
+    stride_wb, stride_wt, stride_wh,
+    stride_ob, stride_ot, stride_ok,
+    T, NP, scale,
+    HI: tl.constexpr, DI: tl.constexpr, P: tl.constexpr, KSEL: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_W: tl.constexpr, RELU: tl.constexpr,
+):
+    """One program: queries ``[q0, q0 + BLOCK_Q)`` of batch row ``b``; writes their int32 pool ids."""
+    pid_q = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    q0 = pid_q * BLOCK_Q
+
+    offs_q = q0 + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_kk = tl.arange(0, BLOCK_K)
+    mask_q = offs_q < T
+    mask_d = offs_d < DI
+    n_vis = (offs_q + 1) // P  # pools j < n_vis[t] are eligible for query t
+    n_end = (tl.minimum(q0 + BLOCK_Q, T)) // P  # pools this block needs (the last query sees most)
+
+    # INT64_MIN: the key of "no pool", below every real key (the high half of a real key is the
+    # image of a float32, at least -2**31 + 2**23 for any non-NaN score)
+    invalid = tl.full([BLOCK_Q, BLOCK_K], -(2**63), tl.int64)
+    run = invalid  # running exact top-BLOCK_K keys per query (any order until the first merge)
+
+    q_rows = Q + b * stride_qb + offs_q[:, None].to(tl.int64) * stride_qt + offs_d[None, :] * stride_qd
+    for n0 in range(0, n_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k_ptrs = KPOOL + b * stride_kb + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd
+        k = tl.load(k_ptrs, mask=(offs_n < NP)[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        kt = tl.trans(k)
+        s = tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32)
+        for h in range(HI):
+            q = tl.load(q_rows + h * stride_qh, mask=mask_q[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_Q, BLOCK_D]
+            z = tl.dot(q, kt, input_precision="ieee") * scale  # [BLOCK_Q, BLOCK_N] float32
+            if RELU:
+                z = tl.maximum(z, 0.0)
+            if HAS_W:
+                w = tl.load(W + b * stride_wb + offs_q.to(tl.int64) * stride_wt + h * stride_wh, mask=mask_q, other=0.0)
+                z = z * w.to(tl.float32)[:, None]
+            s += z
+        # -0.0 -> +0.0 (an equal score must give an equal key); the +0.0 accumulator already does
+        # it (+0 + -0 = +0), this keeps it true if the sum is ever reassociated
+        s = tl.where(s == 0.0, 0.0, s)
+
+        # pack (score, pool) into one int64 key: order-preserving float bits high, 0x7FFFFFFF - j low
+        bits = s.to(tl.int32, bitcast=True)
+        bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        low = (0x7FFFFFFF - offs_n).to(tl.int64)
+        key = (bits.to(tl.int64) << 32) | low[None, :]
+        eligible = (offs_n[None, :] < n_vis[:, None]) & mask_q[:, None]
+        key = tl.where(eligible, key, tl.full([BLOCK_Q, BLOCK_N], -(2**63), tl.int64))
+
+        if BLOCK_N > BLOCK_K:
+            tile_top = tl.topk(key, BLOCK_K)  # [BLOCK_Q, BLOCK_K], sorted descending
+        else:
+            tile_top = key  # BLOCK_N == BLOCK_K
+        cand = tl.reshape(tl.join(run, tile_top), [BLOCK_Q, 2 * BLOCK_K])
+        run = tl.topk(cand, BLOCK_K)  # exact: keys are unique per query
+
+    # decode: low 32 bits (a non-negative int32) -> pool id; "no pool" -> -1. run is sorted
+    # descending (best first) after any merge; without one it is all INT64_MIN.
+    pool = 0x7FFFFFFF - run.to(tl.int32)
+    pool = tl.where(run == invalid, -1, pool)
+    out_ptrs = OUT + b * stride_ob + offs_q[:, None].to(tl.int64) * stride_ot + offs_kk[None, :] * stride_ok
+    tl.store(out_ptrs, pool, mask=mask_q[:, None] & (offs_kk < KSEL)[None, :])
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (int(n).bit_length() - 1)
+
+
+def _blocks(ksel: int, di: int, block_size: int, query_block: int) -> tuple[int, int, int, int]:
+    """Tile sizes ``(BLOCK_Q, BLOCK_N, BLOCK_D, BLOCK_K)``, all powers of two.
+
+    ``BLOCK_K = next_power_of_2(ksel)``; the query and pool tiles are the largest powers of two not
+    above ``query_block`` / ``block_size``, clamped to ``[16, 32]`` and ``[16, 128]`` (and the pool
+    tile at least ``BLOCK_K``); ``BLOCK_D = max(16, next_power_of_2(DI))``, the padding masked.
+    """
+    p2 = triton.next_power_of_2
+    bk = p2(ksel)
+    bq = min(_MAX_BLOCK_Q, max(_MIN_BLOCK, _prev_pow2(query_block)))
+    bn = max(bk, min(_MAX_BLOCK_N, max(_MIN_BLOCK, _prev_pow2(block_size))))
+    return bq, bn, max(_MIN_BLOCK, p2(di)), bk
+
+
+def _check_runnable(*tensors: torch.Tensor) -> None:
+    """Triton compiles for a GPU; CPU tensors only run under the interpreter (``TRITON_INTERPRET=1``)."""
+    devices = {x.device for x in tensors}
+    if len(devices) != 1:
+        raise InputError(f"q_idx, k_pool and w_idx must be on one device, got {sorted(str(d) for d in devices)}")
+    if next(iter(devices)).type == "cpu" and not isinstance(_kpool_topk_kernel, InterpretedFunction):
+        # triton.jit picks compiled or interpreted kernels when this module is imported
+        raise InputError(
+            "kpool_topk_triton got CPU tensors; run on a GPU, or set TRITON_INTERPRET=1 before "
+            "genolong.kernels.dsa.triton_topk is first imported (slow, for tests), or use kernel_backend 'torch'"
+        )
+
+
+def _select_pools(
+    q_idx: torch.Tensor,
+    k_pool: torch.Tensor,
+    w_idx: torch.Tensor | None,
+    ksel: int,
+    pool_size: int,
+    block_size: int,
+    query_block: int,
+    scale: float,
+    activation: str | None,
+) -> torch.Tensor:
+    """Launch the kernel on validated inputs: the selected pools as int32 ids.
+
+    Args:
+        q_idx: ``[B, T, HI, DI]``; k_pool: ``[B, T // P, DI]``; w_idx: ``[B, T, HI]`` or None.
+        ksel: pools kept per query (``topk // P``, ``>= 1``).
+        pool_size: ``P``; block_size, query_block: tile hints (see :func:`_blocks`).
+        scale: multiplies ``q . k`` before the activation; activation: ``"relu"`` or None.
+
+    Returns:
+        ``[B, T, ksel]`` int32 pool ids, best first (ties: lowest pool), ``-1`` padded.
+    """
+    B, T, HI, DI = q_idx.shape
+    NP = k_pool.shape[1]
+    cdt = q_idx.dtype if (q_idx.dtype == k_pool.dtype and q_idx.dtype in _KERNEL_DTYPES) else torch.float32
+    qc, kc = q_idx.to(cdt), k_pool.to(cdt)
+    out = torch.empty(B, T, ksel, dtype=torch.int32, device=q_idx.device)
+    bq, bn, bd, bk = _blocks(ksel, DI, block_size, query_block)
+    w = w_idx if w_idx is not None else qc  # a placeholder pointer, never read (HAS_W=False)
+    w_strides = w_idx.stride() if w_idx is not None else (0, 0, 0)
+    if B * T > 0:
+        _kpool_topk_kernel[(triton.cdiv(T, bq), B)](
+            qc, kc, w, out,
+            *qc.stride(), *kc.stride(), *w_strides, *out.stride(),
+            T, NP, float(scale),
+            HI=HI, DI=DI, P=pool_size, KSEL=ksel,
+            BLOCK_Q=bq, BLOCK_N=bn, BLOCK_D=bd, BLOCK_K=bk,
+            HAS_W=w_idx is not None, RELU=activation == "relu",
+        )
+    return out
+
+
+def kpool_topk_triton(
+    q_idx: torch.Tensor,
+    k_pool: torch.Tensor,
+    w_idx: torch.Tensor | None,
+    topk: int,
+    pool_size: int,
+    tail: bool = True,
+    block_size: int = 256,
+    query_block: int = 256,
+    scale: float | None = None,
+    activation: str | None = "relu",
+) -> torch.Tensor:
+    """GLM-5.3-Flash KPool selection as a Triton kernel: causal top-(topk // P) pools, expanded, plus the tail.
+
+    The op of :func:`genolong.kernels.dsa.kpool_topk` (same arguments, checks and result):
+    ``I[t, j] = sum_h w_idx[t, h] * act(scale * q_idx[t, h] . k_pool[j])`` over the pools with
+    ``(j + 1) * P - 1 <= t``, the best ``topk // P`` kept (ties: the lowest pool wins), best first,
+    expanded to their ``P`` token positions each, then the query's incomplete tail pool.
+    Never materialises a ``[T, T / P]`` score matrix (see the module docstring).
+
+    Args:
+        q_idx: ``[B, T, HI, DI]`` index queries.
+        k_pool: ``[B, T // P, DI]`` pooled keys (:func:`~genolong.kernels.dsa.kpool_keys`).
+        w_idx: ``[B, T, HI]`` head weights or None (weight 1). glm5_next folds ``HI ** -0.5`` in.
+        topk: token budget (glm5_next ``index_topk``, 2048); divisible by ``pool_size``.
+        pool_size: ``P`` (glm5_next ``index_kpool``, 16).
+        tail: append the query's incomplete pool (default True, as glm5_next).
+        block_size: pools per tile (default 256): the kernel uses the largest power of two not above
+            it, clamped to ``[16, 128]`` and at least ``next_power_of_2(topk // P)``.
+        query_block: queries per program (default 256): the largest power of two not above it,
+            clamped to ``[16, 32]`` (the running buffer lives in registers).
+        scale: default ``DI ** -0.5``.
+        activation: ``"relu"`` (default) or None (identity); others raise (use the torch backend).
+
+    Returns:
+        token indices ``[B, T, topk + P - 1]`` (``[B, T, topk]`` without tail) int64, ``-1`` padded;
+        selected pools best first, then the tail. Computed without autograd.
+
+    Raises:
+        ValueError: the reference's checks (budget not divisible by ``P``, ``k_pool`` shape), same
+            messages.
+        InputError: checks the reference leaves to its matmuls or ``range`` (``q_idx`` rank, ``w_idx``
+            shape, non-positive tiles), an activation the kernel lacks, tensors on several devices,
+            or CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    if q_idx.dim() != 4:
+        raise InputError(f"q_idx must be [B, T, HI, DI]; got {tuple(q_idx.shape)}")
+    B, T, HI, DI = q_idx.shape
+    P = pool_size
+    # the reference's two checks, message for message (kernels/dsa/kpool.py::kpool_topk)
+    if P < 1 or topk % P != 0:
+        raise ValueError(f"topk ({topk}) must be divisible by the pool size ({P}), as in glm5_next")
+    if k_pool.shape != (B, T // P, DI):
+        raise ValueError(f"k_pool must be [B, T // P, DI] = {(B, T // P, DI)}; got {tuple(k_pool.shape)}")
+    if w_idx is not None and w_idx.shape != (B, T, HI):
+        raise InputError(f"w_idx must be [B, T, HI] = {(B, T, HI)}; got {tuple(w_idx.shape)}")
+    if topk < 0 or block_size < 1 or query_block < 1:
+        raise InputError(
+            f"topk must be >= 0 and block_size, query_block positive; got {topk}, {block_size}, {query_block}"
+        )
+    if activation not in _ACTIVATIONS:
+        raise InputError(
+            f"activation {activation!r} has no Triton kernel; use 'relu' or None, or kernel_backend 'torch'"
+        )
+    if T // P >= 2**31 - 1:
+        raise InputError(f"{T // P} pools do not fit the kernel's 31-bit pool field")
+    tensors = (q_idx, k_pool) if w_idx is None else (q_idx, k_pool, w_idx)
+    _check_runnable(*tensors)
+    sc = DI ** -0.5 if scale is None else scale
+    ksel = topk // P
+    with torch.no_grad():
+        if ksel == 0:
+            pools = torch.full((B, T, 0), -1, dtype=torch.int64, device=q_idx.device)
+        else:
+            pools = _select_pools(q_idx, k_pool, w_idx, ksel, P, block_size, query_block, sc, activation)
+        return kpool_expand(pools.long(), P, tail)
