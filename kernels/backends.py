@@ -13,10 +13,10 @@ Registered backends:
   :mod:`genolong.kernels.kda.fla_backend` (fla-core >= 0.5.2, CUDA); every other op (decoding
   ``recurrent_kda``, the DSA indexer, KPool, sparse attention, indexer KL loss, cross-entropy) is
   the torch reference.
-- ``triton``: the DSA pooled-key scores with a running top-k and the sparse attention from
-  genolong's Triton kernels (``genolong.kernels.dsa.triton_topk.kpool_topk_triton``,
-  ``genolong.kernels.dsa.triton_attention.sparse_attention_triton``), KDA ``chunk_kda`` from fla
-  when fla-core imports (else the torch reference); the rest is the torch reference.
+- ``triton``: every DSA op from genolong's Triton kernels (``genolong.kernels.dsa.triton_kpool``:
+  KPool key pooling and the indexer KL loss; ``triton_topk``: pooled-key scores with a running
+  top-k; ``triton_attention``: sparse attention), KDA ``chunk_kda`` from fla when fla-core imports
+  (else the torch reference); recurrent KDA and the cross-entropy are the torch reference.
 - ``auto``: ``triton`` when CUDA is available and genolong's Triton DSA kernel imports, else
   ``fla`` when CUDA is available and fla-core imports, else ``torch``; it loads and returns the
   resolved backend (whose ``name`` is the resolved one) and the log line names both.
@@ -196,6 +196,9 @@ def _triton_backend() -> KernelBackend:
     reference = _torch_backend()
     sparse_attention = _on_cuda(_triton_op("triton_attention", "sparse_attention_triton"), reference.sparse_attention)
     kpool_topk = _on_cuda(_triton_op("triton_topk", "kpool_topk_triton"), reference.kpool_topk)
+    kpool_keys = _on_cuda(_triton_op("triton_kpool", "kpool_keys_triton"), reference.kpool_keys)
+    kpool_indexer_kl_loss = _on_cuda(_triton_op("triton_kpool", "kpool_indexer_kl_loss_triton"),
+                                     reference.kpool_indexer_kl_loss)
     try:
         fla_kda, fla_kda_gated = _fla_chunk_kda()
         chunk_kda = _on_cuda(fla_kda, reference.chunk_kda)
@@ -207,16 +210,16 @@ def _triton_backend() -> KernelBackend:
         kda_from = "torch chunked KDA (fla unavailable)"
     return KernelBackend(
         name="triton",
-        description=f"genolong Triton DSA kernels for CUDA tensors (pooled-key scores with a running top-k, "
-                    f"sparse attention); {kda_from}; torch reference for recurrent KDA, KPool key pooling, "
-                    "the indexer KL loss and chunked CE",
+        description=f"genolong Triton DSA kernels for CUDA tensors (KPool key pooling, pooled-key scores with a "
+                    f"running top-k, sparse attention, the indexer KL loss); {kda_from}; torch reference for "
+                    "recurrent KDA and chunked CE",
         chunk_kda=chunk_kda,
         chunk_kda_gated=chunk_kda_gated,
         recurrent_kda=reference.recurrent_kda,
-        kpool_keys=reference.kpool_keys,
+        kpool_keys=kpool_keys,
         kpool_topk=kpool_topk,
         sparse_attention=sparse_attention,
-        kpool_indexer_kl_loss=reference.kpool_indexer_kl_loss,
+        kpool_indexer_kl_loss=kpool_indexer_kl_loss,
         chunked_cross_entropy=reference.chunked_cross_entropy,
     )
 

@@ -42,6 +42,7 @@ from genolong.kernels.testing import rms_ratio
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_MODULE = "genolong.kernels.dsa.triton_attention"
 TOPK_MODULE = "genolong.kernels.dsa.triton_topk"
+KPOOL_MODULE = "genolong.kernels.dsa.triton_kpool"
 FLA_PARAMS = inspect.signature(fla_kda.chunk_kda).parameters
 
 
@@ -318,12 +319,18 @@ def test_auto_resolves_to_gpu_backends(fresh_registry: None, monkeypatch: pytest
     calls: list[dict[str, Any]] = []
     monkeypatch.setitem(sys.modules, TRITON_MODULE, _fake_triton_module(calls))
     monkeypatch.setitem(sys.modules, TOPK_MODULE, _fake_topk_module(calls))
+    kpool = types.ModuleType(KPOOL_MODULE)
+    kpool.kpool_keys_triton = kpool.kpool_indexer_kl_loss_triton = lambda *a, **k: calls.append({})  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, KPOOL_MODULE, kpool)
     with caplog.at_level(logging.INFO, logger="genolong"):
         auto = get_backend("auto")
     assert auto.name == "triton" and "resolved to 'triton'" in caplog.text
     assert "fla-core Triton chunk_kda" in auto.description and "Triton DSA kernels" in auto.description
     torch_ops = get_backend("torch")
     assert auto.recurrent_kda is torch_ops.recurrent_kda and auto.kpool_topk is not torch_ops.kpool_topk
+    assert auto.kpool_keys is not torch_ops.kpool_keys and auto.kpool_indexer_kl_loss is not torch_ops.kpool_indexer_kl_loss
+    k_idx = torch.randn(1, 10, 4)
+    assert torch.equal(auto.kpool_keys(k_idx, k_idx, torch.zeros(4, 4)), torch_ops.kpool_keys(k_idx, k_idx, torch.zeros(4, 4)))
     qi, kp = torch.randn(1, 16, 2, 4), torch.randn(1, 4, 4)
     assert torch.equal(auto.kpool_topk(qi, kp, None, 8, 4), torch_ops.kpool_topk(qi, kp, None, 8, 4))
     # CPU tensors: the dispatching ops fall through to the torch reference
