@@ -142,17 +142,23 @@ class KDAMixer(nn.Module):
         mixed = self.conv1d(projected, halo)
         q, k, v = (part.reshape(heads) for part in mixed.split(self.num_heads * self.head_dim, dim=-1))
         q, k = l2_normalize(q.float()), l2_normalize(k.float())  # in fp32, as fla does
-        g = self.forget_gate(x)
-        beta = torch.sigmoid(self.b_proj(x).float())
         if self.cp_group is not None:
             from ..kernels.kda.cp import cp_chunk_kda
 
+            g = self.forget_gate(x)
+            beta = torch.sigmoid(self.b_proj(x).float())
             o = cp_chunk_kda(q, k, v.float(), g, beta, group=self.cp_group, chunk_size=self.chunk_size,
                              kda_fn=self.kernels.chunk_kda)
             state = None
         else:
-            o, state = self.kernels.chunk_kda(q, k, v.float(), g, beta, initial_state=initial_state,
-                                              output_final_state=output_final_state, chunk_size=self.chunk_size)
+            # the gate and beta from their raw projections inside the KDA op: on the fla backend
+            # fla's kernel computes them (no [B, T, H, K] fp32 gate tensor saved for backward); on
+            # the torch backend the same ops as ForgetGate.forward and a sigmoid
+            fg = self.forget_gate
+            g_raw = fg.f_b_proj(fg.f_a_proj(x)).view(heads)
+            o, state = self.kernels.chunk_kda_gated(
+                q, k, v.float(), g_raw, self.b_proj(x), fg.A_log, fg.dt_bias, lower_bound=fg.lower_bound,
+                initial_state=initial_state, output_final_state=output_final_state, chunk_size=self.chunk_size)
         gate = self.g_b_proj(self.g_a_proj(x)).view(heads)
         out = self.o_proj(self.o_norm(o.to(x.dtype), gate).reshape(b, t, -1))
         return (out, state) if output_final_state else out
