@@ -11,42 +11,16 @@ module (no skip). The interpreter is slow (each program runs in numpy): small si
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
+import triton  # noqa: F401  (a missing triton must fail here, not skip; tests/conftest.py sets TRITON_INTERPRET=1)
 
-# triton.jit picks interpreted kernels at decoration time: set this before the kernel module is
-# imported, and restore it afterwards so that no other test module's Triton code is affected
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402,F401  (a missing triton must fail here, not skip)
-
-from genolong.errors import InputError  # noqa: E402
-from genolong.kernels.dsa import kpool_indexer_kl_loss, kpool_keys, kpool_select_pools  # noqa: E402
-from genolong.kernels.dsa import triton_kpool  # noqa: E402
-from genolong.kernels.dsa.kpool_loss import reference_kpool_indexer_kl_loss  # noqa: E402
-from genolong.kernels.dsa.triton_kpool import kpool_indexer_kl_loss_triton, kpool_keys_triton  # noqa: E402
-from genolong.kernels.testing import rms_ratio  # noqa: E402
-
-
-def _restore_interpret() -> None:
-    if _PREVIOUS_INTERPRET is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
-
-
-_restore_interpret()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter():
-    """Triton also reads TRITON_INTERPRET at launch: set it while this module's tests run only."""
-    os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    _restore_interpret()
-
+from genolong.errors import InputError
+from genolong.kernels.dsa import kpool_indexer_kl_loss, kpool_keys, kpool_select_pools
+from genolong.kernels.dsa import triton_kpool
+from genolong.kernels.dsa.kpool_loss import reference_kpool_indexer_kl_loss
+from genolong.kernels.dsa.triton_kpool import kpool_indexer_kl_loss_triton, kpool_keys_triton
+from genolong.kernels.testing import rms_ratio
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,40 +9,16 @@ the interpreter), on odd shapes. Triton is a test dependency: a missing triton f
 from __future__ import annotations
 
 import math
-import os
 
-# triton.jit picks interpreted kernels at decoration time: set this before the kernel module is
-# imported, and restore it afterwards so that no other test module's Triton code is affected
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
+import triton  # noqa: F401  (a missing triton must fail here, not skip; tests/conftest.py sets TRITON_INTERPRET=1)
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402,F401  (a missing triton must fail here, not skip)
-
-from genolong.errors import InputError  # noqa: E402
-from genolong.kernels.dsa import sparse_attention  # noqa: E402
-from genolong.kernels.dsa import triton_attention  # noqa: E402
-from genolong.kernels.dsa.triton_attention import sparse_attention_triton  # noqa: E402
-from genolong.kernels.testing import rms_ratio  # noqa: E402
-
-
-def _restore_interpret() -> None:
-    if _PREVIOUS_INTERPRET is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
-
-
-_restore_interpret()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter():
-    """Triton also reads TRITON_INTERPRET at launch: set it while this module's tests run only."""
-    os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    _restore_interpret()
+from genolong.errors import InputError
+from genolong.kernels.dsa import sparse_attention
+from genolong.kernels.dsa import triton_attention
+from genolong.kernels.dsa.triton_attention import sparse_attention_triton
+from genolong.kernels.testing import rms_ratio
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
