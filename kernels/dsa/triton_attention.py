@@ -45,6 +45,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from ...errors import InputError
+from .attention import check_sparse_attention_args
 
 __all__ = ["sparse_attention_triton"]
 
@@ -354,25 +355,8 @@ def sparse_attention_triton(
         ValueError: shapes, heads, index dtype, ``q_offset`` or ``query_block`` as in the reference.
         InputError: tensors on different devices, or on CPU without ``TRITON_INTERPRET=1``.
     """
-    # validation mirrors kernels/dsa/attention.py::sparse_attention message for message
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or indices.dim() != 3:
-        raise ValueError("expected q [B, T, H, D], k [B, T, HK, D], v [B, T, HK, DV], indices [B, T, K]")
-    B, T, H, D = q.shape
-    if (k.shape[0] != B or k.shape[1] < q_offset + T or v.shape[:3] != k.shape[:3] or k.shape[3] != D
-            or indices.shape[:2] != (B, T)):
-        raise ValueError(
-            f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, indices {tuple(indices.shape)}, "
-            f"q_offset {q_offset} (keys must cover positions 0 .. q_offset + T - 1)"
-        )
-    if q_offset < 0:
-        raise ValueError(f"q_offset must be >= 0, got {q_offset}")
-    HK = k.shape[2]
-    if HK == 0 or H % HK != 0:
-        raise ValueError(f"the number of query heads ({H}) must be a multiple of the KV heads ({HK})")
-    if indices.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"indices must be int64 or int32, got {indices.dtype}")
-    if query_block < 1:
-        raise ValueError(f"query_block must be positive, got {query_block}")
+    check_sparse_attention_args(q, k, v, indices, q_offset, query_block)
+    D = q.shape[3]
     _check_runnable(q, k, v, indices)
     sc = D ** -0.5 if scale is None else float(scale)
     return _SparseAttentionTriton.apply(q, k, v, indices, sc, int(q_offset))
