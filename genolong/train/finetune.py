@@ -4,7 +4,8 @@ Run directory layout (``runs/<name>/`` unless the recipe says otherwise)::
 
     recipe.yaml            the resolved recipe (every key; paths absolute)
     checkpoints/           step0000020.ckpt ... (Lightning; written atomically, the last
-                           ``checkpoint.keep_last`` kept), including the window sampler position
+                           ``checkpoint.keep_last`` kept), including the window sampler position;
+                           in a multi-process run each is a directory of shards (DCP + meta.pt)
     logs/steps.jsonl       one record per training batch (flushed as written) and per evaluation
     logs/csv/metrics.csv   Lightning CSV logger;  logs/tensorboard/  TensorBoard event files
     export/                the final model in the GLM-5.3-Flash format (config.json + safetensors)
@@ -13,6 +14,10 @@ Run directory layout (``runs/<name>/`` unless the recipe says otherwise)::
 schedule, loop counters, MoE routing biases and the window stream, so the losses of the steps that
 follow equal those of an uninterrupted run (CPU, deterministic). Checkpoints load with
 ``weights_only=True``: nothing in them is unpickled as code.
+
+Processes: ``parallel.devices x parallel.num_nodes``, started by Lightning, or by torchrun / SLURM
+(Lightning joins them); the module builds the ``(dp_replicate, dp_shard, cp)`` mesh and applies
+context parallelism and FSDP2 (:mod:`genolong.train.module`, :func:`genolong.parallel.parallelize`).
 """
 
 from __future__ import annotations
@@ -29,10 +34,10 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
