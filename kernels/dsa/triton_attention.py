@@ -42,15 +42,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from ...errors import InputError
 from .attention import check_sparse_attention_args
+from .triton_common import KERNEL_DTYPES, check_runnable
 
 __all__ = ["sparse_attention_triton"]
 
-# Dtypes the kernels load directly; anything else (float64) is computed in float32, as the reference.
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -219,19 +216,6 @@ def _blocks(G: int, K: int, D: int, DV: int) -> tuple[int, int, int, int]:
     return max(16, p2(G)), min(32, max(16, p2(K))), max(16, p2(D)), max(16, p2(DV))
 
 
-def _check_runnable(*tensors: torch.Tensor) -> None:
-    """Triton compiles for a GPU; CPU tensors only run under the interpreter (``TRITON_INTERPRET=1``)."""
-    devices = {x.device for x in tensors}
-    if len(devices) != 1:
-        raise InputError(f"q, k, v and indices must be on one device, got {sorted(str(d) for d in devices)}")
-    if next(iter(devices)).type == "cpu" and not isinstance(_sparse_attn_fwd_kernel, InterpretedFunction):
-        # triton.jit picks compiled or interpreted kernels when this module is imported
-        raise InputError(
-            "sparse_attention_triton got CPU tensors; run on a GPU, or set TRITON_INTERPRET=1 before "
-            "genolong.kernels.dsa.triton_attention is first imported (slow, for tests), or use kernel_backend 'torch'"
-        )
-
-
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, scale: float,
              q_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on validated inputs of one kernel dtype (``v is k``: one gather).
@@ -299,7 +283,7 @@ class _SparseAttentionTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, indices, scale, q_offset):  # type: ignore[override]
         # one dtype for the dot operands: the inputs' own if shared and supported, else float32
-        cdt = q.dtype if (q.dtype == k.dtype == v.dtype and q.dtype in _KERNEL_DTYPES) else torch.float32
+        cdt = q.dtype if (q.dtype == k.dtype == v.dtype and q.dtype in KERNEL_DTYPES) else torch.float32
         qc, kc = q.to(cdt), k.to(cdt)
         vc = kc if v is k else v.to(cdt)  # keep the identity: the kernels then gather k once
         o, lse = _forward(qc, kc, vc, indices, scale, q_offset)
@@ -357,6 +341,7 @@ def sparse_attention_triton(
     """
     check_sparse_attention_args(q, k, v, indices, q_offset, query_block)
     D = q.shape[3]
-    _check_runnable(q, k, v, indices)
+    check_runnable(_sparse_attn_fwd_kernel, "genolong.kernels.dsa.triton_attention",
+                   "sparse_attention_triton", "q, k, v and indices", q, k, v, indices)
     sc = D ** -0.5 if scale is None else float(scale)
     return _SparseAttentionTriton.apply(q, k, v, indices, sc, int(q_offset))

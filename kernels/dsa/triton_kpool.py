@@ -45,15 +45,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from ...errors import InputError
 from .kpool_loss import _check, _compute_dtype
+from .triton_common import KERNEL_DTYPES, check_runnable
 
 __all__ = ["kpool_keys_triton", "kpool_indexer_kl_loss_triton"]
 
-# Dtypes the kernels load directly; anything else (float64) is passed as float32.
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Pools one backward program reduces into its partial dape (see the module doc).
 _POOLS_PER_PROGRAM = 32
 
@@ -152,25 +149,9 @@ def _blocks(P: int, DI: int) -> tuple[int, int]:
     return p2(P), min(64, p2(DI))
 
 
-def _check_runnable(what: str, names: str, *tensors: torch.Tensor) -> None:
-    """Triton compiles for a GPU; CPU tensors only run under the interpreter (``TRITON_INTERPRET=1``).
-
-    ``what`` names the function and ``names`` its tensor arguments in the messages.
-    """
-    devices = {x.device for x in tensors}
-    if len(devices) != 1:
-        raise InputError(f"{names} must be on one device, got {sorted(str(d) for d in devices)}")
-    if next(iter(devices)).type == "cpu" and not isinstance(_kpool_fwd_kernel, InterpretedFunction):
-        # triton.jit picks compiled or interpreted kernels when this module is imported
-        raise InputError(
-            f"{what} got CPU tensors; run on a GPU, or set TRITON_INTERPRET=1 before "
-            "genolong.kernels.dsa.triton_kpool is first imported (slow, for tests), or use kernel_backend 'torch'"
-        )
-
-
 def _kernel_dtype(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself if the kernels load its dtype, else a float32 copy."""
-    return x if x.dtype in _KERNEL_DTYPES else x.float()
+    return x if x.dtype in KERNEL_DTYPES else x.float()
 
 
 def _forward(k_idx: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
@@ -275,7 +256,8 @@ def kpool_keys_triton(k_idx: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
         raise ValueError(
             f"gate must be {tuple(k_idx.shape)} and ape [P, {DI}]; got {tuple(gate.shape)}, {tuple(ape.shape)}"
         )
-    _check_runnable("kpool_keys_triton", "k_idx, gate and ape", k_idx, gate, ape)
+    check_runnable(_kpool_fwd_kernel, "genolong.kernels.dsa.triton_kpool",
+                   "kpool_keys_triton", "k_idx, gate and ape", k_idx, gate, ape)
     return _KPoolKeysTriton.apply(k_idx, gate, ape)
 
 
@@ -651,10 +633,11 @@ def kpool_indexer_kl_loss_triton(
         zero = torch.zeros((), dtype=dt, device=q.device)
         return sum((x.sum().to(dt) * 0 for x in (q_idx, k_pool, w_idx) if x is not None), zero)
     tensors = [q, k, q_idx, k_pool, pool_indices] + ([] if w_idx is None else [w_idx])
-    _check_runnable("kpool_indexer_kl_loss_triton", "q, k, q_idx, k_pool, w_idx and pool_indices", *tensors)
+    check_runnable(_kpool_fwd_kernel, "genolong.kernels.dsa.triton_kpool",
+                   "kpool_indexer_kl_loss_triton", "q, k, q_idx, k_pool, w_idx and pool_indices", *tensors)
     pools = pool_indices if pool_indices.dtype in (torch.int32, torch.int64) else pool_indices.long()
     # one operand dtype for the target's dots: the inputs' own if shared and supported, else float32
-    cdt = q.dtype if (q.dtype == k.dtype and q.dtype in _KERNEL_DTYPES) else torch.float32
+    cdt = q.dtype if (q.dtype == k.dtype and q.dtype in KERNEL_DTYPES) else torch.float32
     with torch.no_grad():
         logp = _kl_target(q.detach().to(cdt), k.detach().to(cdt), pools, P, tail, a_sc)
     kl = _KPoolKLRowsTriton.apply(q_idx, k_pool, w_idx, pools, logp, P, i_sc, activation == "relu")

@@ -51,15 +51,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from ...errors import InputError
 from .kpool import kpool_expand
+from .triton_common import KERNEL_DTYPES, check_runnable
 
 __all__ = ["kpool_topk_triton"]
 
-# Dtypes the kernel loads directly; anything else (float64) is computed in float32, as the reference.
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Tile bounds (powers of two). 16 is the smallest tl.dot operand side on GPUs. The pool tile is
 # also at least BLOCK_K wide (the per-tile top-k must produce a full buffer's worth of keys).
 _MIN_BLOCK = 16
@@ -159,19 +157,6 @@ def _blocks(ksel: int, di: int, block_size: int, query_block: int) -> tuple[int,
     return bq, bn, max(_MIN_BLOCK, p2(di)), bk
 
 
-def _check_runnable(*tensors: torch.Tensor) -> None:
-    """Triton compiles for a GPU; CPU tensors only run under the interpreter (``TRITON_INTERPRET=1``)."""
-    devices = {x.device for x in tensors}
-    if len(devices) != 1:
-        raise InputError(f"q_idx, k_pool and w_idx must be on one device, got {sorted(str(d) for d in devices)}")
-    if next(iter(devices)).type == "cpu" and not isinstance(_kpool_topk_kernel, InterpretedFunction):
-        # triton.jit picks compiled or interpreted kernels when this module is imported
-        raise InputError(
-            "kpool_topk_triton got CPU tensors; run on a GPU, or set TRITON_INTERPRET=1 before "
-            "genolong.kernels.dsa.triton_topk is first imported (slow, for tests), or use kernel_backend 'torch'"
-        )
-
-
 def _select_pools(
     q_idx: torch.Tensor,
     k_pool: torch.Tensor,
@@ -196,7 +181,7 @@ def _select_pools(
     """
     B, T, HI, DI = q_idx.shape
     NP = k_pool.shape[1]
-    cdt = q_idx.dtype if (q_idx.dtype == k_pool.dtype and q_idx.dtype in _KERNEL_DTYPES) else torch.float32
+    cdt = q_idx.dtype if (q_idx.dtype == k_pool.dtype and q_idx.dtype in KERNEL_DTYPES) else torch.float32
     qc, kc = q_idx.to(cdt), k_pool.to(cdt)
     out = torch.empty(B, T, ksel, dtype=torch.int32, device=q_idx.device)
     bq, bn, bd, bk = _blocks(ksel, DI, block_size, query_block)
@@ -281,7 +266,8 @@ def kpool_topk_triton(
     if T // P >= 2**31 - 1:
         raise InputError(f"{T // P} pools do not fit the kernel's 31-bit pool field")
     tensors = (q_idx, k_pool) if w_idx is None else (q_idx, k_pool, w_idx)
-    _check_runnable(*tensors)
+    check_runnable(_kpool_topk_kernel, "genolong.kernels.dsa.triton_topk",
+                   "kpool_topk_triton", "q_idx, k_pool and w_idx", *tensors)
     sc = DI ** -0.5 if scale is None else scale
     ksel = topk // P
     with torch.no_grad():
