@@ -118,6 +118,34 @@ def load_fla_kernel() -> Callable[..., Any]:
     return fla_chunk_kda
 
 
+def _check_fla_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      scale: float | None, initial_state: torch.Tensor | None, chunk_size: int,
+                      cuda_only: bool) -> float:
+    """The checks both fla ops make: genolong's KDA input checks
+    (:func:`~genolong.kernels.kda.recurrent.check_kda_inputs`; ``g`` and ``beta`` may be their raw
+    projections), then what fla's kernel cannot take. Returns the resolved scale.
+
+    Raises:
+        ValueError: bad shapes or a chunk size that is not a power of two.
+        InputError: float64 inputs, a key head dim over :data:`FLA_MAX_HEAD_DIM`, or (``cuda_only``:
+            the real fla kernel) tensors not on CUDA.
+    """
+    scale = check_kda_inputs(q, k, v, g, beta, scale, initial_state)
+    if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a positive power of two (e.g. 64), got {chunk_size!r}")
+    if torch.float64 in (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype):
+        raise InputError("the fla KDA backend has no float64 kernels; pass float32/bfloat16/float16 "
+                         "inputs or use kernel_backend 'torch'")
+    K = q.shape[-1]
+    if K > FLA_MAX_HEAD_DIM:
+        raise InputError(f"the fla KDA backend supports key head dims up to {FLA_MAX_HEAD_DIM}, got "
+                         f"K = {K}; use kernel_backend 'torch'")
+    if cuda_only and q.device.type != "cuda":
+        raise InputError(f"the fla KDA backend runs on CUDA tensors only, got {q.device}; "
+                         "use kernel_backend 'torch' (or 'auto') on this device")
+    return scale
+
+
 def make_fla_chunk_kda(
     kernel: Callable[..., Any] | None = None, kernel_dtype: torch.dtype | None = None
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
@@ -158,20 +186,9 @@ def make_fla_chunk_kda(
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Kimi Delta Attention through fla-core's ``chunk_kda``; see
         :func:`genolong.kernels.kda.chunk_kda` for the arguments, shapes and return values."""
-        scale = check_kda_inputs(q, k, v, g, beta, scale, initial_state)
-        if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
-            raise ValueError(f"chunk_size must be a positive power of two (e.g. 64), got {chunk_size!r}")
+        scale = _check_fla_inputs(q, k, v, g, beta, scale, initial_state, chunk_size, cuda_only=default_kernel)
         B, T, H, K = q.shape
         V = v.shape[-1]
-        if torch.float64 in (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype):
-            raise InputError("the fla KDA backend has no float64 kernels; pass float32/bfloat16/float16 "
-                             "inputs or use kernel_backend 'torch'")
-        if K > FLA_MAX_HEAD_DIM:
-            raise InputError(f"the fla KDA backend supports key head dims up to {FLA_MAX_HEAD_DIM}, got "
-                             f"K = {K}; use kernel_backend 'torch'")
-        if default_kernel and q.device.type != "cuda":
-            raise InputError(f"the fla KDA backend runs on CUDA tensors only, got {q.device}; "
-                             "use kernel_backend 'torch' (or 'auto') on this device")
         if T == 0:
             state = None
             if output_final_state:
@@ -298,23 +315,13 @@ def make_fla_chunk_kda_gated(
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """KDA through fla-core's ``chunk_kda`` with the gate and beta applied in the kernel; see
         :func:`reference_chunk_kda_gated`."""
-        scale = check_kda_inputs(q, k, v, g_raw, beta_logits, scale, initial_state)
-        if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
-            raise ValueError(f"chunk_size must be a positive power of two (e.g. 64), got {chunk_size!r}")
+        scale = _check_fla_inputs(q, k, v, g_raw, beta_logits, scale, initial_state, chunk_size,
+                                  cuda_only=default_kernel)
         B, T, H, K = q.shape
         V = v.shape[-1]
         if A_log.shape != (H,) or dt_bias.shape != (H * K,):
             raise InputError(f"A_log must be [H] = [{H}] and dt_bias [H * K] = [{H * K}], got "
                              f"{tuple(A_log.shape)} and {tuple(dt_bias.shape)}")
-        if torch.float64 in (q.dtype, k.dtype, v.dtype, g_raw.dtype, beta_logits.dtype):
-            raise InputError("the fla KDA backend has no float64 kernels; pass float32/bfloat16/float16 "
-                             "inputs or use kernel_backend 'torch'")
-        if K > FLA_MAX_HEAD_DIM:
-            raise InputError(f"the fla KDA backend supports key head dims up to {FLA_MAX_HEAD_DIM}, got "
-                             f"K = {K}; use kernel_backend 'torch'")
-        if default_kernel and q.device.type != "cuda":
-            raise InputError(f"the fla KDA backend runs on CUDA tensors only, got {q.device}; "
-                             "use kernel_backend 'torch' (or 'auto') on this device")
         if T == 0:
             # no kernel call; keep A_log / dt_bias in the graph so their gradients exist (zero)
             zero = (A_log.float().sum() + dt_bias.float().sum()) * 0
