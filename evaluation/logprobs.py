@@ -49,7 +49,7 @@ from ..model.lm import GenoLM
 from ..model.loss import model_inputs
 from ..model.vocab import VocabMap
 
-from .files import replace_dir
+from ..files import replace_dir
 from .plots import OKABE_ITO
 from .stats import bucket_edges, bucket_labels, format_bases
 

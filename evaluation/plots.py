@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 from ..errors import InputError
-from .files import replace_file
+from ..files import replace_file
 from .results import EvalResult
 from .stats import check_comparable, compare, format_bases
 

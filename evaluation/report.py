@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .files import replace_file
+from ..files import replace_file
 
 __all__ = ["format_bucket_table", "format_compare_table", "markdown_table", "write_table"]
 

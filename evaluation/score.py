@@ -45,7 +45,7 @@ from ..data.windows import EvalTiles, SplitLike, context_cut_spans
 from ..errors import InputError
 from ..model.lm import GenoLM
 from ..model.vocab import VocabMap
-from .files import replace_dir, replace_file
+from ..files import replace_dir, replace_file
 from .results import EvalResult
 from .stats import bucket_edges
 

@@ -48,6 +48,7 @@ import yaml
 
 from .data.alphabet import VOCAB_SIZE
 from .errors import InputError
+from .files import replace_file
 from .model.config import INDEXED_ATTENTION, LINEAR_ATTENTION, PRESETS, ModelConfig
 from .model.vocab import BASE_LETTERS, VocabMap
 from .parallel.recompute import MODULE_KINDS
@@ -371,16 +372,12 @@ class Recipe:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write :meth:`to_yaml` to ``path`` atomically (temporary file, then rename); returns it."""
+        """Write :meth:`to_yaml` to ``path`` atomically (a temporary file unique to this call, fsynced,
+        then renamed); returns it."""
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        with open(tmp, "w") as fh:
-            fh.write(f"# resolved recipe {self.name!r}: every key, paths absolute\n")
-            fh.write(self.to_yaml())
-            fh.flush()
-            os.fsync(fh.fileno())
-        tmp.replace(out)
+        text = f"# resolved recipe {self.name!r}: every key, paths absolute\n" + self.to_yaml()
+        replace_file(out, lambda tmp: tmp.write_text(text), durable=True)
         return out
 
     def model_config(self) -> ModelConfig:

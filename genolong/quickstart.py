@@ -265,7 +265,7 @@ def _reading(table: pd.DataFrame, a: str, b: str, tiles: int) -> list[str]:
 
 def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
     from . import __version__
-    from .evaluation.files import replace_file
+    from .files import replace_file
     from .evaluation.report import format_compare_table, markdown_table
 
     r = story.recipe

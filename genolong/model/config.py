@@ -25,6 +25,7 @@ from typing import Any
 
 from ..data.alphabet import PAD, VOCAB_SIZE
 from ..errors import InputError
+from ..files import replace_file
 from ..kernels.backends import available_backends
 
 __all__ = [
@@ -310,9 +311,8 @@ class ModelConfig:
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         path = out / "config.json"
-        tmp = out / "config.json.tmp"
-        tmp.write_text(json.dumps(self.to_hf_dict(), indent=2) + "\n")
-        tmp.replace(path)
+        text = json.dumps(self.to_hf_dict(), indent=2) + "\n"
+        replace_file(path, lambda tmp: tmp.write_text(text))
         return path
 
     # -- presets ---------------------------------------------------------------------------------

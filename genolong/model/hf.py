@@ -42,6 +42,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import InputError
+from ..files import unique_sibling
 from .config import ModelConfig
 
 __all__ = ["CheckpointTensor", "checkpoint_layout", "load_checkpoint", "save_checkpoint"]
@@ -319,8 +320,7 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike[str], dtype: 
     groups = _shards(sizes, max_shard_bytes)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = unique_sibling(out, "tmp")
     tmp.mkdir()
     try:
         weight_map: dict[str, str] = {}
@@ -340,7 +340,7 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike[str], dtype: 
         for extra in copy_files:
             shutil.copy2(extra, tmp / Path(extra).name)
         if out.exists():
-            old = out.with_name(f"{out.name}.old-{os.getpid()}")
+            old = unique_sibling(out, "old")
             out.rename(old)
             tmp.rename(out)
             shutil.rmtree(old)

@@ -25,9 +25,34 @@ from typing import Any
 import lightning as L
 import torch
 
+from ..config import Recipe
 from ..memory.meter import ActivationMeter
 
-__all__ = ["StepMetrics", "read_step_log"]
+__all__ = ["SaveRecipe", "StepMetrics", "read_step_log"]
+
+
+class SaveRecipe(L.Callback):
+    """Writes the resolved recipe into the run directory once, from global rank 0, when the job's
+    processes are set up (Lightning's ``setup`` hook runs after the process group exists); the
+    other ranks wait for it at a barrier.
+
+    Every rank of a multi-process job runs ``genolong finetune`` from the start (torchrun and SLURM
+    start them at the same instant on a shared filesystem): a write before the ranks are known
+    would be made by all of them at once.
+
+    Args:
+        recipe: the resolved recipe (:meth:`~genolong.config.Recipe.save` writes it atomically).
+        path: where, normally ``runs/<name>/recipe.yaml``.
+    """
+
+    def __init__(self, recipe: Recipe, path: str | Path):
+        self.recipe = recipe
+        self.path = Path(path)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.is_global_zero:
+            self.recipe.save(self.path)
+        trainer.strategy.barrier("genolong_recipe")
 
 
 class StepMetrics(L.Callback):

@@ -47,10 +47,11 @@ from ..data.alphabet import STORE_ALPHABET
 from ..data.datamodule import GenomeDataModule
 from ..data.store import GenomeStore
 from ..errors import InputError
+from ..files import fsync_dir, fsync_path
 from ..model.lm import GenoLM
 from ..model.vocab import VocabMap
 from ..parallel import parallelize
-from .callbacks import StepMetrics
+from .callbacks import SaveRecipe, StepMetrics
 from .module import GenoLMModule, OptimSettings
 
 __all__ = ["AtomicModelParallelStrategy", "FinetuneResult", "RunPaths", "latest_checkpoint", "run"]
@@ -70,19 +71,23 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any = None) -> None:
         path = Path(self.broadcast(str(filepath)))
+        # one temporary name for the whole job: in a multi-process run every rank writes its shard
+        # into the same DCP directory; rank 0 alone clears a killed run's leftover first (the
+        # others wait, so nobody writes into a directory being deleted) and renames at the end,
+        # once the DCP save (a collective) has every shard on disk
         tmp = path.with_name(path.name + ".tmp")
+        if self.is_global_zero:
+            _remove(tmp)
+        self.barrier("genolong_checkpoint_start")
         try:
             super().save_checkpoint(checkpoint, tmp, storage_options)
             if self.is_global_zero:
-                _fsync(tmp)
+                fsync_path(tmp)
                 os.replace(tmp, path)
-                _fsync(path.parent)
+                fsync_dir(path.parent)
         except BaseException:
             if self.is_global_zero:
-                if tmp.is_dir():
-                    shutil.rmtree(tmp, ignore_errors=True)
-                else:
-                    tmp.unlink(missing_ok=True)
+                _remove(tmp)
             raise
         self.barrier("genolong_checkpoint")
 
@@ -103,15 +108,12 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         return checkpoint
 
 
-def _fsync(path: Path) -> None:
-    """fsync a file, or every file of a directory and the directory itself."""
-    paths = [p for p in path.rglob("*") if p.is_file()] + [path] if path.is_dir() else [path]
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def _remove(path: Path) -> None:
+    """Remove a file or a directory tree if it exists."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -277,7 +279,6 @@ def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
             f"{paths.checkpoints} already holds checkpoints ({resume_from.name}); pass --resume to continue "
             "that run, or set another name / checkpoint.dir"
         )
-    recipe.save(paths.root / "recipe.yaml")
 
     m = recipe.memory
     module = GenoLMModule(
@@ -311,7 +312,9 @@ def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
         every_n_train_steps=every, save_top_k=recipe.checkpoint.keep_last, monitor="step", mode="max",
         save_last=False, save_on_train_epoch_end=True,
     )
-    trainer = _trainer(recipe, paths, [checkpoints, StepMetrics(paths.steps)])
+    # the recipe is written once the processes know their ranks (rank 0 writes, the others wait):
+    # every rank of a job runs this function, on a cluster at the same instant
+    trainer = _trainer(recipe, paths, [SaveRecipe(recipe, paths.root / "recipe.yaml"), checkpoints, StepMetrics(paths.steps)])
     # the module logs eval/* already summed over all ranks (Lightning cannot know)
     warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting", category=UserWarning)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from if resume else None, weights_only=True)
@@ -325,5 +328,7 @@ def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
             source = recipe.model.checkpoint
             extras = [p for p in (source.glob("tokenizer*") if source else []) if p.is_file()]
             export = model.save_pretrained(paths.export, copy_files=extras)
+        # so that the export is there when run() returns on any rank
+        trainer.strategy.barrier("genolong_export")
     return FinetuneResult(paths=paths, global_step=trainer.global_step, resumed_from=resume_from if resume else None, export=export,
                           is_global_zero=trainer.is_global_zero)
