@@ -31,9 +31,13 @@ from genolong.train import read_step_log
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 _STEPS = 4
+_WRITE_AUDIT = Path(__file__).resolve().parent / "write_audit"
+# what a run writes (run directory paths): each must be seen by the write audit
+_OUTPUTS = {"recipe.yaml", "logs/steps.jsonl", "logs/csv/metrics.csv", "logs/tensorboard/", "checkpoints/step", "export"}
 
 
-def _recipe(tmp_path: Path, store: Path, name: str, parallel: dict, batch_size: int = 1) -> Path:
+def _recipe(tmp_path: Path, store: Path, name: str, parallel: dict, batch_size: int = 1, tensorboard: bool = False,
+            keep_last: int = 2) -> Path:
     recipe = {
         "name": name,
         "seed": 3,
@@ -41,8 +45,8 @@ def _recipe(tmp_path: Path, store: Path, name: str, parallel: dict, batch_size: 
         "data": {"store": str(store), "context": 256, "batch_size": batch_size},
         "train": {"max_steps": _STEPS, "lr": 2.0e-3, "warmup_steps": 2},
         "eval": {"every_n_steps": 2, "max_tiles": 3},
-        "checkpoint": {"dir": str(tmp_path / "runs" / name / "checkpoints"), "every_n_steps": 2, "keep_last": 2},
-        "logging": {"dir": str(tmp_path / "runs" / name / "logs"), "progress_bar": False, "tensorboard": False},
+        "checkpoint": {"dir": str(tmp_path / "runs" / name / "checkpoints"), "every_n_steps": 2, "keep_last": keep_last},
+        "logging": {"dir": str(tmp_path / "runs" / name / "logs"), "progress_bar": False, "tensorboard": tensorboard},
         "parallel": {"accelerator": "cpu", **parallel},
     }
     path = tmp_path / f"{name}.yaml"
@@ -50,15 +54,39 @@ def _recipe(tmp_path: Path, store: Path, name: str, parallel: dict, batch_size: 
     return path
 
 
-def _finetune(recipe: Path, *args: str, torchrun: int = 0) -> str:
+def _finetune(recipe: Path, *args: str, torchrun: int = 0, audit: Path | None = None) -> str:
     """``genolong finetune RECIPE ARGS``; with ``torchrun=N``, under ``torchrun --standalone
-    --nproc-per-node N`` (Lightning then joins the processes torchrun started)."""
+    --nproc-per-node N`` (Lightning then joins the processes torchrun started). With ``audit``, every
+    process runs under tests/write_audit (its writes into the run directory recorded there, ranks
+    released together at every rename: see :func:`_assert_one_writer`)."""
     env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    if audit is not None:
+        name = yaml.safe_load(recipe.read_text())["name"]
+        env.update(GENOLONG_WRITE_AUDIT=str(audit), GENOLONG_WRITE_AUDIT_ROOT=str(recipe.parent / "runs" / name),
+                   GENOLONG_WRITE_AUDIT_WORLD="2",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(_WRITE_AUDIT), env.get("PYTHONPATH")])))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"] if torchrun else [sys.executable]
     run = subprocess.run([*launcher, "-m", "genolong.cli", "finetune", str(recipe), *args], cwd=recipe.parent,
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     return run.stdout
+
+
+def _assert_one_writer(audit: Path, outputs: set[str]) -> None:
+    """Every path of the run directory that any process wrote, renamed or removed was touched by one
+    rank only, and the audit saw each kind of output in ``outputs`` (path prefixes: the recipe, the
+    step log, the CSV and TensorBoard logs, the checkpoints, the export), so it covered them all."""
+    touched: dict[str, set[int]] = {}
+    for log in audit.glob("rank*.jsonl"):
+        for line in log.read_text().splitlines():
+            record = json.loads(line)
+            for path in (record["path"], record.get("source")):
+                if path is not None:
+                    touched.setdefault(path, set()).add(record["rank"])
+    shared = {path: sorted(ranks) for path, ranks in touched.items() if len(ranks) > 1}
+    assert not shared, f"outputs written by more than one rank: {shared}"
+    missing = {prefix for prefix in outputs if not any(path.startswith(prefix) for path in touched)}
+    assert not missing, f"the audit saw no write of {sorted(missing)}: {sorted(touched)}"
 
 
 def _losses(tmp_path: Path, name: str) -> dict[str, list[float]]:
@@ -94,8 +122,9 @@ def _moves_agree(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rel: fl
 
 def test_two_process_context_parallel_run_equals_one_process_and_resumes(sample_store: Path, tmp_path: Path) -> None:
     _finetune(_recipe(tmp_path, sample_store, "one", {"devices": 1}))
-    cp = _recipe(tmp_path, sample_store, "cp2", {"devices": 2, "cp": 2})
-    out = _finetune(cp)
+    cp = _recipe(tmp_path, sample_store, "cp2", {"devices": 2, "cp": 2}, tensorboard=True)
+    out = _finetune(cp, audit=tmp_path / "audit-first")
+    _assert_one_writer(tmp_path / "audit-first", _OUTPUTS)
     assert "cp2: 4 steps" in out and "model exported" in out
     one, two = _losses(tmp_path, "one"), _losses(tmp_path, "cp2")
     assert len(two["eval"]) == 2
@@ -111,7 +140,8 @@ def test_two_process_context_parallel_run_equals_one_process_and_resumes(sample_
     shutil.rmtree(checkpoints / "step0000004.ckpt")
     log = tmp_path / "runs" / "cp2" / "logs" / "steps.jsonl"
     log.rename(log.with_name("first.jsonl"))
-    _finetune(cp, "--resume")
+    _finetune(cp, "--resume", audit=tmp_path / "audit-resume")
+    _assert_one_writer(tmp_path / "audit-resume", _OUTPUTS)
     resumed = read_step_log(log)
     assert sorted(resumed) == [3, 4]
     assert [resumed[s]["train/loss"] for s in (3, 4)] == two["train"][2:]
@@ -126,7 +156,14 @@ def test_two_process_context_parallel_run_equals_one_process_and_resumes(sample_
 
 def test_two_process_data_parallel_run_equals_one_process_with_both_windows(sample_store: Path, tmp_path: Path) -> None:
     _finetune(_recipe(tmp_path, sample_store, "one", {"devices": 1}, batch_size=2))
-    out = _finetune(_recipe(tmp_path, sample_store, "dp2", {"devices": 2, "cp": 1}, batch_size=1), torchrun=2)
+    # torchrun starts both ranks at the same instant, as a cluster does; the write audit releases
+    # them together at every rename (the race of issue 13: both ranks renaming one
+    # .recipe.yaml.tmp killed the job) and checks that each output has one writer; keep_last=1
+    # makes rank 0 remove the step-2 checkpoint
+    dp = _recipe(tmp_path, sample_store, "dp2", {"devices": 2, "cp": 1}, batch_size=1, tensorboard=True, keep_last=1)
+    out = _finetune(dp, torchrun=2, audit=tmp_path / "audit")
+    _assert_one_writer(tmp_path / "audit", _OUTPUTS | {"checkpoints/step0000004.ckpt"})
+    assert sorted(p.name for p in (tmp_path / "runs" / "dp2" / "checkpoints").iterdir()) == ["step0000004.ckpt"]
     assert out.count("dp2: 4 steps") == 1  # one line for the job, from rank 0
     one, two = _losses(tmp_path, "one"), _losses(tmp_path, "dp2")
     assert _close(one["train"], two["train"]) and _close(one["eval"], two["eval"]), (one, two)
