@@ -1,16 +1,18 @@
 """Test helpers: small FASTA writers, a naive reference segmenter, paths of the test data, the
-transformers child process and the multi-process (gloo) launcher."""
+bitwise comparison of floating-point results, the transformers child process and the multi-process
+(gloo) launcher."""
 
 from __future__ import annotations
 
 import gzip
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pysam
 import pytest
 import torch
@@ -76,6 +78,57 @@ def reference_segments(seq: str, min_gap: int) -> list[tuple[int, int]]:
 def expected_text(seq: str) -> str:
     """What decode() returns for ``seq``: ambiguity codes become N, case kept."""
     return re.sub(r"[ryswkmbdhv]", "n", _AMBIGUITY.sub("N", seq))
+
+
+# -- bitwise comparisons of floating-point results ---------------------------------------------------
+
+
+def assert_bitwise_equal(actual: Any, expected: Any, what: str) -> None:
+    """Assert that two floating-point results are bitwise equal, under one torch thread only.
+
+    Bitwise equality of computed floats holds for the same computation on the same shapes with the
+    same number of intra-op threads: with two threads a reduction is split in two partial sums whose
+    boundary moves with the shapes (a prefix against the whole sequence, an expert's token count in
+    the MoE), and results differ in the last bits (3e-8 in issue 13). So this helper fails unless
+    ``torch.get_num_threads() == 1``: the calling module must be under the ``one_thread`` fixture
+    (``pytestmark = pytest.mark.usefixtures("one_thread")``; tests/test_suite_rules.py checks that
+    statically too). Where different shapes are compared (causality: a prefix against the whole), one
+    thread is not enough either, as the BLAS picks kernels by shape: compare with a tolerance there
+    and say why that tolerance.
+
+    Args:
+        actual, expected: tensors or numpy arrays of the same shape and dtype, or mappings of them
+            (state dicts: the same keys, each value compared).
+        what: what is compared, for the failure message (e.g. ``"logits of the resumed run"``).
+
+    Raises:
+        pytest.fail.Exception: when more than one torch thread is set, or when the keys, shapes,
+            dtypes or any bit differ (with the count of differing elements and the largest difference).
+    """
+    threads = torch.get_num_threads()
+    if threads != 1:
+        pytest.fail(f"{what}: a bitwise comparison of floating-point results under {threads} torch threads; "
+                    "put the test module under the one_thread fixture "
+                    "(pytestmark = pytest.mark.usefixtures(\"one_thread\")) or compare with a tolerance and say why",
+                    pytrace=False)
+    if isinstance(actual, Mapping) or isinstance(expected, Mapping):
+        if not (isinstance(actual, Mapping) and isinstance(expected, Mapping)) or actual.keys() != expected.keys():
+            pytest.fail(f"{what}: the keys differ", pytrace=False)
+        for key in expected:
+            assert_bitwise_equal(actual[key], expected[key], f"{what}[{key!r}]")
+        return
+    a = torch.from_numpy(actual) if isinstance(actual, np.ndarray) else actual
+    b = torch.from_numpy(expected) if isinstance(expected, np.ndarray) else expected
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        raise TypeError(f"{what}: assert_bitwise_equal compares tensors or numpy arrays, got "
+                        f"{type(actual).__name__} and {type(expected).__name__}")
+    if a.shape != b.shape or a.dtype != b.dtype:
+        pytest.fail(f"{what}: {tuple(a.shape)} {a.dtype} against {tuple(b.shape)} {b.dtype}", pytrace=False)
+    if not torch.equal(a, b):
+        differ = a != b
+        largest = (a.double() - b.double()).abs()[differ].max().item() if a.is_floating_point() else float("nan")
+        pytest.fail(f"{what}: {int(differ.sum())} of {a.numel()} elements differ (largest difference {largest:.3g})",
+                    pytrace=False)
 
 
 # transformers routes glm5_next's KDA to fla's Triton kernels whenever fla is importable, and those
