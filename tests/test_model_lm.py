@@ -147,7 +147,16 @@ def test_causality_and_loss_masks() -> None:
     tokens = torch.from_numpy(encode("ACGTNacgtnACGTACGTAC")).long()[None].repeat(2, 1)
     changed = tokens.clone()
     changed[:, 12:] = 1
-    a, b = model(tokens & 7), model(changed & 7)
-    assert torch.equal(a[:, :12], b[:, :12]) and not torch.allclose(a[:, 12:], b[:, 12:])
+    with torch.no_grad():
+        a, b = model(tokens & 7), model(changed & 7)
+    # Past positions agree to fp32 rounding, not bit for bit: the MoE runs each expert on the tokens
+    # routed to it, so changing the future changes the experts' batch sizes and with them the BLAS
+    # kernel and summation order of the past tokens' rows, at one thread as at two (issue 13: 3e-8 on
+    # a 2-core machine; here up to 1.4e-7 of the scale over 100 seeds with MKL_CBWR=COMPATIBLE).
+    # 1e-6 of the scale is a few fp32 ulps; a leak of the changed tokens moves past positions as much
+    # as the future ones move (at least 0.96 of the scale over the same 100 seeds).
+    scale = a.abs().max()
+    assert (a[:, :12] - b[:, :12]).abs().max() <= 1e-6 * scale
+    assert (a[:, 12:] - b[:, 12:]).abs().max() > 0.1 * scale
     total, count = model.loss(tokens)
     assert float(count) == 2 * 17  # 19 targets per row, minus the N at position 4 and the n at 9
