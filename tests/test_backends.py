@@ -39,6 +39,12 @@ from genolong.kernels.kda.fla_backend import (
 )
 from genolong.kernels.testing import rms_ratio
 
+from .helpers import assert_bitwise_equal
+
+# same ops on the same values compared bit for bit (the gate, the CPU fall-through of the GPU
+# backends): one torch thread, so a reduction is never split differently (issue 13)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_MODULE = "genolong.kernels.dsa.triton_attention"
 TOPK_MODULE = "genolong.kernels.dsa.triton_topk"
@@ -161,7 +167,7 @@ def test_fla_adapter_dtypes_and_edges() -> None:
     assert shim.calls[-1]["q"] == torch.bfloat16 and shim.calls[-1]["beta"] == torch.bfloat16 and o16.dtype == torch.float32
     n_calls = len(shim.calls)
     o0, ht0 = adapter(q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0], initial_state=h0, output_final_state=True)
-    assert len(shim.calls) == n_calls and o0.shape == (B, 0, H, V) and torch.equal(ht0, h0)
+    assert len(shim.calls) == n_calls and o0.shape == (B, 0, H, V) and torch.equal(ht0, h0)  # exact: 0 + h0
     with pytest.raises(InputError, match="no float64 kernels") as err:
         adapter(q.double(), k.double(), v.double(), g.double(), beta.double())
     assert "\n" not in str(err.value)
@@ -216,7 +222,8 @@ def test_kda_gate_is_the_layer_gate() -> None:
         gate = ForgetGate(config)
         x = torch.randn(2, 9, config.hidden_size)
         raw = gate.f_b_proj(gate.f_a_proj(x)).view(2, 9, gate.num_heads, gate.head_dim)
-        assert torch.equal(kda_gate(raw, gate.A_log, gate.dt_bias, lower_bound), gate(x))  # same ops, same bits
+        assert_bitwise_equal(kda_gate(raw, gate.A_log, gate.dt_bias, lower_bound), gate(x),
+                             f"kda_gate against ForgetGate (lower bound {lower_bound})")  # same ops, same bits
 
 
 def test_adapters_pass_fla_argument_checks() -> None:
@@ -330,15 +337,17 @@ def test_auto_resolves_to_gpu_backends(fresh_registry: None, monkeypatch: pytest
     assert auto.recurrent_kda is torch_ops.recurrent_kda and auto.kpool_topk is not torch_ops.kpool_topk
     assert auto.kpool_keys is not torch_ops.kpool_keys and auto.kpool_indexer_kl_loss is not torch_ops.kpool_indexer_kl_loss
     k_idx = torch.randn(1, 10, 4)
-    assert torch.equal(auto.kpool_keys(k_idx, k_idx, torch.zeros(4, 4)), torch_ops.kpool_keys(k_idx, k_idx, torch.zeros(4, 4)))
+    ape = torch.zeros(4, 4)
+    assert_bitwise_equal(auto.kpool_keys(k_idx, k_idx, ape), torch_ops.kpool_keys(k_idx, k_idx, ape), "kpool_keys")
     qi, kp = torch.randn(1, 16, 2, 4), torch.randn(1, 4, 4)
-    assert torch.equal(auto.kpool_topk(qi, kp, None, 8, 4), torch_ops.kpool_topk(qi, kp, None, 8, 4))
+    assert torch.equal(auto.kpool_topk(qi, kp, None, 8, 4), torch_ops.kpool_topk(qi, kp, None, 8, 4))  # exact: indices
     # CPU tensors: the dispatching ops fall through to the torch reference
     q, k, v, g, beta, _ = _inputs(1, 20, 2, 8, 8, seed=9)
-    assert torch.equal(auto.chunk_kda(q, k, v, g, beta)[0], chunk_kda(q, k, v, g, beta)[0])
+    assert_bitwise_equal(auto.chunk_kda(q, k, v, g, beta)[0], chunk_kda(q, k, v, g, beta)[0], "chunk_kda")
     qa, ka = torch.randn(1, 6, 2, 4), torch.randn(1, 6, 1, 4)
     idx = torch.arange(6).view(1, 6, 1).expand(1, 6, 2).contiguous()
-    assert torch.equal(auto.sparse_attention(qa, ka, ka, idx), torch_ops.sparse_attention(qa, ka, ka, idx))
+    assert_bitwise_equal(auto.sparse_attention(qa, ka, ka, idx), torch_ops.sparse_attention(qa, ka, ka, idx),
+                         "sparse_attention")
     assert calls == []
 
     monkeypatch.setattr(backends, "_LOADED", {})

@@ -21,6 +21,8 @@ from genolong.model.dsa import DSAIndexer
 TOL = 1e-4  # max |log-prob difference|, fp32 (issue 3)
 
 
+from .helpers import assert_bitwise_equal
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -180,7 +182,8 @@ def test_corrupted_state_breaks_the_match(model: GenoLM) -> None:
     expected = continue_from(copy.deepcopy(clean))
     for part in ("kda.recurrent", "kda.conv", "dsa.latent", "dsa.pooled"):
         assert (continue_from(_perturbed(clean, part)) - expected).abs().max().item() > 10 * TOL, part
-    assert torch.equal(continue_from(copy.deepcopy(clean)), expected)  # the control: copies replay exactly
+    # the control: copies replay exactly
+    assert_bitwise_equal(continue_from(copy.deepcopy(clean)), expected, "a replay from a copy of the state")
 
 
 def test_bad_inputs_name_the_fix(model: GenoLM) -> None:

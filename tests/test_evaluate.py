@@ -32,6 +32,8 @@ from genolong.model import PRESETS, GenoLM
 from genolong.train.module import cut_windows
 
 
+from .helpers import assert_bitwise_equal
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -147,7 +149,7 @@ def test_evaluate_tables_agree_with_the_per_token_table(tiny: GenoLM, tmp_path: 
     assert result.meta["nll_sum"] == pytest.approx(total, rel=1e-5)
     # the saved directory loads back to the same result
     loaded = EvalResult.load(tmp_path / "r")
-    np.testing.assert_array_equal(loaded.tile_nll, result.tile_nll)
+    np.testing.assert_array_equal(loaded.tile_nll, result.tile_nll)  # exact: saved and read back
     assert loaded.meta["fingerprint"] == result.meta["fingerprint"]
     assert not (tmp_path / ".r.partial").exists()
 
@@ -157,8 +159,8 @@ def test_context_cut_at_or_beyond_the_tile_reproduces_the_full_run(tiny: GenoLM,
     full = evaluate(tiny, split, tmp_path / "full", context=256, progress=False)
     for cut in (255, 256, 10_000):
         same = evaluate(tiny, split, tmp_path / f"cut{cut}", context=256, context_cut=cut, progress=False)
-        np.testing.assert_array_equal(same.tile_nll, full.tile_nll)
-        np.testing.assert_array_equal(same.position_nll, full.position_nll)
+        assert_bitwise_equal(same.tile_nll, full.tile_nll, f"tile NLL with context_cut={cut}")
+        assert_bitwise_equal(same.position_nll, full.position_nll, f"position NLL with context_cut={cut}")
         pd.testing.assert_frame_equal(read_tokens(tmp_path / f"cut{cut}"), read_tokens(tmp_path / "full"))
     cut = evaluate(tiny, split, tmp_path / "cut16", context=256, context_cut=16, progress=False)
     assert cut.meta["fingerprint"] == full.meta["fingerprint"]  # same tokens ...
@@ -338,7 +340,7 @@ def test_an_interrupted_evaluation_resumes_only_for_the_same_weights(tiny: GenoL
     monkeypatch.setattr(GenoLM, "token_nll", real)
     (tmp_path / ".r2.partial").rename(tmp_path / ".other.partial")
     switched = evaluate(other, split, tmp_path / "other", context=128, progress=False)
-    np.testing.assert_array_equal(switched.tile_nll, fresh.tile_nll)
+    assert_bitwise_equal(switched.tile_nll, fresh.tile_nll, "tile NLL of the other model, not resumed")
     # the same weights: it resumes at tile 2 (2 tiles are not scored again) and ends equal to one run
     counted = {"n": 0}
 
@@ -349,6 +351,6 @@ def test_an_interrupted_evaluation_resumes_only_for_the_same_weights(tiny: GenoL
     monkeypatch.setattr(GenoLM, "token_nll", counting)
     resumed = evaluate(tiny, split, tmp_path / "r", context=128, progress=False)
     assert counted["n"] == whole.n_tiles - 2
-    np.testing.assert_array_equal(resumed.tile_nll, whole.tile_nll)
-    np.testing.assert_array_equal(resumed.position_nll, whole.position_nll)
+    assert_bitwise_equal(resumed.tile_nll, whole.tile_nll, "tile NLL of the resumed evaluation")
+    assert_bitwise_equal(resumed.position_nll, whole.position_nll, "position NLL of the resumed evaluation")
     pd.testing.assert_frame_equal(read_tokens(tmp_path / "r"), read_tokens(tmp_path / "whole"))

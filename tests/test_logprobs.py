@@ -54,6 +54,8 @@ def make_split(lengths: tuple[int, ...] = (700, 500), seed: int = 0) -> Split:
     return Split("eval", tokens, pd.DataFrame(rows, columns=["contig", "start", "end", "offset"]))
 
 
+from .helpers import assert_bitwise_equal
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -146,7 +148,7 @@ def test_per_token_values_are_the_paths_on_the_unpadded_tile(gap: LogprobGap, mo
 
 def test_stepwise_gather_equals_sequence_log_probs(model: GenoLM) -> None:
     ids = torch.randint(1, 6, (2, 37), generator=torch.Generator().manual_seed(3))
-    assert torch.equal(decode_target_logprobs(model, ids), sequence_log_probs(model, ids))
+    assert_bitwise_equal(decode_target_logprobs(model, ids), sequence_log_probs(model, ids), "gathered log-probs")
 
 
 def test_save_writes_valid_files_and_the_figure_draws_the_table(gap: LogprobGap, tmp_path: Path,
