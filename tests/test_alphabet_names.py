@@ -36,7 +36,7 @@ def test_ambiguity_codes_become_n_with_case() -> None:
 def test_reverse_complement_keeps_case() -> None:
     tokens = encode("AACgtNn")
     assert decode(reverse_complement(tokens)) == "nNacGTT"
-    assert np.array_equal(reverse_complement(reverse_complement(tokens)), tokens)
+    assert np.array_equal(reverse_complement(reverse_complement(tokens)), tokens)  # exact: token codes
     batch = np.stack([encode("ACGT"), encode("aacc")])
     assert [decode(r) for r in reverse_complement(batch)] == ["ACGT", "ggtt"]
     assert COMPLEMENT_LUT[alphabet.BOS] == alphabet.BOS

@@ -27,6 +27,7 @@ def test_matches_reference(n: int, vocab: int, chunk: int, masked: bool) -> None
     safe = targets.clamp_min(0)
     want, want_w = reference_cross_entropy(hidden, weight, safe, token_weights)
     (want * 1.7).backward()
+    # the weights' sum is the same w.sum() of the same tensor on both sides: exact
     assert abs(float(got.detach() - want.detach())) <= 1e-6 * abs(float(want.detach())) and float(got_w) == float(want_w)
     # fp32 logits and log-sum-exp in both; gradients agree to fp32 precision
     assert rms_ratio(hidden.grad, g_hidden) < 1e-6
@@ -45,6 +46,7 @@ def test_next_token_loss_masks_n_specials_and_weights_softmask() -> None:
     tokens = torch.from_numpy(encode("ACgtNnAC")).long()[None]
     tokens[0, -1] = 0  # padding
     weights = target_weights(tokens, softmask_weight=0.1)
+    # exact: 0/1 times fp32(0.1), elementwise
     assert torch.equal(weights, torch.tensor([[1.0, 1.0, 0.1, 0.1, 0.0, 0.0, 1.0, 0.0]]))
     torch.manual_seed(0)
     hidden = torch.randn(1, 8, 16)

@@ -157,7 +157,7 @@ def test_data_parallel_ranks_with_workers_union_to_the_single_rank_stream(genome
                 assert i % 2 == rank and i not in seen
                 seen[i] = row
     assert sorted(seen) == sorted(expected)
-    assert all(torch.equal(seen[i], expected[i]) for i in expected)
+    assert all(torch.equal(seen[i], expected[i]) for i in expected)  # exact: token rows
 
 
 def test_eval_tiles_are_padded_and_cover_the_eval_split(genome):

@@ -67,14 +67,14 @@ def test_indexer_matches_fla(T, topk):
     assert same[~tied].all()
     # -1 padding exactly where fewer than topk causal keys exist
     n_valid = (got >= 0).sum(-1)
-    assert torch.equal(n_valid, torch.arange(T).clamp(max=topk - 1).add(1).expand(B, T))
+    assert torch.equal(n_valid, torch.arange(T).clamp(max=topk - 1).add(1).expand(B, T))  # exact: counts
     # best first: the scores along the output never increase
     full = dense_causal_scores(q_idx, k_idx, w_idx)
     picked = full.gather(-1, got.clamp(min=0)).masked_fill(got < 0, float("-inf"))
     assert (picked[..., 1:] <= picked[..., :-1]).all()
     # where tied, the multiset of selected scores still matches
     ref_sc = full.gather(-1, ref.clamp(min=0)).masked_fill(ref < 0, float("-inf"))
-    assert torch.equal(picked.sort(-1).values, ref_sc.sort(-1).values)
+    assert torch.equal(picked.sort(-1).values, ref_sc.sort(-1).values)  # exact: both gathered from `full`
 
 
 @pytest.mark.parametrize("block_size,query_block", [(1, 7), (7, 1), (16, 33), (64, 64), (1000, 1000)])
@@ -87,8 +87,8 @@ def test_indexer_blockwise_equals_full(block_size, query_block):
     w_idx = torch.randint(-1, 3, (B, T, HI)).float()
     full = indexer_topk(q_idx, k_idx, w_idx, topk, block_size=T, query_block=T, scale=1.0)
     got = indexer_topk(q_idx, k_idx, w_idx, topk, block_size=block_size, query_block=query_block, scale=1.0)
-    assert torch.equal(got, full)
-    assert torch.equal(full, brute_topk(dense_causal_scores(q_idx, k_idx, w_idx, scale=1.0), topk))
+    assert torch.equal(got, full)  # exact: indices
+    assert torch.equal(full, brute_topk(dense_causal_scores(q_idx, k_idx, w_idx, scale=1.0), topk))  # exact: indices
 
 
 def test_indexer_tie_breaking_lowest_position():

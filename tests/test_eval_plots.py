@@ -43,6 +43,12 @@ def _data_lines(ax) -> list:
     return [line for line in ax.get_lines() if line.get_label() and not line.get_label().startswith("_")]
 
 
+def _drawn(actual: np.ndarray, expected: np.ndarray) -> None:
+    """A drawn series against its table, bit for bit: both come from the same numpy/pandas
+    computation on the same arrays (no torch, so no torch threads to change a summation order)."""
+    np.testing.assert_array_equal(actual, expected)  # exact: the same numpy computation on the same data
+
+
 def test_position_figure_draws_the_position_curves(runs) -> None:
     fig, series = position_figure(runs[:2], bins_per_octave=4)
     ax = fig.axes[0]
@@ -53,11 +59,11 @@ def test_position_figure_draws_the_position_curves(runs) -> None:
     for run, line in zip(runs[:2], lines):
         curve = run.position_curve(4)
         curve = curve[curve["tokens"] > 0]
-        np.testing.assert_array_equal(line.get_xdata(), curve["offset_mid"].to_numpy())
-        np.testing.assert_array_equal(line.get_ydata(), curve["nats"].to_numpy())
+        _drawn(line.get_xdata(), curve["offset_mid"].to_numpy())
+        _drawn(line.get_ydata(), curve["nats"].to_numpy())
         part = series[series["run"] == run.label]
-        np.testing.assert_array_equal(part["offset_mid"].to_numpy(), line.get_xdata())
-        np.testing.assert_array_equal(part["nats"].to_numpy(), line.get_ydata())
+        _drawn(part["offset_mid"].to_numpy(), line.get_xdata())
+        _drawn(part["nats"].to_numpy(), line.get_ydata())
     assert [line.get_color() for line in lines] == [OKABE_ITO[0], OKABE_ITO[1]]
 
 
@@ -74,13 +80,13 @@ def test_bucket_figure_error_bars_are_the_bucket_table_cis(runs) -> None:
     for run, line, segs in zip(runs[:2], lines, intervals):
         table = run.bucket_table(n_boot=N_BOOT, seed=3)
         seg = np.asarray(segs.get_segments())  # [K + 1, 2 points, (x, y)]
-        np.testing.assert_array_equal(seg[:, 0, 1], table["ci_lo"].to_numpy())
-        np.testing.assert_array_equal(seg[:, 1, 1], table["ci_hi"].to_numpy())
-        np.testing.assert_array_equal(seg[:, 0, 0], line.get_xdata())
-        np.testing.assert_array_equal(line.get_ydata(), table["nats"].to_numpy())
+        _drawn(seg[:, 0, 1], table["ci_lo"].to_numpy())
+        _drawn(seg[:, 1, 1], table["ci_hi"].to_numpy())
+        _drawn(seg[:, 0, 0], line.get_xdata())
+        _drawn(line.get_ydata(), table["nats"].to_numpy())
         part = series[series["run"] == run.label]
-        np.testing.assert_array_equal(part[["nats", "ci_lo", "ci_hi"]].to_numpy(),
-                                      table[["nats", "ci_lo", "ci_hi"]].to_numpy())
+        _drawn(part[["nats", "ci_lo", "ci_hi"]].to_numpy(),
+               table[["nats", "ci_lo", "ci_hi"]].to_numpy())
     # runs side by side: the same bucket at two distinct x positions, within its category
     xs = [line.get_xdata() for line in lines]
     assert (xs[0] < xs[1]).all() and (np.abs(xs[1] - np.arange(len(xs[1]))) < 0.5).all()
@@ -91,14 +97,14 @@ def test_relative_change_figure_is_the_compare_table(runs) -> None:
     ax = fig.axes[0]
     table = compare(runs[0], runs[1], n_boot=N_BOOT, seed=1)
     (line,) = _data_lines(ax)
-    np.testing.assert_array_equal(line.get_ydata(), table["rel_pct"].to_numpy())
+    _drawn(line.get_ydata(), table["rel_pct"].to_numpy())
     seg = np.asarray(ax.collections[0].get_segments())
-    np.testing.assert_array_equal(seg[:, 0, 1], table["rel_ci_lo"].to_numpy())
-    np.testing.assert_array_equal(seg[:, 1, 1], table["rel_ci_hi"].to_numpy())
-    np.testing.assert_array_equal(series["rel_pct"].to_numpy(), table["rel_pct"].to_numpy())
-    np.testing.assert_array_equal(series["supported"].to_numpy(), table["supported"].to_numpy())
+    _drawn(seg[:, 0, 1], table["rel_ci_lo"].to_numpy())
+    _drawn(seg[:, 1, 1], table["rel_ci_hi"].to_numpy())
+    _drawn(series["rel_pct"].to_numpy(), table["rel_pct"].to_numpy())
+    _drawn(series["supported"].to_numpy(), table["supported"].to_numpy())
     # the horizontal line at 0
-    assert any(np.array_equal(np.asarray(l.get_ydata(), float), [0.0, 0.0]) for l in ax.get_lines())
+    assert any(np.array_equal(np.asarray(l.get_ydata(), float), [0.0, 0.0]) for l in ax.get_lines())  # exact: constants
     assert "%" in ax.get_ylabel()
     # the tuned run is 3% better from offset 64 on, unchanged before
     rel = table["rel_pct"].to_numpy()
@@ -164,4 +170,4 @@ def test_bucket_figure_merges_runs_of_other_contexts(runs) -> None:
     part = series[series["run"] == "short"]
     assert part["bucket"].tolist() == ["<8", "8-16", "16-32", "32-64", "all"]
     # the short run's buckets sit in the categories of the same offsets, and its overall row in "all"
-    np.testing.assert_array_equal(np.rint(part["x"].to_numpy()), [0, 1, 2, 3, 6])
+    np.testing.assert_array_equal(np.rint(part["x"].to_numpy()), [0, 1, 2, 3, 6])  # exact: integers

@@ -113,11 +113,11 @@ def test_resample_counts_are_the_bincount_of_the_indices(monkeypatch: pytest.Mon
     counts = np.concatenate(list(resample_counts(30, 50, seed=3)))
     assert idx.shape == counts.shape == (50, 30)
     for r in range(50):
-        np.testing.assert_array_equal(counts[r], np.bincount(idx[r], minlength=30))
+        np.testing.assert_array_equal(counts[r], np.bincount(idx[r], minlength=30))  # exact: counts
     assert (counts.sum(axis=1) == 30).all()
     # the draws depend on the seed only
-    np.testing.assert_array_equal(idx, np.concatenate(list(resample_indices(30, 50, seed=3))))
-    assert not np.array_equal(idx, np.concatenate(list(resample_indices(30, 50, seed=4))))
+    np.testing.assert_array_equal(idx, np.concatenate(list(resample_indices(30, 50, seed=3))))  # exact: indices
+    assert not np.array_equal(idx, np.concatenate(list(resample_indices(30, 50, seed=4))))  # exact: indices
 
 
 @pytest.mark.parametrize("block_cells", [100, 1 << 21])
@@ -203,7 +203,7 @@ def test_bucket_table_matches_per_token_groupby() -> None:
     edges = result.edges
     table["bucket"] = pd.cut(table["offset"], bins=edges, right=False, labels=bucket_labels(edges))
     brute = table.groupby("bucket", observed=False)["nll"].agg(["size", "mean"])
-    np.testing.assert_array_equal(got["tokens"].to_numpy()[:-1], brute["size"].to_numpy())
+    np.testing.assert_array_equal(got["tokens"].to_numpy()[:-1], brute["size"].to_numpy())  # exact: counts
     np.testing.assert_allclose(got["nats"].to_numpy()[:-1], brute["mean"].to_numpy(), rtol=1e-12)
     assert got["tokens"].iloc[-1] == len(table)
     np.testing.assert_allclose(got["nats"].iloc[-1], table["nll"].mean(), rtol=1e-12)
@@ -236,7 +236,7 @@ def test_position_curve_matches_brute_force() -> None:
     lo, hi = curve["lo"].to_numpy(), curve["hi"].to_numpy()
     assert lo[0] == 1 and hi[-1] == 200 and (lo[1:] == hi[:-1]).all() and (hi > lo).all()
     expect = np.unique(np.rint(2.0 ** (np.arange(40) / 4)).astype(int))
-    np.testing.assert_array_equal(lo, expect[expect < 200])
+    np.testing.assert_array_equal(lo, expect[expect < 200])  # exact: integer edges
     for row in curve.itertuples():
         sel = table[(table["offset"] >= row.lo) & (table["offset"] < row.hi)]
         assert row.tokens == len(sel)
@@ -287,7 +287,7 @@ def test_compare_matches_brute_force() -> None:
     np.testing.assert_allclose(got["diff_ci_hi"], dq[1], rtol=1e-9, atol=1e-15)
     np.testing.assert_allclose(got["rel_ci_lo"], 100 * rq[0], rtol=1e-9, atol=1e-13)
     np.testing.assert_allclose(got["rel_ci_hi"], 100 * rq[1], rtol=1e-9, atol=1e-13)
-    np.testing.assert_array_equal(got["supported"], (dq[0] > 0) | (dq[1] < 0))
+    np.testing.assert_array_equal(got["supported"], (dq[0] > 0) | (dq[1] < 0))  # exact: bools
     # a 2% lower loss with small noise is supported everywhere
     assert got["supported"].all() and (got["rel_ci_hi"] < 0).all()
 
@@ -354,7 +354,7 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     assert back.meta == json.loads(json.dumps(result.meta, default=float)) and back.source == tmp_path
     pd.testing.assert_frame_equal(back.tiles, result.tiles)
     for name in ("tile_tokens", "tile_nll", "position_tokens", "position_nll"):
-        np.testing.assert_array_equal(getattr(back, name), getattr(result, name))
+        np.testing.assert_array_equal(getattr(back, name), getattr(result, name))  # exact: saved and read back
         assert getattr(back, name).dtype == getattr(result, name).dtype
     assert (back.label, back.context, back.fingerprint, back.tokens) == ("A", 64, "f" * 64, result.tokens)
     assert back.mean_nll == result.mean_nll and back.context_cut is None

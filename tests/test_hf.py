@@ -47,7 +47,7 @@ def _assert_same(a: GenoLM, b: GenoLM) -> None:
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
     for key in sa:
-        assert torch.equal(sa[key], sb[key]), key
+        assert torch.equal(sa[key], sb[key]), key  # exact: weights written and read back, not computed
 
 
 def test_round_trip_sharded(model: GenoLM, tmp_path: Path) -> None:
@@ -75,8 +75,10 @@ def test_expert_and_conv_slices_land_in_place(model: GenoLM, tmp_path: Path) -> 
     tensors = load_file(out / "model.safetensors")
     experts = model.layers[1].mlp.experts
     half = experts.gate_up_proj.shape[1] // 2
+    # exact: a saved slice
     assert torch.equal(tensors["model.language_model.layers.1.mlp.experts.2.up_proj.weight"], experts.gate_up_proj[2, half:])
     conv = model.layers[0].self_attn.conv1d.weight
+    # exact: a saved slice
     assert torch.equal(tensors["model.language_model.layers.0.self_attn.k_conv1d.weight"], conv[64:128])
 
 
@@ -100,6 +102,7 @@ def test_bf16_export_keeps_fp32_tensors(model: GenoLM, tmp_path: Path) -> None:
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     loaded = GenoLM.from_pretrained(out, dtype=torch.bfloat16)
     assert loaded.lm_head.weight.dtype == torch.bfloat16
+    # exact: the same elementwise rounding to bf16, saved and read back
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight.to(torch.bfloat16))
 
 

@@ -75,7 +75,7 @@ def test_streaming_equals_indexed(sample_store: Path, tmp_path: Path) -> None:
     for name in ("train", "eval"):
         sa, sb = a.split(name), b.split(name)
         assert sa.segments.equals(sb.segments)
-        assert np.array_equal(sa.tokens[:], sb.tokens[:])
+        assert np.array_equal(sa.tokens[:], sb.tokens[:])  # exact: tokens
 
 
 def test_softmask_kept_and_counted(tmp_path: Path) -> None:

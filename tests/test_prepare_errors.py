@@ -267,10 +267,10 @@ def test_sigkill_leaves_no_valid_store_and_next_run_succeeds(tmp_path: Path) -> 
         except StoreError:
             outcomes.append("killed")
         else:  # the kill came after the final rename: the store must be whole
-            assert np.array_equal(store.split("train").tokens[:], expected)
+            assert np.array_equal(store.split("train").tokens[:], expected)  # exact: tokens
             outcomes.append("complete")
             shutil.rmtree(out)
     assert "killed" in outcomes
     subprocess.run([sys.executable, "-c", _KILL_SCRIPT, str(path), str(out)], check=True)
-    assert np.array_equal(GenomeStore.open(out).split("train").tokens[:], expected)
+    assert np.array_equal(GenomeStore.open(out).split("train").tokens[:], expected)  # exact: tokens
     assert [p.name for p in work.iterdir()] == ["genome"]  # leftovers of killed runs are cleaned up

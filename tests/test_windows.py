@@ -225,7 +225,7 @@ def check_tiles(split: FakeSplit, L: int) -> EvalTiles:
         assert 1 <= tile.length <= L
         # only a segment's last tile may be short
         assert tile.length == L or tile.start + tile.length == row["end"]
-        np.testing.assert_array_equal(tile.tokens, split.tokens[tile.offset:tile.offset + tile.length])
+        np.testing.assert_array_equal(tile.tokens, split.tokens[tile.offset:tile.offset + tile.length])  # exact: tokens
     return tiles
 
 
@@ -251,8 +251,8 @@ def test_context_parallel_slices_are_contiguous_and_tile_the_sequence():
     assert [list(p) for p in parts] == [list(range(6 * r, 6 * r + 6)) for r in range(4)]
     t = torch.arange(2 * 12).reshape(2, 12)
     joined = torch.cat([context_parallel_slice(t, r, 3) for r in range(3)], dim=-1)
-    assert torch.equal(joined, t)
-    assert torch.equal(context_parallel_slice(t, 1, 2, dim=0), t[1:2])
+    assert torch.equal(joined, t)  # exact: integer slices
+    assert torch.equal(context_parallel_slice(t, 1, 2, dim=0), t[1:2])  # exact: integer slices
     assert context_parallel_bounds(1_048_576, 7, 8) == (917_504, 1_048_576)
 
 
