@@ -227,3 +227,148 @@ def test_validation_matches_the_reference_and_cpu_needs_the_interpreter(monkeypa
     monkeypatch.setattr(triton_attention, "_sparse_attn_fwd_kernel", object())  # as if compiled for a GPU
     with pytest.raises(InputError, match="TRITON_INTERPRET"):
         sparse_attention_triton(q, k, v, idx)
+
+
+# --- the key-major backward: inverse index lists, split key tiles, determinism, mixed dtypes -----
+
+#: (B, T, TK, q_offset, H, HK, D, DV, topk, index dtype, k is v): odd lengths; G = 3 pads the head
+#: group to 4 rows per query in the key-major kernel; 63 keys = 4 key tiles of 16, the last partial
+CASES_KEY_MAJOR = {
+    "odd_63_gqa3": (1, 63, 63, 0, 6, 2, 24, 40, 21, torch.int64, False),
+    "odd_latent_offset": (2, 31, 50, 19, 4, 1, 32, 32, 21, torch.int32, True),
+}
+
+
+def _key_lists_oracle(idx: torch.Tensor, TK: int, q_offset: int, bk: int) -> dict:
+    """``{(b, tile, t): bits}`` by enumerating every slot in Python."""
+    out: dict = {}
+    B, T, K = idx.shape
+    for b in range(B):
+        for t in range(T):
+            for s in idx[b, t].tolist():
+                if 0 <= s <= q_offset + t:
+                    key = (b, s // bk, t)
+                    assert not out.get(key, 0) & (1 << (s % bk))
+                    out[key] = out.get(key, 0) | (1 << (s % bk))
+    return out
+
+
+def test_key_lists_are_the_inverse_of_the_indices() -> None:
+    """The sorted (batch, key tile, query) entries and their selection bits are exactly the valid
+    slots of ``indices`` (no -1, no future slot), in order; the segments tile each list."""
+    B, T, TK, off, K, bk = 2, 29, 40, 11, 13, 16
+    idx = _indices(B, T, TK, K, off, torch.int64, seed=3)
+    lists = triton_attention._key_lists(idx, TK, off, bk)
+    NT = -(-TK // bk)
+    expect = _key_lists_oracle(idx, TK, off, bk)
+    got = {}
+    starts = torch.cumsum(lists.counts, 0) - lists.counts
+    for g in range(B * NT):
+        ts = lists.ent_t[starts[g]: starts[g] + lists.counts[g]].tolist()
+        assert ts == sorted(ts) and len(set(ts)) == len(ts)
+        for e in range(int(starts[g]), int(starts[g] + lists.counts[g])):
+            got[(g // NT, g % NT, int(lists.ent_t[e]))] = int(lists.ent_bits[e])
+    assert got == expect and len(expect) > NT  # several queries per key tile
+    segs = triton_attention._segments(lists.counts, 3)
+    assert int(segs.red_tile.numel()) > 0  # some tiles split
+    covered = torch.zeros(int(lists.counts.sum()), dtype=torch.int64)
+    for i in range(segs.tile.numel()):
+        s0, s1, g = int(segs.start[i]), int(segs.end[i]), int(segs.tile[i])
+        assert starts[g] <= s0 < s1 <= starts[g] + lists.counts[g] and s1 - s0 <= 3
+        covered[s0:s1] += 1
+    assert bool((covered == 1).all())
+    for g, s0, n in zip(segs.red_tile.tolist(), segs.red_slot0.tolist(), segs.red_n.tolist()):
+        mine = segs.slot[segs.tile == g].tolist()
+        assert mine == list(range(s0, s0 + n))  # a split tile's slots are contiguous, in order
+
+
+@pytest.mark.parametrize("name", list(CASES_KEY_MAJOR))
+def test_key_major_backward_odd_shapes_float32(name: str) -> None:
+    """fp32, odd shapes (padded head group, partial last key tile, q_offset, several queries per key):
+    o and every gradient within RMS ratio 1e-5 of the reference and the float64 oracle."""
+    got, ref, exact, mask, _ = _run(CASES_KEY_MAJOR[name], torch.float32, seed=13)
+    for what, a, r, x in zip(("o", "dq", "dk", "dv"), got, ref, exact):
+        assert rms_ratio(r, a) < _FP32_TOL, (what, rms_ratio(r, a))
+        assert rms_ratio(x, a) < _FP32_TOL, (what, rms_ratio(x, a))
+    unselected = ~mask.any(1)
+    assert float(got[2].detach()[unselected].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["separate_kv", "k_is_v"])
+def test_split_key_tiles_and_head_splits_match_the_oracle(monkeypatch: pytest.MonkeyPatch, share: bool) -> None:
+    """The paths the GLM-5.3-Flash shapes take, at interpreter sizes: key tiles whose query lists
+    are split into segments (float32 partials summed by the reduction kernel), a key-major step
+    holding part of one query's heads (head group 32 > 16 rows) and the dQ head group split over
+    two programs. fp32 within 1e-5 of the float64 oracle; the split run equals the unsplit one up
+    to float32 summation order."""
+    monkeypatch.setattr(triton_attention, "_DKV_ROWS", 16)
+    monkeypatch.setattr(triton_attention, "_DQ_ACC_ELEMS", 256)
+    assert triton_attention._dq_config(32, 12, 16, 16, 4)[0] == 2
+    assert triton_attention._key_major_config(32, 16, 16, 4)[1] == 16
+    B, T, H, HK, D, K = 1, 19, 32, 1, 16, 7
+    q, k, v = (x.detach() for x in _inputs(B, T, T, H, HK, D, D, torch.float32, seed=21, share_kv=share))
+    q, v = q.contiguous(), (k if share else v)  # detach() broke the identity
+    idx = _indices(B, T, T, K, 0, torch.int64, seed=21)
+    first = torch.arange(T) % 3  # keys 0..2: one selected by every query, a long list for tile 0
+    idx = torch.where(idx == first[None, :, None], -1, idx)  # indices stay distinct within a row
+    idx[:, :, 0] = first
+    scale = D ** -0.5
+    do = torch.randn(B, T, H, D, generator=torch.Generator().manual_seed(22))
+    o, lse = triton_attention._forward(q, k, v, idx, scale, 0)
+    split = triton_attention._backward(q, k, v, idx, o, do, lse, scale, 0, segment=4)
+    whole = triton_attention._backward(q, k, v, idx, o, do, lse, scale, 0, segment=10**6)
+    lists = triton_attention._key_lists(idx, T, 0, triton_attention._DKV_BLOCK_K)
+    assert int(lists.counts[0]) > 4  # tile 0 really is split at segment = 4
+    leaves64 = [x.double().requires_grad_(True) for x in ((q, k) if share else (q, k, v))]
+    v64 = leaves64[1] if share else leaves64[2]
+    o64 = _dense_oracle(leaves64[0], leaves64[1], v64, idx, scale, 0)[0]
+    exact = torch.autograd.grad(o64, leaves64, do.double())
+    assert rms_ratio(o64, o) < _FP32_TOL
+    for what, a, b, x in zip(("dq", "dk", "dv"), split, whole, exact):
+        assert rms_ratio(x, a) < _FP32_TOL, (what, rms_ratio(x, a))
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=what)
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["separate_kv", "k_is_v"])
+def test_backward_is_deterministic(share: bool) -> None:
+    """No atomics: two backward calls on the same inputs give bitwise equal gradients (fp16)."""
+    case = (1, 33, 33, 0, 4, 1, 16, 16, 20, torch.int64, share)
+    B, T, TK, off, H, HK, D, DV, K, idt, _ = case
+    q, k, v = _inputs(B, T, TK, H, HK, D, DV, torch.float16, seed=31, share_kv=share)
+    idx = _indices(B, T, TK, K, off, idt, seed=31)
+    leaves = (q, k) if share else (q, k, v)
+    do = torch.randn(B, T, H, DV, generator=torch.Generator().manual_seed(32)).half()
+    runs = [torch.autograd.grad(sparse_attention_triton(q, k, v, idx), leaves, do) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_mixed_dtypes_run_16bit_dots() -> None:
+    """fp16 queries with an fp32 latent (``v is k``; bf16-mixed training's form, fp16 standing in
+    for bf16, which the interpreter cannot run): the kernels round the latent to fp16 as they load
+    it, so o, dq and dk equal, bit for bit, a run on the latent rounded to fp16 beforehand (dk
+    returned in fp32); the error against the float64 oracle on the mixed inputs stays within twice
+    the torch reference's error on the rounded inputs."""
+    B, T, H, C, K = 1, 29, 4, 32, 14
+    g = torch.Generator().manual_seed(41)
+    q = torch.randn(B, T, H, C, generator=g).half().requires_grad_(True)
+    lat = torch.randn(B, T, 1, C, generator=g).requires_grad_(True)  # float32
+    idx = _indices(B, T, T, K, 0, torch.int64, seed=41)
+    do = torch.randn(B, T, H, C, generator=g).half()
+    o = sparse_attention_triton(q, lat, lat, idx)
+    dq, dk = torch.autograd.grad(o, (q, lat), do)
+    assert o.dtype == dq.dtype == torch.float16 and dk.dtype == torch.float32
+    lat16 = lat.detach().half().requires_grad_(True)
+    o16 = sparse_attention_triton(q, lat16, lat16, idx)
+    dq16, dk16 = torch.autograd.grad(o16, (q, lat16), do)
+    assert torch.equal(o, o16) and torch.equal(dq, dq16) and torch.equal(dk.half(), dk16)
+    # accuracy: against the float64 oracle on the mixed inputs themselves
+    q64, l64 = q.detach().double().requires_grad_(True), lat.detach().double().requires_grad_(True)
+    o64 = _dense_oracle(q64, l64, l64, idx, C ** -0.5, 0)[0]
+    exact = torch.autograd.grad(o64, (q64, l64), do.double())
+    ref = sparse_attention(q, lat16, lat16, idx)
+    ref_grads = torch.autograd.grad(ref, (q, lat16), do)
+    for what, a, r, x in zip(("o", "dq", "dk"), (o, dq, dk), (ref, *ref_grads), (o64, *exact)):
+        err, ref_err = rms_ratio(x, a), rms_ratio(x, r)
+        assert 0 < ref_err < 2e-3, (what, ref_err)
+        assert err <= 2.0 * ref_err, (what, err, ref_err)
