@@ -453,13 +453,14 @@ def _dot_dtype(*dtypes: torch.dtype) -> torch.dtype:
 
 
 def _tl_dtype(dt: torch.dtype) -> tl.dtype:
+    """The Triton dtype of a dot dtype."""
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dt]
 
 
-def _precision(dt: torch.dtype) -> str:
-    # float32 dots stay IEEE (the CPU/test path and fp32 runs, which ask for fp32 accuracy): tf32
-    # would round the operands to 10 mantissa bits. 16-bit dots ignore the setting.
-    return "ieee"
+#: ``input_precision`` of every ``tl.dot``: float32 dots stay IEEE (the CPU/test path and float32
+#: runs, which ask for float32 accuracy: TF32 would round the operands to 10 mantissa bits and miss
+#: the tests' 1e-5); 16-bit dots ignore it.
+_PRECISION = "ieee"
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, scale: float,
@@ -489,7 +490,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.T
             *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *o.stride(), *lse.stride(),
             T, topk, q_offset, scale,
             G=G, D=D, DV=DV, BLOCK_G=cfg.block_g, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d,
-            BLOCK_DV=cfg.block_dv, SHARED_KV=k is v, DOT=_tl_dtype(dot), PRECISION=_precision(dot),
+            BLOCK_DV=cfg.block_dv, SHARED_KV=k is v, DOT=_tl_dtype(dot), PRECISION=_PRECISION,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return o, lse
@@ -519,14 +520,16 @@ def _key_lists(indices: torch.Tensor, TK: int, q_offset: int, block_k: int) -> _
     B, T, _ = indices.shape
     NT = triton.cdiv(TK, block_k)
     dev = indices.device
-    idx = indices.long()
-    t = torch.arange(T, device=dev)
-    valid = (idx >= 0) & (idx <= (q_offset + t)[None, :, None])
-    # one sortable code per pair: ((b * NT + tile) * T + t), int32 when it fits (a faster sort)
+    # one sortable code per valid pair, ((b * NT + key // block_k) * T + t), computed in int32 when
+    # it fits (half the temporaries of [B, T, K] and a faster sort)
     code_dt = torch.int32 if B * NT * T < 2**31 else torch.int64
-    bt = (torch.arange(B, device=dev)[:, None, None] * NT + idx.div(block_k, rounding_mode="floor")) * T + t[None, :, None]
-    codes = bt[valid].to(code_dt)
-    bits = torch.bitwise_left_shift(torch.ones((), dtype=torch.int32, device=dev), (idx % block_k)[valid].to(torch.int32))
+    # validity on the indices as given (a cast first could wrap a huge int64 into a valid position)
+    valid = (indices >= 0) & (indices <= (q_offset + torch.arange(T, device=dev))[None, :, None])
+    idx = indices.to(code_dt)
+    t = torch.arange(T, device=dev, dtype=code_dt)
+    b_tiles = torch.arange(B, device=dev, dtype=code_dt)[:, None, None] * NT
+    codes = ((b_tiles + idx.div(block_k, rounding_mode="floor")) * T + t[None, :, None])[valid]
+    bits = torch.bitwise_left_shift(torch.ones((), dtype=torch.int32, device=dev), (idx[valid] % block_k).to(torch.int32))
     uniq, inverse = torch.unique(codes, sorted=True, return_inverse=True)
     # integer sums of distinct powers of two (indices are distinct within a row): exact, any order
     ent_bits = torch.zeros(uniq.numel(), dtype=torch.int32, device=dev).scatter_add_(0, inverse, bits)
@@ -602,7 +605,7 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.
     if B * T == 0:
         return dq, dk, dv
     n_split, cfg = _dq_config(G, topk, D, DV, dot.itemsize)
-    tl_dot, prec = _tl_dtype(dot), _precision(dot)
+    tl_dot, prec = _tl_dtype(dot), _PRECISION
     _sparse_attn_bwd_dq_kernel[(B * T * n_split, HK)](
         q, k, v, indices, o, do, lse, dq, delta,
         *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *o.stride(), *do.stride(),
