@@ -572,7 +572,7 @@ def _segments(counts: torch.Tensor, segment: int) -> _Segments:
 
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, o: torch.Tensor,
               do: torch.Tensor, lse: torch.Tensor, scale: float, q_offset: int,
-              segment: int = _DKV_SEGMENT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              segment: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward: the query-major dQ kernel (it also writes ``delta``), then the key-major
     dK/dV kernel over the inverse index lists (and the reduction of split key tiles). Deterministic:
     no atomics; every sum runs in a fixed order.
@@ -582,7 +582,8 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.
         do: ``[B, T, H, DV]`` output gradient (any strides and float dtype; loaded as the dot dtype).
         lse: ``[B, T, H]`` float32 log-sum-exp of the forward.
         scale, q_offset: as in the forward.
-        segment: longest query list of one key-major program (default ``_DKV_SEGMENT``).
+        segment: longest query list of one key-major program (default: the module's
+            ``_DKV_SEGMENT``, read at call time).
 
     Returns:
         ``dq [B, T, H, D]`` in ``q.dtype``, ``dk [B, TK, HK, D]`` in ``k.dtype``, ``dv [B, TK, HK, DV]``
@@ -619,7 +620,7 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.
 
     gp, rows, kcfg = _key_major_config(G, D, DV, dot.itemsize)
     lists = _key_lists(indices, TK, q_offset, kcfg.block_k)
-    segs = _segments(lists.counts, segment)
+    segs = _segments(lists.counts, _DKV_SEGMENT if segment is None else segment)
     NT = triton.cdiv(TK, kcfg.block_k)
     n_part = max(1, segs.n_slots)  # a valid pointer even when no tile is split
     part_k = torch.empty(n_part, HK, kcfg.block_k, kcfg.block_d, dtype=torch.float32, device=dev)
