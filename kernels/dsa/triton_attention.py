@@ -356,7 +356,8 @@ _DQ_ACC_ELEMS = 16384
 #: so a query that selected a pool selected all 16 keys of one tile and no slot of the tile's dots
 #: is wasted), and the smallest ``tl.dot`` operand. At most 31 (the selection bits are an int32).
 _DKV_BLOCK_K = 16
-#: Rows (selecting query x head pairs) per step of the key-major backward: at least one MMA's 64.
+#: Rows (selecting query x head pairs) per step of the key-major backward, at most; halved (down to
+#: 16) by :func:`_key_major_config` until the step's operands fit shared memory.
 _DKV_ROWS = 64
 #: Longest query list one key-major program walks; a key tile selected by more queries (an
 #: attention sink: every query selects pool 0) is split into segments whose float32 partials are
@@ -407,8 +408,8 @@ def _dq_config(G: int, K: int, D: int, DV: int, itemsize: int) -> tuple[int, _Co
     its float32 dQ accumulator would exceed ``_DQ_ACC_ELEMS`` (16K: 64 registers per thread at 8 warps).
 
     GLM-5.3-Flash (64 heads x 512): one program per query held a [64, 512] dQ accumulator beside the
-    resident Q and dO tiles and spilled 1.5 KB per thread at 8 warps (255 registers); two programs
-    of 32 heads compile to 166 registers, no spill (and mma.sync instead of wgmma, whose M is 64).
+    resident Q and dO tiles and spilled 1.5 KB per thread at 8 warps (255 registers, sm_90, bf16); two
+    programs of 32 heads compile to 174 registers, no spill (mma.sync instead of wgmma, whose M is 64).
     """
     p2 = triton.next_power_of_2
     bg = max(16, p2(G))
@@ -426,7 +427,8 @@ def _key_major_config(G: int, D: int, DV: int, itemsize: int) -> tuple[int, int,
 
     A step's Q and dO rows are dot operands twice (``S = Q K^T`` and ``dK += dS^T Q``, likewise dO),
     and Triton keeps a shared-memory copy per use: ``ROWS`` is the largest of 64, 32, 16 whose four
-    copies stay within 160 KB (GLM-5.3-Flash, 512 + 512 bf16 columns: 32 rows, half a query's heads).
+    copies stay within 160 KB (GLM-5.3-Flash, 512 + 512 bf16 columns: 32 rows, half a query's heads;
+    64 rows took 278,528 B). One stage: the row gathers are not pipelined through shared memory.
     """
     p2 = triton.next_power_of_2
     gp = p2(G)
