@@ -144,13 +144,16 @@ def test_two_process_context_parallel_run_equals_one_process_and_resumes(sample_
     _assert_one_writer(tmp_path / "audit-resume", _OUTPUTS)
     resumed = read_step_log(log)
     assert sorted(resumed) == [3, 4]
+    # bit for bit: both runs are OMP_NUM_THREADS=1 children on the same shapes (losses as logged)
     assert [resumed[s]["train/loss"] for s in (3, 4)] == two["train"][2:]
     second_export = _export(tmp_path, "cp2")
+    # exact: both exports were trained in OMP_NUM_THREADS=1 children from the same checkpoint, read back
     assert all(torch.equal(first_export[k], second_export[k]) for k in first_export)
     # a sharded checkpoint loads for evaluation in one process, as the same model as the export
     last = checkpoints / "step0000004.ckpt"
     assert recipe_context(last) == 256
     model, _ = load_eval_model(last)
+    # exact: the checkpoint and the export hold the same weights (copies, no arithmetic)
     assert all(torch.equal(v, second_export[k]) for k, v in model.state_dict().items())
 
 

@@ -31,12 +31,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TESTS = Path(__file__).resolve().parent
 
-# Modules another change is treating (issue 13's rule applied by whoever owns them). Each must still
-# break the rule (the test fails when one no longer does, so the entry cannot outlive its reason).
-PENDING = {
-    "test_finetune_distributed.py": "the lead engineer's: torch.equal on exported state dicts, lines ~119 and ~124",
-}
-
 _BITWISE = {"torch.equal", "np.array_equal", "numpy.array_equal", "np.testing.assert_array_equal",
             "numpy.testing.assert_array_equal"}
 _ZERO_TOLERANCE = {"torch.testing.assert_close", "np.testing.assert_allclose", "numpy.testing.assert_allclose"}
@@ -126,18 +120,11 @@ def _modules() -> list[Path]:
 def test_bitwise_comparisons_only_under_one_thread_or_marked_exact() -> None:
     found = []
     for path in _modules():
-        if path.name not in PENDING:
-            found += violations(path.read_text(), path.name)
+        found += violations(path.read_text(), path.name)
     assert not found, ("bitwise comparisons that two torch threads can break. Where the values are exact by nature "
                        "(ints, bools, indices, a copy of the same bytes) say so with '# exact: <why>'; where bitwise "
                        "equality of computed floats is the point, put the module under one_thread and use "
                        "assert_bitwise_equal; otherwise compare with a tolerance and say why that one:\n" + "\n".join(found))
-
-
-def test_pending_modules_still_need_the_treatment() -> None:
-    for name, reason in PENDING.items():
-        path = TESTS / name
-        assert path.exists() and violations(path.read_text(), name), f"{name} now follows the rule: remove it from PENDING ({reason})"
 
 
 _OLD_CAUSALITY = '''
