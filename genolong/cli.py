@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import __version__
+from .allocator import keep_freed_memory
 from .errors import GenolongError
 
 __all__ = ["main", "build_parser"]
@@ -334,12 +335,20 @@ def _setup_logging() -> None:
         logger.setLevel(logging.INFO)
 
 
+#: the commands that run a model: their CPU runs keep freed memory (genolong.allocator)
+_MODEL_COMMANDS = frozenset({"finetune", "evaluate", "check-logprobs", "quickstart"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``genolong`` command line; returns the process exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     _setup_logging()
     try:
+        if args.command in _MODEL_COMMANDS:
+            # before torch allocates anything: freed activations are reused, not faulted in anew
+            # (genolong.allocator; GENOLONG_MALLOC=system opts out)
+            keep_freed_memory()
         return int(args.func(args))
     except GenolongError as exc:
         print(f"genolong {args.command}: error: {exc}", file=sys.stderr)

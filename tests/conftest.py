@@ -1,5 +1,5 @@
-"""Shared fixtures: the bundled sample prepared once per session, one torch thread per module; and
-Triton's interpreter mode for the kernel tests."""
+"""Shared fixtures: the bundled sample prepared once per session, one torch thread per module;
+Triton's interpreter mode for the kernel tests; genolong's CPU allocator setting."""
 
 from __future__ import annotations
 
@@ -17,8 +17,13 @@ import torch
 # collected (export TRITON_INTERPRET=0 to override).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from genolong.allocator import keep_freed_memory
 from genolong.data.prepare import prepare_genome
 from genolong.quickstart import SAMPLE_EVAL, SAMPLE_TRAIN, sample_fasta
+
+# the suite's long-context tests allocate as genolong's commands do: freed memory kept (see
+# genolong.allocator; GENOLONG_MALLOC=system runs the suite with glibc's defaults)
+keep_freed_memory()
 
 
 @pytest.fixture(scope="session")
