@@ -1,6 +1,6 @@
 """Test helpers: small FASTA writers, a naive reference segmenter, paths of the test data, the
-bitwise comparison of floating-point results, the transformers child process and the multi-process
-(gloo) launcher."""
+bitwise comparison of floating-point results, the transformers child process, the multi-process
+(gloo) launcher and a spy on Triton kernel launches."""
 
 from __future__ import annotations
 
@@ -187,3 +187,21 @@ def run_ranks(fn: Callable[..., None], world: int, tmp_path: Path, *args: Any, t
             for p in ctx.processes:
                 p.join(5)
             pytest.fail(f"{world}-process run of {fn.__name__} did not finish within {timeout:.0f} s")
+
+
+def spy_on_launches(monkeypatch: pytest.MonkeyPatch, kernel: Any) -> list[list[torch.dtype]]:
+    """Record the dtypes of the tensor arguments of each launch of ``kernel`` (an interpreted
+    ``@triton.jit`` function, whose ``kernel[grid](...)`` calls its ``run``); the kernel still runs.
+
+    Returns:
+        the list the launches are appended to, one ``[dtype, ...]`` per launch in argument order.
+    """
+    seen: list[list[torch.dtype]] = []
+    real = kernel.run
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        seen.append([a.dtype for a in args if isinstance(a, torch.Tensor)])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "run", run)
+    return seen

@@ -22,6 +22,8 @@ from genolong.kernels.dsa.kpool_loss import reference_kpool_indexer_kl_loss
 from genolong.kernels.dsa.triton_kpool import kpool_indexer_kl_loss_triton, kpool_keys_triton
 from genolong.kernels.testing import rms_ratio
 
+from .helpers import spy_on_launches
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 _FP32_TOL = 1e-5
@@ -288,3 +290,40 @@ def test_kl_loss_validation_matches_the_reference(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(triton_kpool, "_kpool_fwd_kernel", object())  # as if compiled for a GPU
     with pytest.raises(InputError, match="TRITON_INTERPRET"):
         kpool_indexer_kl_loss_triton(**good)
+
+
+def test_kl_loss_mixed_16bit_and_fp32_inputs_dot_in_16bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16-mixed autocast hands the loss 16-bit queries (main and index) with an fp32 latent and
+    fp32 pooled keys (RMSNorm / LayerNorm outputs under fp32 master weights): the fp32 sides are
+    rounded to the 16-bit dtype for the dots (tensor cores on a GPU), as autocast's matmul rounds
+    them (fp16 here: the interpreter's bf16 is broken). The result equals the torch reference on the
+    same rounded operands to float32 precision (loss 1e-5 relative, dk_pool and dw RMS ratio 1e-5,
+    dq_idx, rounded once to fp16 on both sides, within twice the reference's own error against the
+    float64 oracle), gradients come back in each input's dtype, and the kernels were launched with
+    16-bit dot operands."""
+    B, T, H, HK, D, HI, DI, P, topk, with_w, tail, act = KL_CASES["p4_gqa_weights_tail"]
+    q, k, q_idx, k_pool, w_idx, pools = _kl_inputs(B, T, H, HK, D, HI, DI, P, topk, torch.float32, 23, with_w)
+    q, q_idx = q.half(), q_idx.detach().half().requires_grad_(True)
+    w_idx = w_idx.detach().float().requires_grad_(True)  # DSAIndexer.project makes the weights fp32
+    kw = dict(attn_scale=0.8 * D ** -0.5, idx_scale=1.3 * DI ** -0.5, tail=tail, activation=act)
+    target_seen = spy_on_launches(monkeypatch, triton_kpool._kl_target_kernel)
+    rows_seen = spy_on_launches(monkeypatch, triton_kpool._kl_rows_kernel)
+    loss = kpool_indexer_kl_loss_triton(q, k, q_idx, k_pool, w_idx, pools, P, **kw)
+    got = (loss.detach(), *torch.autograd.grad(loss, (q_idx, k_pool, w_idx)))
+    assert target_seen[0][:2] == [torch.float16, torch.float16]  # q and the latent k
+    assert all(s[:2] == [torch.float16, torch.float16] for s in rows_seen)  # q_idx and k_pool (fwd, bwd)
+    assert [x.dtype for x in got[1:]] == [torch.float16, torch.float32, torch.float32]
+    # the reference on the operands as autocast rounds them (the leaf keeps the fp32 dtype)
+    k_r = k.half()
+    kp_r = k_pool.detach().half().float().requires_grad_(True)
+    ref_loss = kpool_indexer_kl_loss(q, k_r, q_idx, kp_r, w_idx, pools, P, query_block=7, **kw)
+    ref = (ref_loss.detach(), *torch.autograd.grad(ref_loss, (q_idx, kp_r, w_idx)))
+    leaves64 = [x.detach().double().requires_grad_(True) for x in (q_idx, kp_r, w_idx)]
+    x_loss = reference_kpool_indexer_kl_loss(q.double(), k_r.double(), *leaves64, pools, P, **kw)
+    exact = (x_loss.detach(), *torch.autograd.grad(x_loss, leaves64))
+    assert float(exact[0]) > 1e-3
+    assert abs(float(got[0]) - float(ref[0])) <= 1e-5 * abs(float(ref[0])), (float(got[0]), float(ref[0]))
+    err, ref_err = rms_ratio(exact[1], got[1]), rms_ratio(exact[1], ref[1])
+    assert 0 < ref_err < 1e-3 and err <= 2.0 * ref_err, ("dq_idx", err, ref_err)
+    for what, a, r in zip(("dk_pool", "dw_idx"), got[2:], ref[2:]):
+        assert rms_ratio(r, a) < _FP32_TOL, (what, rms_ratio(r, a))

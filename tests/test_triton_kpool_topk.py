@@ -21,6 +21,8 @@ from genolong.kernels.dsa import kpool_expand, kpool_topk
 from genolong.kernels.dsa import triton_topk
 from genolong.kernels.dsa.triton_topk import kpool_topk_triton
 
+from .helpers import spy_on_launches
+
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -184,3 +186,29 @@ def test_validation_matches_the_reference_and_cpu_needs_the_interpreter(monkeypa
     monkeypatch.setattr(triton_topk, "_kpool_topk_kernel", object())  # as if compiled for a GPU
     with pytest.raises(InputError, match="TRITON_INTERPRET"):
         kpool_topk_triton(q, k, w, 16, 4)
+
+
+def test_mixed_16bit_queries_and_fp32_keys_dot_in_16bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16-mixed autocast hands the op 16-bit index queries and fp32 pooled keys (out of a
+    LayerNorm): the keys are rounded to the 16-bit dtype (as autocast's matmul would) so that the
+    GPU dots run on tensor cores, and the selection equals the reference's on the same rounded keys
+    (fp16 here: the interpreter's bf16 is broken). The keys are off the fp16 grid, so the rounding
+    changes scores; the reference on the unrounded fp32 keys is shown to select differently, so the
+    comparison can tell the two roundings apart."""
+    B, T, HI, DI, P, topk = 2, 77, 3, 16, 4, 12
+    g = torch.Generator().manual_seed(5)
+    q = _grid(g, B, T, HI, DI).half()
+    # fp32 keys between fp16 neighbours: k16 on the grid plus an offset that fp16 rounds away
+    k16 = _grid(g, B, T // P, DI)
+    k = k16 * (1 + (torch.rand(B, T // P, DI, generator=g) - 0.5) * 2**-12)  # < half an fp16 ulp
+    assert not torch.equal(k.half().float(), k) and torch.equal(k.half().float(), k16)
+    w = _grid(g, B, T, HI)
+    seen = spy_on_launches(monkeypatch, triton_topk._kpool_topk_kernel)
+    got = kpool_topk_triton(q, k, w, topk, P, block_size=16, query_block=16)
+    assert seen and seen[0][:2] == [torch.float16, torch.float16]  # q_idx and k_pool as dot operands
+    ref = kpool_topk(q, k.half(), w, topk, P)
+    assert torch.equal(got, ref)
+    assert torch.equal(got, kpool_expand(_dense_oracle(q, k16, w, topk // P, P, DI ** -0.5, "relu"), P, True))
+    # the fp32 keys themselves select differently on this instance (ties on the grid are broken
+    # by the offsets), so equality above is not an accident of rounding-insensitive inputs
+    assert not torch.equal(got, kpool_topk(q.float(), k, w, topk, P))

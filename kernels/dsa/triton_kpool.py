@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .kpool_loss import _check, _compute_dtype
-from .triton_common import KERNEL_DTYPES, check_runnable
+from .triton_common import KERNEL_DTYPES, check_runnable, dot_dtype
 
 __all__ = ["kpool_keys_triton", "kpool_indexer_kl_loss_triton"]
 
@@ -276,8 +276,10 @@ def kpool_keys_triton(k_idx: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
 #    space, as in the reference, so a pool's mass never underflows. Scores are recomputed in pass 2
 #    rather than kept: per head and pool they would be ``[B, T, H, KP]`` floats. (Sparse attention's
 #    saved lse is this ``lse_h``; passing it in would skip pass 1: left for when profiling asks.)
-#    The dots run in the inputs' dtype with float32 accumulation: for 16-bit inputs every product is
-#    exact in float32, as in the reference, which computes in float32.
+#    The dots run in one operand dtype with float32 accumulation (``dot_dtype``: the inputs' own,
+#    or the 16-bit one when bf16-mixed autocast hands over bf16 queries and an fp32 latent, the
+#    latent then rounded to it as autocast's matmul would): for 16-bit operands every product is
+#    exact in float32 and the dots run on tensor cores; fp32 operands use IEEE dots.
 # 2. KL rows (``BACKWARD`` constexpr: forward, or backward recomputing the scores). With
 #    ``pre = idx_scale * q_idx[t] . k_pool[j]`` ``[HI, KP]``, ``z = relu(pre)``,
 #    ``I = sum_h w[h] z[h]``, ``log q = log_softmax_{J(t)} I``::
@@ -292,8 +294,15 @@ def kpool_keys_triton(k_idx: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
 #    Only the ``[B, T, KP]`` float32 target is saved. ``dk_pool`` is scattered with atomics like
 #    sparse attention's ``dK`` (a pool is selected by up to ``T`` queries; the adds commute, exact
 #    up to float32 summation order, which on a GPU may vary between runs); a deterministic variant
-#    needs the inverse lists pool -> queries. These dots are float32 (IEEE): the backward's
-#    ``dpre`` is float32 and the reference computes the indexer part in float32.
+#    needs the inverse lists pool -> queries. The scores' dot takes ``q_idx`` and ``k_pool`` in
+#    one operand dtype (``dot_dtype``, as the target); the backward's two dots multiply the float32
+#    ``dpre`` (a gradient, meant in float32 as in the reference) by the inputs widened to float32.
+#    Float32 dots use ``tf32x3`` (three TF32 tensor-core products, the small x small term
+#    dropped: float32-level error, ~1.6e-7 RMS relative at K = 64..512 against 1.4e-7 for IEEE
+#    FMA and 2.9e-4 for one TF32 product, emulated in float64), not ``ieee``: FMA dots of these
+#    tiles spilled 13-21 KB per thread at the 1b and GLM-5.3-Flash shapes.
+#    ``num_warps`` and the backward's channel tile follow the ``[BLOCK_H, BLOCK_KP]`` score tile
+#    (see ``_kl_rows_config``), so that nothing spills (benchmarks/gpu_compile.py checks it).
 #
 # float64 inputs are computed in float32 (the reference then computes in float64: agreement ~1e-7
 # relative, not bitwise); the loss is returned in the reference's dtype. Helper device functions
@@ -336,75 +345,79 @@ def _kl_target_kernel(
     tail_mask = offs_tail < n_tail
     tail_row = tl.where(tail_mask, t + 1 - n_tail + offs_tail, 0)
 
+    # Each loop below has its own variables: a name carried by a loop keeps one type and shape on
+    # every iteration in compiled Triton (the interpreter does not check it), and the tail's
+    # [BLOCK_G, BLOCK_TAIL] scores, a tile's [BLOCK_G, BLOCK_J * BLOCK_P] and the per-pool
+    # [BLOCK_J] / per-row [BLOCK_KP] statistics all differ.
     logm = tl.full([BLOCK_KP], float("-inf"), dtype=tl.float32)
     for hk in range(0, HK):
         q_row = Q + b * stride_qb + t * stride_qt + (hk * G + offs_g)[:, None] * stride_qh
         k_head = K + b * stride_kb + hk * stride_kh
         # pass 1: lse_h over S(t); the tail first (masked rows are never read)
-        s = tl.zeros([BLOCK_G, BLOCK_TAIL], dtype=tl.float32)
+        s_tail = tl.zeros([BLOCK_G, BLOCK_TAIL], dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
             dd = d0 + offs_d
             q = tl.load(q_row + dd[None, :] * stride_qd, mask=mask_g[:, None] & (dd < D)[None, :], other=0.0)
-            kt = tl.load(k_head + tail_row[:, None] * stride_kt + dd[None, :] * stride_kd,
+            kt_tail = tl.load(k_head + tail_row[:, None] * stride_kt + dd[None, :] * stride_kd,
                          mask=tail_mask[:, None] & (dd < D)[None, :], other=0.0)
-            s += tl.dot(q, tl.trans(kt), input_precision="ieee")
-        s = tl.where(tail_mask[None, :], s * a_sc, float("-inf"))
-        mx = tl.max(s, axis=1)
-        mxs = tl.where(mx == float("-inf"), 0.0, mx)
-        ssum = tl.sum(tl.exp(s - mxs[:, None]), axis=1)
-        lse = tl.where(ssum > 0.0, mxs + tl.log(tl.where(ssum > 0.0, ssum, 1.0)), float("-inf"))
+            s_tail += tl.dot(q, tl.trans(kt_tail), input_precision="ieee")
+        s_tail = tl.where(tail_mask[None, :], s_tail * a_sc, float("-inf"))
+        mx_tail = tl.max(s_tail, axis=1)
+        mxs_tail = tl.where(mx_tail == float("-inf"), 0.0, mx_tail)
+        sum_tail = tl.sum(tl.exp(s_tail - mxs_tail[:, None]), axis=1)
+        lse = tl.where(sum_tail > 0.0, mxs_tail + tl.log(tl.where(sum_tail > 0.0, sum_tail, 1.0)), float("-inf"))
         for j0 in range(0, KP, BLOCK_J):
-            slot = j0 + u_j
-            j = tl.load(pid_row + slot * stride_pk, mask=slot < KP, other=-1).to(tl.int64)
-            tmask = (u_i < P) & (j >= 0) & ((j + 1) * P - 1 <= t)
-            row = tl.where(tmask, j * P + u_i, 0)
-            s = tl.zeros([BLOCK_G, BLOCK_J * BLOCK_P], dtype=tl.float32)
+            slot1 = j0 + u_j
+            j1 = tl.load(pid_row + slot1 * stride_pk, mask=slot1 < KP, other=-1).to(tl.int64)
+            tmask1 = (u_i < P) & (j1 >= 0) & ((j1 + 1) * P - 1 <= t)
+            row1 = tl.where(tmask1, j1 * P + u_i, 0)
+            s1 = tl.zeros([BLOCK_G, BLOCK_J * BLOCK_P], dtype=tl.float32)
             for d0 in range(0, D, BLOCK_D):
                 dd = d0 + offs_d
                 q = tl.load(q_row + dd[None, :] * stride_qd, mask=mask_g[:, None] & (dd < D)[None, :], other=0.0)
-                kt = tl.load(k_head + row[:, None] * stride_kt + dd[None, :] * stride_kd,
-                             mask=tmask[:, None] & (dd < D)[None, :], other=0.0)
-                s += tl.dot(q, tl.trans(kt), input_precision="ieee")
-            s = tl.where(tmask[None, :], s * a_sc, float("-inf"))
-            # lse = logaddexp(lse, logsumexp_row(s)), with -inf kept exact (no nan)
-            mx = tl.maximum(lse, tl.max(s, axis=1))
-            mxs = tl.where(mx == float("-inf"), 0.0, mx)
-            ssum = tl.exp(lse - mxs) + tl.sum(tl.exp(s - mxs[:, None]), axis=1)
-            lse = tl.where(ssum > 0.0, mxs + tl.log(tl.where(ssum > 0.0, ssum, 1.0)), float("-inf"))
+                kt1 = tl.load(k_head + row1[:, None] * stride_kt + dd[None, :] * stride_kd,
+                             mask=tmask1[:, None] & (dd < D)[None, :], other=0.0)
+                s1 += tl.dot(q, tl.trans(kt1), input_precision="ieee")
+            s1 = tl.where(tmask1[None, :], s1 * a_sc, float("-inf"))
+            # lse = logaddexp(lse, logsumexp_row(s1)), with -inf kept exact (no nan)
+            mx1 = tl.maximum(lse, tl.max(s1, axis=1))
+            mxs1 = tl.where(mx1 == float("-inf"), 0.0, mx1)
+            sum1 = tl.exp(lse - mxs1) + tl.sum(tl.exp(s1 - mxs1[:, None]), axis=1)
+            lse = tl.where(sum1 > 0.0, mxs1 + tl.log(tl.where(sum1 > 0.0, sum1, 1.0)), float("-inf"))
         lses = tl.where(lse == float("-inf"), 0.0, lse)
         # pass 2: per pool, logsumexp over the G heads and the P tokens of S - lse_h
         for j0 in range(0, KP, BLOCK_J):
-            slot = j0 + u_j
-            j = tl.load(pid_row + slot * stride_pk, mask=slot < KP, other=-1).to(tl.int64)
-            tmask = (u_i < P) & (j >= 0) & ((j + 1) * P - 1 <= t)
-            row = tl.where(tmask, j * P + u_i, 0)
-            s = tl.zeros([BLOCK_G, BLOCK_J * BLOCK_P], dtype=tl.float32)
+            slot2 = j0 + u_j
+            j2 = tl.load(pid_row + slot2 * stride_pk, mask=slot2 < KP, other=-1).to(tl.int64)
+            tmask2 = (u_i < P) & (j2 >= 0) & ((j2 + 1) * P - 1 <= t)
+            row2 = tl.where(tmask2, j2 * P + u_i, 0)
+            s2 = tl.zeros([BLOCK_G, BLOCK_J * BLOCK_P], dtype=tl.float32)
             for d0 in range(0, D, BLOCK_D):
                 dd = d0 + offs_d
                 q = tl.load(q_row + dd[None, :] * stride_qd, mask=mask_g[:, None] & (dd < D)[None, :], other=0.0)
-                kt = tl.load(k_head + row[:, None] * stride_kt + dd[None, :] * stride_kd,
-                             mask=tmask[:, None] & (dd < D)[None, :], other=0.0)
-                s += tl.dot(q, tl.trans(kt), input_precision="ieee")
-            la = tl.where(mask_g[:, None] & tmask[None, :], s * a_sc - lses[:, None], float("-inf"))
+                kt2 = tl.load(k_head + row2[:, None] * stride_kt + dd[None, :] * stride_kd,
+                             mask=tmask2[:, None] & (dd < D)[None, :], other=0.0)
+                s2 += tl.dot(q, tl.trans(kt2), input_precision="ieee")
+            la = tl.where(mask_g[:, None] & tmask2[None, :], s2 * a_sc - lses[:, None], float("-inf"))
             # [G, J * P] -> [J, G * P] (row-major reshape: token u = j * BLOCK_P + i): one reduction
             la = tl.reshape(tl.permute(tl.reshape(la, [BLOCK_G, BLOCK_J, BLOCK_P]), (1, 0, 2)),
                             [BLOCK_J, BLOCK_G * BLOCK_P])
-            mx = tl.max(la, axis=1)  # [BLOCK_J]
-            mxs = tl.where(mx == float("-inf"), 0.0, mx)
-            ssum = tl.sum(tl.exp(la - mxs[:, None]), axis=1)
-            lm = tl.where(ssum > 0.0, mxs + tl.log(tl.where(ssum > 0.0, ssum, 1.0)), float("-inf"))
+            mx_j = tl.max(la, axis=1)  # [BLOCK_J]
+            mxs_j = tl.where(mx_j == float("-inf"), 0.0, mx_j)
+            sum_j = tl.sum(tl.exp(la - mxs_j[:, None]), axis=1)
+            lm = tl.where(sum_j > 0.0, mxs_j + tl.log(tl.where(sum_j > 0.0, sum_j, 1.0)), float("-inf"))
             # place the tile's BLOCK_J values at slots j0 .. j0 + BLOCK_J - 1 of the row
             hit = (j0 + offs_jt)[:, None] == offs_kp[None, :]  # [BLOCK_J, BLOCK_KP]
             new = tl.max(tl.where(hit, lm[:, None], float("-inf")), axis=0)
-            mx = tl.maximum(logm, new)
-            mxs = tl.where(mx == float("-inf"), 0.0, mx)
-            ssum = tl.exp(logm - mxs) + tl.exp(new - mxs)
-            logm = tl.where(ssum > 0.0, mxs + tl.log(tl.where(ssum > 0.0, ssum, 1.0)), float("-inf"))
+            mx_kp = tl.maximum(logm, new)
+            mxs_kp = tl.where(mx_kp == float("-inf"), 0.0, mx_kp)
+            sum_kp = tl.exp(logm - mxs_kp) + tl.exp(new - mxs_kp)
+            logm = tl.where(sum_kp > 0.0, mxs_kp + tl.log(tl.where(sum_kp > 0.0, sum_kp, 1.0)), float("-inf"))
     logm = tl.where(valid, logm, float("-inf"))
-    mx = tl.max(logm, axis=0)
-    mxs = tl.where(mx == float("-inf"), 0.0, mx)
-    ssum = tl.sum(tl.exp(logm - mxs), axis=0)  # 0 on rows with no pool (then unused)
-    norm = mxs + tl.log(tl.where(ssum > 0.0, ssum, 1.0))
+    mx_row = tl.max(logm, axis=0)
+    mxs_row = tl.where(mx_row == float("-inf"), 0.0, mx_row)
+    sum_row = tl.sum(tl.exp(logm - mxs_row), axis=0)  # 0 on rows with no pool (then unused)
+    norm = mxs_row + tl.log(tl.where(sum_row > 0.0, sum_row, 1.0))
     logp = tl.where(valid, logm - norm, float("-inf"))
     tl.store(LOGP + b * stride_lb + t * stride_lt + offs_kp * stride_lk, logp, mask=offs_kp < KP)
 
@@ -446,7 +459,9 @@ def _kl_rows_kernel(
         dd = d0 + offs_d
         q = tl.load(q_row + dd[None, :] * stride_qd, mask=mask_h[:, None] & (dd < DI)[None, :], other=0.0)
         kp = tl.load(kp_rows + dd[None, :] * stride_kd, mask=valid[:, None] & (dd < DI)[None, :], other=0.0)
-        pre += tl.dot(q.to(tl.float32), tl.trans(kp.to(tl.float32)), input_precision="ieee")
+        # operands in the one dot dtype of the wrapper: 16-bit ones run on tensor cores as they
+        # are; fp32 ones as 3xTF32 (tensor cores, float32-level error; see the comment above)
+        pre += tl.dot(q, tl.trans(kp), input_precision="tf32x3")
     pre = pre * i_sc
     if RELU:
         z = tl.maximum(pre, 0.0)
@@ -485,10 +500,10 @@ def _kl_rows_kernel(
             mask_kd = valid[:, None] & (dd < DI)[None, :]
             q = tl.load(q_row + dd[None, :] * stride_qd, mask=mask_hd, other=0.0).to(tl.float32)
             kp = tl.load(kp_rows + dd[None, :] * stride_kd, mask=mask_kd, other=0.0).to(tl.float32)
-            dq = tl.dot(dpre, kp, input_precision="ieee")  # [BLOCK_H, BLOCK_DI]
+            dq = tl.dot(dpre, kp, input_precision="tf32x3")  # [BLOCK_H, BLOCK_DI]
             tl.store(DQI + b * stride_dqb + t * stride_dqt + offs_h[:, None] * stride_dqh + dd[None, :] * stride_dqd,
                      dq, mask=mask_hd)
-            dkp = tl.dot(tl.trans(dpre), q, input_precision="ieee")  # [BLOCK_KP, BLOCK_DI]
+            dkp = tl.dot(tl.trans(dpre), q, input_precision="tf32x3")  # [BLOCK_KP, BLOCK_DI]
             tl.atomic_add(DKPOOL + b * stride_dkb + row[:, None] * stride_dkj + dd[None, :] * stride_dkd, dkp,
                           mask=mask_kd, sem="relaxed")
 
@@ -527,6 +542,23 @@ def _kl_target(q: torch.Tensor, k: torch.Tensor, pools: torch.Tensor, P: int, ta
     return logp
 
 
+def _kl_rows_config(HI: int, KP: int, DI: int, backward: bool) -> dict[str, int]:
+    """Tiles and warps of the KL-rows kernel: ``BLOCK_H``, ``BLOCK_KP`` (powers of two, >= 16 for
+    ``tl.dot``), the channel tile ``BLOCK_DI`` and ``num_warps``.
+
+    A program holds the ``[BLOCK_H, BLOCK_KP]`` float32 scores (and, backward, their gradient) for
+    the whole row, plus per channel tile the gathered ``[BLOCK_KP, BLOCK_DI]`` pooled keys and the
+    ``dk_pool`` tile: the backward walks channels 16 at a time (64 forward), and 8 warps share a
+    score tile of more than 2,048 entries (GLM-5.3-Flash: 32 heads x 128 pools), so that no
+    register spills (benchmarks/gpu_compile.py, sm_90, GLM-5.3-Flash backward: 16 channels and 8
+    warps 206 registers, no spill; 32 channels 560 B of spill; 16 warps cap registers at 128 and
+    spill 400-970 B).
+    """
+    bh, bkp = _pow2_16(HI), _pow2_16(KP)
+    return dict(BLOCK_H=bh, BLOCK_KP=bkp, BLOCK_DI=min(16 if backward else 64, _pow2_16(DI)),
+                num_warps=4 if bh * bkp <= 2048 else 8)
+
+
 def _kl_rows(qc: torch.Tensor, kc: torch.Tensor, wc: torch.Tensor | None, pools: torch.Tensor, logp: torch.Tensor,
              P: int, i_sc: float, relu: bool, dkl: torch.Tensor | None = None):
     """Launch the KL-rows kernel: forward (``dkl`` None) -> ``kl [B, T]`` float32; backward ->
@@ -551,8 +583,7 @@ def _kl_rows(qc: torch.Tensor, kc: torch.Tensor, wc: torch.Tensor | None, pools:
             *qc.stride(), *kc.stride(), *w_strides, *pools.stride(), *logp.stride(), *dkl.stride(),
             *dq.stride(), *dkp.stride(), *dw_strides,
             T, KP, HI, DI, P, i_sc,
-            HAS_W=wc is not None, RELU=relu, BACKWARD=backward,
-            BLOCK_H=_pow2_16(HI), BLOCK_KP=_pow2_16(KP), BLOCK_DI=min(64, _pow2_16(DI)),
+            HAS_W=wc is not None, RELU=relu, BACKWARD=backward, **_kl_rows_config(HI, KP, DI, backward),
         )
     return (dq, dkp, dw) if backward else kl
 
@@ -562,7 +593,8 @@ class _KPoolKLRowsTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_idx, k_pool, w_idx, pools, logp, P, i_sc, relu):  # type: ignore[override]
-        qc, kc = _kernel_dtype(q_idx), _kernel_dtype(k_pool)
+        cdt = dot_dtype(q_idx, k_pool)  # the scores' dot operands (bf16-mixed: the 16-bit side)
+        qc, kc = q_idx.to(cdt), k_pool.to(cdt)
         wc = None if w_idx is None else _kernel_dtype(w_idx)
         ctx.save_for_backward(qc, kc, wc, pools, logp)
         ctx.P, ctx.i_sc, ctx.relu = P, i_sc, relu
@@ -636,8 +668,8 @@ def kpool_indexer_kl_loss_triton(
     check_runnable(_kpool_fwd_kernel, "genolong.kernels.dsa.triton_kpool",
                    "kpool_indexer_kl_loss_triton", "q, k, q_idx, k_pool, w_idx and pool_indices", *tensors)
     pools = pool_indices if pool_indices.dtype in (torch.int32, torch.int64) else pool_indices.long()
-    # one operand dtype for the target's dots: the inputs' own if shared and supported, else float32
-    cdt = q.dtype if (q.dtype == k.dtype and q.dtype in KERNEL_DTYPES) else torch.float32
+    # one operand dtype for the target's dots (bf16-mixed: the 16-bit side; see dot_dtype)
+    cdt = dot_dtype(q, k)
     with torch.no_grad():
         logp = _kl_target(q.detach().to(cdt), k.detach().to(cdt), pools, P, tail, a_sc)
     kl = _KPoolKLRowsTriton.apply(q_idx, k_pool, w_idx, pools, logp, P, i_sc, activation == "relu")

@@ -34,9 +34,12 @@ Index mapping. The kernel decodes the final buffer in registers and writes int32
 them to int64 (torch indexing wants int64) and calls :func:`kpool_expand`, so the result is the
 reference's ``[B, T, topk + P - 1]`` (``[B, T, topk]`` without tail) int64 token layout.
 
-Scores and exactness. Tiles are loaded in the inputs' dtype (fp16/bf16/fp32; float64 is computed
-in float32 like the reference) and the dot accumulates in float32 (IEEE, not TF32, for fp32
-inputs); ``scale`` multiplies the float32 dot, the activation, the weights and the head sum run in
+Scores and exactness. Tiles are loaded in one operand dtype (``triton_common.dot_dtype``): the
+inputs' own (fp16/bf16/fp32; float64 is computed in float32 like the reference), or with a 16-bit
+``q_idx`` and fp32 ``k_pool`` (the ``bf16-mixed`` autocast of a model with fp32 master weights:
+the pooled keys come out of a LayerNorm in fp32) the 16-bit one, ``k_pool`` rounded to it as
+autocast's matmul would round it, so that the dots run on tensor cores (fp32 operands would make
+them IEEE FMA dots). The dot accumulates in float32 (IEEE, not TF32, for fp32 inputs); ``scale`` multiplies the float32 dot, the activation, the weights and the head sum run in
 float32. The reference computes ``(scale * q) . k`` with ``torch.matmul`` and sums the heads with
 another matmul: the two scores are both float32 roundings of the same sum, so the selections are
 identical unless two candidates at the selection boundary lie within float32 rounding of each
@@ -54,7 +57,7 @@ import triton.language as tl
 
 from ...errors import InputError
 from .kpool import kpool_expand
-from .triton_common import KERNEL_DTYPES, check_runnable
+from .triton_common import check_runnable, dot_dtype
 
 __all__ = ["kpool_topk_triton"]
 
@@ -157,6 +160,13 @@ def _blocks(ksel: int, di: int, block_size: int, query_block: int) -> tuple[int,
     return bq, bn, max(_MIN_BLOCK, p2(di)), bk
 
 
+def _num_warps(bq: int, bn: int, bk: int) -> int:
+    """Warps of a program: the merge holds ``[BLOCK_Q, 2 * BLOCK_K]`` int64 candidates next to the
+    ``[BLOCK_Q, BLOCK_N]`` score tile; past 4,096 candidates (GLM-5.3-Flash and ``1b``: 32 queries x
+    2 x 128 pools) 4 warps spill (255 registers, 650-720 B per thread on sm_90), 8 do not."""
+    return 4 if bq * (2 * bk + bn) <= 4096 else 8
+
+
 def _select_pools(
     q_idx: torch.Tensor,
     k_pool: torch.Tensor,
@@ -181,7 +191,7 @@ def _select_pools(
     """
     B, T, HI, DI = q_idx.shape
     NP = k_pool.shape[1]
-    cdt = q_idx.dtype if (q_idx.dtype == k_pool.dtype and q_idx.dtype in KERNEL_DTYPES) else torch.float32
+    cdt = dot_dtype(q_idx, k_pool)  # bf16-mixed (bf16 q_idx, fp32 k_pool): the 16-bit side
     qc, kc = q_idx.to(cdt), k_pool.to(cdt)
     out = torch.empty(B, T, ksel, dtype=torch.int32, device=q_idx.device)
     bq, bn, bd, bk = _blocks(ksel, DI, block_size, query_block)
@@ -194,7 +204,7 @@ def _select_pools(
             T, NP, float(scale),
             HI=HI, DI=DI, P=pool_size, KSEL=ksel,
             BLOCK_Q=bq, BLOCK_N=bn, BLOCK_D=bd, BLOCK_K=bk,
-            HAS_W=w_idx is not None, RELU=activation == "relu",
+            HAS_W=w_idx is not None, RELU=activation == "relu", num_warps=_num_warps(bq, bn, bk),
         )
     return out
 
