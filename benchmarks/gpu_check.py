@@ -9,11 +9,14 @@ had:
     ``T = 32k`` (the RMS-ratio criterion, ``RMS(ref - x) / RMS(ref)``, of
     :func:`genolong.kernels.testing.rms_ratio`):
 
-    - DSA sparse attention: ``genolong.kernels.dsa.triton_attention.sparse_attention_triton``
-      (when it imports) on the ``1b`` preset's absorbed-MLA shapes (12 query heads over one
-      shared ``kv_lora_rank``-wide latent key/value head, top-k ``index_topk + index_kpool - 1``
-      random causal positions per query), against the torch :func:`~genolong.kernels.dsa.sparse_attention`
-      in float32 on the same (bf16-rounded) inputs;
+    - DSA sparse attention: ``genolong.kernels.dsa.triton_attention.sparse_attention_triton`` (the
+      op the ``triton`` backend routes to) on the ``1b`` preset's absorbed-MLA shapes as
+      ``DSAMixer`` calls it (12 query heads over one shared ``kv_lora_rank``-wide latent passed as
+      both k and v, ``v is k``, so its gradient is ``dK + dV``; top-k ``index_topk + index_kpool -
+      1`` random causal positions per query), against the torch
+      :func:`~genolong.kernels.dsa.sparse_attention` in float32 on the same (bf16-rounded) inputs;
+      also with bf16 queries and an fp32 latent (what ``bf16-mixed`` autocast with fp32 master
+      weights passes: the latent comes out of an RMSNorm in fp32);
     - KDA: the fla backend (:mod:`genolong.kernels.kda.fla_backend`, fla-core's ``chunk_kda`` in
       bf16) against genolong's torch :func:`~genolong.kernels.kda.chunk_kda` in float32 with an
       initial state (``1b`` geometry: 12 heads x 128, lower-bound gate ``-5 sigmoid``), also with
@@ -33,8 +36,9 @@ had:
 
 ``--small`` runs every part at tiny sizes (``tiny`` preset, T of a few hundred) on the machine's
 device (CPU here, torch backend; on CPU the KDA candidate is the fla adapter bound to fla's pure-torch
-``naive_recurrent_kda`` and the DSA candidate the bf16 torch reference) in well under a minute: it
-checks the script, not the kernels. A time budget (``--budget-s``, default 420 s) skips what would
+``naive_recurrent_kda`` and the DSA candidate the Triton op in Triton's interpreter when
+``TRITON_INTERPRET=1`` is set, as the test suite sets it, else the bf16 torch reference) in well
+under a minute: it checks the script, not the kernels. A time budget (``--budget-s``, default 420 s) skips what would
 start after it, recorded as skipped.
 
 Example::
@@ -51,6 +55,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import platform
 import sys
@@ -91,7 +96,8 @@ class Check:
         self.doc["elapsed_s"] = round(self.elapsed(), 2)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.doc, indent=2, default=str) + "\n")
+        # strict JSON: a NaN or infinite figure (a diverged kernel) is written as a string
+        tmp.write_text(json.dumps(_finite(self.doc), indent=2, default=str, allow_nan=False) + "\n")
         os.replace(tmp, self.path)
 
     def guard(self, key: str, fn: Callable[[], None]) -> None:
@@ -109,6 +115,18 @@ class Check:
 
 # ------------------------------------------------------------------------------------------------
 # helpers
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced by its name (``"nan"``, ``"inf"``, ``"-inf"``),
+    so that the document is strict JSON (``json.dumps(allow_nan=False)``) and still says what ran."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -170,38 +188,52 @@ def _ratios(ref: list[torch.Tensor], got: list[torch.Tensor], names: list[str]) 
 
 def check_dsa_correctness(c: Check, a: argparse.Namespace, device: torch.device) -> None:
     from genolong.kernels.dsa import sparse_attention
+    from genolong.kernels.dsa.triton_attention import sparse_attention_triton  # what the triton backend routes to
     from genolong.model import PRESETS
 
     cfg = PRESETS[a.preset]
     T, H, C = a.correct_T, cfg.num_attention_heads, cfg.kv_lora_rank
     topk = cfg.index_topk + cfg.index_kpool - 1
-    res: dict[str, Any] = {"T": T, "heads": H, "latent_dim": C, "topk": topk}
+    res: dict[str, Any] = {"T": T, "heads": H, "latent_dim": C, "topk": topk, "form": "absorbed MLA: v is k (the latent)"}
     c.doc.setdefault("correctness", {})["dsa_sparse_attention"] = res
-    if device.type == "cuda":
-        from genolong.kernels.backends import _triton_sparse_attention
-
-        candidate, res["impl"] = _triton_sparse_attention(), "genolong Triton sparse_attention_triton (bf16)"
+    # the Triton op on CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1, as the test
+    # suite sets it: the same call at tiny sizes); else the bf16 torch reference (script check only)
+    # (in fp16 there: the interpreter's bf16 is broken), else the bf16 torch reference (script check only)
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    half = torch.bfloat16
+    if device.type == "cuda" or interpreted:
+        candidate = sparse_attention_triton
+        res["impl"] = "genolong.kernels.dsa.triton_attention.sparse_attention_triton"
+        if device.type != "cuda":
+            half = torch.float16
+            res["impl"] += " in Triton's CPU interpreter, fp16 (script check only)"
     else:
         candidate, res["impl"] = sparse_attention, "torch reference in bf16 (no CUDA: script check only)"
+    res["half_dtype"] = str(half).removeprefix("torch.")
     gen = torch.Generator(device="cpu").manual_seed(0)
-    q = (torch.randn(1, T, H, C, generator=gen) * 0.5).to(device, torch.bfloat16)
-    kv = torch.randn(1, T, 1, C, generator=gen).to(device, torch.bfloat16)
-    dout = torch.randn(1, T, H, C, generator=gen).to(device, torch.bfloat16)
+    q = (torch.randn(1, T, H, C, generator=gen) * 0.5).to(device, half)
+    latent = torch.randn(1, T, 1, C, generator=gen).to(device, half)
+    dout = torch.randn(1, T, H, C, generator=gen).to(device, half)
     idx = causal_random_indices(T, topk, device)
     scale = (cfg.qk_head_dim) ** -0.5
 
-    def run(fn: Callable, dtype: torch.dtype) -> list[torch.Tensor]:
-        # fresh leaves each run (k and v hold the same values, as the latent MLA passes them)
-        qq, kk, vv = (x.detach().to(dtype).clone().requires_grad_(True) for x in (q, kv, kv))
-        o = fn(qq, kk, vv, idx, scale=scale)
-        return [o.detach()] + _grads(o, dout.to(o.dtype), [qq, kk, vv])
+    def run(fn: Callable, q_dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        # fresh leaves each run; the latent is passed as both k and v, as DSAMixer's absorbed form
+        # does (sparse_attention(q, latent, latent, ...)): its gradient is dK + dV
+        qq = q.detach().to(q_dtype).clone().requires_grad_(True)
+        kv = latent.detach().to(kv_dtype or q_dtype).clone().requires_grad_(True)
+        o = fn(qq, kv, kv, idx, scale=scale)
+        return [o.detach().float()] + [g.float() for g in _grads(o, dout.to(o.dtype), [qq, kv])]
 
-    names = ["o", "dq", "dk", "dv"]
+    names = ["o", "dq", "dkv"]
     ref = run(sparse_attention, torch.float32)
-    res["rms_ratio"] = _ratios(ref, run(candidate, torch.bfloat16), names)
-    res["torch_bf16_rms_ratio"] = _ratios(ref, run(sparse_attention, torch.bfloat16), names)
+    res["rms_ratio"] = _ratios(ref, run(candidate, half), names)
+    res["torch_half_rms_ratio"] = _ratios(ref, run(sparse_attention, half), names)
+    # bf16-mixed autocast with fp32 master weights: 16-bit queries, the fp32 latent of the RMSNorm
+    res["mixed_rms_ratio"] = _ratios(ref, run(candidate, half, torch.float32), names)
     res["finite"] = all(bool(torch.isfinite(x).all()) for x in ref)
-    print(f"[gpu_check] DSA sparse attention T={T}: {res['rms_ratio']}", flush=True)
+    print(f"[gpu_check] DSA sparse attention T={T} (v is k, {res['half_dtype']}): {res['rms_ratio']}; 16-bit q + fp32 latent: "
+          f"{res['mixed_rms_ratio']}", flush=True)
 
 
 def check_kda_correctness(c: Check, a: argparse.Namespace, device: torch.device) -> None:
