@@ -1,0 +1,79 @@
+"""Every Triton kernel the ``triton`` backend launches compiles for sm_90 and sm_100 at real shapes.
+
+Runs ``benchmarks/gpu_compile.py`` in a child process without ``TRITON_INTERPRET`` (the
+interpreter, which tests/conftest.py turns on for this session, would replace the kernels it
+compiles): the wrappers' launches at the ``1b`` and GLM-5.3-Flash shapes and the recipes' context
+lengths, in bf16 and under bf16-mixed, compiled down to PTX and ptxas for both targets. It fails on
+any compile error, shared memory over 232,448 B per block, spills over the kernel's budget
+(``SPILL_BUDGETS`` in the script, with the reasons) and dots off the tensor cores with 16-bit inputs.
+Compiles are cached in Triton's own cache directory (``TRITON_CACHE_DIR``, default
+``~/.triton/cache``), so a warm run takes seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .helpers import ROOT
+
+SCRIPT = ROOT / "benchmarks" / "gpu_compile.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("gpu_compile", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_kernel_compiles_for_sm90_and_sm100_within_limits(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_compile.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    jobs = str(max(1, min(4, os.cpu_count() or 1)))
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--json", str(out), "--jobs", jobs, "--timeout", "150"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
+    doc = json.loads(out.read_text(), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    rows = doc["rows"]
+    gc = _load_script()
+    # coverage: every routed wrapper's kernels, both targets, both shapes, both dtypes, and the
+    # longest recipe length (1M tokens)
+    assert doc["kernels_never_launched"] == [], doc["kernels_never_launched"]
+    modules = {r["module"].rsplit(".", 1)[-1] for r in rows}
+    assert modules == {m for m, _ in gc.routed_wrappers()}, modules
+    for kernel in {r["kernel"] for r in rows}:
+        combos = {(r["shape"], r["dtype"], r["arch"]) for r in rows if r["kernel"] == kernel}
+        assert len(combos) == len(gc.SHAPES) * len(gc.DEFAULT_DTYPES) * len(gc.ARCHS), (kernel, sorted(combos))
+    assert any("1048576" in r["lengths"] for r in rows)
+    # integers are typed by their value at the length: a GLM-5.3-Flash query at 1M tokens has a
+    # batch stride of 2**35 elements (i64), at 1,024 tokens of 2**25 (i32)
+    attn = [r for r in rows if r["kernel"] == "_sparse_attn_fwd_kernel" and r["shape"] == "glm-5.3-flash"]
+    assert attn and all("stride_qb" in r["i64_args"] for r in attn if "1048576" in r["lengths"])
+    assert all("stride_qb" not in r["i64_args"] for r in attn if "1024" in r["lengths"])
+    failures = [f"{r['kernel']} [{r['phase']}] {r['shape']} {r['dtype']} {r['arch']} ({','.join(r['lengths'])}): "
+                + "; ".join(r["problems"]) for r in rows if r["problems"]]
+    assert not failures, f"{len(failures)} of {len(rows)} kernel builds fail:\n" + "\n".join(failures)
+
+
+def test_the_checks_catch_each_kind_of_failure() -> None:
+    """``problems`` flags a compile error, shared memory over the limit, spills over the budget and
+    fp32 IEEE dots (or no tensor-core instruction) with 16-bit inputs; a clean row passes."""
+    gc = _load_script()
+    ok = {"status": "ok", "error": None, "shared": 100_000, "spill_stores": 0, "spill_budget": 0, "dtype": "bf16",
+          "dots": 2, "dots_fp32_ieee": 0, "tensor_core_ops": {"wgmma": 4}}
+    assert gc.problems(ok) == []
+    assert gc.problems({**ok, "dtype": "fp32", "dots_fp32_ieee": 2, "tensor_core_ops": {}}) == []  # fp32 meant
+    assert "does not compile" in gc.problems({**ok, "status": "error", "error": "CompilationError: x"})[0]
+    assert "shared memory 295,424 B > 232,448 B" in gc.problems({**ok, "shared": 295_424})[0]
+    assert "spills 8 B per thread > budget 0 B" in gc.problems({**ok, "spill_stores": 8})[0]
+    assert "fp32 ieee" in gc.problems({**ok, "dtype": "bf16-mixed", "dots_fp32_ieee": 1})[0]
+    assert "no tensor-core instruction" in gc.problems({**ok, "tensor_core_ops": {}})[0]
+    assert gc.problems({**ok, "dots": 0, "tensor_core_ops": {}}) == []  # no dots: nothing to check
