@@ -44,8 +44,11 @@ cached under Triton's cache directory by the PTX's hash); the dots (``tt.dot`` i
 types, and how many are fp32 ``ieee``, i.e. FMA, not tensor cores) and the tensor-core
 instructions in the PTX (``wgmma`` on sm_90, ``tcgen05.mma`` on sm_100, ``mma.sync`` on either).
 
+Compiles run ``--jobs`` at a time, each in a forked child killed after ``--timeout`` seconds (a
+kernel whose build takes minutes stalls a training run's first step as long: it counts as an error).
+
 Checks (``--check`` exits 1; ``tests/test_gpu_compile.py`` asserts the same on the JSON): every
-kernel compiles; shared memory <= 232,448 B per block (H100/H200/B200 opt-in maximum); spill stores
+kernel compiles (within the timeout); shared memory <= 232,448 B per block (H100/H200/B200 opt-in maximum); spill stores
 within the kernel's budget (:data:`SPILL_BUDGETS`, with the reasons); with 16-bit inputs every dot
 runs on tensor cores (no fp32 ``ieee`` dot, and tensor-core instructions in the PTX).
 

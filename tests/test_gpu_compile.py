@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .helpers import ROOT
 
 SCRIPT = ROOT / "benchmarks" / "gpu_compile.py"
@@ -33,6 +35,7 @@ def _load_script():
     return module
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_sm90_and_sm100_within_limits(tmp_path: Path) -> None:
     out = tmp_path / "gpu_compile.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -549,14 +549,14 @@ def _kl_rows_config(HI: int, KP: int, DI: int, backward: bool) -> dict[str, int]
     A program holds the ``[BLOCK_H, BLOCK_KP]`` float32 scores (and, backward, their gradient) for
     the whole row, plus per channel tile the gathered ``[BLOCK_KP, BLOCK_DI]`` pooled keys and the
     ``dk_pool`` tile: the backward walks channels 16 at a time (64 forward), and 8 warps share a
-    score tile of more than 2,048 entries (GLM-5.3-Flash: 32 heads x 128 pools), so that no
-    register spills (benchmarks/gpu_compile.py, sm_90, GLM-5.3-Flash backward: 16 channels and 8
-    warps 206 registers, no spill; 32 channels 560 B of spill; 16 warps cap registers at 128 and
-    spill 400-970 B).
+    score tile of 2,048 entries or more (``1b``: 16 x 128 pools; GLM-5.3-Flash: 32 heads x 128), so
+    that no register spills (benchmarks/gpu_compile.py, GLM-5.3-Flash backward on sm_90: 16
+    channels and 8 warps 206 registers, no spill; 32 channels 560 B of spill; 16 warps cap the
+    registers at 128 and spill 400-970 B; ``1b`` backward with 4 warps spilled 32-40 B).
     """
     bh, bkp = _pow2_16(HI), _pow2_16(KP)
     return dict(BLOCK_H=bh, BLOCK_KP=bkp, BLOCK_DI=min(16 if backward else 64, _pow2_16(DI)),
-                num_warps=4 if bh * bkp <= 2048 else 8)
+                num_warps=4 if bh * bkp < 2048 else 8)
 
 
 def _kl_rows(qc: torch.Tensor, kc: torch.Tensor, wc: torch.Tensor | None, pools: torch.Tensor, logp: torch.Tensor,
