@@ -104,6 +104,13 @@ SPILL_BUDGETS: dict[str, tuple[int, str]] = {
                               "4-byte value in local memory with 72 registers in use (a placement choice, not "
                               "pressure: GLM-5.3-Flash uses 103 registers and spills nothing)"),
     "_kl_rows_kernel": (0, "[HI, KP] scores with num_warps chosen per shape: nothing should spill"),
+    "_sparse_attn_fwd_kernel": (384, "the GLM-5.3-Flash [64, 512] fp32 accumulator over 8 warps uses every register "
+                                     "(255); ptxas spills 72-76 B (bf16, sm_90) to 308-312 B (bf16 q with the fp32 "
+                                     "latent cast in the kernel, sm_90); 4 warps spilled 3.1 KB before"),
+    "_sparse_attn_bwd_dq_kernel": (0, "the head group split over programs keeps dQ's accumulator at 16K elements"),
+    "_sparse_attn_bwd_dkv_kernel": (256, "key-major: the 1b shape on sm_90 holds a [16, 256] dK accumulator and the "
+                                         "Q/dO operand rows at 255 registers, spilling 160 B; GLM-5.3-Flash 0 B"),
+    "_sparse_attn_dkv_reduce_kernel": (0, "an elementwise sum of float32 partials"),
 }
 #: Budget of kernels without an entry (e.g. new ones): a few spilled registers around a loop cost
 #: little next to the gathered loads; kilobytes mean the tiles or num_warps are wrong.
@@ -251,6 +258,42 @@ def _dtypes(variant: str) -> dict[str, Any]:
     raise SystemExit(f"--dtypes: unknown variant {variant!r}; choose from {', '.join(DTYPES)}")
 
 
+@contextlib.contextmanager
+def meta_key_lists(attention: Any) -> Iterator[None]:
+    """Stand-ins for the key-major backward's inverse index lists during a capture on meta tensors.
+
+    ``triton_attention._key_lists`` and ``_segments`` sort the selected (query, key) pairs with
+    data-dependent torch ops (``unique``, ``bincount``, ``repeat_interleave``) that a meta tensor
+    cannot run. What the launches need of them is only their dtypes (pointer types of the
+    signature) and the kernels' integer arguments, which do not depend on the data: the stand-ins
+    give tensors of the real functions' dtypes (tests/test_gpu_compile.py checks them against the
+    real ones) at worst-case sizes (every selected pair its own entry), and one split key tile, so
+    that the reduction kernel of split tiles launches too.
+    """
+    import torch
+
+    real = attention._key_lists, attention._segments
+
+    def key_lists(indices: torch.Tensor, TK: int, q_offset: int, block_k: int) -> Any:
+        B, T, K = indices.shape
+        entries = B * T * K
+        tiles = B * -(-TK // block_k)
+        return attention._KeyLists(torch.empty(entries, dtype=torch.int32, device="meta"),
+                                   torch.empty(entries, dtype=torch.int32, device="meta"),
+                                   torch.empty(tiles, dtype=torch.int64, device="meta"))
+
+    def segments(counts: torch.Tensor, segment: int) -> Any:
+        programs = torch.empty(counts.numel() + 1, dtype=torch.int64, device="meta")
+        one = torch.empty(1, dtype=torch.int64, device="meta")
+        return attention._Segments(programs, programs, programs, programs, 2, one, one, one)
+
+    attention._key_lists, attention._segments = key_lists, segments
+    try:
+        yield
+    finally:
+        attention._key_lists, attention._segments = real
+
+
 def _drive(cap: _Capture, function: str, fn: Callable, g: Geometry, variant: str, T: int, cp: int) -> None:
     """Call wrapper ``function`` (forward, then backward when it is differentiable) on meta tensors of
     geometry ``g`` at context ``T`` (as the last of ``cp`` context-parallel ranks when cp > 1)."""
@@ -273,7 +316,8 @@ def _drive(cap: _Capture, function: str, fn: Callable, g: Geometry, variant: str
         q = leaf((B, tl_, g.heads, g.latent), dt_["q"])
         lat = leaf((B, T, 1, g.latent), dt_["latent"])
         idx = torch.empty(B, tl_, K, dtype=torch.int64, **meta)
-        backward(fn(q, lat, lat, idx, scale=g.qk_head_dim ** -0.5, q_offset=T - tl_))
+        with meta_key_lists(importlib.import_module(fn.__module__)):
+            backward(fn(q, lat, lat, idx, scale=g.qk_head_dim ** -0.5, q_offset=T - tl_))
     elif function == "kpool_keys_triton":
         k_idx, gate = leaf((B, tl_, g.idx_dim), dt_["k_idx"]), leaf((B, tl_, g.idx_dim), dt_["gate"])
         backward(fn(k_idx, gate, leaf((P, g.idx_dim), dt_["ape"])))

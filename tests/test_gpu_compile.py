@@ -80,3 +80,29 @@ def test_the_checks_catch_each_kind_of_failure() -> None:
     assert "fp32 ieee" in gc.problems({**ok, "dtype": "bf16-mixed", "dots_fp32_ieee": 1})[0]
     assert "no tensor-core instruction" in gc.problems({**ok, "tensor_core_ops": {}})[0]
     assert gc.problems({**ok, "dots": 0, "tensor_core_ops": {}}) == []  # no dots: nothing to check
+
+
+def test_meta_key_lists_stand_ins_have_the_real_dtypes() -> None:
+    """The capture's stand-ins for the key-major backward's inverse index lists (meta tensors cannot
+    run ``unique``/``bincount``) carry the dtypes of the real ``_key_lists`` / ``_segments`` (they
+    become the kernel's pointer types), checked on real indices with a split key tile."""
+    import torch
+
+    from genolong.kernels.dsa import triton_attention as attention
+
+    gc = _load_script()
+    indices = torch.tensor([[[0, 3, -1], [1, 2, 0], [4, 1, 2]]])  # [B=1, T=3, K=3]
+    real_lists = attention._key_lists(indices, 5, 2, 4)
+    real_segments = attention._segments(real_lists.counts, 1)  # a segment per entry: tiles split
+    assert real_segments.n_slots > 0 and real_segments.red_tile.numel() > 0
+    with gc.meta_key_lists(attention):
+        stand_lists = attention._key_lists(indices.to("meta"), 5, 2, 4)
+        stand_segments = attention._segments(stand_lists.counts, 1)
+    assert attention._key_lists.__name__ == "_key_lists"  # put back
+    for real, stand in ((real_lists, stand_lists), (real_segments, stand_segments)):
+        for name, value in real._asdict().items():
+            other = getattr(stand, name)
+            if isinstance(value, torch.Tensor):
+                assert other.dtype == value.dtype and other.device.type == "meta", name
+            else:
+                assert isinstance(other, int) and other > 0, name
