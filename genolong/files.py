@@ -21,31 +21,29 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fsync_dir", "fsync_path", "replace_dir", "replace_file", "unique_sibling"]
+__all__ = ["fsync", "fsync_tree", "replace_dir", "replace_file", "unique_sibling"]
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file, or every file of a directory tree and its directories (what a rename of the
-    tree into place needs on disk first)."""
-    if path.is_dir():
-        for p in sorted(path.rglob("*")):
-            if p.is_file():
-                _fsync(p)
-    _fsync(path)
-
-
-def fsync_dir(directory: Path) -> None:
-    """fsync a directory's own entries (after a rename inside it), not the files beneath: other
-    processes may be renaming their own files in it at the same time."""
-    _fsync(directory)
-
-
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """fsync one file, or one directory's own entries (after a rename inside it; not the files
+    beneath: other processes may be renaming their own files in it at the same time)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync a file, or every file and directory of a directory tree (what a rename of the tree
+    into place needs on disk first)."""
+    if not path.is_dir():
+        fsync(path)
+        return
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            fsync(Path(dirpath) / name)
+        fsync(Path(dirpath))
 
 
 def unique_sibling(path: Path, kind: str) -> Path:
@@ -73,13 +71,13 @@ def replace_file(path: Path, write: Callable[[Path], Any], durable: bool = False
     try:
         write(tmp)
         if durable:
-            fsync_path(tmp)
+            fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     if durable:
-        fsync_dir(path.parent)
+        fsync(path.parent)
 
 
 def replace_dir(work: Path, out: Path) -> None:

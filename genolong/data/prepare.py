@@ -32,6 +32,7 @@ import numpy as np
 
 from .. import __version__
 from ..errors import InputError
+from ..files import fsync, fsync_tree
 from .alphabet import BASE_MASK, N, SOFTMASK, STORE_ALPHABET
 from .fasta import BLOCK_BYTES, RecordInfo, SequenceSource, open_source
 from .names import canonical_name
@@ -131,7 +132,7 @@ class _SplitWriter:
         for shard in range(start // SHARD_TOKENS, -(-end // SHARD_TOKENS)):
             path = self.path / "tokens" / "c" / str(shard)  # zarr v3 default chunk key encoding
             if path.is_file():
-                _fsync_file(path)
+                fsync(path)
                 stat = path.stat()
                 rel = f"{self.path.name}/tokens/c/{shard}"
                 self.digests[rel] = (stat.st_size, stat.st_mtime_ns, sha256_file(path))
@@ -373,22 +374,6 @@ def _is_store(path: Path) -> bool:
         return False
 
 
-def _fsync_file(path: Path) -> None:
-    """fsync a file or a directory (so that its entries are durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            _fsync_file(Path(dirpath) / name)
-        _fsync_file(Path(dirpath))
-
-
 class _Progress:
     """A per-chromosome tqdm bar on a terminal; silent otherwise."""
 
@@ -490,11 +475,11 @@ def prepare_genome(
         manifest, stats = _build(tmp, sources, paths, requested, assignment, min_gap, progress)
         for entry, digest in zip(manifest["sources"], source_digests):
             entry["sha256"] = digest.result()
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         partial = tmp / _PARTIAL_MANIFEST
         partial.write_text(json.dumps(manifest, indent=1))
-        _fsync_file(partial)
-        _fsync_file(tmp)
+        fsync(partial)
+        fsync(tmp)
         # Verify under the temporary manifest name: until the last rename nothing opens as a store.
         # The file digests were just computed from these files, so structure and sizes suffice.
         GenomeStore._load(tmp, _PARTIAL_MANIFEST, verify=False, build=False)

@@ -47,7 +47,7 @@ from ..data.alphabet import STORE_ALPHABET
 from ..data.datamodule import GenomeDataModule
 from ..data.store import GenomeStore
 from ..errors import InputError
-from ..files import fsync_dir, fsync_path
+from ..files import fsync, fsync_tree
 from ..model.lm import GenoLM
 from ..model.vocab import VocabMap
 from ..parallel import parallelize
@@ -82,9 +82,9 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         try:
             super().save_checkpoint(checkpoint, tmp, storage_options)
             if self.is_global_zero:
-                fsync_path(tmp)
+                fsync_tree(tmp)
                 os.replace(tmp, path)
-                fsync_dir(path.parent)
+                fsync(path.parent)
         except BaseException:
             if self.is_global_zero:
                 _remove(tmp)
