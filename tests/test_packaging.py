@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -33,9 +34,17 @@ def test_namespace_mapping_in_this_install(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_wheel_contents(tmp_path: Path) -> None:
     """A built wheel maps kernels/ -> genolong/kernels, evaluation/ -> genolong/evaluation, data/ ->
-    genolong/bundled, with the sample genome and no top-level kernels/ or tests/."""
+    genolong/bundled, with the sample genome and no top-level kernels/ or tests/.
+
+    Built from a copy of the tree: setuptools writes build/ and *.egg-info into the source it
+    builds, so two test runs at once (tests/run_twice.sh, two checkouts' CI) building the
+    repository itself would overwrite each other's files."""
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "runs", "genome",
+        "genolong-quickstart*", "evaluations", "lightning_logs"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(source)],
         check=True,
     )
     (wheel,) = tmp_path.glob("genolong-*.whl")
