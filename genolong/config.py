@@ -220,8 +220,12 @@ class MemorySection:
     """Single-process activation-memory techniques (applied by ``genolong.parallel``).
 
     Attributes:
-        recompute: ``none``, ``selective`` (the module types in ``recompute_modules``) or
-            ``full`` (every layer: only layer inputs are kept). Default ``none``.
+        recompute: ``none``, ``selective`` (the module types in ``recompute_modules``),
+            ``full`` (every layer: only layer inputs are kept; backward rebuilds a whole layer) or
+            ``chunked`` (only layer inputs are kept, as ``full``, but backward rebuilds the
+            attention half and the feed-forward half of a block separately, each in pieces of
+            ``recompute_chunk_tokens`` tokens, so the largest rebuilt region no longer grows with
+            the sequence). Default ``none``.
         recompute_modules: for ``selective``, any of :data:`RECOMPUTE_MODULES` (e.g. ``[attn,
             moe]``: both token mixers and the MoE). Default ``()``.
         offload: move saved activations to (pinned) host memory during forward and bring them
@@ -230,14 +234,17 @@ class MemorySection:
         moe_chunk_tokens: MoE dispatch chunk in tokens (bounds per-expert buffers), or None for
             all tokens at once. Default None.
         ce_chunk_tokens: rows per chunk of the fused LM-head cross-entropy. Default 4096.
+        recompute_chunk_tokens: for ``chunked``, tokens rebuilt at a time (a multiple of the KDA
+            chunk, :data:`KDA_CHUNK`). Default 16384.
     """
 
-    recompute: Literal["none", "selective", "full"] = "none"
+    recompute: Literal["none", "selective", "full", "chunked"] = "none"
     recompute_modules: tuple[str, ...] = ()
     offload: bool = False
     offload_min_bytes: int = 1 << 20
     moe_chunk_tokens: int | None = None
     ce_chunk_tokens: int = 4096
+    recompute_chunk_tokens: int = 16384
 
 
 @dataclass(frozen=True)
@@ -253,6 +260,10 @@ class ParallelSection:
         dp_shard: FSDP (sharded data-parallel) size, or -1 for all ranks left after ``cp`` and
             ``dp_replicate``. Default -1.
         dp_replicate: replicated data-parallel size (HSDP: replicas of a sharded group). Default 1.
+        ep: expert-parallel size: each MoE layer's routed experts are split over ``ep`` ranks
+            drawn from the ``dp_shard x cp`` ranks of a replica (folded into the mesh, no extra
+            GPUs), tokens travel to their experts' ranks by all-to-all; must divide
+            ``dp_shard x cp`` and the model's ``n_routed_experts``. Default 1.
     """
 
     accelerator: Literal["cpu", "gpu", "cuda", "auto"] = "auto"
@@ -261,6 +272,7 @@ class ParallelSection:
     cp: int = 1
     dp_shard: int = -1
     dp_replicate: int = 1
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -1027,9 +1039,13 @@ def _check(recipe: Recipe, ctx: _Context) -> None:
     nonneg("memory.offload_min_bytes", mem.offload_min_bytes)
     positive("memory.moe_chunk_tokens", mem.moe_chunk_tokens, allow_none=True)
     positive("memory.ce_chunk_tokens", mem.ce_chunk_tokens)
+    positive("memory.recompute_chunk_tokens", mem.recompute_chunk_tokens)
+    need(mem.recompute_chunk_tokens % KDA_CHUNK == 0, "memory.recompute_chunk_tokens",
+         f"memory.recompute_chunk_tokens = {mem.recompute_chunk_tokens:,}: must be a multiple of the KDA chunk of {KDA_CHUNK} "
+         f"tokens; use {max(KDA_CHUNK, mem.recompute_chunk_tokens // KDA_CHUNK * KDA_CHUNK):,}")
 
     p = recipe.parallel
-    for key in ("devices", "num_nodes", "cp", "dp_replicate"):
+    for key in ("devices", "num_nodes", "cp", "dp_replicate", "ep"):
         positive(f"parallel.{key}", getattr(p, key))
     need(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", f"parallel.dp_shard = {p.dp_shard}: must be at least 1, or -1 for all ranks left")
     world = p.world_size
@@ -1042,6 +1058,11 @@ def _check(recipe: Recipe, ctx: _Context) -> None:
              f"parallel.cp ({p.cp}) x dp_shard ({p.dp_shard}) x dp_replicate ({p.dp_replicate}) = {p.cp * p.dp_shard * p.dp_replicate} "
              f"but there are {world} processes (devices {p.devices} x num_nodes {p.num_nodes}); make the product {world} "
              "or set dp_shard: -1")
+    if p.dp_shard != -1 or world % (p.cp * p.dp_replicate) == 0:
+        fold = p.dp_shard_size * p.cp  # the ranks of one replica: expert parallelism is drawn from them
+        need(fold % p.ep == 0, ("parallel.ep", "parallel.dp_shard", "parallel.cp"),
+             f"parallel.ep = {p.ep} does not divide parallel.dp_shard x parallel.cp = {p.dp_shard_size} x {p.cp} = {fold} "
+             f"(the ranks the experts are spread over); choose ep among the divisors of {fold}")
 
     e = recipe.eval
     nonneg("eval.every_n_steps", e.every_n_steps)
@@ -1105,7 +1126,21 @@ def _resolve_model(recipe: Recipe, ctx: _Context | str, *, read_checkpoint: bool
                     )
     if config is not None:
         _check_context(recipe, config, ctx)
+        _check_experts(recipe, config, ctx)
     return config
+
+
+def _check_experts(recipe: Recipe, config: ModelConfig, ctx: _Context) -> None:
+    """``parallel.ep`` against the model: it must split every MoE layer's routed experts evenly."""
+    ep = recipe.parallel.ep
+    if ep == 1:
+        return
+    if "sparse" not in (config.mlp_layer_types or ()):
+        raise ctx.error(("parallel.ep", "model"), f"parallel.ep = {ep} but the model has no MoE layer (every mlp_layer_types "
+                                                  "entry is dense); set parallel.ep: 1")
+    if config.n_routed_experts % ep:
+        raise ctx.error(("parallel.ep", "model"), f"parallel.ep = {ep} does not divide the model's n_routed_experts = "
+                                                  f"{config.n_routed_experts}; choose ep among the divisors of {config.n_routed_experts}")
 
 
 def _short(value: Any) -> str:
