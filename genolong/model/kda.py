@@ -126,12 +126,119 @@ class KDAMixer(nn.Module):
         self.kernels = get_backend(config.kernel_backend)
         self.cp_group: Any = None  # a torch.distributed process group under context parallelism
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The q|k|v projections before the short conv: ``x [B, T, H] -> [B, T, 3 * heads * head_dim]``
+        in ``x``'s dtype (the rows :func:`genolong.kernels.kda.cp.conv_halo` and a segment's conv
+        halo carry)."""
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+    def _qkv(self, x: torch.Tensor, projected: torch.Tensor, halo: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Short conv (with ``halo`` rows in front, or zeros) + SiLU, heads, L2-normalised q and k (fp32)."""
+        b, t, _ = x.shape
+        heads = (b, t, self.num_heads, self.head_dim)
+        mixed = self.conv1d(projected, halo)
+        q, k, v = (part.reshape(heads) for part in mixed.split(self.num_heads * self.head_dim, dim=-1))
+        q, k = l2_normalize(q.float()), l2_normalize(k.float())  # in fp32, as fla does
+        return q, k, v
+
+    def _gated_kda(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   initial_state: torch.Tensor | None, output_final_state: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The delta rule through the backend's ``chunk_kda_gated`` (one process, no CP fold)."""
+        b, t, _ = x.shape
+        # the gate and beta from their raw projections inside the KDA op: on the fla backend
+        # fla's kernel computes them (no [B, T, H, K] fp32 gate tensor saved for backward); on
+        # the torch backend the same ops as ForgetGate.forward and a sigmoid
+        fg = self.forget_gate
+        g_raw = fg.f_b_proj(fg.f_a_proj(x)).view(b, t, self.num_heads, self.head_dim)
+        return self.kernels.chunk_kda_gated(
+            q, k, v.float(), g_raw, self.b_proj(x), fg.A_log, fg.dt_bias, lower_bound=fg.lower_bound,
+            initial_state=initial_state, output_final_state=output_final_state, chunk_size=self.chunk_size)
+
+    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """``o_proj(RMSNorm(o) * sigmoid(g_b(g_a(x))))``: ``o [B, T, heads, dv]`` -> ``[B, T, H]``."""
+        b, t, _ = x.shape
+        gate = self.g_b_proj(self.g_a_proj(x)).view(b, t, self.num_heads, self.head_dim)
+        return self.o_proj(self.o_norm(o.to(x.dtype), gate).reshape(b, t, -1))
+
+    def conv_tail(self, projected: torch.Tensor, halo: torch.Tensor | None) -> torch.Tensor:
+        """The last ``kernel - 1`` rows of ``[halo | projected]`` (zeros for a missing halo), as a copy.
+
+        Shapes: ``projected [B, t, C]``, ``halo [B, kernel - 1, C]`` or None -> ``[B, kernel - 1, C]``:
+        the conv halo of the segment that follows. A copy, so that keeping it (as a checkpoint output
+        carried to the next segment) does not keep the segment's whole projection alive.
+        """
+        h = self.conv1d.weight.shape[-1] - 1
+        b, t, c = projected.shape
+        if t >= h:
+            return projected[:, t - h:].clone()
+        if halo is None:
+            halo = projected.new_zeros(b, h, c)
+        return torch.cat([halo, projected], dim=1)[:, t:].clone()
+
+    def forward_segment(
+        self, x: torch.Tensor, halo: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+        output_tail: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One segment of a longer sequence, given what the tokens before it leave behind.
+
+        Args:
+            x: the segment's inputs ``[B, t, H]``.
+            halo: the ``kernel - 1`` projected q|k|v rows before the segment ``[B, kernel - 1, 3 *
+                heads * head_dim]`` (the previous segment's ``tail``, or
+                :func:`~genolong.kernels.kda.cp.conv_halo`'s rows at a rank boundary); default None:
+                zeros (the sequence starts here).
+            initial_state: the KDA state after the tokens before ``[B, heads, dk, dv]`` (fp32);
+                default None: zeros.
+            output_tail: also return the next segment's halo (default True).
+
+        Returns:
+            ``(out [B, t, H], tail [B, kernel - 1, 3 * heads * head_dim] or None, final_state [B, heads,
+            dk, dv] fp32)``. With ``halo`` and ``initial_state`` from the previous segment, ``out``
+            equals those rows of :meth:`forward` on the whole sequence (bit for bit on the torch
+            backend when the segments start on KDA chunk boundaries). ``cp_group`` is not consulted:
+            the caller brings the rank boundary's halo and state
+            (:mod:`genolong.parallel.chunked_kda`).
+        """
+        projected = self.project(x)
+        q, k, v = self._qkv(x, projected, halo)
+        o, state = self._gated_kda(x, q, k, v, initial_state, True)
+        assert state is not None, "chunk_kda_gated returned no final state for output_final_state=True"
+        tail = self.conv_tail(projected, halo) if output_tail else None
+        return self._output(x, o), tail, state
+
+    def segment_transition(
+        self, x: torch.Tensor, halo: torch.Tensor | None, carried: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A segment's affine state map ``S -> A S + B`` composed onto ``carried`` (context parallelism).
+
+        Args:
+            x: the segment's inputs ``[B, t, H]``.
+            halo: as in :meth:`forward_segment`.
+            carried: ``[B_c | A_c]`` ``[B, heads, dk, dv + dk]`` (fp32) of the tokens of this slice
+                before the segment (:func:`genolong.kernels.kda.cp.affine_state`); default None: the
+                identity ``[0 | I]`` (the segment starts the slice).
+
+        Returns:
+            ``(tail, [B' | A'])``: the next segment's conv halo (see :meth:`conv_tail`) and the map
+            of the slice up to the segment's end (``A' = A A_c``, ``B' = A B_c + B``), the same
+            widened KDA run :func:`~genolong.kernels.kda.cp.cp_chunk_kda` makes, through the
+            backend's ``chunk_kda``.
+        """
+        from ..kernels.kda.cp import affine_state
+
+        projected = self.project(x)
+        q, k, v = self._qkv(x, projected, halo)
+        g = self.forget_gate(x)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        _, X = affine_state(q, k, v.float(), g, beta, carried, chunk_size=self.chunk_size, kda_fn=self.kernels.chunk_kda)
+        return self.conv_tail(projected, halo), X
+
     def forward(
         self, x: torch.Tensor, initial_state: torch.Tensor | None = None, output_final_state: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        b, t, _ = x.shape
-        heads = (b, t, self.num_heads, self.head_dim)
-        projected = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        projected = self.project(x)
         halo = None
         if self.cp_group is not None:
             if initial_state is not None or output_final_state:
@@ -139,9 +246,7 @@ class KDAMixer(nn.Module):
             from ..kernels.kda.cp import conv_halo
 
             halo = conv_halo(projected, self.conv1d.weight.shape[-1], self.cp_group)
-        mixed = self.conv1d(projected, halo)
-        q, k, v = (part.reshape(heads) for part in mixed.split(self.num_heads * self.head_dim, dim=-1))
-        q, k = l2_normalize(q.float()), l2_normalize(k.float())  # in fp32, as fla does
+        q, k, v = self._qkv(x, projected, halo)
         if self.cp_group is not None:
             from ..kernels.kda.cp import cp_chunk_kda
 
@@ -151,14 +256,6 @@ class KDAMixer(nn.Module):
                              kda_fn=self.kernels.chunk_kda)
             state = None
         else:
-            # the gate and beta from their raw projections inside the KDA op: on the fla backend
-            # fla's kernel computes them (no [B, T, H, K] fp32 gate tensor saved for backward); on
-            # the torch backend the same ops as ForgetGate.forward and a sigmoid
-            fg = self.forget_gate
-            g_raw = fg.f_b_proj(fg.f_a_proj(x)).view(heads)
-            o, state = self.kernels.chunk_kda_gated(
-                q, k, v.float(), g_raw, self.b_proj(x), fg.A_log, fg.dt_bias, lower_bound=fg.lower_bound,
-                initial_state=initial_state, output_final_state=output_final_state, chunk_size=self.chunk_size)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(heads)
-        out = self.o_proj(self.o_norm(o.to(x.dtype), gate).reshape(b, t, -1))
+            o, state = self._gated_kda(x, q, k, v, initial_state, output_final_state)
+        out = self._output(x, o)
         return (out, state) if output_final_state else out

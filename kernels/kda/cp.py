@@ -48,7 +48,10 @@ import torch.nn.functional as F
 from .chunk import chunk_kda
 from .recurrent import check_kda_inputs, compute_dtype
 
-__all__ = ["KDAFn", "comm_meter", "conv_halo", "conv_halo_comm_bytes", "cp_chunk_kda", "cp_kda_comm_bytes"]
+__all__ = [
+    "KDAFn", "affine_state", "comm_meter", "conv_halo", "conv_halo_comm_bytes", "cp_chunk_kda", "cp_kda_comm_bytes",
+    "fold_states", "identity_map",
+]
 
 
 #: A local KDA op with :func:`~genolong.kernels.kda.chunk_kda`'s signature, returning
@@ -207,24 +210,86 @@ def cp_chunk_kda(
     if W == 1:
         return kda(q, k, v, g, beta, scale=scale, chunk_size=chunk_size)[0]
     check_kda_inputs(q, k, v, g, beta, scale, None)
-    B, T, H, K = q.shape
     V = v.shape[-1]
-    cdt = compute_dtype(q.dtype)
-    # widen the values by K zero columns and start from [0 | I]: outputs [o0 | P], final [B_r | A_r];
-    # in the accumulation dtype so that P and A_r are not rounded to a low-precision v dtype
-    v_aug = torch.cat([v.to(cdt), v.new_zeros(B, T, H, K, dtype=cdt)], dim=-1)          # [B, T, H, V + K]
-    eye = torch.eye(K, dtype=cdt, device=q.device).expand(B, H, K, K)
-    s0 = torch.cat([q.new_zeros(B, H, K, V, dtype=cdt), eye], dim=-1)                  # [B, H, K, V + K]
-    o_aug, X = kda(q, k, v_aug, g, beta, scale=scale, initial_state=s0, output_final_state=True, chunk_size=chunk_size)
-    assert X is not None, "kda_fn returned no final state for output_final_state=True"
-    if T == 0:
+    o_aug, X = affine_state(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, kda_fn=kda)
+    if q.shape[1] == 0:
         # an empty slice passes the state through (X = [0 | I], a constant); tie X to the (empty)
         # inputs so that this rank, too, runs the fold's backward and its collective
-        X = X + sum(x.sum() for x in (q, k, v, g, beta)).to(cdt)
-    S_in = _FoldStates.apply(X, group, V)                                               # [B, H, K, V]
+        X = X + sum(x.sum() for x in (q, k, v, g, beta)).to(X.dtype)
+    S_in = fold_states(X, group, V)                                                     # [B, H, K, V]
     o0, P = o_aug[..., :V], o_aug[..., V:]                                              # [B, T, H, V], [B, T, H, K]
     o = o0 + torch.einsum("bthk,bhkv->bthv", P, S_in)
     return o.to(v.dtype)
+
+
+def identity_map(B: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device | str | None = None
+                 ) -> torch.Tensor:
+    """The identity affine state map ``[0 | I]``: ``[B, H, K, V + K]`` (``S -> I S + 0``)."""
+    eye = torch.eye(K, dtype=dtype, device=device).expand(B, H, K, K)
+    return torch.cat([torch.zeros(B, H, K, V, dtype=dtype, device=device), eye], dim=-1)
+
+
+def affine_state(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    start: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    kda_fn: KDAFn | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The affine state map of a run of tokens, ``S_out = A S_in + B``, composed onto ``start``.
+
+    One local KDA call on values widened by ``K`` zero columns, ``v' = [v | 0]``, from the initial
+    state ``start = [B_0 | A_0]`` (the map of the tokens before; default ``[0 | I]``): the state's
+    columns evolve independently, so the final state is ``[A B_0 + B | A A_0]`` (the map from the
+    start of ``start``'s tokens to the end of these) and the outputs are ``[o0 + P B_0 | P A_0]``
+    with ``o0`` the outputs from a zero start and ``P_t = scale (A_{1..t})^T q_t``. Chained over
+    consecutive segments (each ``start`` the previous one's result) it gives the final state of one
+    call over their concatenation (with the torch op and segments on chunk boundaries the chunk
+    recurrence runs the same operations, so bit for bit; otherwise to rounding).
+
+    Args:
+        q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]`` (as
+            :func:`~genolong.kernels.kda.chunk_kda`).
+        start: ``[B, H, K, V + K]`` in the accumulation dtype, or None (the identity).
+        scale, chunk_size: as :func:`~genolong.kernels.kda.chunk_kda`.
+        kda_fn: the local KDA op (default :func:`~genolong.kernels.kda.chunk_kda`); it must honour
+            ``initial_state`` and ``output_final_state`` and accept values wider than the keys.
+
+    Returns:
+        ``(o_aug [B, T, H, V + K], X [B, H, K, V + K])``, both in the accumulation dtype (float32, or
+        float64 for float64 inputs); differentiable in every input (``start`` included).
+    """
+    kda = chunk_kda if kda_fn is None else kda_fn
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    cdt = compute_dtype(q.dtype)
+    # in the accumulation dtype so that P and A are not rounded to a low-precision v dtype
+    v_aug = torch.cat([v.to(cdt), v.new_zeros(B, T, H, K, dtype=cdt)], dim=-1)          # [B, T, H, V + K]
+    s0 = identity_map(B, H, K, V, cdt, q.device) if start is None else start
+    o_aug, X = kda(q, k, v_aug, g, beta, scale=scale, initial_state=s0, output_final_state=True, chunk_size=chunk_size)
+    assert X is not None, "kda_fn returned no final state for output_final_state=True"
+    return o_aug, X
+
+
+def fold_states(X: torch.Tensor, group: dist.ProcessGroup, V: int) -> torch.Tensor:
+    """The state a rank's slice starts from: all-gather every rank's map ``[B_j | A_j]``, fold the
+    earlier ranks' (``S <- A_j S + B_j`` for ``j < r``, from zero).
+
+    Args:
+        X: this rank's slice map ``[B, H, K, V + K]`` (:func:`affine_state`).
+        group: the context-parallel process group (at least 2 ranks).
+        V: the value head dim.
+
+    Returns:
+        ``S_in [B, H, K, V]`` (zeros on rank 0). Differentiable: its backward all-reduces the
+        gradients of every rank's map, so every rank of the group must call this collectively, use
+        ``S_in`` in its result, and back-propagate through it collectively.
+    """
+    return _FoldStates.apply(X, group, V)
 
 
 def conv_halo(x: torch.Tensor, kernel: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
