@@ -180,11 +180,11 @@ class _RebuiltBytes:
 
     Test instrumentation: torch.utils.checkpoint's recomputation packs every tensor it rebuilds through
     its ``_recomputation_hook``; a subclass installed with monkeypatch counts them on the way (storages
-    in ``exclude``, e.g. the streams the segments are views of, are not new memory).
+    in ``exclude``, the streams the segments are views of and the parameters, are not new memory).
     """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.live: dict[int, list[int]] = {}
+        self.live: dict[int, list[int]] = {}  # storage -> [bytes]
         self.bytes = self.peak = 0
         self.exclude: set[int] = set()
         tracker, original = self, torch_checkpoint._recomputation_hook
@@ -203,29 +203,26 @@ class _RebuiltBytes:
         monkeypatch.setattr(torch_checkpoint, "_recomputation_hook", Counting)
 
     def add(self, x: torch.Tensor) -> None:
-        key = x.untyped_storage().data_ptr()
-        if key in self.exclude or isinstance(x, torch.nn.Parameter):
+        storage = x.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.exclude or key in self.live or isinstance(x, torch.nn.Parameter):
             return
-        entry = self.live.setdefault(key, [x.untyped_storage().nbytes(), 0])
-        if entry[1] == 0:
-            self.bytes += entry[0]
-            self.peak = max(self.peak, self.bytes)
-        entry[1] += 1
-        weakref.finalize(x, self._drop, key)
+        # the storage, not the tensor: the recomputation keeps a detached alias of what was packed
+        self.live[key] = [storage.nbytes()]
+        self.bytes += storage.nbytes()
+        self.peak = max(self.peak, self.bytes)
+        weakref.finalize(storage, self._drop, key)
 
     def _drop(self, key: int) -> None:
-        entry = self.live[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.live[key]
-            self.bytes -= entry[0]
+        self.bytes -= self.live.pop(key)[0]
 
 
-def _metered(block: Block, fn: Any, T: int, rebuilt: _RebuiltBytes) -> tuple[int, int]:
-    """(bytes autograd keeps after forward, peak rebuilt bytes in backward) of one step."""
-    streams, _ = _inputs(TINY, 1, T)
+def _metered(block: Block, fn: Any, T: int | torch.Tensor, rebuilt: _RebuiltBytes) -> tuple[int, int]:
+    """(bytes autograd keeps after forward, peak rebuilt bytes in backward) of one step on ``T``
+    random tokens (one sequence) or on the given streams."""
+    streams = _inputs(TINY, 1, T)[0] if isinstance(T, int) else T.clone()
     streams.requires_grad_(True)
-    rebuilt.exclude = {streams.untyped_storage().data_ptr()}
+    rebuilt.exclude = {t.untyped_storage().data_ptr() for t in (streams, *block.parameters())}
     rebuilt.peak = 0
     with ActivationMeter(block) as meter:
         out = fn(block, streams)
@@ -233,6 +230,16 @@ def _metered(block: Block, fn: Any, T: int, rebuilt: _RebuiltBytes) -> tuple[int
         out.sum().backward()
     assert meter.resident_bytes == 0
     return kept, rebuilt.peak
+
+
+def _plain_saved_bytes(block: Block, streams: torch.Tensor) -> int:
+    """What the plain (unsegmented, not recomputed) half saves for backward beyond its input."""
+    leaf = streams.clone().requires_grad_(True)
+    with ActivationMeter(block) as meter:
+        out = plain_half(block, leaf)  # kept alive: the graph holds what the meter counts
+        saved = meter.resident_bytes - leaf.numel() * leaf.element_size()
+        out.sum().backward()
+    return saved
 
 
 def test_meter_keeps_segment_inputs_and_rebuilds_one_segment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -247,8 +254,11 @@ def test_meter_keeps_segment_inputs_and_rebuilds_one_segment(monkeypatch: pytest
     for T in (256, 512):
         kept, peaks[T] = _metered(block, _segmented(64), T, rebuilt)
         assert kept == T * per_token + (T // 64 - 1) * (halo + state)
-    # backward rebuilds one 64-token segment at a time: the same peak at either length
-    assert peaks[256] == peaks[512] > 0
+    # backward rebuilds one 64-token segment at a time: the same peak at either length, about what
+    # the plain half saves for 64 tokens (1% under it here: a few tensors go before the last come)
+    assert peaks[256] == peaks[512]
+    plain64 = _plain_saved_bytes(block, _inputs(TINY, 1, 64)[0])
+    assert 0.95 * plain64 < peaks[512] < 1.05 * plain64, (peaks[512], plain64)
     kept, peak128 = _metered(block, _segmented(128), 512, rebuilt)
     assert kept == 512 * per_token + 3 * (halo + state) and peak128 > peaks[512]
     # the whole half under one checkpoint keeps the streams only, but rebuilds all of it at once
@@ -273,6 +283,11 @@ def _cp_worker(rank: int, world: int, folder: str) -> None:
     for name, g in result["grads"].items():
         if name != "streams":
             dist.all_reduce(g)  # this rank's share -> the total
+    # what autograd keeps, and the peak of what backward rebuilds (a second step, metered)
+    patch = pytest.MonkeyPatch()
+    rebuilt = _RebuiltBytes(patch)
+    result["kept"], result["rebuilt"] = _metered(block, _segmented(_CP_CHUNK), case["streams"][:, rows], rebuilt)
+    patch.undo()
     torch.save(result, Path(folder) / f"rank{rank}.pt")
 
 
@@ -295,3 +310,19 @@ def test_segmented_half_under_context_parallelism_equals_one_process(tmp_path: P
         errors = {n: rms_ratio(g, r["grads"][n]) for n, g in ref["grads"].items()}
         over = {n: e for n, e in errors.items() if not e < _CP_TOL}
         assert not over, over
+
+    # kept per rank: the streams; per segment its halo and the state pass 2 starts it from; per
+    # segment but the first the pass-1 map it starts from; the fold's gathered maps (one per rank)
+    mixer, B, t, segments = block.self_attn, 2, _CP_T // 2, 2
+    h = mixer.conv1d.weight.shape[-1] - 1
+    halo = B * h * 3 * mixer.num_heads * mixer.head_dim * 4
+    state = B * mixer.num_heads * mixer.head_dim * mixer.head_dim * 4
+    affine_map = 2 * state                                                     # [B, heads, dk, dv + dk]
+    streams_bytes = B * t * TINY.hc_mult * TINY.hidden_size * 4
+    expected = streams_bytes + segments * (halo + state) + (segments - 1) * affine_map + 2 * affine_map
+    assert [r["kept"] for r in ranks] == [expected, expected]
+    # rebuilt: one segment of 128 tokens at a time, what the plain half saves for 128 of the tokens,
+    # plus a copy of the segment's streams (with B > 1 a segment is not contiguous, and the
+    # merge's matmul saves a contiguous copy of it; the plain half's streams are the input itself)
+    plain = _plain_saved_bytes(block, streams[:, :_CP_CHUNK]) + B * _CP_CHUNK * TINY.hc_mult * TINY.hidden_size * 4
+    assert all(0.95 * plain < r["rebuilt"] < 1.05 * plain for r in ranks), ([r["rebuilt"] for r in ranks], plain)

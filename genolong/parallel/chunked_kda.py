@@ -28,8 +28,8 @@ only after every rank has summarised its whole slice. So, with the pieces of
 :mod:`genolong.kernels.kda.cp`:
 
 1. the halo across the rank boundary: :func:`~genolong.kernels.kda.cp.conv_halo` on the projected
-   last ``kernel - 1`` rows of the slice, once, outside every recomputed region (it runs
-   collectives, which a recomputation must not repeat);
+   last ``kernel - 1`` rows of the slice (projected in a checkpoint of their own), once, outside
+   every recomputed region (it runs collectives, which a recomputation must not repeat);
 2. pass 1, per segment (checkpointed; outputs: the next halo and a ``[B, heads, dk, dv + dk]`` map):
    :meth:`~genolong.model.kda.KDAMixer.segment_transition` chains the slice's affine state map
    ``S -> A S + B`` segment by segment (:func:`~genolong.kernels.kda.cp.affine_state`, the widened
@@ -114,8 +114,8 @@ def kda_attention_half(block: torch.nn.Module, streams: torch.Tensor, chunk_toke
 
     Saved for backward (per segment): the segment's input view of ``streams``, the halo
     ``[B, kernel - 1, 3 * heads * dk]`` (``streams``' dtype) and the state ``[B, heads, dk, dv]`` fp32
-    it received; under CP also the pass-1 map ``[B, heads, dk, dv + dk]`` fp32 it received, the
-    rank-boundary halo's small graph (``kernel - 1`` rows) and the fold's gathered maps.
+    it received; under CP also the pass-1 map ``[B, heads, dk, dv + dk]`` fp32 each segment but
+    the first received, and the fold's gathered maps (``[W, B, heads, dk, dv + dk]``).
 
     Raises:
         InputError: ``block`` is not a KDA block, ``chunk_tokens`` is not a positive integer,
@@ -150,14 +150,19 @@ def kda_attention_half(block: torch.nn.Module, streams: torch.Tensor, chunk_toke
                          "(memory.recompute 'full' handles empty slices)")
     kernel = mixer.conv1d.weight.shape[-1]
     n = min(T, kernel - 1)
-    # 1. the projected rows before the slice from the earlier ranks: once, outside any recomputed
-    # region (collectives); its small graph (n rows of the half's position-wise part) is kept
+    # 1. the projected rows before the slice, from the earlier ranks: the collective once, outside
+    # any recomputed region; the slice's own last rows (its contribution) projected in a small
+    # checkpoint of their own (kernel - 1 rows; nothing of it is kept but the input view)
     if n and pieces[-1].shape[1] >= n:
         tail_rows = pieces[-1][:, pieces[-1].shape[1] - n:]
     else:
         tail_rows = streams[:, T - n:]
-    _, _, x_tail = _mixer_input(block, tail_rows)
-    halos: list[torch.Tensor | None] = [conv_halo(mixer.project(x_tail), kernel, group)]
+
+    def project_rows(rows: torch.Tensor) -> torch.Tensor:
+        return mixer.project(_mixer_input(block, rows)[2])
+
+    # (a copy: conv_halo's result is a view of all ranks' gathered tails, W + 1 times as large)
+    halos: list[torch.Tensor | None] = [conv_halo(_run(project_rows, tail_rows), kernel, group).clone()]
 
     # 2. pass 1: the slice's affine state map, segment by segment (small checkpoint outputs)
     def transition(seg: torch.Tensor, halo: torch.Tensor | None, carried: torch.Tensor | None
