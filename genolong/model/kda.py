@@ -106,6 +106,11 @@ class KDAMixer(nn.Module):
     last inputs (:func:`genolong.kernels.kda.cp.conv_halo`) and the recurrence the earlier ranks'
     states (:func:`genolong.kernels.kda.cp.cp_chunk_kda`), so the slice's outputs equal those rows
     of the whole sequence's.
+
+    Segments (``memory.recompute: chunked``, :mod:`genolong.parallel.chunked_kda`):
+    :meth:`forward_segment` runs a segment from the previous one's conv halo and state and returns
+    both for the next; :meth:`segment_transition` composes a segment's affine state map onto the
+    slice's so far (the context-parallel pass 1). :meth:`forward` is these same pieces on one segment.
     """
 
     def __init__(self, config: ModelConfig, chunk_size: int = 64):

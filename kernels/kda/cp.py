@@ -19,6 +19,11 @@ pairs, an all-reduce hands each rank the sum of the gradients of its own pair, a
 rest locally (through the local op). The widened values cost the local op ``(V + K) / V`` times its
 plain work (twice for ``K = V``).
 
+The pieces are public for callers that split a slice further (the KDA attention half in token
+segments, :mod:`genolong.parallel.chunked_kda`): :func:`affine_state` (the widened local run, from
+``[0 | I]`` or from the map of earlier tokens of the slice) and :func:`fold_states` (the all-gather
+and fold, with its backward).
+
 The short convolutions in front of KDA need the ``kernel - 1`` tokens before the slice:
 :func:`conv_halo` gathers them from the previous ranks (differentiable).
 
