@@ -91,9 +91,10 @@ def _segmented(chunk_tokens: int) -> Any:
     ("tiny", 1, 320, 192),    # 192 + 128
     ("tiny", 2, 320, 1024),   # larger than T: one segment
     ("small", 1, 256, 128),
+    ("tiny-softplus", 1, 320, 128),  # the gate without a lower bound
 ])
 def test_segmented_half_equals_the_plain_half(preset: str, B: int, T: int, chunk: int) -> None:
-    config = PRESETS[preset]
+    config = TINY.replace(linear_lower_bound=None) if preset == "tiny-softplus" else PRESETS[preset]
     block = _block(config)
     streams, probe = _inputs(config, B, T)
     ref = _step(block, lambda b, s: plain_half(b, s), streams, probe)
