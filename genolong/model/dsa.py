@@ -34,7 +34,7 @@ transformers module's state dict works with ``strict=True``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,11 +42,65 @@ from torch import nn
 
 from ..errors import InputError
 from ..kernels.backends import get_backend
-from ..kernels.dsa import kpool_pool_ids
+from ..kernels.dsa import indexer_scores, kpool_expand, kpool_indexer_kl_loss, kpool_pool_ids
+from ..kernels.dsa.indexer import causal_topk
 from .config import ModelConfig
 from .layers import RMSNorm
 
-__all__ = ["DSAIndexer", "DSAMixer"]
+__all__ = ["DSAAttention", "DSAIndexer", "DSAKeys", "DSAMixer", "indexer_kl_count"]
+
+# pools and queries per scoring tile of the offset selection: kpool_topk's defaults, so a query
+# range scores the same tiles' keys as the whole-sequence selection
+_POOL_BLOCK = 256
+_QUERY_BLOCK = 256
+
+
+class DSAKeys(NamedTuple):
+    """What the queries of a DSA layer read from the key positions ``0 .. TK - 1``
+    (:meth:`DSAMixer.project_keys`; position-wise, so it can be computed in token chunks,
+    concatenated along dim 1, or all-gathered over context-parallel ranks).
+
+    Fields: ``latent [B, TK, kv_lora_rank]`` (the MLA kv latent, differentiable) and ``pooled
+    [B, TK // index_kpool, index_head_dim]`` (the KPool pooled index keys of the complete pools;
+    None on shared layers; differentiable only w.r.t. the indexer when the indexer KL is on).
+    """
+
+    latent: torch.Tensor
+    pooled: torch.Tensor | None
+
+
+class DSAAttention(NamedTuple):
+    """The result of :meth:`DSAMixer.attend` for a range of queries.
+
+    Fields: ``out [B, n, H]``; ``indices [B, n, K]`` int64 key positions (global, ``-1`` padded:
+    the layer's own selection, or ``prev_indices`` on a shared layer); ``kl`` the indexer KL mean
+    over this range's counted queries (scalar fp32, see :func:`indexer_kl_count`) or None when it
+    was not asked for.
+    """
+
+    out: torch.Tensor
+    indices: torch.Tensor
+    kl: torch.Tensor | None
+
+
+def indexer_kl_count(indices: torch.Tensor, pool_size: int, tail: bool = True, q_offset: int = 0) -> torch.Tensor:
+    """How many queries the indexer KL counts (those with a selected complete pool; the
+    denominator of :func:`~genolong.kernels.dsa.kpool_indexer_kl_loss`'s mean).
+
+    Args:
+        indices: ``[B, n, K]`` token positions in ``kpool_topk``'s layout, queries at global
+            positions ``q_offset .. q_offset + n - 1``.
+        pool_size: ``P``; tail: the layout has the tail slots (default True).
+
+    Returns:
+        a float64 scalar (exact integer): the KL of several query ranges is
+        ``sum_r kl_r * count_r / sum_r count_r``.
+    """
+    pools = kpool_pool_ids(indices, pool_size, tail=tail)
+    with torch.no_grad():
+        tq = torch.arange(q_offset, q_offset + indices.shape[1], device=indices.device)
+        ok = (pools >= 0) & ((pools + 1) * pool_size - 1 <= tq[None, :, None])
+        return ok.any(-1).sum().to(torch.float64)
 
 
 class DSAIndexer(nn.Module):
@@ -89,21 +143,77 @@ class DSAIndexer(nn.Module):
             ``q_idx [B, T, HI, DI]``, ``k_pool [B, T // P, DI]`` (complete pools only) and the
             per-head weights ``w [B, T, HI]`` float32 (``HI ** -0.5`` folded in).
         """
+        q_idx, w = self.project_queries(x, q_resid)
+        return q_idx, self.project_keys(x), w
+
+    def project_queries(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query side of :meth:`project`: ``x [B, T, H]``, ``q_resid [B, T, q_lora_rank] ->
+        (q_idx [B, T, HI, DI], w [B, T, HI] float32)`` (position-wise)."""
         b, t, _ = x.shape
         q_idx = self.wq_b(q_resid).view(b, t, self.n_heads, self.head_dim)
+        w = self.weights_proj(x).float() * (self.n_heads ** -0.5)
+        return q_idx, w
+
+    def project_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """The key side of :meth:`project`: ``x [B, T, H] -> k_pool [B, T // P, DI]``, the pooled
+        keys of the complete pools (pool-wise: a token range starting at a multiple of ``P`` gives
+        its own pools)."""
         k_idx = self.k_norm(self.wk(x))
         gate = F.linear(x, self.index_kpool_compress_gate)
-        k_pool = self.kernels.kpool_keys(k_idx, gate, self.index_kpool_compress_ape)
-        w = self.weights_proj(x).float() * (self.n_heads ** -0.5)
-        return q_idx, k_pool, w
+        return self.kernels.kpool_keys(k_idx, gate, self.index_kpool_compress_ape)
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor) -> torch.Tensor:
+    def select(self, q_idx: torch.Tensor, w: torch.Tensor, k_pool: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
+        """The KPool top-k of queries at positions ``q_offset .. q_offset + n - 1`` over the pooled
+        keys of positions ``0 .. TK - 1`` (no gradient).
+
+        Args:
+            q_idx: ``[B, n, HI, DI]``; w: ``[B, n, HI]``; k_pool: ``[B, TK // P, DI]`` with
+                ``TK >= q_offset + n``; q_offset: a multiple of ``P`` (default 0).
+
+        Returns:
+            ``[B, n, index_topk + P - 1]`` int64 global token positions, in
+            :func:`~genolong.kernels.dsa.kpool_topk`'s layout (ties to the lowest pool). With
+            ``q_offset == 0`` and exactly the queries' own pools this is the backend's
+            ``kpool_topk``; otherwise the same blockwise engine
+            (:func:`~genolong.kernels.dsa.indexer.causal_topk`, the same tiles' keys) with the
+            causal limit shifted by ``q_offset`` (equal selections: ints).
+        """
+        b, n = q_idx.shape[:2]
+        p = self.index_kpool
         with torch.no_grad():
-            q_idx, k_pool, w = self.project(x, q_resid)
-            return self.kernels.kpool_topk(
-                q_idx, k_pool, w, self.index_topk, self.index_kpool, tail=self.always_select_tail,
-                scale=self.softmax_scale, activation="relu",
-            )
+            q_idx, w, k_pool = q_idx.detach(), w.detach(), k_pool.detach()
+            if q_offset == 0 and k_pool.shape[1] == n // p:
+                return self.kernels.kpool_topk(
+                    q_idx, k_pool, w, self.index_topk, p, tail=self.always_select_tail,
+                    scale=self.softmax_scale, activation="relu",
+                )
+            if q_offset % p != 0:
+                raise InputError(f"the first query position ({q_offset}) must be a multiple of index_kpool ({p})")
+
+            def score_fn(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+                return indexer_scores(q_idx[:, q0:q1], k_pool[:, k0:k1], w[:, q0:q1], self.softmax_scale, "relu")
+
+            limit = (torch.arange(q_offset, q_offset + n, device=q_idx.device) + 1) // p - 1  # last visible pool
+            pools = causal_topk(score_fn, limit, k_pool.shape[1], self.index_topk // p, _POOL_BLOCK, _QUERY_BLOCK, b,
+                                q_idx.device)
+            indices = kpool_expand(pools, p, self.always_select_tail)  # tails of local positions
+            if self.always_select_tail and p > 1 and q_offset:
+                # q_offset % p == 0, so the local tail t + 1 - r .. t shifts by q_offset to the global one
+                tail = indices[..., -(p - 1):]
+                indices[..., -(p - 1):] = torch.where(tail >= 0, tail + q_offset, tail)
+        return indices
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, k_pool: torch.Tensor | None = None,
+                q_offset: int = 0) -> torch.Tensor:
+        """The selection of queries ``x [B, n, H]``, ``q_resid [B, n, q_lora_rank]`` at positions
+        ``q_offset ..`` (no gradient): :meth:`select` over ``k_pool [B, TK // P, DI]`` (default
+        None: the queries' own pooled keys, ``q_offset`` 0). Pass ``k_pool`` and ``q_offset`` by
+        keyword: forward hooks then see ``(x, q_resid)`` and the selection, whatever the range."""
+        with torch.no_grad():
+            q_idx, w = self.project_queries(x, q_resid)
+            if k_pool is None:
+                k_pool = self.project_keys(x)
+            return self.select(q_idx, w, k_pool, q_offset)
 
 
 class DSAMixer(nn.Module):
@@ -159,7 +269,8 @@ class DSAMixer(nn.Module):
         self.indexer_kl = False
         #: the last such forward's indexer KL (scalar fp32, differentiable w.r.t. the indexer only)
         self.last_indexer_kl: torch.Tensor | None = None
-        #: the context-parallel process group (genolong.parallel.context.apply_context_parallel)
+        #: the context-parallel process group, recorded by genolong.parallel.context.apply_context_parallel
+        #: (which also installs the context-parallel forward); the plain forward never reads it
         self.cp_group: Any = None
 
     def check_prev_indices(self, prev_indices: torch.Tensor | None, b: int, t: int) -> None:
@@ -182,59 +293,135 @@ class DSAMixer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Mix ``x [B, T, H]``; returns ``(out [B, T, H], indices for the next layer or None)``.
 
-        With ``cp_group`` set (context parallelism) ``x`` is this rank's slice and the layer runs
-        through :func:`genolong.parallel.cp_dsa.cp_dsa_forward` (indices in global positions).
+        The keys of all positions (:meth:`project_keys`), then the attention of all queries over
+        them (:meth:`attend`). Context parallelism
+        (:func:`genolong.parallel.context.apply_context_parallel`) and the query-segmented
+        recompute (:mod:`genolong.parallel.chunked_dsa`) run the same two phases on other ranges.
 
         Raises:
             ValueError: a shared layer without ``prev_indices`` (or with the wrong shape).
         """
-        if self.cp_group is not None:
-            from ..parallel.cp_dsa import cp_dsa_forward
+        kl = self.wants_indexer_kl()
+        res = self.attend(x, self.project_keys(x, index_grad=kl), prev_indices, kl=kl)
+        if res.kl is not None:
+            self.last_indexer_kl = res.kl
+        return res.out, (res.indices if self.returns_indices else None)
 
-            return cp_dsa_forward(self, x, self.cp_group, prev_indices)
+    def wants_indexer_kl(self) -> bool:
+        """Whether a forward now computes the indexer KL: a layer with an indexer, ``indexer_kl``
+        set and autograd recording."""
+        return self.indexer is not None and self.indexer_kl and torch.is_grad_enabled()
+
+    def project_keys(self, x: torch.Tensor, index_grad: bool = False) -> DSAKeys:
+        """The keys phase: what every query reads of positions ``x [B, n, H]`` (position-wise; a
+        range starting at a multiple of ``index_kpool`` gives its own complete pools).
+
+        Args:
+            x: the layer input of the key positions.
+            index_grad: the pooled index keys are differentiable (w.r.t. the indexer only: its
+                input is detached, as the indexer KL trains the indexer alone); default False:
+                computed without autograd (they only select).
+
+        Returns:
+            :class:`DSAKeys` ``(latent [B, n, C], pooled [B, n // P, DI] or None)``.
+        """
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)[..., : self.kv_lora_rank])  # qk_rope_head_dim is 0
+        pooled = None
+        if self.indexer is not None:
+            if index_grad:
+                pooled = self.indexer.project_keys(x.detach())
+            else:
+                with torch.no_grad():
+                    pooled = self.indexer.project_keys(x)
+        return DSAKeys(latent, pooled)
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        keys: DSAKeys,
+        prev_indices: torch.Tensor | None = None,
+        q_offset: int = 0,
+        kl: bool = False,
+    ) -> DSAAttention:
+        """The queries phase: queries ``x [B, n, H]`` at global positions ``q_offset .. q_offset +
+        n - 1`` attend over ``keys`` of positions ``0 .. TK - 1`` (``TK >= q_offset + n``; keys past
+        a query are never read).
+
+        Per query the arithmetic is that of the whole-sequence layer (projections, selection,
+        sparse attention, ``o_proj`` are position-wise given the keys), so a range's rows equal
+        the whole layer's rows.
+
+        Args:
+            x: the layer input of the queries.
+            keys: :meth:`project_keys` of positions ``0 .. TK - 1`` (concatenated or gathered).
+            prev_indices: ``[B, n, K]`` global key positions of these queries (shared layers).
+            q_offset: the first query's position (default 0; a multiple of ``index_kpool`` on
+                layers with an indexer unless ``keys`` are exactly the queries' own).
+            kl: compute the indexer KL of these queries (needs ``keys.pooled`` from
+                ``project_keys(..., index_grad=True)``); default False.
+
+        Returns:
+            :class:`DSAAttention` ``(out [B, n, H], indices [B, n, K], kl or None)``.
+
+        Raises:
+            ValueError: a shared layer without ``prev_indices`` (or with the wrong shape).
+        """
         b, t, _ = x.shape
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(b, t, self.num_heads, self.qk_head_dim)
-        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)[..., : self.kv_lora_rank])  # qk_rope_head_dim is 0
-
+        latent = keys.latent
+        q_idx = w = None
         if self.indexer is not None:
-            indices = self.indexer(x, q_resid)
+            assert keys.pooled is not None
+            # through the module call, so hooks on the indexer see (and may replace) the selection
+            indices = self.indexer(x, q_resid, k_pool=keys.pooled, q_offset=q_offset)
+            if kl:  # the KL trains the indexer only, on detached inputs (as DeepSeek does)
+                q_idx, w = self.indexer.project_queries(x.detach(), q_resid.detach())
         else:
             self.check_prev_indices(prev_indices, b, t)
+            assert prev_indices is not None
             indices = prev_indices
         if self.absorb:
             # kv_b_proj absorbed (DeepSeek's MLA trick): q . (W_k c) = (W_k^T q) . c, and the
             # output W_v (sum p c); attention runs over the [T, kv_lora_rank] latent as one shared
             # key/value head, so each selected key gathers kv_lora_rank numbers instead of
             # H * (qk_nope + v) (small: 8x fewer; GLM-5.3-Flash: 64x fewer)
-            w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
-            w_k, w_v = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # [H, D, C], [H, DV, C]
-            attn_q = torch.einsum("bthd,hdc->bthc", q, w_k)  # [B, T, H, C]
-            attn_k = latent.unsqueeze(2)  # [B, T, 1, C]
-            o_latent = self.kernels.sparse_attention(attn_q, attn_k, attn_k, indices, scale=self.scaling, query_block=self.query_block)
+            wkv = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+            w_k, w_v = wkv.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # [H, D, C], [H, DV, C]
+            attn_q = torch.einsum("bthd,hdc->bthc", q, w_k)  # [B, n, H, C]
+            attn_k = latent.unsqueeze(2)  # [B, TK, 1, C]
+            o_latent = self.kernels.sparse_attention(attn_q, attn_k, attn_k, indices, q_offset=q_offset,
+                                                     scale=self.scaling, query_block=self.query_block)
             o = torch.einsum("bthc,hvc->bthv", o_latent, w_v)
         else:
-            kv = self.kv_b_proj(latent).view(b, t, self.num_heads, -1)
+            # expanded keys and values of every key position
+            kv = self.kv_b_proj(latent).view(b, latent.shape[1], self.num_heads, -1)
             k, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
             attn_q, attn_k = q, k.contiguous()
-            o = self.kernels.sparse_attention(q, attn_k, v.contiguous(), indices, scale=self.scaling, query_block=self.query_block)
-        if self.indexer is not None and self.indexer_kl and torch.is_grad_enabled():
-            self.last_indexer_kl = self._indexer_kl(x, q_resid, attn_q, attn_k, indices)
+            o = self.kernels.sparse_attention(q, attn_k, v.contiguous(), indices, q_offset=q_offset,
+                                              scale=self.scaling, query_block=self.query_block)
+        loss = None
+        if kl:
+            assert q_idx is not None and w is not None and keys.pooled is not None
+            loss = self._indexer_kl(q_idx, w, keys.pooled, attn_q, attn_k, indices, q_offset)
         out = self.o_proj(o.reshape(b, t, self.num_heads * self.v_head_dim))
-        return out, (indices if self.returns_indices else None)
+        return DSAAttention(out, indices, loss)
 
-    def _indexer_kl(self, x: torch.Tensor, q_resid: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                    indices: torch.Tensor) -> torch.Tensor:
+    def _indexer_kl(self, q_idx: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, q: torch.Tensor,
+                    k: torch.Tensor, indices: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
         """Sparse-stage indexer KL (DeepSeek-V3.2, over the selected pools; see
-        :func:`genolong.kernels.dsa.kpool_indexer_kl_loss`). ``q [B, T, H, D]`` and
-        ``k [B, T, HK, D]`` are the main attention's (latent or expanded form: same scores). As
-        DeepSeek does, the indexer's inputs are detached: the KL trains the indexer only, the LM
-        loss everything else."""
+        :func:`genolong.kernels.dsa.kpool_indexer_kl_loss`) of queries ``q_offset ..``: the mean over
+        them. ``q [B, n, H, D]`` and ``k [B, TK, HK, D]`` are the main attention's (latent or
+        expanded form: same scores; detached by the kernel); ``q_idx``, ``w`` and ``pooled`` the
+        indexer's (from detached inputs: the KL trains the indexer only, the LM loss everything
+        else)."""
         assert self.indexer is not None
-        q_idx, k_pool, w = self.indexer.project(x.detach(), q_resid.detach())
         pool = self.indexer.index_kpool
         pools = kpool_pool_ids(indices, pool, tail=self.always_select_tail)
-        return self.kernels.kpool_indexer_kl_loss(
-            q, k, q_idx, k_pool, w, pools, pool, attn_scale=self.scaling, idx_scale=self.indexer.softmax_scale,
-            tail=self.always_select_tail,
-        )
+        tk = q_offset + q.shape[1]
+        args = (q, k[:, :tk], q_idx, pooled[:, : tk // pool], w, pools, pool)
+        kwargs = dict(attn_scale=self.scaling, idx_scale=self.indexer.softmax_scale, tail=self.always_select_tail)
+        if q_offset == 0 and k.shape[1] == tk:
+            return self.kernels.kpool_indexer_kl_loss(*args, **kwargs)
+        # the backends' fused kernels take no query offset: genolong's blockwise torch kernel does
+        return kpool_indexer_kl_loss(*args, **kwargs, q_offset=q_offset)

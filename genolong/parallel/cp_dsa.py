@@ -6,7 +6,7 @@ rank order). :func:`cp_dsa_forward` runs a :class:`~genolong.model.dsa.DSAMixer`
 that the outputs, concatenated over ranks, and every gradient (parameter gradients summed over
 ranks) equal the single-process layer on the whole sequence:
 
-1. Local projections: queries ``q``, the MLA latent ``c = RMSNorm(kv_a_proj_with_mqa(x))``
+1. Local projections (``DSAMixer.project_keys``): the MLA latent ``c = RMSNorm(kv_a_proj_with_mqa(x))``
    ``[B, T_local, C]`` and, on "full" indexer layers, the KPool pooled index keys of the slice's
    ``T_local / P`` pools.
 2. One all-gather over the CP group of the latent and the pooled keys, packed into one buffer, with
@@ -41,9 +41,13 @@ Communication per rank per layer call (``W`` ranks, ``s`` bytes per element of t
 plus, with the indexer KL on, one scalar all-reduce (the number of counted queries).
 
 The indexer KL (``mixer.indexer_kl``) runs :func:`~genolong.kernels.dsa.kpool_indexer_kl_loss`
-on the local queries front-padded with ``start`` empty rows (the kernel has no query offset), so
-the last rank scores ``O(end)`` query rows of which ``start`` are empty; each rank's
-``last_indexer_kl`` is its share (the shares sum to the single-process loss).
+on the local queries with ``q_offset=start`` (genolong's torch kernel; the fused backends take no
+offset); each rank's ``last_indexer_kl`` is its share (the shares sum to the single-process loss).
+
+The layer is :class:`~genolong.model.dsa.DSAMixer`'s own two phases (``project_keys`` of the
+slice, :func:`gather_keys`, ``attend`` with ``q_offset=start``):
+:func:`genolong.parallel.context.apply_context_parallel` installs :func:`cp_dsa_forward` as the
+mixer's forward, so the model imports nothing from here.
 """
 
 from __future__ import annotations
@@ -52,16 +56,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
-from ..kernels.dsa import indexer_scores, kpool_expand, kpool_pool_ids
-from ..kernels.dsa.indexer import causal_topk
 from ..model.config import ModelConfig
-from ..model.dsa import DSAMixer
+from ..model.dsa import DSAKeys, DSAMixer, indexer_kl_count
 
-__all__ = ["cp_dsa_comm_bytes", "cp_dsa_forward"]
-
-# pools and queries per scoring tile: kpool_topk's defaults, so CP scores the same tiles' keys
-_POOL_BLOCK = 256
-_QUERY_BLOCK = 256
+__all__ = ["check_cp_input", "cp_dsa_comm_bytes", "cp_dsa_forward", "gather_keys", "kl_share"]
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -124,59 +122,47 @@ def _gather_prefix(parts: list[torch.Tensor], group: dist.ProcessGroup, rank: in
 # ----------------------------------------------------------------------------- the layer
 
 
-def _cp_select(mixer: DSAMixer, q_idx: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, start: int) -> torch.Tensor:
-    """The KPool selection of the local queries (``q_idx [B, T_local, HI, DI]``, ``w [B, T_local, HI]``)
-    over the pooled keys of positions ``[0, end)`` (``pooled [B, end // P, DI]``): ``[B, T_local,
-    index_topk + P - 1]`` global token positions in the layout of :func:`~genolong.kernels.dsa.kpool_topk`."""
-    ix = mixer.indexer
-    assert ix is not None
-    b, t = q_idx.shape[:2]
-    p = ix.index_kpool
+def gather_keys(mixer: DSAMixer, keys: DSAKeys, group: dist.ProcessGroup, rank: int) -> DSAKeys:
+    """This rank's keys (:meth:`DSAMixer.project_keys` of its slice) -> the keys of positions
+    ``[0, end)`` (ranks ``0..rank``), in one differentiable all-gather (latent and pooled keys
+    packed together); backward reduce-scatters their gradient."""
+    if keys.pooled is None:
+        (latent,) = _gather_prefix([keys.latent], group, rank)
+        return DSAKeys(latent, None)
+    latent, pooled = _gather_prefix([keys.latent, keys.pooled], group, rank)  # [B, end, C], [B, end / P, DI]
+    return DSAKeys(latent, pooled)
+
+
+def kl_share(mixer: DSAMixer, kl: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """A rank's share of the indexer KL from the mean ``kl`` over its ``local`` counted queries
+    (:func:`~genolong.model.dsa.indexer_kl_count`): ``kl * local / total`` with ``total`` the
+    count over the group (one scalar all-reduce), so the shares sum to the single-process KL."""
     with torch.no_grad():
-        q_idx, w, pooled = q_idx.detach(), w.detach(), pooled.detach()
-
-        def score_fn(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-            return indexer_scores(q_idx[:, q0:q1], pooled[:, k0:k1], w[:, q0:q1], ix.softmax_scale, "relu")
-
-        limit = (torch.arange(start, start + t, device=q_idx.device) + 1) // p - 1  # last visible pool
-        pools = causal_topk(score_fn, limit, pooled.shape[1], ix.index_topk // p, _POOL_BLOCK, _QUERY_BLOCK, b,
-                            q_idx.device)
-        indices = kpool_expand(pools, p, ix.always_select_tail)  # the tail of local position t
-        if ix.always_select_tail and p > 1:
-            # start % p == 0, so the local tail t + 1 - r .. t shifts by start to the global one
-            tail = indices[..., -(p - 1):]
-            indices[..., -(p - 1):] = torch.where(tail >= 0, tail + start, tail)
-    return indices
-
-
-def _cp_indexer_kl(mixer: DSAMixer, q_idx: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, attn_q: torch.Tensor,
-                   attn_k: torch.Tensor, indices: torch.Tensor, group: dist.ProcessGroup, start: int) -> torch.Tensor:
-    """This rank's share of the sparse-stage indexer KL: ``sum of KL_t over local queries / number of
-    queries with a selected pool on all ranks`` (so the shares sum to the single-process loss).
-
-    The kernel has no query offset, so the local queries are front-padded with ``start`` empty rows
-    (no selected pool: they add nothing and are not counted); this costs ``O(end)`` instead of
-    ``O(T_local)`` query rows on the last rank (a ``q_offset`` argument in the kernel removes it).
-    """
-    ix = mixer.indexer
-    assert ix is not None
-    p = ix.index_kpool
-    b, t = q_idx.shape[:2]
-    pools = kpool_pool_ids(indices, p, tail=ix.always_select_tail)  # [B, T_local, KP], global pool ids
-
-    def pad(x: torch.Tensor, value: float = 0.0) -> torch.Tensor:
-        return torch.cat([x.new_full((b, start, *x.shape[2:]), value), x], dim=1)
-
-    loss = ix.kernels.kpool_indexer_kl_loss(
-        pad(attn_q.detach()), attn_k.detach(), pad(q_idx), pooled, pad(w), pad(pools, -1), p,
-        attn_scale=mixer.scaling, idx_scale=ix.softmax_scale, tail=ix.always_select_tail,
-    )
-    with torch.no_grad():  # the kernel's count of queries with a selected pool, locally and over the group
-        tq = torch.arange(start, start + t, device=pools.device)
-        local = ((pools >= 0) & ((pools + 1) * p - 1 <= tq[None, :, None])).any(-1).sum().to(torch.float64)
         total = local.clone()
         dist.all_reduce(total, group=group)
-    return loss * (local / total.clamp(min=1)).to(loss.dtype)
+    return kl * (local / total.clamp(min=1)).to(kl.dtype)
+
+
+def check_cp_input(mixer: DSAMixer, x: torch.Tensor, prev_indices: torch.Tensor | None) -> None:
+    """The input checks of :func:`cp_dsa_forward` (shapes, slice length, process group).
+
+    Raises:
+        InputError: see :func:`cp_dsa_forward`.
+    """
+    if x.dim() != 3:
+        raise InputError(f"x must be [B, T_local, hidden]; got shape {tuple(x.shape)}")
+    b, t, _ = x.shape
+    ix = mixer.indexer
+    if ix is not None:
+        if t % ix.index_kpool != 0:
+            raise InputError(
+                f"the CP slice length ({t}) must be a multiple of index_kpool ({ix.index_kpool}) so that no KPool "
+                "pool straddles two ranks; choose a sequence length divisible by cp * index_kpool"
+            )
+    else:
+        mixer.check_prev_indices(prev_indices, b, t)  # the indices the full layer before it returned on this rank
+    if not dist.is_initialized():
+        raise InputError("cp_dsa_forward needs an initialised torch.distributed process group (the CP group)")
 
 
 def cp_dsa_forward(
@@ -213,62 +199,20 @@ def cp_dsa_forward(
         InputError: bad shapes, a slice length that splits a pool, a shared layer without
             ``prev_indices``, or no initialised process group.
     """
-    if x.dim() != 3:
-        raise InputError(f"x must be [B, T_local, hidden]; got shape {tuple(x.shape)}")
-    b, t, _ = x.shape
-    ix = mixer.indexer
-    if ix is not None:
-        if t % ix.index_kpool != 0:
-            raise InputError(
-                f"the CP slice length ({t}) must be a multiple of index_kpool ({ix.index_kpool}) so that no KPool "
-                "pool straddles two ranks; choose a sequence length divisible by cp * index_kpool"
-            )
-    else:
-        mixer.check_prev_indices(prev_indices, b, t)  # the indices the full layer before it returned on this rank
-    if not dist.is_initialized():
-        raise InputError("cp_dsa_forward needs an initialised torch.distributed process group (the CP group)")
+    check_cp_input(mixer, x, prev_indices)
     group = dist.group.WORLD if group is None else group
     rank = dist.get_rank(group)
-    start = rank * t
-
-    q_resid = mixer.q_a_layernorm(mixer.q_a_proj(x))
-    q = mixer.q_b_proj(q_resid).view(b, t, mixer.num_heads, mixer.qk_head_dim)
-    latent = mixer.kv_a_layernorm(mixer.kv_a_proj_with_mqa(x)[..., : mixer.kv_lora_rank])  # [B, T_local, C]
-    kl = ix is not None and mixer.indexer_kl and torch.is_grad_enabled()
-    if ix is not None:
-        if kl:  # as DSAMixer._indexer_kl: the KL trains the indexer only, on detached inputs
-            q_idx, k_pool, w = ix.project(x.detach(), q_resid.detach())
-        else:
-            with torch.no_grad():
-                q_idx, k_pool, w = ix.project(x, q_resid)
-        # k_pool: this slice's T_local / P complete pools (global ids start / P ..); latent and pooled
-        # keys travel in one collective
-        latent_all, pooled = _gather_prefix([latent, k_pool], group, rank)  # [B, end, C], [B, end / P, DI]
-        indices = _cp_select(mixer, q_idx, w, pooled, start)
-    else:
-        assert prev_indices is not None
-        (latent_all,) = _gather_prefix([latent], group, rank)
-        indices = prev_indices
-    if mixer.absorb:
-        # as DSAMixer.forward: attention over the latent, kv_b_proj folded into q and the output
-        wkv = mixer.kv_b_proj.weight.view(mixer.num_heads, mixer.qk_nope_head_dim + mixer.v_head_dim, mixer.kv_lora_rank)
-        w_k, w_v = wkv.split([mixer.qk_nope_head_dim, mixer.v_head_dim], dim=1)  # [H, D, C], [H, DV, C]
-        attn_q = torch.einsum("bthd,hdc->bthc", q, w_k)  # [B, T_local, H, C]
-        attn_k = latent_all.unsqueeze(2)  # [B, end, 1, C]
-        o_latent = mixer.kernels.sparse_attention(attn_q, attn_k, attn_k, indices, q_offset=start, scale=mixer.scaling,
-                                           query_block=mixer.query_block)
-        o = torch.einsum("bthc,hvc->bthv", o_latent, w_v)
-    else:
-        # expanded keys and values of every gathered position (the latent is what travels)
-        kv = mixer.kv_b_proj(latent_all).view(b, latent_all.shape[1], mixer.num_heads, -1)
-        k, v = kv.split([mixer.qk_nope_head_dim, mixer.v_head_dim], dim=-1)
-        attn_q, attn_k = q, k.contiguous()
-        o = mixer.kernels.sparse_attention(q, attn_k, v.contiguous(), indices, q_offset=start, scale=mixer.scaling,
-                                    query_block=mixer.query_block)
-    if kl:
-        mixer.last_indexer_kl = _cp_indexer_kl(mixer, q_idx, w, pooled, attn_q, attn_k, indices, group, start)
-    out = mixer.o_proj(o.reshape(b, t, mixer.num_heads * mixer.v_head_dim))
-    return out, (indices if mixer.returns_indices else None)
+    start = rank * x.shape[1]
+    # the two phases of DSAMixer.forward, with the keys all-gathered in between and the queries at
+    # their global positions
+    kl = mixer.wants_indexer_kl()
+    keys = gather_keys(mixer, mixer.project_keys(x, index_grad=kl), group, rank)
+    res = mixer.attend(x, keys, prev_indices, q_offset=start, kl=kl)
+    if res.kl is not None:
+        assert mixer.indexer is not None
+        local = indexer_kl_count(res.indices, mixer.indexer.index_kpool, mixer.always_select_tail, start)
+        mixer.last_indexer_kl = kl_share(mixer, res.kl, local, group)
+    return res.out, (res.indices if mixer.returns_indices else None)
 
 
 def cp_dsa_comm_bytes(

@@ -149,9 +149,15 @@ def kpool_pool_ids(indices: torch.Tensor, pool_size: int, tail: bool = True) -> 
 # ----------------------------------------------------------------------------- checks
 
 
-def _check(q, k, q_idx, k_pool, w_idx, pool_indices, pool_size, query_block, activation) -> None:
-    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise InputError(f"q must be [B, T, H, D] and k [B, T, HK, D]; got {tuple(q.shape)}, {tuple(k.shape)}")
+def _check(q, k, q_idx, k_pool, w_idx, pool_indices, pool_size, query_block, activation, q_offset=0) -> None:
+    if q_offset < 0:
+        raise InputError(f"q_offset must be >= 0; got {q_offset}")
+    if (q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or k.shape[1] != q_offset + q.shape[1]
+            or q.shape[3] != k.shape[3]):
+        raise InputError(
+            f"q must be [B, T, H, D] and k [B, q_offset + T, HK, D] (q_offset {q_offset}); got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}"
+        )
     if q.shape[2] % k.shape[2] != 0:
         raise InputError(f"query heads ({q.shape[2]}) must be a multiple of key heads ({k.shape[2]})")
     B, T = q.shape[:2]
@@ -160,10 +166,11 @@ def _check(q, k, q_idx, k_pool, w_idx, pool_indices, pool_size, query_block, act
     if q_idx.dim() != 4 or q_idx.shape[:2] != (B, T):
         raise InputError(f"q_idx must be [B, T, HI, DI] = [{B}, {T}, HI, DI]; got {tuple(q_idx.shape)}")
     DI = q_idx.shape[3]
-    if k_pool.shape != (B, T // pool_size, DI):
+    TK = q_offset + T
+    if k_pool.shape != (B, TK // pool_size, DI):
         raise InputError(
-            f"k_pool must be [B, T // pool_size, DI] = {(B, T // pool_size, DI)} (complete pools only, "
-            f"from kpool_keys); got {tuple(k_pool.shape)}"
+            f"k_pool must be [B, (q_offset + T) // pool_size, DI] = {(B, TK // pool_size, DI)} (complete pools "
+            f"only, from kpool_keys); got {tuple(k_pool.shape)}"
         )
     if w_idx is not None and w_idx.shape != q_idx.shape[:3]:
         raise InputError(f"w_idx must be [B, T, HI] = {tuple(q_idx.shape[:3])}; got {tuple(w_idx.shape)}")
@@ -289,6 +296,7 @@ def kpool_indexer_kl_loss(
     query_block: int = 64,
     tail: bool = True,
     activation: str | None = "relu",
+    q_offset: int = 0,
 ) -> torch.Tensor:
     """KPool indexer loss: mean over queries with a selected pool of ``KL(p || softmax(I))`` (see module doc).
 
@@ -308,12 +316,17 @@ def kpool_indexer_kl_loss(
             True, glm5_next ``index_kpool_always_select_tail``); it only changes the per-head
             softmax denominators of the target.
         activation: ``"relu"`` (default, as ``kpool_topk``) or None.
+        q_offset: position of the first query (default 0): the queries are positions
+            ``q_offset .. q_offset + T - 1`` and ``k`` / ``k_pool`` cover positions
+            ``0 .. q_offset + T - 1`` (``[B, q_offset + T, HK, D]``, ``[B, (q_offset + T) // P, DI]``);
+            ``pool_indices`` hold global pool ids. A context-parallel slice or a query segment
+            scores its own queries only (the mean is over them).
 
     Returns:
         scalar loss, float32 (float64 when the indexer inputs are float64); 0 when no query
         selected a pool.
     """
-    _check(q, k, q_idx, k_pool, w_idx, pool_indices, pool_size, query_block, activation)
+    _check(q, k, q_idx, k_pool, w_idx, pool_indices, pool_size, query_block, activation, q_offset)
     B, T, H, D = q.shape
     P = pool_size
     a_sc = D ** -0.5 if attn_scale is None else float(attn_scale)
@@ -321,7 +334,7 @@ def kpool_indexer_kl_loss(
     dt = _compute_dtype(q_idx, k_pool, w_idx)
     tdt = _compute_dtype(q, k)
     q, k = q.detach(), k.detach()
-    if T // P == 0:  # no complete pool anywhere: nothing to train, but keep the graph connected
+    if (q_offset + T) // P == 0:  # no complete pool anywhere: nothing to train, but keep the graph connected
         zero = torch.zeros((), dtype=dt, device=q.device)
         return sum((x.sum().to(dt) * 0 for x in (q_idx, k_pool, w_idx) if x is not None), zero)
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q_idx, k_pool, w_idx))
@@ -330,11 +343,11 @@ def kpool_indexer_kl_loss(
     for q0 in range(0, T, query_block):
         q1 = min(q0 + query_block, T)
         pid = pool_indices[:, q0:q1].long()
-        tq = torch.arange(q0, q1, device=q.device)
+        tq = torch.arange(q_offset + q0, q_offset + q1, device=q.device)
         valid = (pid >= 0) & ((pid + 1) * P - 1 <= tq[None, :, None])
         pid = torch.where(valid, pid, torch.zeros_like(pid))
         with torch.no_grad():
-            logp = _block_log_target(q[:, q0:q1], k, pid, valid, q0, P, tail, a_sc, tdt).to(dt)
+            logp = _block_log_target(q[:, q0:q1], k, pid, valid, q_offset + q0, P, tail, a_sc, tdt).to(dt)
         count = count + valid.any(-1).sum()
         args = (
             q_idx[:, q0:q1], k_pool, None if w_idx is None else w_idx[:, q0:q1],
