@@ -8,9 +8,40 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
 import genolong.model
+from genolong.errors import InputError
+from genolong.memory import ActivationMeter
+from genolong.model import PRESETS, GenoLM, ModelConfig
+from genolong.model.dsa import DSAKeys
+from genolong.model.mhc import merge_streams
+from genolong.parallel import apply_recompute
+from genolong.parallel.chunked_dsa import _keys_chunk, _query_segment, dsa_attention_half
+from genolong.parallel.context import apply_context_parallel, is_context_parallel
+
+from .helpers import assert_bitwise_equal, run_ranks
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 MODEL_DIR = Path(genolong.model.__file__).parent
+# layers 2 (full indexer, returns its indices) and 3 (shared: reuses them) of the tiny preset; 16
+# index heads keep exact top-k ties away (the segmented and whole selections score the same
+# numbers anyway, so ties would break the same way)
+CONFIGS = {
+    "tiny": PRESETS["tiny"].replace(index_n_heads=16),  # topk 64 / kpool 8
+    "sparse": PRESETS["tiny"].replace(index_n_heads=16, index_topk=16, index_kpool=4),  # 4 of up to 50 pools
+}
+FULL, SHARED = 2, 3
+# gradients and the indexer KL: the segmented half sums the same per-token terms in another order
+# (per segment, then over segments; the keys' gradient of each segment's attention is added by
+# autograd; the KL is sum_s KL_s * n_s / n instead of one running sum): float32 rounding, measured
+# at most 1e-6 of each tensor's largest magnitude on these cases
+GRAD_TOL = 1e-5
+KL_TOL = 1e-6
 
 
 def _imported_modules(source: str, package: str = "genolong.model") -> list[str]:
@@ -45,3 +76,226 @@ def test_model_imports_nothing_from_parallel() -> None:
                  "import genolong.parallel.context", "from genolong.parallel import parallelize"):
         assert _parallel_imports(line), line
     assert not _parallel_imports("from ..kernels.kda.cp import conv_halo")  # kernels are not parallel
+
+
+# ----------------------------------------------------------------------------- the segmented half
+
+
+def _blocks(config: ModelConfig, seed: int = 0) -> GenoLM:
+    torch.manual_seed(seed)
+    model = GenoLM(config)
+    with torch.no_grad():  # move off the init (zero KPool ape, unit gate...) so every term counts
+        for layer in (FULL, SHARED):
+            for p in model.layers[layer].parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+    model.layers[FULL].self_attn.indexer_kl = True
+    return model
+
+
+def plain_half(block: nn.Module, streams: torch.Tensor, prev: torch.Tensor | None):
+    """The reference: attn_hc -> input_layernorm -> self_attn -> merge_streams (Block.forward's first half)."""
+    post, comb, x = block.attn_hc(streams)
+    x, indices = block.self_attn(block.input_layernorm(x), prev)
+    return merge_streams(post, comb, x, streams), indices
+
+
+def _probe(streams: torch.Tensor) -> torch.Tensor:
+    """The output weights of the loss: ``[B, T, m, H]``, a fixed function of the shape."""
+    return torch.linspace(-1, 1, streams.numel()).view_as(streams)
+
+
+def _run(model: GenoLM, streams: torch.Tensor, chunk: int | None, probe: torch.Tensor | None = None) -> dict:
+    """The full then the shared layer's half (segmented when ``chunk``), backward of a probe-weighted
+    sum of the outputs plus the indexer KL; returns outputs, indices, KL, loss and every gradient."""
+    model.zero_grad(set_to_none=True)
+    streams = streams.clone().requires_grad_(True)
+    half = plain_half if chunk is None else (lambda b, s, p: dsa_attention_half(b, s, p, chunk))
+    out2, indices = half(model.layers[FULL], streams, None)
+    out3, none = half(model.layers[SHARED], out2, indices)
+    assert none is None
+    kl = model.layers[FULL].self_attn.last_indexer_kl
+    probe = _probe(streams) if probe is None else probe
+    loss = (out3 * probe).sum() + kl
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {"out": out3.detach(), "indices": indices, "kl": kl.detach(), "loss": loss.detach(),
+            "grads": {"streams": streams.grad, **grads}}
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+    err = ((got - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
+    assert err <= tol, f"{what}: max |diff| / max |ref| = {err:.2e} > {tol}"
+
+
+@pytest.mark.parametrize("name,t,chunk", [
+    ("tiny", 120, 16),  # T a multiple of the pool (8), not of the segment
+    ("tiny", 123, 32),  # odd length: an incomplete last pool, a short last segment
+    ("tiny", 64, 64),  # one segment
+    ("tiny", 40, 64),  # shorter than a segment
+    ("tiny", 72, 8),  # segments of one pool
+    ("sparse", 202, 12),  # 4-token pools, 4 of up to 50 selected; 17 segments
+])
+def test_segmented_half_equals_plain_half(name: str, t: int, chunk: int) -> None:
+    config = CONFIGS[name]
+    model = _blocks(config)
+    torch.manual_seed(1)
+    streams = torch.randn(2, t, config.hc_mult, config.hidden_size)
+    ref, got = _run(model, streams, None), _run(model, streams, chunk)
+    # per query the arithmetic is the whole half's: outputs bitwise, selections exactly
+    assert_bitwise_equal(got["out"], ref["out"], "segmented half outputs")
+    assert torch.equal(got["indices"], ref["indices"])  # exact: ints
+    assert (ref["indices"] >= 0).sum() > 0
+    _assert_close(got["kl"], ref["kl"], KL_TOL, "indexer KL")
+    assert ref["kl"] > 0
+    _assert_close(got["loss"], ref["loss"], KL_TOL, "loss")
+    assert got["grads"].keys() == ref["grads"].keys()
+    names = set(ref["grads"])
+    assert {"layers.2.self_attn.indexer.wk.weight", "layers.2.self_attn.indexer.wq_b.weight",
+            "layers.2.attn_hc.fn", "layers.3.self_attn.kv_a_proj_with_mqa.weight", "streams"} <= names
+    for key in names:
+        _assert_close(got["grads"][key], ref["grads"][key], GRAD_TOL, f"gradient of {key}")
+
+
+def test_expanded_form_and_no_grad() -> None:
+    """absorb False (expanded keys) segments the same way; without autograd the plain half runs."""
+    config = CONFIGS["tiny"]
+    model = _blocks(config)
+    for layer in (FULL, SHARED):
+        model.layers[layer].self_attn.absorb = False
+    torch.manual_seed(2)
+    streams = torch.randn(1, 56, config.hc_mult, config.hidden_size)
+    ref, got = _run(model, streams, None), _run(model, streams, 24)
+    # not bitwise: each segment expands the keys of positions [0, end) through kv_b_proj, a matmul
+    # of another shape than the whole half's [0, T) (the BLAS picks kernels by shape): ~1e-6
+    _assert_close(got["out"], ref["out"], GRAD_TOL, "segmented half outputs (expanded)")
+    assert torch.equal(got["indices"], ref["indices"])  # exact: ints
+    for key in ref["grads"]:
+        _assert_close(got["grads"][key], ref["grads"][key], GRAD_TOL, f"gradient of {key} (expanded)")
+    with torch.no_grad():
+        out, idx = dsa_attention_half(model.layers[FULL], streams, None, 24)
+        want, want_idx = plain_half(model.layers[FULL], streams, None)
+    assert_bitwise_equal(out, want, "no-grad half")
+    assert torch.equal(idx, want_idx)  # exact: ints
+
+
+def test_bad_inputs() -> None:
+    model = _blocks(CONFIGS["tiny"])
+    streams = torch.randn(1, 32, 4, CONFIGS["tiny"].hidden_size)
+    with pytest.raises(InputError, match="multiple of index_kpool"):
+        dsa_attention_half(model.layers[FULL], streams, None, 12)
+    with pytest.raises(InputError, match="positive integer"):
+        dsa_attention_half(model.layers[FULL], streams, None, 0)
+    with pytest.raises(InputError, match="DSA mixer"):
+        dsa_attention_half(model.layers[0], streams, None, 16)
+    with pytest.raises(InputError, match="prev_indices"):
+        dsa_attention_half(model.layers[SHARED], streams, None, 16)
+
+
+# ----------------------------------------------------------------------------- what autograd keeps
+
+
+def test_meter_keeps_streams_and_keys_only() -> None:
+    """After the forward autograd holds the block input streams, the kv latent and the pooled index
+    keys (plus a few scalars of the KL sum); nothing else, whatever T."""
+    config = CONFIGS["tiny"]
+    model = _blocks(config)
+    b, chunk = 2, 16
+    for t in (64, 128):
+        streams = torch.randn(b, t, config.hc_mult, config.hidden_size, requires_grad=True)
+        n_seg = -(-t // chunk)
+        with ActivationMeter(model) as meter:
+            out, indices = dsa_attention_half(model.layers[FULL], streams, None, chunk)
+            kept = meter.resident_bytes
+            keys = b * t * config.kv_lora_rank * 4 + b * (t // config.index_kpool) * config.index_head_dim * 4
+            expected = streams.numel() * 4 + keys
+            # the KL sum: per segment its float32 count (saved by the multiplication), then the divisor
+            assert expected <= kept <= expected + 8 * (n_seg + 2), (t, kept, expected)
+            (out.sum() + model.layers[FULL].self_attn.last_indexer_kl).backward()
+        assert meter.resident_bytes == 0
+        # the unsegmented half keeps several times more, growing with T
+        with ActivationMeter(model) as meter:
+            plain_half(model.layers[FULL], streams, None)
+            assert meter.resident_bytes > 4 * expected
+
+
+def _rebuilt_bytes(fn, model: nn.Module, *args) -> int:
+    """Peak bytes autograd saves while ``fn(*args)`` runs without a checkpoint: what the
+    checkpoint rebuilds (and holds) during that segment's backward."""
+    with ActivationMeter(model) as meter:
+        result = fn(*args)
+        peak = meter.peak_resident_bytes
+    del result
+    return peak
+
+
+def test_rebuilt_region_bounded_by_chunk() -> None:
+    """One segment's rebuild keeps the same bytes at T = 128 and 512 apart from the keys it reads
+    (a view of the whole latent and pooled keys: their storage is counted, and live anyway)."""
+    config = CONFIGS["tiny"]
+    model = _blocks(config)
+    mixer = model.layers[FULL].self_attn
+    b, chunk = 2, 32
+    rebuilt, keys_rebuilt = {}, {}
+    for t in (128, 512):
+        streams = torch.randn(b, chunk, config.hc_mult, config.hidden_size)  # the last segment's own rows
+        latent = torch.randn(b, t, config.kv_lora_rank, requires_grad=True)
+        pooled = torch.randn(b, t // config.index_kpool, config.index_head_dim, requires_grad=True)
+        key_bytes = (latent.numel() + pooled.numel()) * 4
+        seg = _rebuilt_bytes(_query_segment, model, model.layers[FULL], streams.requires_grad_(True), latent, pooled,
+                             None, t - chunk, True)
+        rebuilt[t] = seg - key_bytes - streams.numel() * 4
+        keys_rebuilt[t] = _rebuilt_bytes(_keys_chunk, model, model.layers[FULL], streams, True)
+    assert rebuilt[128] == rebuilt[512] > 0, rebuilt
+    assert keys_rebuilt[128] == keys_rebuilt[512] > 0, keys_rebuilt
+    assert mixer.indexer is not None
+
+
+# ----------------------------------------------------------------------------- context parallelism
+
+
+def test_apply_context_parallel_installs_and_removes_the_forward() -> None:
+    model = _blocks(CONFIGS["tiny"])
+    mixer = model.layers[FULL].self_attn
+    apply_context_parallel(model, object())  # any group object: nothing runs
+    assert is_context_parallel(mixer) and mixer.cp_group is not None
+    apply_context_parallel(model, None)
+    assert not is_context_parallel(mixer) and mixer.cp_group is None and "forward" not in mixer.__dict__
+    apply_recompute(model, "selective", ("dsa",))
+    with pytest.raises(InputError, match="apply context parallelism first"):
+        apply_context_parallel(model, object())
+
+
+def _cp_rank(rank: int, world: int, case: dict) -> None:
+    torch.set_num_threads(1)
+    config = CONFIGS["tiny"]
+    model = _blocks(config)
+    model.load_state_dict(case["state"])
+    ref = case["ref"]
+    apply_context_parallel(model, dist.group.WORLD)
+    t = case["streams"].shape[1] // world
+    sl = slice(rank * t, (rank + 1) * t)
+    got = _run(model, case["streams"][:, sl], case["chunk"], _probe(case["streams"])[:, sl])
+    _assert_close(got["out"], ref["out"][:, sl], 1e-5, "CP segmented outputs")
+    assert torch.equal(got["indices"], ref["indices"][:, sl])  # exact: ints (global positions)
+    kl = got["kl"].clone()
+    dist.all_reduce(kl)  # the shares sum to the one-process KL
+    _assert_close(kl, ref["kl"], KL_TOL, "CP indexer KL")
+    _assert_close(got["grads"]["streams"], ref["grads"]["streams"][:, sl], GRAD_TOL, "CP streams gradient")
+    for key, grad in got["grads"].items():
+        if key != "streams":
+            dist.all_reduce(grad)
+            _assert_close(grad, ref["grads"][key], GRAD_TOL, f"CP gradient of {key}")
+    assert got["grads"].keys() == ref["grads"].keys()
+
+
+def test_cp2_segmented_half_equals_one_process(tmp_path: Path) -> None:
+    """CP = 2 (gloo): each rank's segmented half on its 96-token slice (segments of 40: not a
+    divisor) equals the one-process whole half's rows; KL shares and parameter gradients summed over
+    the ranks equal the one-process ones (tolerance as the CP layer's: GRAD_TOL)."""
+    config = CONFIGS["tiny"]
+    model = _blocks(config)
+    torch.manual_seed(3)
+    streams = torch.randn(2, 192, config.hc_mult, config.hidden_size)
+    ref = _run(model, streams, None)
+    case = {"state": model.state_dict(), "streams": streams, "chunk": 40, "ref": ref}
+    run_ranks(_cp_rank, 2, tmp_path, case, timeout=120)
