@@ -286,12 +286,22 @@ def _cp_rank(rank: int, world: int, case: dict) -> None:
             dist.all_reduce(grad)
             _assert_close(grad, ref["grads"][key], GRAD_TOL, f"CP gradient of {key}")
     assert got["grads"].keys() == ref["grads"].keys()
+    # kept under CP: the slice's streams and the gathered keys of positions [0, end) (not re-gathered)
+    streams = case["streams"][:, sl].clone().requires_grad_(True)
+    b, end, chunk = streams.shape[0], (rank + 1) * t, case["chunk"]
+    with ActivationMeter(model) as meter:
+        out, _ = dsa_attention_half(model.layers[FULL], streams, None, chunk)
+        kept = meter.resident_bytes
+        expected = streams.numel() * 4 + b * end * (config.kv_lora_rank + config.index_head_dim // config.index_kpool) * 4
+        assert expected <= kept <= expected + 8 * (-(-t // chunk) + 2), (rank, kept, expected)
+        (out.sum() + model.layers[FULL].self_attn.last_indexer_kl).backward()
 
 
 def test_cp2_segmented_half_equals_one_process(tmp_path: Path) -> None:
     """CP = 2 (gloo): each rank's segmented half on its 96-token slice (segments of 40: not a
     divisor) equals the one-process whole half's rows; KL shares and parameter gradients summed over
-    the ranks equal the one-process ones (tolerance as the CP layer's: GRAD_TOL)."""
+    the ranks equal the one-process ones (tolerance as the CP layer's: GRAD_TOL); autograd keeps the
+    gathered keys of positions [0, end) on each rank."""
     config = CONFIGS["tiny"]
     model = _blocks(config)
     torch.manual_seed(3)

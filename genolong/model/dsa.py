@@ -30,6 +30,13 @@ the indices of the previous layer, which a full DSA layer returns only when the 
 
 Parameter names are transformers' (``Glm5NextTextAttention``), so ``load_state_dict`` of a
 transformers module's state dict works with ``strict=True``.
+
+Two phases (:meth:`DSAMixer.project_keys`: the kv latent and pooled index keys of a token range,
+position-wise; :meth:`DSAMixer.attend`: a range of queries at global positions ``q_offset ..``
+over those keys). The plain forward runs them back to back on the whole sequence; context
+parallelism (keys all-gathered between the phases) and the query-segmented recompute of
+``memory.recompute: chunked`` run the same phases on other ranges, installed from
+:mod:`genolong.parallel` (this module knows nothing of parallelism).
 """
 
 from __future__ import annotations

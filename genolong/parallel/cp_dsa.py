@@ -115,7 +115,12 @@ def _gather_prefix(parts: list[torch.Tensor], group: dist.ProcessGroup, rank: in
     gathered = _AllGather.apply(packed, group)[: rank + 1].transpose(0, 1)  # [B, rank + 1, n]
     out = []
     for x, chunk in zip(parts, gathered.split(sizes, dim=2)):
-        out.append(chunk.reshape(b, (rank + 1) * x.shape[1], *x.shape[2:]))
+        y = chunk.reshape(b, (rank + 1) * x.shape[1], *x.shape[2:])
+        if y.untyped_storage().nbytes() != y.numel() * y.element_size():
+            # a view (rank 0, or B = 1): it would keep the whole [W, B, n] buffer alive wherever it
+            # is saved for backward (W times the keys rank 0 reads); own copy instead
+            y = y.clone(memory_format=torch.contiguous_format)
+        out.append(y)
     return out
 
 
