@@ -191,6 +191,69 @@ def test_bad_inputs() -> None:
         dsa_attention_half(model.layers[SHARED], streams, None, 16)
 
 
+class _SegmentedBlockForward:
+    """A Block forward whose DSA attention half is :func:`dsa_attention_half` (the feed-forward half
+    and KDA blocks as Block.forward), installed as an instance attribute as the chunked recompute
+    framework does; for the whole-model check only."""
+
+    def __init__(self, block: nn.Module, chunk: int):
+        self.block, self.chunk = block, chunk
+
+    def __call__(self, streams: torch.Tensor, prev: torch.Tensor | None = None):
+        block = self.block
+        streams, indices = dsa_attention_half(block, streams, prev, self.chunk)
+        post, comb, x = block.ffn_hc(streams)
+        x = block.mlp(block.post_attention_layernorm(x))
+        return merge_streams(post, comb, x, streams), indices
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_whole_model_with_segmented_dsa_halves(offload: bool) -> None:
+    """The tiny GenoLM (KDA, full and shared DSA layers, MoE, mHC) with every DSA block's attention
+    half segmented (and activation offload on): loss, indexer KLs and every gradient as the plain
+    model's (tolerances as above), and the DSA layers keep less."""
+    from genolong.parallel.offload import apply_offload
+
+    config = CONFIGS["tiny"]
+    torch.manual_seed(4)
+    tokens = torch.randint(1, 9, (2, 100))
+
+    def step(model: GenoLM) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor], ActivationMeter]:
+        for block in model.layers:
+            if block.layer_type == "indexed_attention" and block.self_attn.indexer is not None:
+                block.self_attn.indexer_kl = True
+        with ActivationMeter(model) as meter:
+            nll, weight = model.loss(tokens)
+            kls = [b.self_attn.last_indexer_kl for b in model.layers
+                   if b.layer_type == "indexed_attention" and b.self_attn.indexer is not None]
+            loss = nll / weight + sum(kls)
+            loss.backward()
+        return loss.detach(), [k.detach() for k in kls], {n: p.grad for n, p in model.named_parameters()}, meter
+
+    torch.manual_seed(5)
+    plain = GenoLM(config)
+    torch.manual_seed(5)
+    model = GenoLM(config)
+    dsa = [i for i, b in enumerate(model.layers) if b.layer_type == "indexed_attention"]
+    assert len(dsa) == 3 and model.layers[3].self_attn.indexer is None
+    for i in dsa:
+        model.layers[i].forward = _SegmentedBlockForward(model.layers[i], 24)
+    if offload:
+        apply_offload(model, 0)
+    loss0, kls0, grads0, _ = step(plain)
+    loss, kls, grads, meter = step(model)
+    _assert_close(loss, loss0, KL_TOL, "loss")
+    for kl, kl0 in zip(kls, kls0):
+        _assert_close(kl, kl0, KL_TOL, "indexer KL")
+    assert grads.keys() == grads0.keys()
+    for key in grads0:
+        _assert_close(grads[key], grads0[key], GRAD_TOL, f"gradient of {key}")
+    if not offload:  # a DSA layer's attention half now keeps its streams and keys only: less than before
+        meter0 = step(plain)[3]
+        for i in dsa:
+            assert meter.layers[i].resident_bytes < meter0.layers[i].resident_bytes
+
+
 # ----------------------------------------------------------------------------- what autograd keeps
 
 
