@@ -17,7 +17,6 @@ import genolong.model
 from genolong.errors import InputError
 from genolong.memory import ActivationMeter
 from genolong.model import PRESETS, GenoLM, ModelConfig
-from genolong.model.dsa import DSAKeys
 from genolong.model.mhc import merge_streams
 from genolong.parallel import apply_recompute
 from genolong.parallel.chunked_dsa import _keys_chunk, _query_segment, dsa_attention_half
@@ -252,6 +251,41 @@ def test_whole_model_with_segmented_dsa_halves(offload: bool) -> None:
         meter0 = step(plain)[3]
         for i in dsa:
             assert meter.layers[i].resident_bytes < meter0.layers[i].resident_bytes
+
+
+def test_kl_kernel_query_offset() -> None:
+    """kpool_indexer_kl_loss(q_offset=s) of queries [s, T) over the keys of [0, T): with the mean of
+    [0, s) weighted by the counts it gives the whole mean, and its gradients (float64: 1e-12)."""
+    from genolong.kernels.dsa import kpool_indexer_kl_loss
+
+    g = torch.Generator().manual_seed(0)
+    b, t, p, kp, s = 2, 97, 4, 3, 44
+    q = torch.randn(b, t, 4, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(b, t, 1, 16, generator=g, dtype=torch.float64)
+    q_idx = torch.randn(b, t, 3, 8, generator=g, dtype=torch.float64).requires_grad_()
+    k_pool = torch.randn(b, t // p, 8, generator=g, dtype=torch.float64).requires_grad_()
+    w = torch.randn(b, t, 3, generator=g, dtype=torch.float64).requires_grad_()
+    limit = (torch.arange(t) + 1) // p  # pools eligible for query t: 0 .. limit - 1
+    pools = torch.where(torch.rand(b, t, kp, generator=g) < 0.8,
+                        (torch.rand(b, t, kp, generator=g) * limit[None, :, None]).long(), -1)
+    pools = torch.where(limit[None, :, None] > 0, pools, -1)
+
+    def counted(rows: torch.Tensor, q0: int) -> int:
+        tq = torch.arange(q0, q0 + rows.shape[1])
+        return int(((rows >= 0) & ((rows + 1) * p - 1 <= tq[None, :, None])).any(-1).sum())
+
+    whole = kpool_indexer_kl_loss(q, k, q_idx, k_pool, w, pools, p, tail=True)
+    head = kpool_indexer_kl_loss(q[:, :s], k[:, :s], q_idx[:, :s], k_pool[:, : s // p], w[:, :s], pools[:, :s], p)
+    tail = kpool_indexer_kl_loss(q[:, s:], k, q_idx[:, s:], k_pool, w[:, s:], pools[:, s:], p, q_offset=s)
+    n0, n1 = counted(pools[:, :s], 0), counted(pools[:, s:], s)
+    assert n0 > 0 and n1 > 0
+    split = (head * n0 + tail * n1) / (n0 + n1)
+    _assert_close(split, whole, 1e-12, "KL of two query ranges")
+    for gx, gw in zip(torch.autograd.grad(split, (q_idx, k_pool, w)),
+                         torch.autograd.grad(whole, (q_idx, k_pool, w))):
+        _assert_close(gx, gw, 1e-12, "KL gradient of two query ranges")
+    with pytest.raises(InputError, match="q_offset"):
+        kpool_indexer_kl_loss(q[:, s:], k[:, s:], q_idx[:, s:], k_pool, w[:, s:], pools[:, s:], p, q_offset=s)
 
 
 # ----------------------------------------------------------------------------- what autograd keeps
