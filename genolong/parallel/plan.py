@@ -71,7 +71,20 @@ __all__ = [
     "CommRow",
     "Plan",
     "SavedTensor",
+    "BACKEND_KERNELS",
+    "COMM_PARTS",
+    "DSA_KERNELS",
+    "PLAN_RECOMPUTE_MODES",
+    "SENT",
+    "TRANSIENTS",
+    "ChunkedTerms",
+    "FSDPUnit",
     "activation_estimate",
+    "backend_kernels",
+    "chunked_recompute_terms",
+    "ep_comm_bytes",
+    "fsdp_unit_groups",
+    "routed_expert_parameters",
     "comm_estimate",
     "format_plan",
     "fsdp_units",
@@ -137,9 +150,16 @@ class SavedTensor:
         return self.bytes_per_token * min(self.piece_tokens, tokens)
 
 
+#: Recompute modes the planner counts: :data:`genolong.parallel.recompute.RECOMPUTE_MODES` and
+#: ``chunked`` (``memory.recompute: chunked``; see :func:`chunked_recompute_terms`).
+PLAN_RECOMPUTE_MODES: tuple[str, ...] = tuple(dict.fromkeys((*RECOMPUTE_MODES, "chunked")))
+#: Modes that keep only each block's input (and, for chunked, small carried extras) in forward.
+_BLOCK_RECOMPUTE = ("full", "chunked")
+
+
 def _resolve_kinds(recompute: str, modules: Sequence[str]) -> frozenset[str]:
-    if recompute not in RECOMPUTE_MODES:
-        raise InputError(f"recompute {recompute!r} is unknown; choose one of {', '.join(RECOMPUTE_MODES)}")
+    if recompute not in PLAN_RECOMPUTE_MODES:
+        raise InputError(f"recompute {recompute!r} is unknown; choose one of {', '.join(PLAN_RECOMPUTE_MODES)}")
     if isinstance(modules, str):
         modules = (modules,)
     for kind in modules:
@@ -189,12 +209,42 @@ def _kda_intra_floats(K: int, C: int, c: int) -> float:
 
 
 #: KDA chunk kernels the planner knows: ``torch`` (genolong's, validated against the meter) and
-#: ``fla`` (fla-core's Triton ``chunk_kda``, an estimate from its ``save_for_backward``: not
-#: runnable on CPU, so not validated here).
+#: ``fla`` (fla-core's Triton ``chunk_kda``, read from its source: not runnable on CPU, so not
+#: validated here; see :func:`_kda`).
 KDA_KERNELS = ("torch", "fla")
+#: DSA kernels the planner knows: ``torch`` (the reference ops) and ``triton`` (genolong's Triton
+#: DSA kernels, ``genolong.kernels.dsa.triton_*``: measured on CPU under ``TRITON_INTERPRET=1``).
+DSA_KERNELS = ("torch", "triton")
+#: ``ModelConfig.kernel_backend`` -> (KDA chunk kernel, DSA kernels) the planner counts, for a GPU
+#: run (``genolong.kernels.backends``): ``triton`` takes KDA from fla-core when it imports (the
+#: planner assumes it does on a GPU machine) and ``auto`` resolves to ``triton`` on CUDA
+#: (``resolve_auto``), to ``torch`` on a CPU-only run (``parallel.accelerator: cpu``).
+BACKEND_KERNELS: dict[str, tuple[str, str]] = {
+    "torch": ("torch", "torch"),
+    "fla": ("fla", "torch"),
+    "triton": ("fla", "triton"),
+    "auto": ("fla", "triton"),
+}
 
 
-def _kda(cfg: ModelConfig, a: int, recomputed: bool, kernel: str = "torch") -> list[SavedTensor]:
+def backend_kernels(backend: str, accelerator: str = "gpu") -> tuple[str, str]:
+    """The (KDA chunk kernel, DSA kernel) pair a ``kernel_backend`` runs on ``accelerator``.
+
+    ``auto`` on ``cpu`` is ``torch`` (no CUDA: ``genolong.kernels.backends.resolve_auto``); on
+    ``gpu``, ``cuda`` or ``auto`` it is the ``triton`` backend (fla-core's ``chunk_kda`` and the
+    Triton DSA kernels), assuming the GPU machine has Triton and fla-core >= 0.5.2.
+
+    Raises:
+        InputError: an unknown backend name.
+    """
+    if backend not in BACKEND_KERNELS:
+        raise InputError(f"kernel_backend {backend!r} is unknown to the planner; choose one of {', '.join(BACKEND_KERNELS)}")
+    if backend == "auto" and accelerator == "cpu":
+        return "torch", "torch"
+    return BACKEND_KERNELS[backend]
+
+
+def _kda(cfg: ModelConfig, a: int, recomputed: bool, kernel: str = "torch", cp_path: bool = False) -> list[SavedTensor]:
     """The KDA mixer (``genolong.model.kda.KDAMixer`` with ``genolong.kernels.kda.chunk_kda``).
 
     Recomputed: only its input ``x [T, H]``. Otherwise (per token; ``q = heads * d``):
@@ -210,9 +260,22 @@ def _kda(cfg: ModelConfig, a: int, recomputed: bool, kernel: str = "torch") -> l
     (heads), normalised value before and after the weight (2q fp32), gate sigmoid (q fp32), the
     gated product in the compute dtype (q) and the gate's low-rank input (d).
 
-    ``kernel="fla"`` replaces the chunk kernel's part with what fla-core's ``ChunkKDAFunction``
-    saves (it recomputes the rest in backward): per head the scaled q, the cumulative and raw
-    log decays (3K fp32), ``Aqk`` and ``Akk`` (2C fp32) and the sigmoid beta.
+    ``kernel="fla"``: fla-core 0.6's ``ChunkKDAFunction`` (``fla/ops/kda/chunk.py:121-141``,
+    ``save_for_backward``) keeps q, k, v, the chunk-local cumulative log decay ``g_cumsum``, the
+    input gate ``g``, ``beta`` (raw and activated), ``Aqk`` and ``Akk`` and the initial state;
+    ``chunk_kda_fwd`` drops w, u, qg, kg, v_new and h before returning
+    (``fla/ops/kda/chunk_fwd.py:135-141``: ``disable_recompute=False``, backward recomputes them)
+    and, with the gate in the kernel, ``g_cumsum`` too; ``Aqk``, ``Akk`` are ``[B, T, H, C]`` in
+    k's dtype (``fla/ops/kda/chunk_intra.py:863-865``), float32 here (the layer passes fp32 q, k,
+    v). The layer's own normalised-k views (the torch kernel's) are fla's saved k. Two paths:
+
+    - ``cp_path=False`` (one process: ``chunk_kda_gated``, gate and beta in the kernel,
+      ``kernels/kda/fla_backend.py::make_fla_chunk_kda_gated``): no torch gate or beta tensors;
+      fla keeps q, k (2K), v (V), the raw gate as an fp32 copy (K), beta logits and sigmoid (2),
+      ``Aqk``, ``Akk`` (2C) per head, fp32.
+    - ``cp_path=True`` (context parallelism: ``cp_chunk_kda`` over ``chunk_kda``, gate and beta
+      from torch): the torch gate and beta stay; fla keeps q, k, v, ``g_cumsum`` and ``g``
+      (2K + V + 2K) and ``Aqk``, ``Akk`` (2C) per head, fp32 (beta is the torch sigmoid's storage).
     """
     H = cfg.hidden_size
     if recomputed:
@@ -227,15 +290,22 @@ def _kda(cfg: ModelConfig, a: int, recomputed: bool, kernel: str = "torch") -> l
         SavedTensor("kda", "conv pre-activation", 3 * q * _F32),
         SavedTensor("kda", "q|k|v", 3 * q * _F32),
         SavedTensor("kda", "l2 norm roots", 2 * heads * _F32),
-        SavedTensor("kda", "normalised k", q * _F32, views=3.0),
-        SavedTensor("kda", "gate low-rank", d * a),
-        SavedTensor("kda", "gate logits + sigmoid", 2 * q * _F32),
-        SavedTensor("kda", "beta", heads * _F32, views=4.0),
     ]
-    intra = _kda_intra_floats(K, C, KDA_SUB_BLOCK)
+    if kernel != "fla":
+        mixer.append(SavedTensor("kda", "normalised k", q * _F32, views=3.0))
+    mixer.append(SavedTensor("kda", "gate low-rank", d * a))
+    if kernel != "fla" or cp_path:
+        mixer += [SavedTensor("kda", "gate logits + sigmoid", 2 * q * _F32),
+                  SavedTensor("kda", "beta", heads * _F32, views=4.0 if kernel != "fla" else 1.0)]
     if kernel == "fla":
-        chunk = [SavedTensor("kda", "fla chunk_kda: q, decays, Aqk, Akk, beta", heads * (3 * K + 2 * C + 1) * _F32)]
+        if cp_path:
+            chunk = [SavedTensor("kda", "fla chunk_kda: q, k, v, g_cumsum, g, Aqk, Akk",
+                                 heads * (4 * K + V + 2 * C) * _F32)]
+        else:
+            chunk = [SavedTensor("kda", "fla chunk_kda (gate in kernel): q, k, v, g raw, beta raw + sigmoid, Aqk, Akk",
+                                 heads * (3 * K + V + 2 * C + 2) * _F32)]
     else:
+        intra = _kda_intra_floats(K, C, KDA_SUB_BLOCK)
         chunk = [
             # the decay factors of the sub-blocks and of levels c..C/2 are saved by exp (as they
             # are) and by the product (unsqueezed): two offload copies, 2K more per head
@@ -251,7 +321,7 @@ def _index_slots(cfg: ModelConfig) -> int:
 
 
 def _dsa(cfg: ModelConfig, layer: int, a: int, recomputed: bool, prev_recomputed: bool,
-         indexer_kl: bool) -> list[SavedTensor]:
+         indexer_kl: bool, kernel: str = "torch") -> list[SavedTensor]:
     """The DSA mixer (``genolong.model.dsa.DSAMixer``, absorbed MLA over the kv latent).
 
     Recomputed: its input (H) and, on a ``shared`` layer, the top-k indices it receives
@@ -264,6 +334,13 @@ def _dsa(cfg: ModelConfig, layer: int, a: int, recomputed: bool, prev_recomputed
     indexer KL (the trainer turns it on): index queries (HI x DI), the index key LayerNorm
     (input, output, mean/rstd), the KPool softmax, the pooled keys (DI / P), head weights (HI
     fp32) and, per selected pool, pool id, validity and target log-probability (13 B).
+
+    ``kernel="triton"`` (genolong's Triton DSA kernels): the sparse attention saves what the
+    reference does (``kernels/dsa/triton_attention.py:666``: q, k, v, indices, o, lse); KPool
+    keys save their inputs instead of the softmax (``kernels/dsa/triton_kpool.py:220``: the
+    normalised keys, already counted, the gate logits ``[T, DI]`` and the pool embedding); the
+    indexer KL saves its inputs and the ``[T, KP]`` fp32 target with the int64 pool ids, no
+    validity mask (``triton_kpool.py:599``); the top-k keeps nothing for backward.
     """
     H = cfg.hidden_size
     assert cfg.indexer_types is not None
@@ -297,11 +374,14 @@ def _dsa(cfg: ModelConfig, layer: int, a: int, recomputed: bool, prev_recomputed
         out += [
             SavedTensor("indexer_kl", "index queries", hi * di * a, piece_tokens=blk),
             SavedTensor("indexer_kl", "index key norm (input, output, mean/rstd)", 2 * di * a + 2 * _F32),
-            SavedTensor("indexer_kl", "kpool softmax", di * a),
+            SavedTensor("indexer_kl", "kpool gate logits" if kernel == "triton" else "kpool softmax", di * a),
             SavedTensor("indexer_kl", "pooled keys", di * a / pool),
             SavedTensor("indexer_kl", "head weights", hi * _F32, piece_tokens=blk),
-            SavedTensor("indexer_kl", "pool ids, validity, target", pools * (_I64 + 1 + _F32), piece_tokens=blk),
         ]
+        if kernel == "triton":
+            out.append(SavedTensor("indexer_kl", "pool ids, target (Triton KL)", pools * (_I64 + _F32)))
+        else:
+            out.append(SavedTensor("indexer_kl", "pool ids, validity, target", pools * (_I64 + 1 + _F32), piece_tokens=blk))
     return out
 
 
@@ -311,7 +391,8 @@ def _swiglu(kind: str, name: str, inner: int, a: int) -> list[SavedTensor]:
     return [SavedTensor(kind, f"{name} gate/up/clamps/silu/product", 6 * inner * a)]
 
 
-def _ffn(cfg: ModelConfig, layer: int, a: int, recomputed: bool, tokens: int, chunk: int | None) -> list[SavedTensor]:
+def _ffn(cfg: ModelConfig, layer: int, a: int, recomputed: bool, tokens: int, chunk: int | None,
+         expert_load: float = 1.0) -> list[SavedTensor]:
     """The feed-forward: dense SwiGLU (input H + :func:`_swiglu`) or MoE.
 
     MoE (``genolong.model.moe.MoE``), not recomputed, per token: the input (H in the compute
@@ -321,6 +402,10 @@ def _ffn(cfg: ModelConfig, layer: int, a: int, recomputed: bool, tokens: int, ch
     clamped gate, SiLU, clamped up, product (4I), the expert output (H), its weight (fp32) and
     the weighted output that ``index_add_`` keeps as its source (H);
     the shared expert (:func:`_swiglu`). Recomputed: the input only.
+
+    ``expert_load``: the per-(token, slot) expert tensors live on the rank that holds the expert;
+    under expert parallelism the busiest rank holds ``expert_load`` (the imbalance) times the
+    mean (1 without EP: a rank runs its own tokens' slots).
     """
     assert cfg.mlp_layer_types is not None
     H = cfg.hidden_size
@@ -341,12 +426,12 @@ def _ffn(cfg: ModelConfig, layer: int, a: int, recomputed: bool, tokens: int, ch
         SavedTensor("moe", "router scores", E * _F32),
         SavedTensor("moe", "top-k indices, order, token map", 3 * k * _I64),
         SavedTensor("moe", "routing weights", (k + 1) * _F32),
-        SavedTensor("moe", "routed experts", k * ((3 * H + 6 * inner) * a + _F32), piece_tokens=per_expert),
+        SavedTensor("moe", "routed experts", expert_load * k * ((3 * H + 6 * inner) * a + _F32), piece_tokens=per_expert),
         *_swiglu("moe", "shared expert", inner * cfg.n_shared_experts, a),
     ]
 
 
-def _mhc(cfg: ModelConfig, name: str, a: int, recomputed: bool) -> list[SavedTensor]:
+def _mhc(cfg: ModelConfig, name: str, a: int, recomputed: bool, sinkhorn_recompute: bool = False) -> list[SavedTensor]:
     """One hyper-connection (``genolong.model.mhc.HyperConnection``) and the stream merge after
     its block.
 
@@ -356,6 +441,8 @@ def _mhc(cfg: ModelConfig, name: str, a: int, recomputed: bool) -> list[SavedTen
     sigmoids and pre (3m), the softmax (m^2) and the Sinkhorn iterations (each division keeps
     its numerator ``[m, m]`` and denominator ``[m]``: ``2 * iters - 1`` divisions), all fp32.
     The merge keeps post (m), the block output (H) and the transposed mixing matrix (m^2).
+    ``sinkhorn_recompute``: the Sinkhorn iterations are recomputed in mHC's backward (from the
+    softmax, which stays), so their ``(2 * iters - 1)`` divisions are not kept.
     """
     H, m = cfg.hidden_size, cfg.hc_mult
     out: list[SavedTensor] = []
@@ -370,33 +457,154 @@ def _mhc(cfg: ModelConfig, name: str, a: int, recomputed: bool) -> list[SavedTen
         iters = max(cfg.hc_sinkhorn_iters, 1)
         out += [
             SavedTensor("mhc", f"{name} normalised streams", m * H * _F32),
-            SavedTensor("mhc", f"{name} weights", ((2 + m) * m + 1 + 3 * m + m * m + (2 * iters - 1) * (m * m + m)) * _F32),
+            SavedTensor("mhc", f"{name} weights", ((2 + m) * m + 1 + 3 * m + m * m) * _F32),
         ]
+        if not sinkhorn_recompute:
+            out.append(SavedTensor("mhc", f"{name} Sinkhorn iterations", (2 * iters - 1) * (m * m + m) * _F32))
     out.append(SavedTensor("mhc", f"{name} merge", (m + m * m + H) * a))
     return out
+
+
+def _half(cfg: ModelConfig, layer: int, half: str, a: int, kinds: frozenset[str], *, indexer_kl: bool,
+          tokens: int, moe_chunk_tokens: int | None, kda_kernel: str, dsa_kernel: str, cp_path: bool,
+          sinkhorn_recompute: bool, expert_load: float = 1.0) -> list[SavedTensor]:
+    """The saved tensors of one half of block ``layer``: ``attention`` (``attn_hc ->
+    input_layernorm -> self_attn -> merge``) or ``ffn`` (``ffn_hc -> post_attention_layernorm ->
+    mlp -> merge``), under ``selective`` recompute of ``kinds`` (empty: nothing recomputed)."""
+    assert cfg.layer_types is not None and cfg.mlp_layer_types is not None
+    hc = "hc" in kinds
+    if half == "attention":
+        out = _mhc(cfg, "attn_hc", a, hc, sinkhorn_recompute)
+        out += _norm("norm", "input_layernorm", cfg.hidden_size, a)
+        if cfg.layer_types[layer] == LINEAR_ATTENTION:
+            out += _kda(cfg, a, "kda" in kinds, kda_kernel, cp_path)
+        else:
+            out += _dsa(cfg, layer, a, "dsa" in kinds, "dsa" in kinds, indexer_kl, dsa_kernel)
+        return out
+    out = _mhc(cfg, "ffn_hc", a, hc, sinkhorn_recompute)
+    out += _norm("norm", "post_attention_layernorm", cfg.hidden_size, a)
+    ffn_kind = "mlp" if cfg.mlp_layer_types[layer] == "dense" else "moe"
+    out += _ffn(cfg, layer, a, ffn_kind in kinds, tokens, moe_chunk_tokens, expert_load)
+    return out
+
+
+@dataclass(frozen=True)
+class ChunkedTerms:
+    """What ``memory.recompute: chunked`` keeps and rebuilds for one layer (see
+    :func:`chunked_recompute_terms`).
+
+    Attributes:
+        saved: the storages kept from forward to backward (block input and carried extras).
+        rebuilt_bytes: the largest region rebuilt at a time in this layer's backward.
+        rebuilt_region: which half that is (for the breakdown).
+        layer_bytes: tensors of the whole layer that exist while its backward runs besides the
+            rebuilt region: the attention half's output streams ``[T, m, H]`` (the feed-forward
+            chunks' input).
+    """
+
+    saved: list[SavedTensor]
+    rebuilt_bytes: float
+    rebuilt_region: str
+    layer_bytes: float
+
+
+def chunked_recompute_terms(config: ModelConfig, layer: int, tokens: int, chunk_tokens: int, *, cp: int = 1,
+                            dtype_bytes: int = 4, indexer_kl: bool = False, moe_chunk_tokens: int | None = None,
+                            kda_kernel: str = "torch", dsa_kernel: str = "torch",
+                            sinkhorn_recompute: bool = False, expert_load: float = 1.0) -> ChunkedTerms:
+    """The formulas for ``memory.recompute: chunked`` on layer ``layer`` (one place to adjust).
+
+    Written from the description in the issue-15 interfaces (``/work/briefs/interfaces.md``),
+    before the implementations (B: framework and FFN chunks; D: DSA segments; E: KDA segments):
+
+    - saved per layer: the block input ``streams [T, m, H]`` (as ``full``; on a shared DSA layer
+      also the received top-k indices) plus carried extras. KDA: the fp32 state ``[heads, dk,
+      dv]`` per segment of ``chunk_tokens`` tokens and, under CP, the transition ``[heads, dk,
+      dk]`` per segment, and the short-conv tail (``kernel - 1`` rows of q|k|v in the compute
+      dtype) per segment; DSA: the slice's kv latent ``[T, kv_lora_rank]`` and (full-indexer
+      layers) pooled index keys ``[T / pool, index_head_dim]`` in the compute dtype.
+    - rebuilt: the largest of (attention half of this layer, feed-forward half) of the half's
+      plain saved bytes (no recompute) for ``min(chunk_tokens, T)`` tokens; a DSA attention half
+      also holds the whole sequence's keys (``cp * T`` rows of latent and pooled keys) under CP.
+    - ``layer_bytes``: the attention half's output streams ``[T, m, H]`` (what the feed-forward
+      chunks read) live during the layer's backward.
+
+    Args:
+        config: the architecture.
+        layer: layer index.
+        tokens: tokens of the rank's slice (``batch * T / cp``).
+        chunk_tokens: ``memory.recompute_chunk_tokens``.
+        cp: context-parallel size (transitions, whole-sequence keys).
+        dtype_bytes, indexer_kl, moe_chunk_tokens, kda_kernel, dsa_kernel, sinkhorn_recompute,
+            expert_load: as :func:`layer_saved_tensors`.
+
+    Returns:
+        :class:`ChunkedTerms` (bytes).
+    """
+    cfg = config
+    assert cfg.layer_types is not None and cfg.indexer_types is not None
+    a = dtype_bytes
+    H, m = cfg.hidden_size, cfg.hc_mult
+    c = min(chunk_tokens, tokens)
+    saved = [SavedTensor("block_input", "streams", m * H * a)]
+    is_dsa = cfg.layer_types[layer] == INDEXED_ATTENTION
+    full_indexer = is_dsa and cfg.indexer_types[layer] == "full"
+    if is_dsa and not full_indexer:
+        saved.append(SavedTensor("block_input", "received top-k indices", _index_slots(cfg) * _I64))
+    if is_dsa:
+        saved.append(SavedTensor("chunked", "DSA kv latent of the slice", cfg.kv_lora_rank * a))
+        if full_indexer:
+            saved.append(SavedTensor("chunked", "DSA pooled index keys of the slice", cfg.index_head_dim * a / cfg.index_kpool))
+    else:
+        heads, d = cfg.linear_num_heads, cfg.linear_head_dim
+        per_segment = heads * d * d * _F32 + (cfg.linear_conv_kernel_dim - 1) * 3 * heads * d * a
+        if cp > 1:
+            per_segment += heads * d * d * _F32  # the segment's transition [heads, dk, dk]
+        saved.append(SavedTensor("chunked", "KDA carried state (+ transition, conv tail) per segment",
+                                 per_segment / c, piece_tokens=c))
+    plain = dict(indexer_kl=indexer_kl, tokens=c, moe_chunk_tokens=moe_chunk_tokens, kda_kernel=kda_kernel,
+                 dsa_kernel=dsa_kernel, cp_path=cp > 1, sinkhorn_recompute=sinkhorn_recompute, expert_load=expert_load)
+    attn = sum(t.nbytes(c) for t in _half(cfg, layer, "attention", a, frozenset(), **plain))
+    if is_dsa and cp > 1:
+        attn += cp * tokens * (cfg.kv_lora_rank + (cfg.index_head_dim / cfg.index_kpool if full_indexer else 0)) * a
+    ffn = sum(t.nbytes(c) for t in _half(cfg, layer, "ffn", a, frozenset(), **plain))
+    region = ("DSA" if is_dsa else "KDA") + " attention half" if attn >= ffn else "feed-forward half"
+    return ChunkedTerms(saved=saved, rebuilt_bytes=max(attn, ffn), rebuilt_region=region,
+                        layer_bytes=tokens * m * H * a)
 
 
 def layer_saved_tensors(config: ModelConfig, layer: int, recompute: str = "none",
                         recompute_modules: Sequence[str] = (), *, dtype_bytes: int = 4,
                         indexer_kl: bool = False, tokens: int = 4096,
-                        moe_chunk_tokens: int | None = None, kda_kernel: str = "torch") -> list[SavedTensor]:
+                        moe_chunk_tokens: int | None = None, kda_kernel: str = "torch",
+                        dsa_kernel: str = "torch", cp: int = 1, recompute_chunk_tokens: int = 16384,
+                        sinkhorn_recompute: bool = False, expert_load: float = 1.0) -> list[SavedTensor]:
     """What layer ``layer`` keeps for backward, storage by storage.
 
     Args:
         config: the architecture.
         layer: layer index.
-        recompute: "none", "selective" or "full" (as :func:`genolong.parallel.apply_recompute`).
+        recompute: "none", "selective", "full" (as :func:`genolong.parallel.apply_recompute`) or
+            "chunked" (:func:`chunked_recompute_terms`).
         recompute_modules: kinds for "selective" (default: ``DEFAULT_SELECTIVE``).
         dtype_bytes: bytes of the compute dtype (4: fp32, 2: bf16); parts the layers compute in
             fp32 stay 4.
         indexer_kl: the DSA indexer KL is computed (the trainer does; a bare model does not).
-        tokens: tokens of the slice (only sets the piece sizes of per-expert tensors).
+        tokens: tokens of the slice (sets the piece sizes of per-expert tensors, and the
+            segments of ``chunked``).
         moe_chunk_tokens: MoE dispatch chunk (piece sizes only).
         kda_kernel: ``torch`` (default) or ``fla`` (see :data:`KDA_KERNELS`).
+        dsa_kernel: ``torch`` (default) or ``triton`` (see :data:`DSA_KERNELS`).
+        cp: context-parallel size (default 1): the KDA layer takes its CP path (gate and beta in
+            torch) and ``chunked`` keeps transitions.
+        recompute_chunk_tokens: ``chunked``'s segment (default 16384).
+        sinkhorn_recompute: mHC recomputes its Sinkhorn iterations in backward (default False).
+        expert_load: routed-expert rows this rank holds over the mean (the EP imbalance; 1.0).
 
     Returns:
         The :class:`SavedTensor` list; under "full" only the block inputs (``streams [T, m, H]``
-        and, on a shared DSA layer, the received indices).
+        and, on a shared DSA layer, the received indices); under "chunked" those and the
+        carried extras.
     """
     cfg = config
     assert cfg.layer_types is not None and cfg.indexer_types is not None
@@ -407,19 +615,16 @@ def layer_saved_tensors(config: ModelConfig, layer: int, recompute: str = "none"
         if cfg.layer_types[layer] == INDEXED_ATTENTION and cfg.indexer_types[layer] == "shared":
             out.append(SavedTensor("block_input", "received top-k indices", _index_slots(cfg) * _I64))
         return out
-    hc = "hc" in kinds
-    out = _mhc(cfg, "attn_hc", a, hc)
-    out += _norm("norm", "input_layernorm", cfg.hidden_size, a)
-    if cfg.layer_types[layer] == LINEAR_ATTENTION:
-        out += _kda(cfg, a, "kda" in kinds, kda_kernel)
-    else:
-        out += _dsa(cfg, layer, a, "dsa" in kinds, "dsa" in kinds, indexer_kl)
-    out += _mhc(cfg, "ffn_hc", a, hc)
-    out += _norm("norm", "post_attention_layernorm", cfg.hidden_size, a)
-    assert cfg.mlp_layer_types is not None
-    ffn_kind = "mlp" if cfg.mlp_layer_types[layer] == "dense" else "moe"
-    out += _ffn(cfg, layer, a, ffn_kind in kinds, tokens, moe_chunk_tokens)
-    return out
+    if recompute == "chunked":
+        return chunked_recompute_terms(cfg, layer, tokens, recompute_chunk_tokens, cp=cp, dtype_bytes=a,
+                                       indexer_kl=indexer_kl, moe_chunk_tokens=moe_chunk_tokens,
+                                       kda_kernel=kda_kernel, dsa_kernel=dsa_kernel,
+                                       sinkhorn_recompute=sinkhorn_recompute, expert_load=expert_load).saved
+    common = dict(indexer_kl=indexer_kl, tokens=tokens, moe_chunk_tokens=moe_chunk_tokens, kda_kernel=kda_kernel,
+                  dsa_kernel=dsa_kernel, cp_path=cp > 1, sinkhorn_recompute=sinkhorn_recompute,
+                  expert_load=expert_load)
+    return (_half(cfg, layer, "attention", a, kinds, **common)  # type: ignore[arg-type]
+            + _half(cfg, layer, "ffn", a, kinds, **common))  # type: ignore[arg-type]
 
 
 def outside_saved_tensors(config: ModelConfig, dtype_bytes: int = 4) -> list[SavedTensor]:
@@ -474,7 +679,9 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
                         recompute_modules: Sequence[str] = (), offload: bool = False,
                         offload_min_bytes: int = 1 << 20, dtype_bytes: int = 4, indexer_kl: bool = False,
                         moe_chunk_tokens: int | None = None, batch: int = 1,
-                        kda_kernel: str = "torch") -> ActivationEstimate:
+                        kda_kernel: str = "torch", dsa_kernel: str = "torch", cp: int = 1,
+                        recompute_chunk_tokens: int = 16384, sinkhorn_recompute: bool = False,
+                        expert_load: float = 1.0) -> ActivationEstimate:
     """Saved-activation bytes of one forward + backward on ``batch x tokens`` tokens of one rank.
 
     What :class:`~genolong.memory.meter.ActivationMeter` measures around ``model.loss(...)
@@ -490,7 +697,14 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
         indexer_kl: count the DSA indexer KL's saved tensors (the trainer computes it).
         moe_chunk_tokens: MoE dispatch chunk (only changes per-expert piece sizes).
         batch: sequences per step on this rank (default 1).
-        kda_kernel: ``torch`` (default; genolong's kernels, validated) or ``fla`` (estimate).
+        kda_kernel: ``torch`` (default; genolong's kernels, validated) or ``fla`` (from its source).
+        dsa_kernel: ``torch`` (default) or ``triton`` (measured on CPU in the interpreter).
+        cp: context-parallel size (default 1; the KDA layer's CP path, chunked's transitions and
+            whole-sequence keys); ``tokens`` is still the slice.
+        recompute_chunk_tokens: tokens per rebuilt piece under ``chunked`` (default 16384).
+        sinkhorn_recompute: mHC recomputes its Sinkhorn iterations in backward (default False).
+        expert_load: routed-expert rows on this rank over the mean (expert parallelism's
+            imbalance on the busiest rank; default 1.0).
 
     Raises:
         InputError: non-positive tokens or batch, an unknown recompute mode or kind, a bad dtype
@@ -504,7 +718,11 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
         raise InputError(f"dtype_bytes must be 4 (fp32) or 2 (bf16), got {dtype_bytes!r}")
     if kda_kernel not in KDA_KERNELS:
         raise InputError(f"kda_kernel {kda_kernel!r} is unknown; choose one of {', '.join(KDA_KERNELS)}")
+    if dsa_kernel not in DSA_KERNELS:
+        raise InputError(f"dsa_kernel {dsa_kernel!r} is unknown; choose one of {', '.join(DSA_KERNELS)}")
     n = tokens * batch
+    kernels = dict(kda_kernel=kda_kernel, dsa_kernel=dsa_kernel, cp=cp, sinkhorn_recompute=sinkhorn_recompute,
+                   expert_load=expert_load)
     L = config.num_hidden_layers
     resident: list[int] = []
     offloaded: list[int] = []
@@ -514,7 +732,7 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
     for i in range(L):
         items = layer_saved_tensors(config, i, recompute, recompute_modules, dtype_bytes=dtype_bytes,
                                     indexer_kl=indexer_kl, tokens=n, moe_chunk_tokens=moe_chunk_tokens,
-                                    kda_kernel=kda_kernel)
+                                    recompute_chunk_tokens=recompute_chunk_tokens, **kernels)  # type: ignore[arg-type]
         res = off = 0.0
         for t in items:
             size = t.nbytes(n)
@@ -526,12 +744,17 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
         resident.append(int(round(res)))
         offloaded.append(int(round(off)))
         plain = layer_saved_tensors(config, i, "none", dtype_bytes=dtype_bytes, indexer_kl=indexer_kl,
-                                    tokens=n, moe_chunk_tokens=moe_chunk_tokens, kda_kernel=kda_kernel)
+                                    tokens=n, moe_chunk_tokens=moe_chunk_tokens, **kernels)  # type: ignore[arg-type]
         for t in plain:
             plain_by_kind[t.kind] = plain_by_kind.get(t.kind, 0) + int(round(t.nbytes(n)))
         if recompute != "none":
             if recompute == "full":
                 region = sum(t.nbytes(n) for t in plain)
+            elif recompute == "chunked":
+                terms = chunked_recompute_terms(config, i, n, recompute_chunk_tokens, dtype_bytes=dtype_bytes,
+                                                indexer_kl=indexer_kl, moe_chunk_tokens=moe_chunk_tokens,
+                                                **kernels)  # type: ignore[arg-type]
+                region = terms.rebuilt_bytes + terms.layer_bytes
             else:
                 kinds = _resolve_kinds(recompute, recompute_modules)
                 region = max([sum(t.nbytes(n) for t in plain if t.kind == k or (k == "dsa" and t.kind == "indexer_kl"))
@@ -568,7 +791,15 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
 #: :func:`genolong.parallel.cp_dsa.cp_dsa_comm_bytes` counts (and FSDP here).
 PAYLOAD = "payload"
 RECEIVED = "received"
-COMM_CONVENTIONS = (PAYLOAD, RECEIVED)
+#: ``sent``: the bytes this rank sends to the other ranks (point-to-point payload of an
+#: all-to-all; rows for the rank itself do not travel), as :func:`ep_comm_bytes` counts.
+SENT = "sent"
+COMM_CONVENTIONS = (PAYLOAD, RECEIVED, SENT)
+#: The parts of :class:`CommEstimate`, in table order.
+COMM_PARTS = ("kda", "dsa", "ep", "fsdp")
+#: Device line items that do not coexist (the plan counts the largest).
+TRANSIENTS = ("MoE dispatch chunk", "MoE all-to-all buffers (busiest rank)", "DSA indexer / top-k / gather buffers",
+              "cross-entropy chunk")
 
 
 @dataclass(frozen=True)
@@ -615,7 +846,8 @@ class CommEstimate:
     Attributes:
         cp, shard_group, dp_replicate: the group sizes the rows assume.
         tokens_per_rank: ``batch * T_local`` tokens of the rank's slices.
-        rows: the :class:`CommRow` lines, KDA, then DSA, then FSDP.
+        rows: the :class:`CommRow` lines, KDA, then DSA, then EP, then FSDP.
+        ep: the expert-parallel size the EP rows assume.
     """
 
     cp: int
@@ -623,9 +855,10 @@ class CommEstimate:
     dp_replicate: int
     tokens_per_rank: int
     rows: list[CommRow]
+    ep: int = 1
 
     def part_total(self, part: str) -> int:
-        """Per-step bytes of ``part`` (``kda``, ``dsa`` or ``fsdp``) in its rows' convention (one per part)."""
+        """Per-step bytes of ``part`` (``kda``, ``dsa``, ``ep`` or ``fsdp``) in its rows' convention (one per part)."""
         return sum(r.total for r in self.rows if r.part == part)
 
     def part_wire(self, part: str) -> int:
@@ -662,9 +895,94 @@ def fsdp_units(config: ModelConfig) -> list[int]:
     return blocks + [root]
 
 
+def routed_expert_parameters(config: ModelConfig) -> int:
+    """Parameters of one MoE layer's routed experts: ``gate_up_proj [E, 2I, H]`` and
+    ``down_proj [E, H, I]``, ``3 E I H`` (``genolong.model.moe.Experts``)."""
+    return 3 * config.n_routed_experts * config.moe_intermediate_size * config.hidden_size
+
+
+@dataclass(frozen=True)
+class FSDPUnit:
+    """One FSDP2 unit as a rank sees it.
+
+    Attributes:
+        kind: ``block`` (a block; under EP without its routed experts), ``experts`` (one MoE
+            layer's ``E / ep`` routed experts of this rank's EP group) or ``root``.
+        layer: the block's layer index (None for the root).
+        params: parameters the unit gathers (its unsharded size on this rank).
+        group: ranks it is sharded over (``dp_shard * cp``, or ``dp_shard * cp / ep`` for experts).
+    """
+
+    kind: str
+    layer: int | None
+    params: int
+    group: int
+
+
+def fsdp_unit_groups(config: ModelConfig, shard_group: int = 1, ep: int = 1) -> list[FSDPUnit]:
+    """The FSDP2 units in order (each block, then under EP its experts unit, then the root).
+
+    With expert parallelism (``ep > 1``) each MoE block's routed experts are a separate unit:
+    ``E / ep`` experts (``3 E I H / ep`` parameters) sharded over the ``shard_group / ep`` ranks
+    left after EP, the rest of the block over all ``shard_group`` ranks. ``ep = 1``: the units of
+    :func:`fsdp_units`, each over ``shard_group``.
+    """
+    cfg = config
+    assert cfg.mlp_layer_types is not None
+    units = fsdp_units(cfg)
+    expert = routed_expert_parameters(cfg)
+    out: list[FSDPUnit] = []
+    for i, n in enumerate(units[:-1]):
+        if ep > 1 and cfg.mlp_layer_types[i] == "sparse":
+            out.append(FSDPUnit("block", i, n - expert, shard_group))
+            out.append(FSDPUnit("experts", i, expert // ep, max(shard_group // ep, 1)))
+        else:
+            out.append(FSDPUnit("block", i, n, shard_group))
+    out.append(FSDPUnit("root", None, units[-1], shard_group))
+    return out
+
+
+def ep_comm_bytes(config: ModelConfig, tokens: int, ep: int, chunk_tokens: int | None, dtype_bytes: int) -> dict[str, int]:
+    """Bytes one rank SENDS through expert parallelism's all-to-alls in one forward and one
+    backward, summed over the model's MoE layers (recompute not included: a recomputed MoE runs
+    its forward pair again).
+
+    The convention of the issue-15 interfaces, at exactly balanced routing (each rank sends
+    ``c k / ep`` (token, slot) rows to every EP rank, itself included; its own rows do not
+    travel). Per MoE layer per chunk of ``c`` tokens (``chunk_tokens``, the last chunk the
+    remainder; None: the whole slice), top-k ``k``, hidden ``H``, ``a = dtype_bytes``:
+
+    - forward: dispatch ``(ep - 1) c k H a / ep`` (integer division), combine the same, and the
+      split-size all-to-all ``(ep - 1) * 8``;
+    - backward: dispatch and combine reversed, ``2 (ep - 1) c k H a / ep``.
+
+    Args:
+        config: the architecture (``num_experts_per_tok``, ``hidden_size``, the MoE layers).
+        tokens: tokens of the rank's slice (``batch * T / cp``).
+        ep: expert-parallel size (1: nothing travels).
+        chunk_tokens: ``memory.moe_chunk_tokens`` or None.
+        dtype_bytes: the activation dtype's bytes (2: bf16, 4: fp32).
+
+    Returns:
+        ``{"forward": int, "backward": int}``.
+    """
+    for name, value in (("tokens", tokens), ("ep", ep)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be a positive integer, got {value!r}")
+    assert config.mlp_layer_types is not None
+    layers = sum(t == "sparse" for t in config.mlp_layer_types)
+    if ep == 1 or layers == 0:
+        return {"forward": 0, "backward": 0}
+    c = min(chunk_tokens or tokens, tokens)
+    sizes = [c] * (tokens // c) + ([tokens % c] if tokens % c else [])
+    row = config.num_experts_per_tok * config.hidden_size * dtype_bytes
+    data = sum((ep - 1) * n * row // ep for n in sizes)
+    return {"forward": layers * (2 * data + len(sizes) * (ep - 1) * _I64), "backward": layers * 2 * data}
+
+
 def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, dtype_bytes: int = 4,
                   recompute: str = "none", recompute_modules: Sequence[str] = (), shard_group: int = 1,
-                  dp_replicate: int = 1) -> CommEstimate:
+                  dp_replicate: int = 1, ep: int = 1, moe_chunk_tokens: int | None = None) -> CommEstimate:
     """Bytes one rank moves through the collectives in one training step (forward + backward).
 
     Context parallelism (per layer call, the exact per-call formulas, summed over the layers):
@@ -696,6 +1014,10 @@ def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, 
         recompute, recompute_modules: as :func:`activation_estimate`.
         shard_group: FSDP ranks sharing one sharded copy (``dp_shard * cp``; 1: no FSDP).
         dp_replicate: replicas (HSDP; default 1).
+        ep: expert-parallel size (default 1). With ``ep > 1``: an EP row (:data:`SENT`,
+            :func:`ep_comm_bytes`; recompute of the MoE repeats its forward pair) and the expert
+            units' FSDP rows over ``shard_group / ep`` ranks (:func:`fsdp_unit_groups`).
+        moe_chunk_tokens: ``memory.moe_chunk_tokens`` (one all-to-all pair per chunk).
 
     Returns:
         A :class:`CommEstimate` (bytes per rank per step, integers).
@@ -704,7 +1026,7 @@ def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, 
         InputError: non-positive sizes, a bad dtype or recompute setting.
     """
     for name, value in (("tokens", tokens), ("cp", cp), ("batch", batch), ("shard_group", shard_group),
-                        ("dp_replicate", dp_replicate)):
+                        ("dp_replicate", dp_replicate), ("ep", ep)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{name} must be a positive integer, got {value!r}")
     if dtype_bytes not in (2, 4):
@@ -715,8 +1037,9 @@ def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, 
     n_kda = sum(t == LINEAR_ATTENTION for t in cfg.layer_types)
     n_full = sum(t == INDEXED_ATTENTION and i == "full" for t, i in zip(cfg.layer_types, cfg.indexer_types))
     n_shared = sum(t == INDEXED_ATTENTION and i == "shared" for t, i in zip(cfg.layer_types, cfg.indexer_types))
-    redo_kda = recompute == "full" or "kda" in kinds
-    redo_dsa = recompute == "full" or "dsa" in kinds
+    redo_kda = recompute in _BLOCK_RECOMPUTE or "kda" in kinds
+    redo_dsa = recompute in _BLOCK_RECOMPUTE or "dsa" in kinds
+    redo_moe = recompute in _BLOCK_RECOMPUTE or "moe" in kinds
     compute = torch.float32 if dtype_bytes == 4 else torch.bfloat16
     rows: list[CommRow] = []
 
@@ -740,24 +1063,42 @@ def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, 
         # received bytes of an all-gather / reduce-scatter are what a ring sends
         rows.append(CommRow("dsa", name + " (cp_dsa_comm_bytes)", layers, RECEIVED, fwd, rec, bwd, fwd + rec + bwd))
 
-    units = fsdp_units(cfg)
+    if ep > 1:
+        if shard_group % ep:
+            raise InputError(f"parallel.ep = {ep} does not divide the shard group dp_shard x cp = {shard_group}")
+        call = ep_comm_bytes(cfg, batch * tokens, ep, moe_chunk_tokens, dtype_bytes)
+        n_moe = sum(t == "sparse" for t in (cfg.mlp_layer_types or ()))
+        rec = call["forward"] if redo_moe else 0
+        rows.append(CommRow("ep", "EP dispatch + combine all-to-all, split sizes (ep_comm_bytes)", n_moe, SENT,
+                            call["forward"], rec, call["backward"], call["forward"] + rec + call["backward"]))
+
     S, R = shard_group, dp_replicate
-    shards = [math.ceil(n / S) for n in units]
-    resharded = shards[: len(units) - 2]  # every block but the last (the root is never resharded)
-    gather_fwd = sum((S - 1) * s * dtype_bytes for s in shards)
-    gather_bwd = sum((S - 1) * s * dtype_bytes for s in resharded)
-    reduce = sum((S - 1) * s * _F32 for s in shards)
+    all_units = fsdp_unit_groups(cfg, S, ep)
+    last_block = cfg.num_hidden_layers - 1
     p_dtype = "bf16" if dtype_bytes == 2 else "fp32"
-    rows.append(CommRow("fsdp", f"FSDP parameter all-gather fwd ({p_dtype})", len(units), RECEIVED, gather_fwd, 0, 0,
-                        gather_fwd))
-    rows.append(CommRow("fsdp", f"FSDP parameter all-gather bwd, resharded units ({p_dtype})", len(resharded),
-                        RECEIVED, 0, 0, gather_bwd, gather_bwd))
-    rows.append(CommRow("fsdp", "FSDP gradient reduce-scatter (fp32)", len(units), RECEIVED, 0, 0, reduce, reduce))
-    if R > 1:
-        replicas = sum(_ring_allreduce(s * _F32, R) for s in shards)
-        rows.append(CommRow("fsdp", "HSDP gradient all-reduce across replicas (fp32, ring)", len(units), RECEIVED, 0, 0,
-                            replicas, replicas))
-    return CommEstimate(cp=cp, shard_group=S, dp_replicate=R, tokens_per_rank=batch * tokens, rows=rows)
+    for kind, label in (("dense", ""), ("experts", "experts ")):
+        units = [u for u in all_units if (u.kind == "experts") == (kind == "experts")]
+        if not units:
+            continue
+        G = units[0].group
+        shards = [math.ceil(u.params / u.group) for u in units]
+        # every unit but the last block's (and its experts) is resharded after forward; the root is not
+        resharded = [sh for u, sh in zip(units, shards) if u.kind != "root" and u.layer != last_block]
+        gather_fwd = sum((u.group - 1) * sh * dtype_bytes for u, sh in zip(units, shards))
+        gather_bwd = sum((G - 1) * sh * dtype_bytes for sh in resharded)
+        reduce = sum((u.group - 1) * sh * _F32 for u, sh in zip(units, shards))
+        over = f", over {G}" if kind == "experts" else ""
+        rows.append(CommRow("fsdp", f"FSDP {label}parameter all-gather fwd ({p_dtype}{over})", len(units), RECEIVED,
+                            gather_fwd, 0, 0, gather_fwd))
+        rows.append(CommRow("fsdp", f"FSDP {label}parameter all-gather bwd, resharded units ({p_dtype}{over})",
+                            len(resharded), RECEIVED, 0, 0, gather_bwd, gather_bwd))
+        rows.append(CommRow("fsdp", f"FSDP {label}gradient reduce-scatter (fp32{over})", len(units), RECEIVED, 0, 0,
+                            reduce, reduce))
+        if R > 1:
+            replicas = sum(_ring_allreduce(sh * _F32, R) for sh in shards)
+            rows.append(CommRow("fsdp", f"HSDP {label}gradient all-reduce across replicas (fp32, ring)", len(units),
+                                RECEIVED, 0, 0, replicas, replicas))
+    return CommEstimate(cp=cp, shard_group=S, dp_replicate=R, tokens_per_rank=batch * tokens, rows=rows, ep=ep)
 
 
 # -- the plan --------------------------------------------------------------------------------------
@@ -795,6 +1136,12 @@ class Plan:
             it needs more GPUs); empty when the plan fits or nothing tried fits.
         suggestion_total: the predicted per-GPU total after the suggestion (None if none).
         assumptions: the assumptions the numbers rest on, most important first.
+        ep: expert-parallel size; experts_per_rank: routed experts of each MoE layer a rank
+            holds (``n_routed_experts / ep``); expert_shard_group: ranks an experts unit is
+            FSDP-sharded over (``shard_group / ep``).
+        kernel_backend, kda_kernel, dsa_kernel: the model's backend and the kernels it counts.
+        recompute_chunk_tokens: ``chunked``'s piece (None for the other modes).
+        rebuilt_region: which region the rebuilt line is (chunked: the half).
     """
 
     recipe: str
@@ -830,14 +1177,22 @@ class Plan:
     suggestion: list[str] = field(default_factory=list)
     suggestion_total: int | None = None
     assumptions: list[str] = field(default_factory=list)
+    ep: int = 1
+    experts_per_rank: int = 0
+    expert_shard_group: int = 1
+    kernel_backend: str = "torch"
+    kda_kernel: str = "torch"
+    dsa_kernel: str = "torch"
+    recompute_chunk_tokens: int | None = None
+    rebuilt_region: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict of every field (bytes as integers) for ``genolong plan --json``."""
         out = dataclasses.asdict(self)
         out["recompute_modules"] = list(self.recompute_modules)
-        out["comm"]["totals"] = {part: self.comm.part_total(part) for part in ("kda", "dsa", "fsdp")}
-        out["comm"]["wire_totals"] = {part: self.comm.part_wire(part) for part in ("kda", "dsa", "fsdp")}
-        out["comm"]["conventions"] = {"kda": PAYLOAD, "dsa": RECEIVED, "fsdp": RECEIVED}
+        out["comm"]["totals"] = {part: self.comm.part_total(part) for part in COMM_PARTS}
+        out["comm"]["wire_totals"] = {part: self.comm.part_wire(part) for part in COMM_PARTS}
+        out["comm"]["conventions"] = {"kda": PAYLOAD, "dsa": RECEIVED, "ep": SENT, "fsdp": RECEIVED}
         return out
 
 
@@ -853,18 +1208,10 @@ def _model_config(recipe: Recipe) -> ModelConfig:
     return ModelConfig.from_preset(recipe.model.preset, **dict(recipe.model.overrides))
 
 
-def _largest_unit(cfg: ModelConfig) -> int:
-    """Parameters of the largest FSDP unit: one block, the embedding or the LM head."""
-    best = max(cfg.vocab_size * cfg.hidden_size, 0)
-    assert cfg.layer_types is not None
-    for i in range(cfg.num_hidden_layers):
-        one = cfg.replace(num_hidden_layers=1, layer_types=(cfg.layer_types[i],),
-                          mlp_layer_types=(cfg.mlp_layer_types[i],),  # type: ignore[index]
-                          indexer_types=("full",))
-        pc = parameter_count(one)
-        count = pc.total - pc.embedding - pc.lm_head - cfg.hidden_size  # the block alone
-        best = max(best, count)
-    return best
+def _largest_unit(cfg: ModelConfig, ep: int = 1) -> int:
+    """Parameters of the largest FSDP unit a rank gathers (:func:`fsdp_unit_groups`): a block
+    (under EP without its routed experts), one MoE layer's ``E / ep`` experts, or the root."""
+    return max(u.params for u in fsdp_unit_groups(cfg, 1, ep))
 
 
 def _check_positive(name: str, value: Any, kind: type = float, allow_none: bool = False) -> None:
@@ -883,14 +1230,23 @@ def _describe(cfg: ModelConfig, count: int) -> str:
 
 
 def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None,
-               gpus_per_node: int, moe_imbalance: float, kda_kernel: str) -> Plan:
+               gpus_per_node: int, moe_imbalance: float, kda_kernel: str, dsa_kernel: str = "torch",
+               sinkhorn_recompute: bool = False) -> Plan:
     par, mem = recipe.parallel, recipe.memory
-    cp, rep = par.cp, par.dp_replicate
+    cp, rep, ep = par.cp, par.dp_replicate, par.ep
     if gpus % (cp * rep):
         raise InputError(f"--gpus {gpus} is not divisible by parallel.cp x parallel.dp_replicate = {cp * rep}; "
                          f"use a multiple of {cp * rep}")
     dp_shard = gpus // (cp * rep)
     shard = dp_shard * cp
+    if shard % ep:
+        raise InputError(f"parallel.ep = {ep} does not divide dp_shard x cp = {dp_shard} x {cp} = {shard} on {gpus} GPUs; "
+                         f"choose ep among the divisors of {shard}")
+    assert cfg.mlp_layer_types is not None and cfg.layer_types is not None
+    moe_layers = sum(t == "sparse" for t in cfg.mlp_layer_types)
+    if ep > 1 and (moe_layers == 0 or cfg.n_routed_experts % ep):
+        raise InputError(f"parallel.ep = {ep} does not divide the model's n_routed_experts = {cfg.n_routed_experts}; "
+                         f"choose ep among its divisors")
     context = recipe.data.context
     if context % cp:
         raise InputError(f"data.context {context} is not divisible by parallel.cp {cp}")
@@ -900,33 +1256,51 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
     H, m = cfg.hidden_size, cfg.hc_mult
     count = parameter_count(cfg).total
 
-    # parameters, gradients, AdamW state: fp32, sharded over the shard group (ceil: uneven shards)
+    # parameters, gradients, AdamW state: fp32, sharded over the shard group (ceil: uneven shards);
+    # under EP an experts unit holds E / ep experts over shard / ep ranks: the same share per rank
     per_rank = math.ceil(count / shard)
     device: dict[str, int] = {
         "parameters (fp32 master, sharded)": 4 * per_rank,
         "gradients (fp32, sharded)": 4 * per_rank,
         "AdamW moments (2 x fp32, sharded)": 8 * per_rank,
     }
-    unit = _largest_unit(cfg)
+    unit = _largest_unit(cfg, ep)
     working = 0
     if shard > 1 or bf16:
         working = 2 * unit * a + (unit * 4 if shard > 1 else 0)
     device["FSDP unsharded params (2 units) + grad (1 unit)"] = working
 
+    # under EP the busiest rank holds moe_imbalance x the mean (token, slot) rows of its experts
+    expert_load = moe_imbalance if ep > 1 else 1.0
     act = activation_estimate(cfg, context // cp, recompute=mem.recompute, recompute_modules=mem.recompute_modules,
                               offload=mem.offload, offload_min_bytes=mem.offload_min_bytes, dtype_bytes=a,
                               indexer_kl=True, moe_chunk_tokens=mem.moe_chunk_tokens, batch=recipe.data.batch_size,
-                              kda_kernel=kda_kernel)
+                              kda_kernel=kda_kernel, dsa_kernel=dsa_kernel, cp=cp,
+                              recompute_chunk_tokens=mem.recompute_chunk_tokens, sinkhorn_recompute=sinkhorn_recompute,
+                              expert_load=expert_load)
     device["saved activations (resident peak)"] = act.peak_resident_bytes
-    device["rebuilt activations (largest recomputed region)"] = act.rebuilt_bytes
+    rebuilt_region = ""
+    if mem.recompute == "chunked":
+        regions = [chunked_recompute_terms(cfg, i, tokens, mem.recompute_chunk_tokens, cp=cp, dtype_bytes=a, indexer_kl=True,
+                                           moe_chunk_tokens=mem.moe_chunk_tokens, kda_kernel=kda_kernel,
+                                           dsa_kernel=dsa_kernel, sinkhorn_recompute=sinkhorn_recompute,
+                                           expert_load=expert_load)
+                   for i in range(cfg.num_hidden_layers)]
+        rebuilt_region = max(regions, key=lambda r: r.rebuilt_bytes + r.layer_bytes).rebuilt_region
+        device[f"rebuilt activations (largest chunk: {rebuilt_region}, + the layer's mid streams)"] = act.rebuilt_bytes
+    else:
+        device["rebuilt activations (largest recomputed region)"] = act.rebuilt_bytes
     device["activation gradients in flight (3 x streams)"] = 3 * tokens * m * H * a
 
     # transients that do not coexist: the largest counts
-    assert cfg.mlp_layer_types is not None and cfg.layer_types is not None
     moe_bytes = 0
-    if "sparse" in cfg.mlp_layer_types:
+    if moe_layers:
         c = min(mem.moe_chunk_tokens or tokens, tokens)
-        moe_bytes = int(moe_imbalance * c * cfg.num_experts_per_tok * (2 * H + 3 * cfg.moe_intermediate_size) * a)
+        k = cfg.num_experts_per_tok
+        # the busiest rank's rows: in (H), out (H) and the expert's intermediate (3I), at the imbalance
+        moe_bytes = int(moe_imbalance * c * k * (2 * H + 3 * cfg.moe_intermediate_size) * a)
+        if ep > 1:  # and the rank's own (token, slot) rows: the dispatch send and the combine receive buffers
+            moe_bytes += 2 * c * k * H * a
     dsa_bytes = 0
     if INDEXED_ATTENTION in cfg.layer_types:
         slots = _index_slots(cfg)
@@ -940,7 +1314,8 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
         dsa_bytes = int(tile + gather + allgather)
     ce = min(mem.ce_chunk_tokens, tokens)
     ce_bytes = ce * cfg.vocab_size * (2 * 4 + a)
-    transients = {"MoE dispatch chunk": moe_bytes, "DSA indexer / top-k / gather buffers": dsa_bytes,
+    moe_name = "MoE all-to-all buffers (busiest rank)" if ep > 1 else "MoE dispatch chunk"
+    transients = {moe_name: moe_bytes, "DSA indexer / top-k / gather buffers": dsa_bytes,
                   "cross-entropy chunk": ce_bytes}
     peak_name = max(transients, key=lambda k: transients[k])
     for name, value in transients.items():
@@ -956,30 +1331,54 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
     host_mem = None if host_mem_gib is None else int(host_mem_gib * GIB)
     fits_device = total <= gpu_mem
     fits_host = host_mem is None or host_node <= host_mem
+    backend = cfg.kernel_backend
+    if kda_kernel == "torch":
+        kda_note = "(genolong's torch kernels: validated against ActivationMeter within 10% on tiny/small, fp32)"
+    else:
+        kda_note = ("(fla-core's ChunkKDAFunction save set, read from fla/ops/kda/chunk.py save_for_backward: "
+                    "q, k, v, g_cumsum, g, beta, Aqk, Akk fp32; not runnable on CPU, so not metered)")
+    dsa_note = ("DSA kernels 'triton' (genolong's Triton kernels: metered on CPU under TRITON_INTERPRET=1)"
+                if dsa_kernel == "triton" else "DSA kernels 'torch'")
+    recompute_note = (f"recompute {mem.recompute}" + (f" ({', '.join(mem.recompute_modules or DEFAULT_SELECTIVE)})"
+                      if mem.recompute == 'selective' else "")
+                      + ": the largest recomputed region is rebuilt whole during its backward (MoE chunks do not bound it)")
+    if mem.recompute == "chunked":
+        recompute_note = (f"recompute chunked ({mem.recompute_chunk_tokens:,} tokens): saved per layer the block input "
+                          "streams + carried extras (KDA fp32 state per segment, + transition under CP; DSA kv latent and "
+                          "pooled keys of the slice); backward rebuilds one half of one layer for min(chunk, T) tokens at a "
+                          "time (+ the whole sequence's keys under CP), plus the layer's mid streams [T, m, H]: formulas "
+                          "from the issue-15 interface description, not yet metered (chunked_recompute_terms)")
     assumptions = [
-        f"saved activations from formulas over the config, {tokens:,} tokens per rank, KDA chunk kernel {kda_kernel!r} "
-        + ("(genolong's torch kernels: validated against ActivationMeter within 10% on tiny/small, fp32)" if kda_kernel == "torch"
-           else "(fla-core's save set: an estimate, not validated on this CPU machine)")
+        f"saved activations from formulas over the config, {tokens:,} tokens per rank, kernel_backend {backend!r}: "
+        f"KDA chunk kernel {kda_kernel!r} " + kda_note + f"; {dsa_note}"
+        + ("; 'auto' counted as on a CUDA machine with Triton and fla-core >= 0.5.2 (resolve_auto -> 'triton')"
+           if backend == "auto" and kda_kernel != "torch" else "")
         + "; bf16 sizes assume bf16 compute with the layers' fp32 parts kept fp32",
         f"parameters, gradients and AdamW state fp32 (16 B/param) sharded over cp x dp_shard = {shard} ranks (FSDP2); "
-        f"2 unsharded units in {'bf16' if bf16 else 'fp32'} + 1 unsharded fp32 gradient in flight",
-        f"recompute {mem.recompute}" + (f" ({', '.join(mem.recompute_modules or DEFAULT_SELECTIVE)})" if mem.recompute == 'selective' else "")
-        + ": the largest recomputed region is rebuilt whole during its backward (MoE chunks do not bound it)",
+        f"2 unsharded units in {'bf16' if bf16 else 'fp32'} + 1 unsharded fp32 gradient in flight (the largest unit: "
+        f"{unit / 1e9:.2f}B params)",
+        recompute_note,
         "offload: every saved tensor of at least offload_min_bytes goes to pinned host memory, one host copy per "
         "distinct view autograd saves; two layers are back on the device in backward (prefetch)" if mem.offload
         else "offload off: all saved activations stay on the device",
-        f"MoE dispatch buffer for the busiest GPU at {moe_imbalance:g} x the mean load (the reference saw 4x)",
+        f"MoE dispatch buffer for the busiest GPU at {moe_imbalance:g} x the mean load (the reference saw 4x)"
+        + (f"; expert parallelism ep {ep}: {cfg.n_routed_experts // ep} experts per rank, each MoE layer's experts an "
+           f"FSDP unit over {shard // ep} ranks; the busiest rank's expert activations at {moe_imbalance:g} x, plus its own "
+           "dispatch-send and combine-receive rows" if ep > 1 else ""),
         "DSA under CP all-gathers the whole sequence's kv latent and pooled index keys (and their gradients)",
         f"workspace {WORKSPACE_BYTES / GIB:.0f} GiB + {FRAGMENTATION:.0%} fragmentation; the largest of MoE dispatch, "
         "DSA buffers and the cross-entropy chunk counts (they do not overlap)",
-        "indexer KL on (the trainer computes it); batch_size sequences per rank",
+        "indexer KL on (the trainer computes it); batch_size sequences per rank"
+        + ("; mHC Sinkhorn iterations recomputed in backward" if sinkhorn_recompute else ""),
         "communication per rank per training step (one forward + backward, accumulate_grad_batches = 1): KDA rows "
         "count the payload each rank hands to the collective (cp_kda_comm_bytes, conv_halo_comm_bytes), DSA and FSDP "
-        "rows the bytes each rank receives (cp_dsa_comm_bytes; FSDP per unit (S-1) x ceil(n/S)); the wire column "
-        "converts every row to bytes sent with ring algorithms; recompute repeats the mixers' forward collectives",
+        "rows the bytes each rank receives (cp_dsa_comm_bytes; FSDP per unit (S-1) x ceil(n/S)), EP rows the bytes each "
+        "rank sends at balanced routing (ep_comm_bytes); the wire column converts every row to bytes sent with ring "
+        "algorithms; recompute repeats the mixers' (and the MoE's) forward collectives",
     ]
     comm = comm_estimate(cfg, context // cp, cp, batch=recipe.data.batch_size, dtype_bytes=a, recompute=mem.recompute,
-                         recompute_modules=mem.recompute_modules, shard_group=shard, dp_replicate=rep)
+                         recompute_modules=mem.recompute_modules, shard_group=shard, dp_replicate=rep, ep=ep,
+                         moe_chunk_tokens=mem.moe_chunk_tokens)
     return Plan(
         recipe=recipe.name, model=_describe(cfg, count), gpus=gpus, gpus_per_node=gpus_per_node,
         nodes=math.ceil(gpus / gpus_per_node), cp=cp, dp_shard=dp_shard, dp_replicate=rep, shard_group=shard,
@@ -988,7 +1387,11 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
         ce_chunk_tokens=mem.ce_chunk_tokens, parameters=count, device=device, transient_peak=peak_name,
         activations_by_kind=act.by_kind, plain_by_kind=act.plain_by_kind, device_total=int(total), gpu_mem=gpu_mem, host_per_gpu=host_gpu,
         host_per_node=host_node, host_mem=host_mem, fits_device=fits_device, fits_host=fits_host,
-        fits=fits_device and fits_host, comm=comm, assumptions=assumptions,
+        fits=fits_device and fits_host, comm=comm, assumptions=assumptions, ep=ep,
+        experts_per_rank=cfg.n_routed_experts // ep if moe_layers else 0, expert_shard_group=shard // ep,
+        kernel_backend=backend, kda_kernel=kda_kernel, dsa_kernel=dsa_kernel,
+        recompute_chunk_tokens=mem.recompute_chunk_tokens if mem.recompute == "chunked" else None,
+        rebuilt_region=rebuilt_region,
     )
 
 
@@ -1004,11 +1407,22 @@ def _candidates(recipe: Recipe, cfg: ModelConfig, gpus: int) -> list[tuple[list[
             if not {"moe", "mlp"} <= kinds:
                 mods = sorted(set(mem.recompute_modules or DEFAULT_SELECTIVE) | {"ffn"})
                 out.append(([f"memory.recompute_modules=[{','.join(mods)}]"], gpus))
-        out.append((["memory.recompute=full"], gpus))
+    # (a selective recipe's module list must go with it: the key applies to selective only)
+    clear = ["memory.recompute_modules=[]"] if mem.recompute_modules else []
+    if mem.recompute not in _BLOCK_RECOMPUTE:
+        out.append((["memory.recompute=full", *clear], gpus))
+    if mem.recompute != "chunked":  # the same work as full, the rebuilt region bounded by the chunk
+        out.append((["memory.recompute=chunked", *clear], gpus))
     if not mem.offload:
         out.append((["memory.offload=true"], gpus))
     tokens = recipe.data.batch_size * recipe.data.context // par.cp
     assert cfg.mlp_layer_types is not None
+    if "sparse" in cfg.mlp_layer_types and gpus % (par.cp * par.dp_replicate) == 0:
+        # expert parallelism: E / ep experts per rank, the experts unit sharded over the rest
+        fold = gpus // par.dp_replicate
+        for ep in range(par.ep + 1, min(fold, cfg.n_routed_experts) + 1):
+            if fold % ep == 0 and cfg.n_routed_experts % ep == 0:
+                out.append(([f"parallel.ep={ep}"], gpus))
     if "sparse" in cfg.mlp_layer_types:
         chunk = min(mem.moe_chunk_tokens or tokens, tokens)
         if chunk > 1024:
@@ -1031,7 +1445,8 @@ def _with_gpus(overrides: list[str], gpus: int, gpus_per_node: int) -> list[str]
 
 
 def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, host_mem_gib: float | None = None,
-         gpus_per_node: int = 8, moe_imbalance: float = 4.0, *, kda_kernel: str | None = None) -> Plan:
+         gpus_per_node: int = 8, moe_imbalance: float = 4.0, *, kda_kernel: str | None = None,
+         dsa_kernel: str | None = None, sinkhorn_recompute: bool = False) -> Plan:
     """Plan a recipe's memory per GPU and per node; suggest the cheapest change when it does not fit.
 
     Args:
@@ -1044,12 +1459,17 @@ def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, hos
         gpus_per_node: GPUs per node (default 8).
         moe_imbalance: busiest-GPU MoE load over the mean (default 4.0, as the reference saw).
         kda_kernel: KDA chunk kernel whose saved tensors count: ``torch`` or ``fla`` (default
-            None: the model's ``kernel_backend``, ``torch`` today; ``fla`` is an estimate).
+            None: what the model's ``kernel_backend`` runs on the recipe's accelerator,
+            :func:`backend_kernels`; ``auto`` on a GPU recipe is fla's ``chunk_kda``).
+        dsa_kernel: ``torch`` or ``triton`` (default None: from the backend, as ``kda_kernel``).
+        sinkhorn_recompute: count mHC's Sinkhorn iterations as recomputed in backward (default
+            False: saved).
 
     Returns:
         A :class:`Plan`. When it does not fit, ``suggestion`` holds the first change of a
-        cost-ordered list (selective recompute, more modules, full recompute, offload, smaller
-        MoE chunks, smaller cross-entropy chunks, larger CP, more GPUs) that fits on its own, or
+        cost-ordered list (selective recompute, more modules, full recompute, chunked recompute,
+        offload, expert parallelism, smaller MoE chunks, smaller cross-entropy chunks, larger CP,
+        more GPUs) that fits on its own, or
         else the shortest prefix of that list applied together that fits.
 
     Raises:
@@ -1066,11 +1486,16 @@ def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, hos
     if moe_imbalance < 1:
         raise InputError(f"moe_imbalance is the busiest GPU's load over the mean and must be >= 1, got {moe_imbalance}")
     cfg = _model_config(recipe)
-    kernel = cfg.kernel_backend if kda_kernel is None else kda_kernel
+    default_kda, default_dsa = backend_kernels(cfg.kernel_backend, recipe.parallel.accelerator)
+    kernel = default_kda if kda_kernel is None else kda_kernel
+    dsa = default_dsa if dsa_kernel is None else dsa_kernel
     if kernel not in KDA_KERNELS:
         raise InputError(f"kda_kernel {kernel!r} is unknown; choose one of {', '.join(KDA_KERNELS)}")
+    if dsa not in DSA_KERNELS:
+        raise InputError(f"dsa_kernel {dsa!r} is unknown; choose one of {', '.join(DSA_KERNELS)}")
     world = recipe.parallel.world_size if gpus is None else gpus
-    base = _plan_once(recipe, cfg, world, gpu_mem_gib, host_mem_gib, gpus_per_node, moe_imbalance, kernel)
+    base = _plan_once(recipe, cfg, world, gpu_mem_gib, host_mem_gib, gpus_per_node, moe_imbalance, kernel, dsa,
+                      sinkhorn_recompute)
     if base.fits:
         return base
     data = recipe.to_dict()
@@ -1078,7 +1503,8 @@ def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, hos
     def attempt(overrides: list[str], n: int) -> Plan | None:
         try:
             changed = parse_recipe(data, _with_gpus(overrides, n, gpus_per_node))
-            return _plan_once(changed, cfg, n, gpu_mem_gib, host_mem_gib, gpus_per_node, moe_imbalance, kernel)
+            return _plan_once(changed, cfg, n, gpu_mem_gib, host_mem_gib, gpus_per_node, moe_imbalance, kernel, dsa,
+                              sinkhorn_recompute)
         except InputError:
             return None
 
@@ -1123,18 +1549,21 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"plan: {p.recipe} -- {p.model}",
         f"cluster: {p.gpus} GPUs = {p.nodes} nodes x {min(p.gpus_per_node, p.gpus)}; mesh cp {p.cp} x dp_shard {p.dp_shard}"
-        f" x dp_replicate {p.dp_replicate} (parameters sharded over {p.shard_group})",
+        f" x dp_replicate {p.dp_replicate} (parameters sharded over {p.shard_group})"
+        + (f"; ep {p.ep} ({p.experts_per_rank} experts per rank, experts sharded over {p.expert_shard_group})"
+           if p.ep > 1 else "; ep 1"),
         f"per rank: {p.tokens_per_rank:,} tokens; {p.precision}; recompute {p.recompute}"
         + (f" ({', '.join(p.recompute_modules) or 'default'})" if p.recompute == "selective" else "")
+        + (f" ({p.recompute_chunk_tokens:,} tokens)" if p.recompute == "chunked" else "")
         + f"; offload {'on' if p.offload else 'off'}; MoE chunk {p.moe_chunk_tokens or 'all'}; CE chunk {p.ce_chunk_tokens}",
+        f"kernels: backend {p.kernel_backend!r} -> KDA {p.kda_kernel}, DSA {p.dsa_kernel}",
         "",
         "| device memory per GPU | GiB |",
         "|---|---:|",
     ]
-    transients = ("MoE dispatch chunk", "DSA indexer / top-k / gather buffers", "cross-entropy chunk")
     for name, value in p.device.items():
         note = ""
-        if name in transients:
+        if name in TRANSIENTS:
             note = " (counted: largest transient)" if name == p.transient_peak else " (not counted: overlaps)"
         lines.append(f"| {name}{note} | {_gib(value)} |")
     lines.append(f"| **total (peak)** | **{_gib(p.device_total)}** of {_gib(p.gpu_mem)} |")
@@ -1145,14 +1574,17 @@ def format_plan(plan: Plan) -> str:
     for kind in kinds:
         saved, plain = p.activations_by_kind.get(kind, 0), p.plain_by_kind.get(kind, 0)
         lines.append(f"| {kind} | {saved / n / 1024:,.1f} | {_gib(saved)} | {plain / n / 1024:,.1f} | {_gib(plain)} |")
-    lines += ["", f"| communication per rank per step (cp {p.comm.cp}, FSDP over {p.comm.shard_group}"
+    lines += ["", f"| communication per rank per step (cp {p.comm.cp}, " + (f"ep {p.comm.ep}, " if p.comm.ep > 1 else "")
+              + f"FSDP over {p.comm.shard_group}"
               + (f" x {p.comm.dp_replicate} replicas" if p.comm.dp_replicate > 1 else "")
               + ") | layers | counts | forward | recompute | backward | step | ring wire |",
               "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in p.comm.rows:
         lines.append(f"| {r.name} | {r.layers} | {r.convention} | {_size(r.forward)} | {_size(r.recompute)} | "
                      f"{_size(r.backward)} | {_size(r.total)} | {_size(r.wire)} |")
-    for part, label in (("kda", "KDA (CP)"), ("dsa", "DSA (CP)"), ("fsdp", "FSDP")):
+    for part, label in (("kda", "KDA (CP)"), ("dsa", "DSA (CP)"), ("ep", "EP all-to-all"), ("fsdp", "FSDP")):
+        if part == "ep" and p.comm.ep == 1:
+            continue
         lines.append(f"| **{label} total** | | | | | | **{_size(p.comm.part_total(part))}** | "
                      f"**{_size(p.comm.part_wire(part))}** |")
     host_budget = "" if p.host_mem is None else f" (budget {_gib(p.host_mem)} GiB per node)"
@@ -1167,6 +1599,7 @@ def format_plan(plan: Plan) -> str:
             lines.append(f"cheapest change that fits: {' '.join('--set ' + s if not s.startswith('--') else s for s in p.suggestion)}"
                          f" -> {_gib(p.suggestion_total or 0)} GiB per GPU")
         else:
-            lines.append("no change tried fits (recompute, offload, chunks, up to 8x CP, 4x GPUs): use larger GPUs or a shorter context")
+            lines.append("no change tried fits (recompute, offload, expert parallelism, chunks, up to 8x CP, 4x GPUs): "
+                         "use larger GPUs or a shorter context")
     lines += ["", "assumptions:"] + [f"- {a}" for a in p.assumptions]
     return "\n".join(lines)
