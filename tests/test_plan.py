@@ -555,3 +555,80 @@ def test_reference_recipes_fit_64_gpus_of_180_gb(name: str) -> None:
            "128k": ["memory.recompute=selective", "memory.recompute_modules=[kda,dsa]", "memory.moe_chunk_tokens=null"]}[name]
     before = plan(load_recipe(ROOT / "recipes" / f"{name}.yaml", ["parallel.ep=1", *old]), gpus=64, gpu_mem_gib=180)
     assert not before.fits_device and before.device_total > 1.5 * p.device_total
+
+
+def _triton_dsa_backend(sparse: bool = False):  # type: ignore[no-untyped-def]
+    """The torch backend with genolong's Triton DSA autograd kernels called directly (the registry
+    routes only CUDA tensors to them; on CPU they run in Triton's interpreter, TRITON_INTERPRET=1,
+    which tests/conftest.py sets)."""
+    import dataclasses
+
+    from genolong.kernels.backends import get_backend
+    from genolong.kernels.dsa.triton_attention import sparse_attention_triton
+    from genolong.kernels.dsa.triton_kpool import kpool_indexer_kl_loss_triton, kpool_keys_triton
+
+    extra = {"sparse_attention": sparse_attention_triton} if sparse else {}
+    return dataclasses.replace(get_backend("torch"), name="triton-cpu", kpool_keys=kpool_keys_triton,
+                               kpool_indexer_kl_loss=kpool_indexer_kl_loss_triton, **extra)
+
+
+def test_triton_dsa_kernels_saved_tensors_against_the_meter() -> None:
+    """tiny at T = 64 with the Triton KPool keys and indexer KL (the kernels whose save sets differ
+    from the reference's): each DSA layer's metered bytes within 10% of the planner's
+    ``dsa_kernel="triton"`` inventory, the whole step's peak too, and the metered difference to the
+    torch kernels is the planner's (the KL's validity mask the Triton kernel does not keep)."""
+    from genolong.model.dsa import DSAIndexer
+    from genolong.parallel.plan import layer_saved_tensors
+
+    cfg, T = PRESETS["tiny"], 64
+    dsa_layers = [i for i, t in enumerate(cfg.layer_types) if t != "linear_attention"]
+    measured: dict[str, list[int]] = {}
+    for kernel in ("torch", "triton"):
+        torch.manual_seed(0)
+        model = GenoLM(cfg)
+        if kernel == "triton":
+            backend = _triton_dsa_backend()
+            for module in model.modules():
+                if isinstance(module, (DSAMixer, DSAIndexer)):
+                    module.kernels = backend
+        mixers = [m for m in model.modules() if isinstance(m, DSAMixer) and m.indexer is not None]
+        for mixer in mixers:
+            mixer.indexer_kl = True
+        ids = torch.randint(1, 6, (1, T), generator=torch.Generator().manual_seed(1))
+        with ActivationMeter(model) as meter:
+            nll, weight = model.loss(ids)
+            (nll / weight + sum(m.last_indexer_kl for m in mixers)).backward()
+        measured[kernel] = [meter.layers[i].resident_bytes for i in dsa_layers]
+        predicted = [sum(t.nbytes(T) for t in layer_saved_tensors(cfg, i, indexer_kl=True, tokens=T, dsa_kernel=kernel))
+                     for i in dsa_layers]
+        for got, want in zip(measured[kernel], predicted):
+            assert _rel(want, got) < TOLERANCE, (kernel, want, got)
+        est = activation_estimate(cfg, T, indexer_kl=True, dsa_kernel=kernel)
+        assert _rel(est.peak_resident_bytes, meter.peak_resident_bytes) < TOLERANCE
+    full = [i for i in dsa_layers if cfg.indexer_types[i] == "full"]
+    plain = {k: [sum(t.nbytes(T) for t in layer_saved_tensors(cfg, i, indexer_kl=True, tokens=T, dsa_kernel=k))
+                 for i in full] for k in ("torch", "triton")}
+    for j, i in enumerate(full):
+        got = measured["torch"][dsa_layers.index(i)] - measured["triton"][dsa_layers.index(i)]
+        want = plain["torch"][j] - plain["triton"][j]
+        assert got > 0 and _rel(want, got) < TOLERANCE, (got, want)
+
+
+def test_triton_sparse_attention_saves_what_the_reference_saves() -> None:
+    """The Triton sparse attention keeps q, k, v, indices, o and the lse, as the reference op
+    (metered on one tiny call each): the planner counts them the same for both kernels."""
+    from genolong.kernels.dsa import sparse_attention
+    from genolong.kernels.dsa.triton_attention import sparse_attention_triton
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 32, 2, 16, generator=g, requires_grad=True)
+    k = torch.randn(1, 32, 1, 16, generator=g, requires_grad=True)
+    idx = torch.stack([torch.randperm(32, generator=g)[:8] for _ in range(32)])[None]
+    saved = {}
+    for name, op in (("torch", sparse_attention), ("triton", sparse_attention_triton)):
+        with ActivationMeter() as meter:
+            op(q * 1.0, k * 1.0, k * 1.0, idx).sum().backward()
+        saved[name] = meter.peak_resident_bytes
+    # q, k, v (3 inputs: the products above), the int64 indices, o and the fp32 lse
+    want = (32 * 2 * 16 + 2 * 32 * 16) * 4 + 32 * 8 * 8 + 32 * 2 * 16 * 4 + 32 * 2 * 4
+    assert saved["torch"] == saved["triton"] == want, saved
