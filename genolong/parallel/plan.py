@@ -7,6 +7,18 @@ in ``genolong.kernels``), storage by storage, written from the code of each laye
 (``tests/test_plan.py``) hold them to within 10% of :class:`~genolong.memory.meter.ActivationMeter`
 on the ``tiny`` and ``small`` presets over lengths, recompute modes, offload and CP.
 
+Kernel backends (:func:`backend_kernels`): the model's ``kernel_backend`` decides which save sets
+count. ``auto`` on a GPU recipe is the ``triton`` backend: fla-core's ``chunk_kda`` for KDA (its
+``save_for_backward`` read from fla's source, see :func:`_kda`; fla cannot run on CPU) and
+genolong's Triton DSA kernels (metered on CPU in Triton's interpreter by the tests).
+
+Expert parallelism (``parallel.ep``): each MoE layer's routed experts are split over ``ep`` ranks
+of the ``dp_shard x cp`` ranks (``E / ep`` per rank) and are their own FSDP unit over the
+``dp_shard x cp / ep`` ranks left (:func:`fsdp_unit_groups`); the busiest rank holds the
+imbalance (default 4x) times the mean expert rows; the all-to-alls are counted by
+:func:`ep_comm_bytes`. ``memory.recompute: chunked``: :func:`chunked_recompute_terms` (one place
+for its formulas).
+
 Per GPU (one process), device memory is the sum of:
 
 - **parameters, gradients, optimizer state** under FSDP2 sharding. The shard group is
@@ -273,9 +285,12 @@ def _kda(cfg: ModelConfig, a: int, recomputed: bool, kernel: str = "torch", cp_p
       ``kernels/kda/fla_backend.py::make_fla_chunk_kda_gated``): no torch gate or beta tensors;
       fla keeps q, k (2K), v (V), the raw gate as an fp32 copy (K), beta logits and sigmoid (2),
       ``Aqk``, ``Akk`` (2C) per head, fp32.
-    - ``cp_path=True`` (context parallelism: ``cp_chunk_kda`` over ``chunk_kda``, gate and beta
-      from torch): the torch gate and beta stay; fla keeps q, k, v, ``g_cumsum`` and ``g``
-      (2K + V + 2K) and ``Aqk``, ``Akk`` (2C) per head, fp32 (beta is the torch sigmoid's storage).
+    - ``cp_path=True`` (context parallelism: ``kernels/kda/cp.py::cp_chunk_kda`` over ``chunk_kda``,
+      gate and beta from torch): the torch gate and beta stay; ``cp_chunk_kda`` widens the values
+      to ``[v | 0]`` (V + K columns) so fla keeps q, k, the widened v, ``g_cumsum`` and ``g``
+      (2K + (V + K) + 2K) and ``Aqk``, ``Akk`` (2C), and the fold's einsum keeps the widened
+      output ``[o0 | P]`` (V + K) per head, fp32 (beta is the torch sigmoid's storage). (The torch
+      kernel's inventory is the one-process one: the meter tests run a CP slice on one process.)
     """
     H = cfg.hidden_size
     if recomputed:
@@ -299,8 +314,8 @@ def _kda(cfg: ModelConfig, a: int, recomputed: bool, kernel: str = "torch", cp_p
                   SavedTensor("kda", "beta", heads * _F32, views=4.0 if kernel != "fla" else 1.0)]
     if kernel == "fla":
         if cp_path:
-            chunk = [SavedTensor("kda", "fla chunk_kda: q, k, v, g_cumsum, g, Aqk, Akk",
-                                 heads * (4 * K + V + 2 * C) * _F32)]
+            chunk = [SavedTensor("kda", "fla chunk_kda under CP: q, k, [v | 0], g_cumsum, g, Aqk, Akk; [o0 | P]",
+                                 heads * (5 * K + V + 2 * C + (V + K)) * _F32)]
         else:
             chunk = [SavedTensor("kda", "fla chunk_kda (gate in kernel): q, k, v, g raw, beta raw + sigmoid, Aqk, Akk",
                                  heads * (3 * K + V + 2 * C + 2) * _F32)]
@@ -809,11 +824,13 @@ class CommRow:
 
     Attributes:
         part: ``kda`` and ``dsa`` (the context-parallel collectives of the token mixers, over the
-            ``cp`` group) or ``fsdp`` (parameter all-gathers and gradient reductions, over the
-            ``dp_shard x cp`` shard group, and across ``dp_replicate`` replicas).
+            ``cp`` group), ``ep`` (the MoE all-to-alls over the ``ep`` group) or ``fsdp``
+            (parameter all-gathers and gradient reductions, over the ``dp_shard x cp`` shard
+            group, the experts units over ``dp_shard x cp / ep``, and across ``dp_replicate``
+            replicas).
         name: what travels.
         layers: the layers (or FSDP units) the row sums over.
-        convention: :data:`PAYLOAD` or :data:`RECEIVED` (see there); ``forward``, ``recompute``
+        convention: :data:`PAYLOAD`, :data:`RECEIVED` or :data:`SENT` (see there); ``forward``, ``recompute``
             and ``backward`` count in it, so that they equal the per-call formulas summed.
         forward: bytes of the forward collectives.
         recompute: bytes of the forward collectives that recomputation runs again in backward
@@ -1570,6 +1587,8 @@ def format_plan(plan: Plan) -> str:
     n = p.tokens_per_rank
     lines += ["", "| activations by part, all layers | saved: KiB/token | saved: GiB | without recompute: KiB/token | GiB |",
               "|---|---:|---:|---:|---:|"]
+    if p.ep > 1:
+        lines.insert(len(lines) - 2, "(moe: the busiest EP rank, its routed-expert rows at the imbalance)")
     kinds = sorted(set(p.activations_by_kind) | set(p.plain_by_kind), key=lambda k: -p.plain_by_kind.get(k, 0))
     for kind in kinds:
         saved, plain = p.activations_by_kind.get(kind, 0), p.plain_by_kind.get(kind, 0)
