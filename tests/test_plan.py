@@ -632,3 +632,36 @@ def test_triton_sparse_attention_saves_what_the_reference_saves() -> None:
     # q, k, v (3 inputs: the products above), the int64 indices, o and the fp32 lse
     want = (32 * 2 * 16 + 2 * 32 * 16) * 4 + 32 * 8 * 8 + 32 * 2 * 16 * 4 + 32 * 2 * 4
     assert saved["torch"] == saved["triton"] == want, saved
+
+
+def test_fla_save_set_is_the_one_the_planner_counts() -> None:
+    """fla's chunk_kda cannot run on CPU, so the planner's fla formula is read from its source:
+    hold the installed fla-core to that reading (ChunkKDAFunction's save_for_backward arguments,
+    and chunk_kda_fwd dropping the recomputed intermediates), so a changed save set fails here."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("fla")  # the package's location, without importing it (fla imports Triton)
+    assert spec is not None and spec.origin is not None
+    kda = Path(spec.origin).parent / "ops" / "kda"
+
+    def source(name: str) -> ast.Module:
+        return ast.parse((kda / name).read_text())
+
+    saved = [node for node in ast.walk(source("chunk.py"))
+             if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "save_for_backward"]
+    assert len(saved) == 1
+    names = [arg.id for arg in saved[0].args if isinstance(arg, ast.Name)]
+    assert names == ["q", "q_rstd", "k", "k_rstd", "v", "g_cumsum", "g_input", "beta_raw", "beta", "A_log", "dt_bias",
+                     "Aqk", "Akk", "w", "u", "qg", "kg", "v_new", "h", "initial_state", "cu_seqlens", "chunk_indices",
+                     "chunk_offsets"]
+    fwd = next(node for node in ast.walk(source("chunk_fwd.py"))
+               if isinstance(node, ast.If) and "disable_recompute" in ast.unparse(node.test))
+    dropped = ast.unparse(fwd)
+    # w, u, qg, kg, v_new (and h, and g with the gate in the kernel) are None when saved: backward recomputes them
+    assert "w, u, qg, kg, v_new = (None, None, None, None, None)" in dropped and "h = None" in dropped
+    assert "g = None" in dropped
+    # Aqk and Akk: [B, T, H, C] in k's dtype (float32 from the KDA layer): 2C per token per head
+    intra = (kda / "chunk_intra.py").read_text()
+    assert "Aqk = torch.empty(B, T, HV, BT, device=k.device, dtype=k.dtype)" in intra
+    assert "Akk = torch.zeros(B, T, HV, BT, device=k.device, dtype=k.dtype)" in intra
