@@ -1486,8 +1486,9 @@ def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, hos
         A :class:`Plan`. When it does not fit, ``suggestion`` holds the first change of a
         cost-ordered list (selective recompute, more modules, full recompute, chunked recompute,
         offload, expert parallelism, smaller MoE chunks, smaller cross-entropy chunks, larger CP,
-        more GPUs) that fits on its own, or
-        else the shortest prefix of that list applied together that fits.
+        more GPUs) that fits on its own, trying the changes that keep the mesh and the GPUs first,
+        alone, then the shortest prefix of them together; then a larger CP or more GPUs alone;
+        else the shortest prefix of the whole list applied together that fits.
 
     Raises:
         InputError: a non-positive or non-integer size, gpus not divisible by the mesh, a
@@ -1526,12 +1527,38 @@ def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, hos
             return None
 
     candidates = _candidates(recipe, cfg, world)
-    for overrides, n in candidates:
-        result = attempt(overrides, n)
-        if result is not None and result.fits:
-            base.suggestion = overrides + ([f"--gpus {n}"] if n != world else [])
-            base.suggestion_total = result.device_total
-            return base
+    # the settings that keep the mesh and the GPUs (recompute, offload, EP, chunks) are cheaper than
+    # a larger CP or more GPUs: try each of them, then them together, before the mesh changes
+    cheap = [c for c in candidates if c[1] == world and not any(o.startswith("parallel.cp=") for o in c[0])]
+    mesh = [c for c in candidates if c not in cheap]
+
+    def first_single(options: list[tuple[list[str], int]]) -> bool:
+        for overrides, n in options:
+            result = attempt(overrides, n)
+            if result is not None and result.fits:
+                base.suggestion = overrides + ([f"--gpus {n}"] if n != world else [])
+                base.suggestion_total = result.device_total
+                return True
+        return False
+
+    def first_prefix(options: list[tuple[list[str], int]]) -> bool:
+        merged: dict[str, str] = {}
+        n = world
+        for overrides, m in options:
+            for item in overrides:
+                merged[item.split("=", 1)[0]] = item
+            n = max(n, m)
+            result = attempt(list(merged.values()), n)
+            if result is not None and result.fits:
+                base.suggestion = list(merged.values()) + ([f"--gpus {n}"] if n != world else [])
+                base.suggestion_total = result.device_total
+                return True
+        return False
+
+    if first_single(cheap) or first_prefix(cheap) or first_single(mesh):
+        return base
+    first_prefix(candidates)
+    return base
     merged: dict[str, str] = {}
     n = world
     for overrides, m in candidates:
