@@ -123,7 +123,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from .parallel.plan import format_plan, plan
 
     result = plan(load_recipe(args.recipe, args.set), gpus=args.gpus, gpu_mem_gib=args.gpu_mem, host_mem_gib=args.host_mem,
-                  gpus_per_node=args.gpus_per_node, moe_imbalance=args.moe_imbalance, kda_kernel=args.kda_kernel)
+                  gpus_per_node=args.gpus_per_node, moe_imbalance=args.moe_imbalance, kda_kernel=args.kda_kernel,
+                  dsa_kernel=args.dsa_kernel, sinkhorn_recompute=args.sinkhorn_recompute)
     print(json.dumps(result.to_dict(), indent=1) if args.json else format_plan(result))
     return 0
 
@@ -232,7 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--moe-imbalance", type=float, default=4.0, metavar="X",
                     help="tokens on the busiest expert rank over the mean (default: %(default)s, as the reference saw)")
     pl.add_argument("--kda-kernel", choices=["torch", "fla"], default=None,
-                    help="whose KDA kernel's saved tensors to count (default: torch, the measured one)")
+                    help="whose KDA kernel's saved tensors to count (default: what the recipe's model.overrides."
+                         "kernel_backend runs; auto on a GPU recipe: fla)")
+    pl.add_argument("--dsa-kernel", choices=["torch", "triton"], default=None,
+                    help="whose DSA kernels' saved tensors to count (default: as --kda-kernel; auto on a GPU recipe: triton)")
+    pl.add_argument("--sinkhorn-recompute", action="store_true",
+                    help="count mHC's Sinkhorn iterations as recomputed in backward instead of saved")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=_cmd_plan)
 

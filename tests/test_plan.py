@@ -665,3 +665,20 @@ def test_fla_save_set_is_the_one_the_planner_counts() -> None:
     intra = (kda / "chunk_intra.py").read_text()
     assert "Aqk = torch.empty(B, T, HV, BT, device=k.device, dtype=k.dtype)" in intra
     assert "Akk = torch.zeros(B, T, HV, BT, device=k.device, dtype=k.dtype)" in intra
+
+
+def test_plan_command_kernel_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """--kda-kernel / --dsa-kernel override the backend's kernels; --sinkhorn-recompute drops the
+    mHC iterations from the count (never more memory)."""
+    from genolong.cli import main
+
+    recipe = str(ROOT / "recipes" / "512k.yaml")
+    assert main(["plan", recipe, "--gpus", "64", "--gpu-mem", "180", "--json"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert main(["plan", recipe, "--gpus", "64", "--gpu-mem", "180", "--json", "--kda-kernel", "torch",
+                 "--dsa-kernel", "torch", "--sinkhorn-recompute"]) == 0
+    forced = json.loads(capsys.readouterr().out)
+    assert (auto["kda_kernel"], auto["dsa_kernel"]) == ("fla", "triton")
+    assert (forced["kda_kernel"], forced["dsa_kernel"]) == ("torch", "torch")
+    assert forced["plain_by_kind"]["kda"] > auto["plain_by_kind"]["kda"]
+    assert forced["plain_by_kind"]["mhc"] < auto["plain_by_kind"]["mhc"]
