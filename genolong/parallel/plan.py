@@ -272,7 +272,7 @@ def _kda(cfg: ModelConfig, a: int, recomputed: bool, kernel: str = "torch", cp_p
     (heads), normalised value before and after the weight (2q fp32), gate sigmoid (q fp32), the
     gated product in the compute dtype (q) and the gate's low-rank input (d).
 
-    ``kernel="fla"``: fla-core 0.6's ``ChunkKDAFunction`` (``fla/ops/kda/chunk.py:121-141``,
+    ``kernel="fla"``: fla-core 0.6's ``ChunkKDAFunction`` (``fla/ops/kda/chunk.py:121-145``,
     ``save_for_backward``) keeps q, k, v, the chunk-local cumulative log decay ``g_cumsum``, the
     input gate ``g``, ``beta`` (raw and activated), ``Aqk`` and ``Akk`` and the initial state;
     ``chunk_kda_fwd`` drops w, u, qg, kg, v_new and h before returning
