@@ -17,6 +17,14 @@ mesh coordinates ``(r, s, c)``.
 Besides the three named dimensions the mesh carries two flattened ones: ``"dp"``
 (``dp_replicate x dp_shard``, the ranks that read different windows) and ``"dp_shard_cp"``
 (``dp_shard x cp``, what FSDP2 shards over).
+
+Expert parallelism (``parallel.ep > 1``) is folded into the ``dp_shard x cp`` ranks of a replica
+(Megatron's "MoE parallel folding", torchtitan's EP): a second mesh over the same ranks,
+``(dp_replicate, efsdp, ep)`` with ``efsdp = dp_shard * cp / ep`` (:func:`expert_mesh`), ``ep``
+innermost, so an EP group is ``ep`` consecutive global ranks (rank ``= (r * efsdp + f) * ep + e``,
+the same numbering as the dense mesh's ``dp_shard_cp`` index ``s * cp + c = f * ep + e``). Expert
+weights are ``Shard(0)`` over ``ep`` (:func:`ep_mesh`) and FSDP2-sharded over ``efsdp`` (HSDP with
+``dp_replicate``: :func:`expert_fsdp_mesh`).
 """
 
 from __future__ import annotations
@@ -39,12 +47,21 @@ __all__ = [
     "dp_mesh",
     "dp_rank",
     "dp_size",
+    "ep_mesh",
+    "ep_size",
+    "expert_fsdp_mesh",
+    "expert_mesh",
     "fsdp_mesh",
     "mesh_shape",
 ]
 
 #: Mesh dimension names, outermost first.
 MESH_DIMS: tuple[str, str, str] = ("dp_replicate", "dp_shard", "cp")
+#: Expert mesh dimension names (:func:`expert_mesh`), outermost first.
+EXPERT_MESH_DIMS: tuple[str, str, str] = ("dp_replicate", "efsdp", "ep")
+# the expert mesh of a dense mesh built by build_mesh (an attribute, so that two meshes of the same
+# layout built one after the other keep their own groups)
+_EXPERT_ATTR = "_genolong_expert_mesh"
 
 
 class ParallelSizes(Protocol):
@@ -54,6 +71,7 @@ class ParallelSizes(Protocol):
     cp: int
     dp_shard: int
     dp_replicate: int
+    ep: int
 
     @property
     def world_size(self) -> int:  # pragma: no cover - protocol
@@ -65,7 +83,7 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def mesh_shape(cp: int, dp_shard: int, dp_replicate: int, world_size: int) -> dict[str, int]:
+def mesh_shape(cp: int, dp_shard: int, dp_replicate: int, world_size: int, ep: int = 1) -> dict[str, int]:
     """Validate the parallel sizes and resolve ``dp_shard = -1``.
 
     Args:
@@ -74,6 +92,7 @@ def mesh_shape(cp: int, dp_shard: int, dp_replicate: int, world_size: int) -> di
             ``cp * dp_replicate``.
         dp_replicate: replicated data-parallel size (HSDP replicas), ``>= 1``.
         world_size: number of processes, ``>= 1``.
+        ep: expert-parallel size, ``>= 1``, dividing ``dp_shard * cp`` (default 1).
 
     Returns:
         ``{"dp_replicate": r, "dp_shard": s, "cp": c}`` (in :data:`MESH_DIMS` order) with
@@ -81,9 +100,11 @@ def mesh_shape(cp: int, dp_shard: int, dp_replicate: int, world_size: int) -> di
 
     Raises:
         InputError: a size is not a positive integer (``dp_shard`` may be -1), ``cp * dp_replicate``
-            does not divide the world size, or the product of the three is not the world size.
+            does not divide the world size, the product of the three is not the world size, or
+            ``ep`` does not divide ``dp_shard * cp``.
     """
-    for name, value in (("parallel.cp", cp), ("parallel.dp_replicate", dp_replicate), ("world size", world_size)):
+    for name, value in (("parallel.cp", cp), ("parallel.dp_replicate", dp_replicate), ("world size", world_size),
+                        ("parallel.ep", ep)):
         if not _is_int(value) or value < 1:
             raise InputError(f"{name} = {value!r}: must be an integer >= 1")
     if not _is_int(dp_shard) or (dp_shard != -1 and dp_shard < 1):
@@ -99,6 +120,10 @@ def mesh_shape(cp: int, dp_shard: int, dp_replicate: int, world_size: int) -> di
             f"parallel.cp ({cp}) x parallel.dp_shard ({dp_shard}) x parallel.dp_replicate ({dp_replicate}) = "
             f"{cp * dp_shard * dp_replicate} but the world size is {world_size}; make the product {world_size} or set "
             "parallel.dp_shard: -1")
+    if (dp_shard * cp) % ep:
+        raise InputError(
+            f"parallel.ep = {ep} does not divide parallel.dp_shard x parallel.cp = {dp_shard} x {cp} = {dp_shard * cp} "
+            f"(the ranks the experts are spread over); choose ep among the divisors of {dp_shard * cp}")
     return {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp}
 
 
@@ -114,8 +139,10 @@ def build_mesh(parallel: ParallelSizes, world_size: int | None = None, device_ty
 
     Returns:
         A 3-D ``DeviceMesh`` with dimension names :data:`MESH_DIMS`, plus the flattened dimensions
-        ``"dp"`` and ``"dp_shard_cp"`` (see :func:`dp_mesh`, :func:`fsdp_mesh`). Every process of the job must call this
-        (it creates the sub-groups collectively).
+        ``"dp"`` and ``"dp_shard_cp"`` (see :func:`dp_mesh`, :func:`fsdp_mesh`); with
+        ``parallel.ep > 1`` (default 1 when the section has no ``ep``) it also carries the expert
+        mesh (:func:`expert_mesh`). Every process of the job must call this (it creates the
+        sub-groups collectively).
 
     Raises:
         InputError: invalid sizes (see :func:`mesh_shape`) or a world size that differs from the
@@ -128,7 +155,8 @@ def build_mesh(parallel: ParallelSizes, world_size: int | None = None, device_ty
         raise InputError(
             f"the parallel mesh needs {world_size} processes but the job runs {running}; set parallel.devices x "
             f"parallel.num_nodes to {running} or launch {world_size} processes")
-    shape = mesh_shape(parallel.cp, parallel.dp_shard, parallel.dp_replicate, world_size)
+    ep = getattr(parallel, "ep", 1)
+    shape = mesh_shape(parallel.cp, parallel.dp_shard, parallel.dp_replicate, world_size, ep=ep)
     mesh = init_device_mesh(device_type, tuple(shape[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
     # flattened dimensions, made here because creating their groups is collective (later
     # ``_flatten`` calls with the same name return the cached mesh): "dp" = the ranks reading
@@ -137,7 +165,44 @@ def build_mesh(parallel: ParallelSizes, world_size: int | None = None, device_ty
     # are reduced together with the data-parallel ones, as in torchtitan)
     mesh[("dp_replicate", "dp_shard")]._flatten("dp")
     mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+    if ep > 1:
+        # a second root mesh over the same ranks (creating its groups is collective too); FSDP2
+        # needs the expert weights' EP mesh and their FSDP mesh to come from one root
+        efsdp = shape["dp_shard"] * shape["cp"] // ep
+        experts = init_device_mesh(device_type, (shape["dp_replicate"], efsdp, ep), mesh_dim_names=EXPERT_MESH_DIMS)
+        setattr(mesh, _EXPERT_ATTR, experts)
     return mesh
+
+
+def expert_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The ``(dp_replicate, efsdp, ep)`` expert mesh that :func:`build_mesh` made for
+    ``parallel.ep > 1`` (module docstring); None for ``mesh=None`` or ``ep = 1``."""
+    return None if mesh is None else getattr(mesh, _EXPERT_ATTR, None)
+
+
+def ep_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The 1-D ``"ep"`` mesh of this rank's expert-parallel group (``ep`` consecutive ranks; the
+    routed experts are ``Shard(0)`` over it); None without expert parallelism."""
+    experts = expert_mesh(mesh)
+    return None if experts is None else experts["ep"]
+
+
+def ep_size(mesh: DeviceMesh | None) -> int:
+    """Ranks per expert-parallel group (1 without expert parallelism)."""
+    experts = expert_mesh(mesh)
+    return 1 if experts is None else experts["ep"].size()
+
+
+def expert_fsdp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """FSDP2's mesh for the routed experts: ``"efsdp"`` (the ``dp_shard x cp / ep`` ranks holding
+    the same experts, 1-D), or ``("dp_replicate", "efsdp")`` (HSDP) when ``dp_replicate > 1``;
+    None without expert parallelism."""
+    experts = expert_mesh(mesh)
+    if experts is None:
+        return None
+    if experts["dp_replicate"].size() == 1:
+        return experts["efsdp"]
+    return experts[("dp_replicate", "efsdp")]
 
 
 def cp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:

@@ -5,14 +5,19 @@ Order, and why:
 
 1. MoE token chunks (an attribute of each MoE);
 2. context parallelism over the mesh's ``cp`` group (the KDA / DSA mixers exchange states and
-   keys; :func:`genolong.parallel.context.apply_context_parallel`), before recompute so that a
-   recomputed block repeats the same collectives in backward;
+   keys; :func:`genolong.parallel.context.apply_context_parallel`) and expert parallelism over
+   its EP groups (:func:`genolong.parallel.expert.apply_expert_parallel`: the routed experts
+   become DTensors over the expert mesh, tokens travel by all-to-all), before recompute so that
+   a recomputed block repeats the same collectives in backward (and recompute wraps the EP
+   forward of a MoE);
 3. activation recompute (per block or per module);
 4. CPU activation offload (hooks around each block; inside a recomputed block only the block
    inputs are saved, so those are what moves);
 5. FSDP2 last: ``fully_shard`` on every block, then on the root (embeddings, final norm, head),
    over the mesh's ``dp_shard x cp`` ranks (:func:`genolong.parallel.mesh.fsdp_mesh`; HSDP when
-   ``dp_replicate > 1``). FSDP2's unshard / reshard hooks then wrap the recompute and offload
+   ``dp_replicate > 1``); with expert parallelism the routed experts of each MoE are their own
+   (nested) unit over the ranks holding the same experts
+   (:func:`genolong.parallel.mesh.expert_fsdp_mesh`). FSDP2's unshard / reshard hooks then wrap the recompute and offload
    machinery, so a block's full parameters exist only while it runs forward or backward, and the
    offloader never copies parameters (it skips them by identity and storage).
 
@@ -29,11 +34,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from ..errors import InputError
 from ..model.moe import MoE
 from .context import apply_context_parallel
-from .mesh import cp_group, fsdp_mesh
+from .expert import apply_expert_parallel
+from .mesh import cp_group, ep_mesh, ep_size, expert_fsdp_mesh, fsdp_mesh
 from .offload import apply_offload
 from .recompute import apply_recompute
 
@@ -71,8 +78,9 @@ def parallelize(
     mesh: DeviceMesh | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    ep: int | None = None,
 ) -> nn.Module:
-    """Apply the memory techniques, context parallelism and FSDP2 to a GenoLM in place (in the
+    """Apply the memory techniques, context parallelism, expert parallelism and FSDP2 to a GenoLM in place (in the
     order of the module docstring); returns the same model.
 
     Args:
@@ -101,11 +109,15 @@ def parallelize(
             computed with (default None: as stored; ``torch.bfloat16`` for bf16-mixed runs).
         reduce_dtype: FSDP2 mixed precision: the dtype of the gradient reduce-scatter (default
             None: ``param_dtype``; ``torch.float32`` keeps the reduction exact-ish in bf16 runs).
+        ep: the expert-parallel size the caller expects (the recipe's ``parallel.ep``); the EP
+            groups themselves come from ``mesh`` (``build_mesh`` with ``parallel.ep``). Default
+            None: whatever the mesh has (1 without a mesh).
 
     Raises:
         InputError: an unknown recompute mode or module kind, a bad chunk size or threshold, a
-            model that is not a GenoLM, techniques already applied, or precision settings
-            without a mesh.
+            model that is not a GenoLM, techniques already applied, precision settings
+            without a mesh, ``ep`` other than the mesh's, or an EP size that does not divide the
+            model's experts.
 
     Loss and gradients are unchanged by every combination (exactly for recompute and offload,
     up to float summation order for MoE chunks, context parallelism and the FSDP2 reduction).
@@ -119,9 +131,13 @@ def parallelize(
         raise InputError(f"offload_min_bytes must be a non-negative integer, got {offload_min_bytes!r}")
     if not isinstance(offload, bool):
         raise InputError(f"offload must be true or false, got {offload!r}")
+    if ep is not None and ep != ep_size(mesh):
+        raise InputError(f"parallel.ep = {ep} but the mesh has expert-parallel groups of {ep_size(mesh)} ranks; build the mesh "
+                         "with the same parallel section (genolong.parallel.mesh.build_mesh)")
     apply_moe_chunks(model, moe_chunk_tokens)
     if mesh is not None:
         apply_context_parallel(model, cp_group(mesh))
+        apply_expert_parallel(model, ep_mesh(mesh))
     apply_recompute(model, recompute, recompute_modules)
     if offload:
         apply_offload(model, offload_min_bytes)
@@ -142,13 +158,25 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
     would be wrong for them. Returns ``model``.
     """
     shard_mesh = fsdp_mesh(mesh)
+    expert_mesh = expert_fsdp_mesh(mesh)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     units = [*model.layers, model]  # type: ignore[attr-defined]
+    nested: list[nn.Module] = []
     for i, unit in enumerate(units):
         # the root is resharded anyway after forward; the last block stays unsharded because
         # backward needs it first (torchtitan's choice)
-        fully_shard(unit, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=i < len(units) - 2)
-    for unit in units:
+        reshard = i < len(units) - 2
+        if expert_mesh is not None and i < len(units) - 1 and isinstance(getattr(unit, "mlp", None), MoE):
+            # the routed experts (DTensors Shard(0) over "ep") are their own unit over the ranks
+            # holding the same experts; sharded on dim 1 (rows of each expert), so that with
+            # the EP shard on dim 0 the placements stay plain (Shard(1), Shard(0)) and global
+            # shapes need no padding of the expert dimension
+            experts = unit.mlp.experts
+            fully_shard(experts, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=reshard,
+                        shard_placement_fn=lambda param: Shard(1))
+            nested.append(experts)
+        fully_shard(unit, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    for unit in [*nested, *units]:
         unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
         # a plain SUM (not NCCL's PreMulSum by 1): gloo has no PreMulSum, and with a factor of
         # 1 there is no separate scaling to pay for

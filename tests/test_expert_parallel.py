@@ -1,0 +1,227 @@
+"""Expert parallelism (genolong.parallel.expert) on gloo: the `tiny` GenoLM with its routed experts
+spread over EP 2 and EP 4 ranks (each rank its own window), and on a 2 x 2 (dp_shard x cp) mesh
+with EP 2, full recompute and FSDP2 (the experts a nested unit over the ranks holding the same
+experts), equals one process on all the windows: hidden states, loss and every gradient
+(experts gathered whole) to RMS(ref - x) / RMS(ref) < 1e-5, except where the fp32 and float64
+single-process runs are further apart than that (then within twice that gap, as in
+tests/test_cp_model.py). The routing is checked to be the same (global expert loads equal as
+integers), so no router tie flipped between the two runs.
+
+The all-to-all byte counter is checked against the interfaces.md formula at exactly balanced
+routing (a router that sends token i's slots to experts 2i, 2i + 1 mod E).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from genolong.config import ParallelSection
+from genolong.data.windows import context_parallel_bounds
+from genolong.errors import InputError
+from genolong.kernels.testing import rms_ratio
+from genolong.model import PRESETS, GenoLM
+from genolong.model.moe import MoE
+from genolong.parallel import parallelize
+from genolong.parallel.expert import apply_expert_parallel, ep_comm_counter
+from genolong.parallel.mesh import build_mesh, cp_rank, cp_size, dp_rank, ep_size, expert_mesh, mesh_shape
+
+from .helpers import run_ranks
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+_TOL = 1e-5
+_LR = 0.5
+# 16 index heads keep exact top-k ties out of the pooled scores (see tests/test_model_dsa.py)
+_CONFIG = PRESETS["tiny"].replace(index_n_heads=16)
+
+
+def _loads(model: GenoLM) -> torch.Tensor:
+    return torch.stack([m.last_load for m in model.modules() if isinstance(m, MoE)])
+
+
+def _case(windows: int, total: int, seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = GenoLM(_CONFIG)
+    ids = torch.randint(1, 5, (windows, total))
+    probe = torch.randn(windows, total, _CONFIG.hidden_size)
+    return {"state": model.state_dict(), "ids": ids, "probe": probe}
+
+
+def _reference(case: dict, dtype: torch.dtype) -> dict:
+    model = GenoLM(_CONFIG).to(dtype)
+    model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in case["state"].items()})
+    hidden = model(case["ids"])
+    (hidden * case["probe"].to(dtype)).sum().backward()
+    return {"hidden": hidden.detach().float(), "loads": _loads(model),
+            "grads": {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}}
+
+
+def _balanced_bytes(ep: int, chunks: int, c: int, k: int, h: int, e: int, a: int = 4) -> dict[str, int]:
+    """interfaces.md: per chunk, dispatch (ep - 1) / ep * c * k * H * a bytes and combine the
+    same, backward the two again; counts: E/ep int64 per other rank per dispatch."""
+    payload = 2 * chunks * (ep - 1) * c * k * h * a // ep
+    return {"forward": payload, "recompute": 0, "backward": payload, "splits": chunks * (ep - 1) * (e // ep) * 8,
+            "dispatches": chunks}
+
+
+def _balanced_counter(rank: int, world: int) -> dict:
+    """One MoE under EP over all ranks, routed exactly evenly; its counter after a step."""
+    config = _CONFIG
+    torch.manual_seed(0)
+    moe = MoE(config, chunk_tokens=6)
+    k, e = config.num_experts_per_tok, config.n_routed_experts
+
+    def route(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        token = torch.arange(x.shape[0])
+        indices = torch.stack([(2 * token + j) % e for j in range(k)], dim=1)
+        return x.new_zeros(x.shape[0], e), torch.sigmoid(x[:, :k]).float(), indices
+
+    moe.gate.forward = route  # type: ignore[method-assign]
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    apply_expert_parallel(moe, mesh)
+    x = torch.randn(1, 18, config.hidden_size, requires_grad=True)  # 3 chunks of 6 tokens
+    moe(x).sum().backward()
+    return {"measured": ep_comm_counter(moe).as_dict(), "received": moe.last_received,
+            "expected": _balanced_bytes(world, 3, 6, k, config.hidden_size, e)}
+
+
+def _ep_worker(rank: int, world: int, folder: str) -> None:
+    case = torch.load(Path(folder) / "case.pt", weights_only=True)
+    model = GenoLM(_CONFIG)
+    model.load_state_dict(case["state"])
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    assert apply_expert_parallel(model, mesh) == 7
+    # the checkpoint format: the same keys and global shapes
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == {k: tuple(v.shape) for k, v in case["state"].items()}
+    rows = slice(rank, rank + 1)
+    hidden = model(case["ids"][rows])
+    (hidden * case["probe"][rows]).sum().backward()
+    grads = {}
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor):  # the experts: each rank holds its experts' whole gradient
+            grads[n] = p.grad.full_tensor()
+        else:  # the rest: this rank's share of the sum
+            grads[n] = p.grad.clone()
+            dist.all_reduce(grads[n])
+    loads = _loads(model)
+    dist.all_reduce(loads)
+    received = torch.tensor([m.last_received for m in model.modules() if isinstance(m, MoE)])
+    bad_split = None
+    if world == 4:  # 4 ranks do not split 6 experts
+        try:
+            apply_expert_parallel(GenoLM(_CONFIG.replace(n_routed_experts=6, n_group=1, topk_group=1)), mesh)
+        except InputError as error:
+            bad_split = str(error)
+    torch.save({"hidden": hidden.detach(), "grads": grads, "loads": loads, "received": received, "bad_split": bad_split,
+                "counter": _balanced_counter(rank, world)}, Path(folder) / f"rank{rank}.pt")
+
+
+def _compare(ref: dict, wide: dict, grads: dict[str, torch.Tensor], outright: bool = True) -> dict[str, float]:
+    """Every tensor within max(1e-5, 2 x its fp32-vs-float64 gap); nearly every one (97%) below
+    1e-5 outright (``outright``), or below the larger of 1e-5 and its gap (the criterion of
+    tests/test_fsdp_cp.py for a CP + FSDP2 step, where 13 of 212 tensors sit above 1e-5 at
+    0.1-0.5x their gap without EP). Returns the errors."""
+    assert grads.keys() == ref["grads"].keys()
+    rounding = {n: rms_ratio(wide["grads"][n], g) for n, g in ref["grads"].items()}
+    errors = {n: rms_ratio(g, grads[n]) for n, g in ref["grads"].items()}
+    over = {n: (e, rounding[n]) for n, e in errors.items() if e >= max(_TOL, 2 * rounding[n])}
+    assert not over, over
+    below = sum(e < (_TOL if outright else max(_TOL, rounding[n])) for n, e in errors.items())
+    assert below >= 0.97 * len(errors), {n: (e, rounding[n]) for n, e in errors.items() if e >= _TOL}
+    return errors
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_model_equals_one_process(tmp_path: Path, world: int) -> None:
+    case = _case(world, 64, seed=world)
+    torch.save(case, tmp_path / "case.pt")
+    ref, wide = _reference(case, torch.float32), _reference(case, torch.float64)
+    run_ranks(_ep_worker, world, tmp_path, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    assert rms_ratio(ref["hidden"], torch.cat([r["hidden"] for r in ranks])) < _TOL
+    k = _CONFIG.num_experts_per_tok
+    for r in ranks:
+        # exact: int64 expert loads; the same routing as one process (no tie flipped)
+        assert torch.equal(r["loads"], ref["loads"])
+        errors = _compare(ref, wide, r["grads"])
+        print(f"EP {world}: worst {max(errors.values()):.2e}, {sum(e >= _TOL for e in errors.values())} of {len(errors)} >= 1e-5")
+        counter = r["counter"]
+        assert counter["measured"] == counter["expected"], counter  # exact: byte counts
+        assert counter["received"] == 18 * k  # exact: row counts (balanced: each rank gets its share)
+    # every (token, slot) row of the step was received by exactly one rank
+    assert int(sum(r["received"] for r in ranks).sum()) == int(ref["loads"].sum())  # exact: row counts
+    if world == 4:
+        assert "parallel.ep = 4 does not divide the model's n_routed_experts = 6" in ranks[0]["bad_split"]
+
+
+def _mesh_worker(rank: int, world: int, folder: str) -> None:
+    case = torch.load(Path(folder) / "case.pt", weights_only=True)
+    mesh = build_mesh(ParallelSection(accelerator="cpu", devices=world, cp=2, dp_shard=2, ep=2), world_size=world)
+    assert ep_size(mesh) == 2 and expert_mesh(mesh).mesh_dim_names == ("dp_replicate", "efsdp", "ep")
+    model = GenoLM(_CONFIG)
+    model.load_state_dict(case["state"])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    parallelize(model, recompute="full", mesh=mesh, ep=2, moe_chunk_tokens=24)
+    placements = {n: (p.device_mesh.mesh_dim_names, p.placements) for n, p in model.named_parameters()}
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tokens = case["ids"][dp_rank(mesh):dp_rank(mesh) + 1]
+    lo, hi = context_parallel_bounds(tokens.shape[1], cp_rank(mesh), cp_size(mesh))
+    nll, weight = model.loss(tokens[:, lo:hi], next_tokens=tokens[:, hi:hi + 1] if hi < tokens.shape[1] else None)
+    total = torch.stack([nll.detach(), weight.detach()])
+    dist.all_reduce(total)
+    (nll / total[1]).backward()
+    torch.optim.SGD(model.parameters(), lr=_LR).step()
+    update = {n: p.full_tensor() - before[n] for n, p in model.named_parameters()}
+    torch.save({"update": update, "placements": placements, "shapes": shapes, "loss": total[0] / total[1],
+                "counter": ep_comm_counter(model).as_dict()}, Path(folder) / f"rank{rank}.pt")
+
+
+def _sgd_update(case: dict, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    model = GenoLM(_CONFIG).to(dtype)
+    model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in case["state"].items()})
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    nll, weight = model.loss(case["ids"])
+    (nll / weight).backward()
+    torch.optim.SGD(model.parameters(), lr=_LR).step()
+    return {n: (p.detach() - before[n]).float() for n, p in model.named_parameters()}, (nll / weight).detach().float()
+
+
+@pytest.mark.distributed
+def test_expert_parallel_with_cp_and_fsdp_step_equals_one_process(tmp_path: Path) -> None:
+    """2 windows of 144 tokens on a 2 x 2 (dp_shard x cp) mesh, EP groups {0, 1} and {2, 3} (each
+    the two CP ranks of one window), the experts FSDP2-sharded over {0, 2} and {1, 3}; full
+    recompute and MoE chunks of 24 tokens (3 per slice): one SGD step."""
+    case = _case(2, 144, seed=3)
+    torch.save(case, tmp_path / "case.pt")
+    ref, loss = _sgd_update(case, torch.float32)
+    wide, _ = _sgd_update(case, torch.float64)
+    run_ranks(_mesh_worker, 4, tmp_path, str(tmp_path))
+    for r in range(4):
+        out = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        assert out["shapes"] == {k: tuple(v.shape) for k, v in case["state"].items()}
+        experts = {n: p for n, p in out["placements"].items() if ".experts." in n}
+        assert len(experts) == 14
+        assert all(p == (("efsdp", "ep"), (Shard(1), Shard(0))) for p in experts.values()), experts
+        assert all(p == (("dp_shard_cp",), (Shard(0),)) for n, p in out["placements"].items() if n not in experts)
+        assert abs(float(out["loss"]) - float(loss)) <= _TOL * abs(float(loss))
+        errors = _compare({"grads": ref}, {"grads": wide}, out["update"], outright=False)
+        print(f"rank {r}: worst {max(errors.values()):.2e}, {sum(e >= _TOL for e in errors.values())} of {len(errors)} >= 1e-5")
+        # 7 MoE layers x 3 chunks, forward and again in the recomputed backward
+        assert out["counter"]["dispatches"] == 42 and out["counter"]["recompute"] == out["counter"]["forward"] > 0
+
+
+def test_impossible_expert_parallel_sizes_fail_naming_the_keys() -> None:
+    with pytest.raises(InputError, match=r"parallel.ep = 4 does not divide parallel.dp_shard x parallel.cp = 3 x 2 = 6"):
+        mesh_shape(cp=2, dp_shard=3, dp_replicate=1, world_size=6, ep=4)
+    with pytest.raises(InputError, match=r"parallel.ep = 0"):
+        mesh_shape(cp=1, dp_shard=2, dp_replicate=1, world_size=2, ep=0)
+    assert mesh_shape(cp=2, dp_shard=2, dp_replicate=2, world_size=8, ep=4) == {"dp_replicate": 2, "dp_shard": 2, "cp": 2}
