@@ -1,11 +1,14 @@
-"""`genolong finetune` as a two-process job on CPU (gloo): context parallelism (cp = 2, processes
-started by Lightning from the recipe's ``parallel`` section) and data parallelism (dp = 2, started
-by torchrun), both under FSDP2.
+"""`genolong finetune` as a two-process job on CPU (gloo): context parallelism with expert
+parallelism (cp = 2, ``--set parallel.ep=2``: each rank holds 2 of the 4 experts of every MoE
+layer; processes started by Lightning from the recipe's ``parallel`` section) and data parallelism
+(dp = 2, started by torchrun), both under FSDP2.
 
-- cp = 2: every step's training loss and every held-out evaluation equal the single-process run
-  of the same recipe (relative 1e-5: another summation order); the exported models agree.
-  Resuming from the sharded (DCP) step-2 checkpoint gives steps 3-4 identical to the
-  uninterrupted two-process run, and the same export.
+- cp = 2, ep = 2: every step's training loss and every held-out evaluation equal the
+  single-process run of the same recipe (relative 1e-5: another summation order); the exported
+  models agree. Resuming from the sharded (DCP) step-2 checkpoint gives steps 3-4 identical to
+  the uninterrupted two-process run, and the same export; the checkpoint loads for evaluation in
+  one process (the experts whole, in the one-process layout). Every step logs the rows each EP
+  rank received and the busiest/mean ratio.
 - dp = 2 with one window per rank equals one process with two windows per batch: the ranks read
   the two halves of the same window stream, the loss is the global token mean, and the three
   eval tiles are dealt out (2 + 1, the short share padded with an empty tile).
@@ -120,15 +123,22 @@ def _moves_agree(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rel: fl
         rms(a[k].double() - b[k].double()) <= rel * rms(a[k].double() - start[k].double()) for k in a)
 
 
-def test_two_process_context_parallel_run_equals_one_process_and_resumes(sample_store: Path, tmp_path: Path) -> None:
+def test_two_process_context_and_expert_parallel_run_equals_one_process_and_resumes(sample_store: Path, tmp_path: Path) -> None:
     _finetune(_recipe(tmp_path, sample_store, "one", {"devices": 1}))
     cp = _recipe(tmp_path, sample_store, "cp2", {"devices": 2, "cp": 2}, tensorboard=True)
-    out = _finetune(cp, audit=tmp_path / "audit-first")
+    out = _finetune(cp, "--set", "parallel.ep=2", audit=tmp_path / "audit-first")
     _assert_one_writer(tmp_path / "audit-first", _OUTPUTS)
     assert "cp2: 4 steps" in out and "model exported" in out
     one, two = _losses(tmp_path, "one"), _losses(tmp_path, "cp2")
     assert len(two["eval"]) == 2
     assert _close(one["train"], two["train"]) and _close(one["eval"], two["eval"]), (one, two)
+    steps = read_step_log(tmp_path / "runs" / "cp2" / "logs" / "steps.jsonl")
+    k, moe_layers = PRESETS["tiny"].num_experts_per_tok, 7
+    for record in steps.values():
+        # every (token, slot) row of a step went to one of the two ranks: 256 tokens x k x 7 layers
+        assert record["train/ep_rows/rank0"] + record["train/ep_rows/rank1"] == 256 * k * moe_layers  # exact: row counts
+        assert 1.0 <= record["train/ep_load_max_over_mean"] <= 2.0
+        assert record["perf/ep_alltoall_bytes_forward"] > 0 and record["perf/ep_alltoall_bytes_backward"] > 0
     assert _moves_agree(_export(tmp_path, "one"), _export(tmp_path, "cp2"))
     checkpoints = tmp_path / "runs" / "cp2" / "checkpoints"
     # sharded checkpoints: one DCP directory per step, a shard file per rank
@@ -140,7 +150,7 @@ def test_two_process_context_parallel_run_equals_one_process_and_resumes(sample_
     shutil.rmtree(checkpoints / "step0000004.ckpt")
     log = tmp_path / "runs" / "cp2" / "logs" / "steps.jsonl"
     log.rename(log.with_name("first.jsonl"))
-    _finetune(cp, "--resume", audit=tmp_path / "audit-resume")
+    _finetune(cp, "--set", "parallel.ep=2", "--resume", audit=tmp_path / "audit-resume")
     _assert_one_writer(tmp_path / "audit-resume", _OUTPUTS)
     resumed = read_step_log(log)
     assert sorted(resumed) == [3, 4]

@@ -8,7 +8,11 @@ TensorBoard) and to ``steps.jsonl`` in the run directory:
 - ``memory/saved_activation_bytes`` (peak device-resident saved activations),
   ``memory/offloaded_activation_bytes`` (peak in the host pool), ``memory/peak_bytes`` (CUDA
   ``max_memory_allocated`` on GPU, the process peak RSS on CPU);
-- whatever the module logged for the step (loss, bits per base, lr, MoE load, ...).
+- with expert parallelism, ``perf/ep_alltoall_bytes_forward``, ``..._recompute``,
+  ``..._backward`` and ``..._splits``: the bytes this process's expert-parallel all-to-alls sent
+  to other ranks during the batch (:class:`genolong.parallel.expert.AllToAllCounter`; rank 0's
+  in steps.jsonl);
+- whatever the module logged for the step (loss, bits per base, lr, MoE load, EP load, ...).
 
 ``steps.jsonl`` gets one JSON object per training batch, flushed as it is written: a run killed
 at any moment keeps every finished step, and a resumed run appends the steps it redoes (readers
@@ -81,6 +85,7 @@ class StepMetrics(L.Callback):
             self._meter = meter.__enter__()  # set only once entered: on_exception closes it
         if torch.cuda.is_available() and pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
+        _ep_bytes(pl_module)  # zero the all-to-all counter: the batch's own bytes are read at its end
         self._started = time.perf_counter()
 
     def _close_meter(self) -> dict[str, Any]:
@@ -107,6 +112,9 @@ class StepMetrics(L.Callback):
         if memory:
             metrics["memory/saved_activation_bytes"] = float(memory["peak_resident_bytes"])
             metrics["memory/offloaded_activation_bytes"] = float(memory["peak_offloaded_bytes"])
+        for kind, count in (_ep_bytes(pl_module) or {}).items():
+            if kind != "dispatches":
+                metrics[f"perf/ep_alltoall_bytes_{kind}"] = float(count)
         pl_module.log_dict(metrics)
         if self._handle is not None:
             record: dict[str, Any] = {"step": trainer.global_step, "batch": batch_idx, "window_tokens": tokens}
@@ -133,6 +141,12 @@ class StepMetrics(L.Callback):
         if self._handle is not None:
             self._handle.close()
             self._handle = None
+
+
+def _ep_bytes(pl_module: L.LightningModule) -> dict[str, int] | None:
+    """The module's expert-parallel all-to-all bytes since the last call (then zeroed), or None."""
+    read = getattr(pl_module, "ep_comm_bytes", None)
+    return read(reset=True) if callable(read) else None
 
 
 def read_step_log(path: str | Path) -> dict[int, dict[str, Any]]:

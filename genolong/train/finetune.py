@@ -17,7 +17,9 @@ follow equal those of an uninterrupted run (CPU, deterministic). Checkpoints loa
 
 Processes: ``parallel.devices x parallel.num_nodes``, started by Lightning, or by torchrun / SLURM
 (Lightning joins them); the module builds the ``(dp_replicate, dp_shard, cp)`` mesh and applies
-context parallelism and FSDP2 (:mod:`genolong.train.module`, :func:`genolong.parallel.parallelize`).
+context parallelism, expert parallelism (``parallel.ep``: the routed experts spread over ``ep``
+consecutive ranks, checkpoints and the export in the one-process layout) and FSDP2
+(:mod:`genolong.train.module`, :func:`genolong.parallel.parallelize`).
 """
 
 from __future__ import annotations
@@ -199,7 +201,8 @@ def _parallelize(recipe: Recipe, model: GenoLM, mesh: DeviceMesh | None) -> Geno
     mixed = mesh is not None and recipe.train.precision == "bf16-mixed"
     parallelize(model, recompute=m.recompute, recompute_modules=m.recompute_modules, offload=m.offload,
                 offload_min_bytes=m.offload_min_bytes, moe_chunk_tokens=m.moe_chunk_tokens, mesh=mesh,
-                param_dtype=torch.bfloat16 if mixed else None, reduce_dtype=torch.float32 if mixed else None)
+                param_dtype=torch.bfloat16 if mixed else None, reduce_dtype=torch.float32 if mixed else None,
+                ep=recipe.parallel.ep if mesh is not None else None)
     return model
 
 

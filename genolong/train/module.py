@@ -35,9 +35,11 @@ from ..model.lm import GenoLM
 from ..model.loss import bits_per_base
 from ..model.moe import MoE
 from ..model.vocab import VocabMap
-from ..parallel.mesh import ParallelSizes, build_mesh, cp_rank, cp_size, dp_size
+from ..parallel.expert import ep_comm_counter
+from ..parallel.mesh import ParallelSizes, build_mesh, cp_rank, cp_size, dp_size, ep_size
 
-__all__ = ["GenoLMModule", "NonFiniteLossError", "OptimSettings", "WarmupCosine", "cut_windows", "freeze_parameters"]
+__all__ = ["GenoLMModule", "NonFiniteLossError", "OptimSettings", "WarmupCosine", "clip_grad_norm_by_mesh", "cut_windows",
+           "freeze_parameters"]
 
 
 class NonFiniteLossError(GenolongError):
@@ -122,6 +124,31 @@ def cut_windows(tokens: torch.Tensor, cut: int) -> torch.Tensor:
     return pieces.reshape(-1, cut + 1)
 
 
+def _mesh_of(param: torch.Tensor) -> Any:
+    """The device mesh of a DTensor parameter (None for a plain tensor)."""
+    return param.device_mesh if isinstance(param, DTensor) else None
+
+
+def clip_grad_norm_by_mesh(parameters: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the global 2-norm of the gradients of ``parameters`` to ``max_norm``, for parameters
+    that are DTensors on different device meshes (dense FSDP2 and expert-parallel ones): the norm
+    of each mesh's gradients (a full reduction over that mesh), summed in squares, then torch's
+    ``clip_grads_with_norm_`` per mesh. Returns the total norm (a plain 0-d tensor), as
+    ``torch.nn.utils.clip_grad_norm_`` does; equal to it up to float summation order."""
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(_mesh_of(p), []).append(p)
+    squares = []
+    for params in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).double() ** 2)
+    total = (torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)).float()
+    for params in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -160,7 +187,10 @@ class GenoLMModule(L.LightningModule):
     Batches are the data module's: ``tokens`` torch.long ``[B, T]`` (store tokens, case kept).
     Logged every step: ``train/loss`` (nats per counted base), ``train/bits_per_base``,
     ``train/tokens`` (counted targets), ``train/indexer_kl``, ``train/lr``, ``train/moe_load_max_over_mean`` (worst
-    layer), ``train/nonfinite_steps``; the callbacks add throughput and memory.
+    layer), ``train/nonfinite_steps``; with expert parallelism also ``train/ep_rows/rank{r}``
+    (the (token, slot) rows global rank ``r``'s experts received, summed over the MoE layers) and
+    ``train/ep_load_max_over_mean`` (busiest EP rank over its group's mean, worst layer and group:
+    the reference's 4x figure); the callbacks add throughput, memory and the all-to-all bytes.
     """
 
     def __init__(
@@ -196,6 +226,7 @@ class GenoLMModule(L.LightningModule):
         self.indexers: list[DSAMixer] = []
         self.moes: list[MoE] = []
         self._step_loads: list[torch.Tensor] = []  # [E] float per MoE layer, summed over ranks
+        self._step_received: torch.Tensor | None = None  # [world, MoE layers] rows each rank's experts received
         self.consecutive_nonfinite = 0
         self.nonfinite_steps = 0
 
@@ -241,12 +272,27 @@ class GenoLMModule(L.LightningModule):
             if param.requires_grad:
                 (decay if param.dim() >= 2 else no_decay).append(param)
         o = self.optim
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr, betas=o.betas, eps=o.eps,
-        )
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if ep_size(self.mesh) > 1:
+            # parameters on the expert mesh get their own group: the optimiser's foreach ops
+            # (the default on GPU) cannot mix DTensors of different meshes in one list
+            groups = [{"params": [p for p in group["params"] if _mesh_of(p) == mesh], "weight_decay": group["weight_decay"]}
+                      for mesh in dict.fromkeys(_mesh_of(p) for p in decay + no_decay) for group in groups]
+            groups = [g for g in groups if g["params"]]
+        optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(o.warmup_steps, o.max_steps, o.min_lr / o.lr))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: int | float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Lightning's clipping, except under expert parallelism with norm clipping: the global
+        gradient norm is summed from one norm per device mesh (torch's ``clip_grad_norm_``
+        stacks per-tensor norms, which DTensors of different meshes cannot be), then every
+        gradient is scaled by the same factor (:func:`clip_grad_norm_by_mesh`)."""
+        if ep_size(self.mesh) > 1 and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            clip_grad_norm_by_mesh([p for g in optimizer.param_groups for p in g["params"]], float(gradient_clip_val))
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor | None:
         nll, weight = self(batch["tokens"])
@@ -272,6 +318,10 @@ class GenoLMModule(L.LightningModule):
         self.log("train/bits_per_base", bits_per_base(mean))
         self.log("train/tokens", float(totals[1]))
         self.log("train/moe_load_max_over_mean", self._worst_moe_load())
+        if self._step_received is not None:
+            for rank, rows in enumerate(self._step_received.sum(1).tolist()):
+                self.log(f"train/ep_rows/rank{rank}", float(rows))
+            self.log("train/ep_load_max_over_mean", self._worst_ep_load())
         self.log("train/nonfinite_steps", float(self.nonfinite_steps))
         if self._trainer is not None and self.trainer.optimizers:
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
@@ -284,14 +334,46 @@ class GenoLMModule(L.LightningModule):
         backward overwrites with the local loads."""
         loads = [m.last_load for m in self.moes]
         if any(x is None for x in loads):
-            self._step_loads = []
+            self._step_loads, self._step_received = [], None
             return
-        summed = _all_reduce_sum(torch.cat([x.float().reshape(-1) for x in loads]))  # type: ignore[union-attr]
-        self._step_loads = list(summed.split([m.gate.num_experts for m in self.moes]))
+        parts = [x.float().reshape(-1) for x in loads]  # type: ignore[union-attr]
+        ep = ep_size(self.mesh)
+        if ep > 1:
+            # the rows each rank's experts received, per layer: this rank's row of a [world, layers]
+            # table, the others zero, summed with the loads in the same all-reduce
+            world, rank = dist.get_world_size(), dist.get_rank()
+            table = torch.zeros(world, len(self.moes), device=parts[0].device)
+            table[rank] = torch.tensor([float(getattr(m, "last_received", 0)) for m in self.moes], device=table.device)
+            parts.append(table.reshape(-1))
+        summed = _all_reduce_sum(torch.cat(parts))
+        sizes = [m.gate.num_experts for m in self.moes]
+        self._step_loads = list(summed[:sum(sizes)].split(sizes))
+        self._step_received = summed[sum(sizes):].view(-1, len(self.moes)) if ep > 1 else None
 
     def _worst_moe_load(self) -> float:
         """max / mean tokens per expert of this step, worst MoE layer (1.0 = balanced)."""
         return max((float(load.max() / load.mean().clamp_min(1e-9)) for load in self._step_loads), default=0.0)
+
+    def _worst_ep_load(self) -> float:
+        """Rows received by the busiest rank of an EP group over the group's mean, worst MoE
+        layer and group (1.0 = balanced); 0.0 without expert parallelism."""
+        if self._step_received is None:
+            return 0.0
+        ep = ep_size(self.mesh)
+        groups = self._step_received.view(-1, ep, len(self.moes))  # [EP groups, ep, layers]
+        return float((groups.max(1).values / groups.mean(1).clamp_min(1e-9)).max())
+
+    def ep_comm_bytes(self, reset: bool = True) -> dict[str, int] | None:
+        """This process's expert-parallel all-to-all bytes since the last reset
+        (:class:`genolong.parallel.expert.AllToAllCounter`: ``forward``, ``recompute``,
+        ``backward``, ``splits``, ``dispatches``); None without expert parallelism."""
+        counter = None if self.model is None else ep_comm_counter(self.model)
+        if counter is None:
+            return None
+        out = counter.as_dict()
+        if reset:
+            counter.reset()
+        return out
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Skip (zero) a step whose gradients hold NaN/inf, counting it like a NaN loss."""
