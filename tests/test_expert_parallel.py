@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from genolong.config import ParallelSection
 from genolong.data.windows import context_parallel_bounds
@@ -91,6 +91,29 @@ def _balanced_counter(rank: int, world: int) -> dict:
             "expected": _balanced_bytes(world, 3, 6, k, config.hidden_size, e)}
 
 
+def _unequal_chunks(rank: int, world: int) -> dict:
+    """One MoE under EP where the ranks hold 5, 12, 19, ... tokens (1, 2, 4, ... chunks of 6):
+    each rank's output and input gradient against the plain MoE on its own tokens (the MoE is
+    position-wise), as RMS ratios, and whether the loads agree."""
+    torch.manual_seed(1)
+    plain = MoE(_CONFIG, chunk_tokens=6)
+    moe = MoE(_CONFIG, chunk_tokens=6)
+    moe.load_state_dict(plain.state_dict())
+    apply_expert_parallel(moe, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
+    torch.manual_seed(10 + rank)
+    x = torch.randn(1, 5 + 7 * rank, _CONFIG.hidden_size)
+    probe = torch.randn_like(x)
+    results = []
+    for module in (plain, moe):
+        xi = x.clone().requires_grad_(True)
+        out = module(xi)
+        (out * probe).sum().backward()
+        results.append((out.detach(), xi.grad, module.last_load))
+    (want, want_grad, want_load), (got, got_grad, got_load) = results
+    return {"out": rms_ratio(want, got), "grad": rms_ratio(want_grad, got_grad),
+            "loads": torch.equal(want_load, got_load)}  # exact: int64 counts
+
+
 def _ep_worker(rank: int, world: int, folder: str) -> None:
     case = torch.load(Path(folder) / "case.pt", weights_only=True)
     model = GenoLM(_CONFIG)
@@ -121,7 +144,8 @@ def _ep_worker(rank: int, world: int, folder: str) -> None:
         except InputError as error:
             bad_split = str(error)
     torch.save({"hidden": hidden.detach(), "grads": grads, "loads": loads, "received": received, "bad_split": bad_split,
-                "counter": _balanced_counter(rank, world)}, Path(folder) / f"rank{rank}.pt")
+                "counter": _balanced_counter(rank, world), "unequal": _unequal_chunks(rank, world)},
+               Path(folder) / f"rank{rank}.pt")
 
 
 def _compare(ref: dict, wide: dict, grads: dict[str, torch.Tensor], outright: bool = True) -> dict[str, float]:
@@ -154,6 +178,7 @@ def test_expert_parallel_model_equals_one_process(tmp_path: Path, world: int) ->
         assert torch.equal(r["loads"], ref["loads"])
         errors = _compare(ref, wide, r["grads"])
         print(f"EP {world}: worst {max(errors.values()):.2e}, {sum(e >= _TOL for e in errors.values())} of {len(errors)} >= 1e-5")
+        assert r["unequal"]["out"] < _TOL and r["unequal"]["grad"] < _TOL and r["unequal"]["loads"], r["unequal"]
         counter = r["counter"]
         assert counter["measured"] == counter["expected"], counter  # exact: byte counts
         assert counter["received"] == 18 * k  # exact: row counts (balanced: each rank gets its share)
@@ -163,14 +188,14 @@ def test_expert_parallel_model_equals_one_process(tmp_path: Path, world: int) ->
         assert "parallel.ep = 4 does not divide the model's n_routed_experts = 6" in ranks[0]["bad_split"]
 
 
-def _mesh_worker(rank: int, world: int, folder: str) -> None:
+def _mesh_worker(rank: int, world: int, folder: str, sizes: dict[str, int]) -> None:
     case = torch.load(Path(folder) / "case.pt", weights_only=True)
-    mesh = build_mesh(ParallelSection(accelerator="cpu", devices=world, cp=2, dp_shard=2, ep=2), world_size=world)
+    mesh = build_mesh(ParallelSection(accelerator="cpu", devices=world, ep=2, **sizes), world_size=world)
     assert ep_size(mesh) == 2 and expert_mesh(mesh).mesh_dim_names == ("dp_replicate", "efsdp", "ep")
     model = GenoLM(_CONFIG)
     model.load_state_dict(case["state"])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    parallelize(model, recompute="full", mesh=mesh, ep=2, moe_chunk_tokens=24)
+    parallelize(model, recompute="full", offload=True, offload_min_bytes=0, mesh=mesh, ep=2, moe_chunk_tokens=24)
     placements = {n: (p.device_mesh.mesh_dim_names, p.placements) for n, p in model.named_parameters()}
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tokens = case["ids"][dp_rank(mesh):dp_rank(mesh) + 1]
@@ -195,28 +220,42 @@ def _sgd_update(case: dict, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor]
     return {n: (p.detach() - before[n]).float() for n, p in model.named_parameters()}, (nll / weight).detach().float()
 
 
+_MESHES = {
+    # EP groups {0, 1} and {2, 3}: each the two CP ranks of one window; experts FSDP2-sharded over
+    # {0, 2} and {1, 3}
+    "fsdp2x_cp2": ({"cp": 2, "dp_shard": 2}, ("efsdp", "ep"), (Shard(1), Shard(0)), ("dp_shard_cp",), (Shard(0),)),
+    # HSDP: 2 replicas of 2 FSDP ranks, EP over each replica's 2 ranks (no expert sharding left)
+    "hsdp2x2": ({"cp": 1, "dp_shard": 2, "dp_replicate": 2}, ("dp_replicate", "efsdp", "ep"), (Replicate(), Shard(1), Shard(0)),
+                ("dp_replicate", "dp_shard_cp"), (Replicate(), Shard(0))),
+}
+
+
 @pytest.mark.distributed
-def test_expert_parallel_with_cp_and_fsdp_step_equals_one_process(tmp_path: Path) -> None:
-    """2 windows of 144 tokens on a 2 x 2 (dp_shard x cp) mesh, EP groups {0, 1} and {2, 3} (each
-    the two CP ranks of one window), the experts FSDP2-sharded over {0, 2} and {1, 3}; full
-    recompute and MoE chunks of 24 tokens (3 per slice): one SGD step."""
-    case = _case(2, 144, seed=3)
+@pytest.mark.parametrize("layout", list(_MESHES))
+def test_expert_parallel_with_cp_and_fsdp_step_equals_one_process(tmp_path: Path, layout: str) -> None:
+    """One SGD step on windows of 144 tokens (2 for cp 2 x dp_shard 2, 4 for HSDP 2 x 2), EP 2,
+    full recompute, activation offload and MoE chunks of 24 tokens (3 per slice of 72, 6 per
+    window of 144)."""
+    sizes, expert_dims, expert_placements, dense_dims, dense_placements = _MESHES[layout]
+    windows = 4 // sizes["cp"]
+    case = _case(windows, 144, seed=3)
     torch.save(case, tmp_path / "case.pt")
     ref, loss = _sgd_update(case, torch.float32)
     wide, _ = _sgd_update(case, torch.float64)
-    run_ranks(_mesh_worker, 4, tmp_path, str(tmp_path))
+    run_ranks(_mesh_worker, 4, tmp_path, str(tmp_path), sizes)
     for r in range(4):
         out = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         assert out["shapes"] == {k: tuple(v.shape) for k, v in case["state"].items()}
         experts = {n: p for n, p in out["placements"].items() if ".experts." in n}
         assert len(experts) == 14
-        assert all(p == (("efsdp", "ep"), (Shard(1), Shard(0))) for p in experts.values()), experts
-        assert all(p == (("dp_shard_cp",), (Shard(0),)) for n, p in out["placements"].items() if n not in experts)
+        assert all(p == (expert_dims, expert_placements) for p in experts.values()), experts
+        assert all(p == (dense_dims, dense_placements) for n, p in out["placements"].items() if n not in experts)
         assert abs(float(out["loss"]) - float(loss)) <= _TOL * abs(float(loss))
         errors = _compare({"grads": ref}, {"grads": wide}, out["update"], outright=False)
         print(f"rank {r}: worst {max(errors.values()):.2e}, {sum(e >= _TOL for e in errors.values())} of {len(errors)} >= 1e-5")
-        # 7 MoE layers x 3 chunks, forward and again in the recomputed backward
-        assert out["counter"]["dispatches"] == 42 and out["counter"]["recompute"] == out["counter"]["forward"] > 0
+        # 7 MoE layers x 3 (or 6) chunks, forward and again in the recomputed backward
+        assert out["counter"]["dispatches"] == 2 * 7 * 144 // sizes["cp"] // 24
+        assert out["counter"]["recompute"] == out["counter"]["forward"] > 0
 
 
 def test_impossible_expert_parallel_sizes_fail_naming_the_keys() -> None:

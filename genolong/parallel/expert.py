@@ -215,13 +215,13 @@ class _ExpertParallelForward:
             group_chunks = chunks_seen if i == 0 else group_chunks
             load += counts
             received += got
-            if i < len(chunks):
-                outputs.append(routed)
+            # kept even when empty (no rows): its exchanges must be in the autograd graph, so that
+            # every rank of the group runs the same backward all-to-alls in the same order
+            outputs.append(routed)
             i += 1
         m.last_load = load
         m.last_received = received
-        routed_all = torch.cat(outputs).view(shape) if outputs else torch.zeros_like(x)
-        return routed_all + m.shared_experts(x)
+        return torch.cat(outputs).view(shape) + m.shared_experts(x)
 
 
 def is_expert_parallel(module: nn.Module) -> bool:

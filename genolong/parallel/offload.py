@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.tensor import DTensor
 
 from ..errors import InputError
 from ..memory.meter import Charge, current_meter, track_saved, untrack_saved
@@ -51,6 +52,17 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _storages(module: nn.Module) -> set[tuple[str, int]]:
+    """(device, storage address) of every parameter and buffer of ``module`` (a DTensor's local
+    tensor's)."""
+    out = set()
+    for t in (*module.parameters(), *module.buffers()):
+        t = t._local_tensor if isinstance(t, DTensor) else t
+        if t.device.type != "meta":
+            out.add((str(t.device), t.untyped_storage().data_ptr()))
+    return out
+
+
 class _Group:
     """The offloaded tensors of one forward call of one layer."""
 
@@ -61,6 +73,7 @@ class _Group:
         self.keep: list[torch.Tensor] = []  # device tensors referenced until the layer ends (dedupe)
         self.dedupe: dict[tuple[Any, ...], _Offloaded] = {}
         self.params: set[tuple[str, int]] = set()
+        self.module: nn.Module | None = None  # the layer (its parameter storages are re-read on a miss)
         self.d2h_done: torch.cuda.Event | None = None
         self.h2d_done: torch.cuda.Event | None = None
         self.fetched = False
@@ -141,8 +154,7 @@ class ActivationOffloader:
                 self._stack.append((None, None))
                 return
             group = _Group(position, self._last_group)
-            group.params = {(str(t.device), t.untyped_storage().data_ptr())
-                            for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta"}
+            group.params, group.module = _storages(module), module
             self._last_group = group
             ctx = saved_tensors_hooks(self._pack, self._unpack)
             ctx.__enter__()
@@ -161,6 +173,7 @@ class ActivationOffloader:
         group.keep.clear()  # record_stream already protects memory still being read by a copy
         group.dedupe.clear()
         group.params.clear()
+        group.module = None
 
     # -- streams --------------------------------------------------------------------------------
     def _stream(self, table: dict[torch.device, torch.cuda.Stream], device: torch.device) -> torch.cuda.Stream:
@@ -174,12 +187,24 @@ class ActivationOffloader:
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
 
     # -- saved tensor hooks ---------------------------------------------------------------------
+    @staticmethod
+    def _is_parameter(tensor: torch.Tensor, group: _Group) -> bool:
+        """Whether ``tensor`` lives in a parameter's (or buffer's) storage. A nested FSDP2 unit
+        (the routed experts under expert parallelism) unshards its parameters after the layer's
+        pre-hook ran, into storages that hook could not see: on a miss, read them again."""
+        key = (str(tensor.device), tensor.untyped_storage().data_ptr())
+        if key in group.params:
+            return True
+        if group.module is not None:
+            group.params = _storages(group.module)
+        return key in group.params
+
     def _pack(self, tensor: torch.Tensor) -> Any:
         group = self._stack[-1][1]
         assert group is not None
         if (tensor.device.type == "meta" or tensor.is_sparse or tensor.is_nested or isinstance(tensor, nn.Parameter)
                 or isinstance(tensor._base, nn.Parameter) or tensor.numel() * tensor.element_size() < self.min_bytes
-                or (str(tensor.device), tensor.untyped_storage().data_ptr()) in group.params):
+                or self._is_parameter(tensor, group)):
             return track_saved(tensor)
         key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
                tuple(tensor.stride()), tensor.dtype)
