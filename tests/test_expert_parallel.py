@@ -30,6 +30,7 @@ from genolong.model.moe import MoE
 from genolong.parallel import parallelize
 from genolong.parallel.expert import apply_expert_parallel, ep_comm_counter
 from genolong.parallel.mesh import build_mesh, cp_rank, cp_size, dp_rank, ep_size, expert_mesh, mesh_shape
+from genolong.train.module import clip_grad_norm_by_mesh
 
 from .helpers import run_ranks
 
@@ -204,9 +205,11 @@ def _mesh_worker(rank: int, world: int, folder: str, sizes: dict[str, int]) -> N
     total = torch.stack([nll.detach(), weight.detach()])
     dist.all_reduce(total)
     (nll / total[1]).backward()
+    # the global gradient norm over both meshes (a bound this high clips nothing)
+    norm = clip_grad_norm_by_mesh(list(model.parameters()), 1e9)
     torch.optim.SGD(model.parameters(), lr=_LR).step()
     update = {n: p.full_tensor() - before[n] for n, p in model.named_parameters()}
-    torch.save({"update": update, "placements": placements, "shapes": shapes, "loss": total[0] / total[1],
+    torch.save({"update": update, "placements": placements, "shapes": shapes, "loss": total[0] / total[1], "norm": norm,
                 "counter": ep_comm_counter(model).as_dict()}, Path(folder) / f"rank{rank}.pt")
 
 
@@ -216,8 +219,10 @@ def _sgd_update(case: dict, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     nll, weight = model.loss(case["ids"])
     (nll / weight).backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     torch.optim.SGD(model.parameters(), lr=_LR).step()
-    return {n: (p.detach() - before[n]).float() for n, p in model.named_parameters()}, (nll / weight).detach().float()
+    update = {n: (p.detach() - before[n]).float() for n, p in model.named_parameters()}
+    return update, (nll / weight).detach().float(), float(norm)
 
 
 _MESHES = {
@@ -240,8 +245,8 @@ def test_expert_parallel_with_cp_and_fsdp_step_equals_one_process(tmp_path: Path
     windows = 4 // sizes["cp"]
     case = _case(windows, 144, seed=3)
     torch.save(case, tmp_path / "case.pt")
-    ref, loss = _sgd_update(case, torch.float32)
-    wide, _ = _sgd_update(case, torch.float64)
+    ref, loss, norm = _sgd_update(case, torch.float32)
+    wide, _, _ = _sgd_update(case, torch.float64)
     run_ranks(_mesh_worker, 4, tmp_path, str(tmp_path), sizes)
     for r in range(4):
         out = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
@@ -251,11 +256,27 @@ def test_expert_parallel_with_cp_and_fsdp_step_equals_one_process(tmp_path: Path
         assert all(p == (expert_dims, expert_placements) for p in experts.values()), experts
         assert all(p == (dense_dims, dense_placements) for n, p in out["placements"].items() if n not in experts)
         assert abs(float(out["loss"]) - float(loss)) <= _TOL * abs(float(loss))
+        assert abs(float(out["norm"]) - norm) <= _TOL * norm
         errors = _compare({"grads": ref}, {"grads": wide}, out["update"], outright=False)
         print(f"rank {r}: worst {max(errors.values()):.2e}, {sum(e >= _TOL for e in errors.values())} of {len(errors)} >= 1e-5")
         # 7 MoE layers x 3 (or 6) chunks, forward and again in the recomputed backward
         assert out["counter"]["dispatches"] == 2 * 7 * 144 // sizes["cp"] // 24
         assert out["counter"]["recompute"] == out["counter"]["forward"] > 0
+
+
+def test_clip_by_mesh_equals_torch_clip_on_plain_tensors() -> None:
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
+    for p in ours:
+        p.grad = torch.randn_like(p)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    for a, b in zip(theirs, ours):
+        a.grad = b.grad.clone()
+    total = clip_grad_norm_by_mesh(ours, 0.5)
+    want = torch.nn.utils.clip_grad_norm_(theirs, 0.5)
+    torch.testing.assert_close(total, want, rtol=1e-6, atol=0)
+    for a, b in zip(theirs, ours):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=0)
 
 
 def test_impossible_expert_parallel_sizes_fail_naming_the_keys() -> None:
