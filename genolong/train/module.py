@@ -336,18 +336,21 @@ class GenoLMModule(L.LightningModule):
         if any(x is None for x in loads):
             self._step_loads, self._step_received = [], None
             return
-        parts = [x.float().reshape(-1) for x in loads]  # type: ignore[union-attr]
         ep = ep_size(self.mesh)
+        # float64 under EP: the received-row counts of a rank can pass 2**24 at reference scale
+        dtype = torch.float64 if ep > 1 else torch.float32
+        parts = [x.to(dtype).reshape(-1) for x in loads]  # type: ignore[union-attr]
         if ep > 1:
             # the rows each rank's experts received, per layer: this rank's row of a [world, layers]
             # table, the others zero, summed with the loads in the same all-reduce
             world, rank = dist.get_world_size(), dist.get_rank()
-            table = torch.zeros(world, len(self.moes), device=parts[0].device)
-            table[rank] = torch.tensor([float(getattr(m, "last_received", 0)) for m in self.moes], device=table.device)
+            table = torch.zeros(world, len(self.moes), dtype=dtype, device=parts[0].device)
+            table[rank] = torch.tensor([float(getattr(m, "last_received", 0)) for m in self.moes], dtype=dtype,
+                                       device=table.device)
             parts.append(table.reshape(-1))
         summed = _all_reduce_sum(torch.cat(parts))
         sizes = [m.gate.num_experts for m in self.moes]
-        self._step_loads = list(summed[:sum(sizes)].split(sizes))
+        self._step_loads = list(summed[:sum(sizes)].float().split(sizes))
         self._step_received = summed[sum(sizes):].view(-1, len(self.moes)) if ep > 1 else None
 
     def _worst_moe_load(self) -> float:
