@@ -29,6 +29,7 @@ from genolong.model import PRESETS, GenoLM
 from genolong.model.moe import MoE
 from genolong.parallel import parallelize
 from genolong.parallel.expert import apply_expert_parallel, ep_comm_counter
+from genolong.parallel.offload import ActivationOffloader
 from genolong.parallel.mesh import build_mesh, cp_rank, cp_size, dp_rank, ep_size, expert_mesh, mesh_shape
 from genolong.train.module import clip_grad_norm_by_mesh
 
@@ -189,15 +190,29 @@ def test_expert_parallel_model_equals_one_process(tmp_path: Path, world: int) ->
         assert "parallel.ep = 4 does not divide the model's n_routed_experts = 6" in ranks[0]["bad_split"]
 
 
-def _mesh_worker(rank: int, world: int, folder: str, sizes: dict[str, int]) -> None:
+def _mesh_worker(rank: int, world: int, folder: str, sizes: dict[str, int], recompute: str) -> None:
     case = torch.load(Path(folder) / "case.pt", weights_only=True)
     mesh = build_mesh(ParallelSection(accelerator="cpu", devices=world, ep=2, **sizes), world_size=world)
     assert ep_size(mesh) == 2 and expert_mesh(mesh).mesh_dim_names == ("dp_replicate", "efsdp", "ep")
     model = GenoLM(_CONFIG)
     model.load_state_dict(case["state"])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    parallelize(model, recompute="full", offload=True, offload_min_bytes=0, mesh=mesh, ep=2, moe_chunk_tokens=24)
+    parallelize(model, recompute=recompute, offload=True, offload_min_bytes=0, mesh=mesh, ep=2, moe_chunk_tokens=24)
     placements = {n: (p.device_mesh.mesh_dim_names, p.placements) for n, p in model.named_parameters()}
+    # the offloader must keep the unsharded expert weights the experts save for backward on the
+    # device (they are parameters, unsharded by the nested FSDP2 unit after the block's hooks ran)
+    experts = [m for n, m in model.named_modules() if n.endswith(".experts")]  # FSDP2 swaps their parameters
+    saved = {"offloaded": 0, "kept": 0}
+    pack = ActivationOffloader._pack
+
+    def spy(self: ActivationOffloader, tensor: torch.Tensor) -> object:
+        out = pack(self, tensor)
+        weights = {p._local_tensor.untyped_storage().data_ptr() for m in experts for p in m.parameters()}
+        if tensor.untyped_storage().data_ptr() in weights:
+            saved["offloaded" if type(out).__name__ == "_Offloaded" else "kept"] += 1
+        return out
+
+    ActivationOffloader._pack = spy  # type: ignore[method-assign]  # this spawned process only
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tokens = case["ids"][dp_rank(mesh):dp_rank(mesh) + 1]
     lo, hi = context_parallel_bounds(tokens.shape[1], cp_rank(mesh), cp_size(mesh))
@@ -209,7 +224,7 @@ def _mesh_worker(rank: int, world: int, folder: str, sizes: dict[str, int]) -> N
     norm = clip_grad_norm_by_mesh(list(model.parameters()), 1e9)
     torch.optim.SGD(model.parameters(), lr=_LR).step()
     update = {n: p.full_tensor() - before[n] for n, p in model.named_parameters()}
-    torch.save({"update": update, "placements": placements, "shapes": shapes, "loss": total[0] / total[1], "norm": norm,
+    torch.save({"update": update, "placements": placements, "shapes": shapes, "loss": total[0] / total[1], "norm": norm, "saved": saved,
                 "counter": ep_comm_counter(model).as_dict()}, Path(folder) / f"rank{rank}.pt")
 
 
@@ -228,10 +243,12 @@ def _sgd_update(case: dict, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor]
 _MESHES = {
     # EP groups {0, 1} and {2, 3}: each the two CP ranks of one window; experts FSDP2-sharded over
     # {0, 2} and {1, 3}
-    "fsdp2x_cp2": ({"cp": 2, "dp_shard": 2}, ("efsdp", "ep"), (Shard(1), Shard(0)), ("dp_shard_cp",), (Shard(0),)),
-    # HSDP: 2 replicas of 2 FSDP ranks, EP over each replica's 2 ranks (no expert sharding left)
-    "hsdp2x2": ({"cp": 1, "dp_shard": 2, "dp_replicate": 2}, ("dp_replicate", "efsdp", "ep"), (Replicate(), Shard(1), Shard(0)),
-                ("dp_replicate", "dp_shard_cp"), (Replicate(), Shard(0))),
+    # (full recompute: the forward exchanges run again in backward)
+    "fsdp2x_cp2": ({"cp": 2, "dp_shard": 2}, "full", ("efsdp", "ep"), (Shard(1), Shard(0)), ("dp_shard_cp",), (Shard(0),)),
+    # HSDP: 2 replicas of 2 FSDP ranks, EP over each replica's 2 ranks (no expert sharding left);
+    # no recompute, so the offloader sees everything the blocks save
+    "hsdp2x2": ({"cp": 1, "dp_shard": 2, "dp_replicate": 2}, "none", ("dp_replicate", "efsdp", "ep"),
+                (Replicate(), Shard(1), Shard(0)), ("dp_replicate", "dp_shard_cp"), (Replicate(), Shard(0))),
 }
 
 
@@ -239,15 +256,14 @@ _MESHES = {
 @pytest.mark.parametrize("layout", list(_MESHES))
 def test_expert_parallel_with_cp_and_fsdp_step_equals_one_process(tmp_path: Path, layout: str) -> None:
     """One SGD step on windows of 144 tokens (2 for cp 2 x dp_shard 2, 4 for HSDP 2 x 2), EP 2,
-    full recompute, activation offload and MoE chunks of 24 tokens (3 per slice of 72, 6 per
-    window of 144)."""
-    sizes, expert_dims, expert_placements, dense_dims, dense_placements = _MESHES[layout]
+    activation offload and MoE chunks of 24 tokens (3 per slice of 72, 6 per window of 144)."""
+    sizes, recompute, expert_dims, expert_placements, dense_dims, dense_placements = _MESHES[layout]
     windows = 4 // sizes["cp"]
     case = _case(windows, 144, seed=3)
     torch.save(case, tmp_path / "case.pt")
     ref, loss, norm = _sgd_update(case, torch.float32)
     wide, _, _ = _sgd_update(case, torch.float64)
-    run_ranks(_mesh_worker, 4, tmp_path, str(tmp_path), sizes)
+    run_ranks(_mesh_worker, 4, tmp_path, str(tmp_path), sizes, recompute)
     for r in range(4):
         out = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         assert out["shapes"] == {k: tuple(v.shape) for k, v in case["state"].items()}
@@ -257,11 +273,14 @@ def test_expert_parallel_with_cp_and_fsdp_step_equals_one_process(tmp_path: Path
         assert all(p == (dense_dims, dense_placements) for n, p in out["placements"].items() if n not in experts)
         assert abs(float(out["loss"]) - float(loss)) <= _TOL * abs(float(loss))
         assert abs(float(out["norm"]) - norm) <= _TOL * norm
+        assert out["saved"]["offloaded"] == 0 and (out["saved"]["kept"] > 0) == (recompute == "none"), out["saved"]
         errors = _compare({"grads": ref}, {"grads": wide}, out["update"], outright=False)
         print(f"rank {r}: worst {max(errors.values()):.2e}, {sum(e >= _TOL for e in errors.values())} of {len(errors)} >= 1e-5")
-        # 7 MoE layers x 3 (or 6) chunks, forward and again in the recomputed backward
-        assert out["counter"]["dispatches"] == 2 * 7 * 144 // sizes["cp"] // 24
-        assert out["counter"]["recompute"] == out["counter"]["forward"] > 0
+        # 7 MoE layers x 3 (or 6) chunks, forward (and again in the recomputed backward)
+        passes = 2 if recompute == "full" else 1
+        assert out["counter"]["dispatches"] == passes * 7 * 144 // sizes["cp"] // 24
+        assert out["counter"]["recompute"] == (passes - 1) * out["counter"]["forward"] and out["counter"]["forward"] > 0
+        assert out["counter"]["backward"] > 0
 
 
 def test_clip_by_mesh_equals_torch_clip_on_plain_tensors() -> None:
