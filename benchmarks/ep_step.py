@@ -46,17 +46,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from genolong.parallel.plan import ep_comm_bytes
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_JSON = HERE / "results" / "ep_step.json"
-
-
-def formula_bytes(ep: int, tokens: int, chunk: int, layers: int, k: int, hidden: int, experts: int,
-                  dtype_bytes: int = 4) -> dict[str, int]:
-    """interfaces.md's all-to-all bytes of one rank per step at exactly balanced routing."""
-    chunks = -(-tokens // chunk)
-    payload = sum(2 * (ep - 1) * min(chunk, tokens - i * chunk) * k * hidden * dtype_bytes // ep for i in range(chunks))
-    return {"forward": layers * payload, "backward": layers * payload,
-            "splits": layers * chunks * (ep - 1) * (experts // ep) * 8}
 
 
 def _balanced_router(experts: int, k: int) -> Any:
@@ -133,7 +126,6 @@ def main() -> None:
     from genolong.model import PRESETS
 
     config = PRESETS["tiny"]
-    layers = sum(t == "sparse" for t in config.mlp_layer_types)
     rows = []
     print(f"{'EP':>3} {'routing':>9} {'step s':>8} {'vs EP1':>7} {'fwd bytes (max rank)':>21} {'bwd bytes':>11} "
           f"{'count bytes':>11} {'formula fwd':>12} {'match':>6} {'busiest/mean':>13}")
@@ -144,8 +136,8 @@ def main() -> None:
             step = max(r[routing]["step_s"] for r in ranks)
             base.setdefault(routing, step)
             counted = [r[routing]["bytes"] or {"forward": 0, "backward": 0, "splits": 0} for r in ranks]
-            want = formula_bytes(ep, args.tokens, args.chunk, layers, config.num_experts_per_tok, config.hidden_size,
-                                 config.n_routed_experts)
+            # the planner's formula (what `genolong plan` puts in its EP rows)
+            want = ep_comm_bytes(config, args.tokens, ep, args.chunk, 4)
             received = torch.tensor([r[routing]["received"] for r in ranks], dtype=torch.float64)  # [ep, layers]
             imbalance = float((received.max(0).values / received.mean(0)).max())
             match = routing == "balanced" and all(

@@ -31,6 +31,7 @@ from genolong.parallel import parallelize
 from genolong.parallel.expert import apply_expert_parallel, ep_comm_counter
 from genolong.parallel.offload import ActivationOffloader
 from genolong.parallel.mesh import build_mesh, cp_rank, cp_size, dp_rank, ep_size, expert_mesh, mesh_shape
+from genolong.parallel.plan import ep_comm_bytes
 from genolong.train.module import clip_grad_norm_by_mesh
 
 from .helpers import run_ranks
@@ -64,12 +65,13 @@ def _reference(case: dict, dtype: torch.dtype) -> dict:
             "grads": {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}}
 
 
-def _balanced_bytes(ep: int, chunks: int, c: int, k: int, h: int, e: int, a: int = 4) -> dict[str, int]:
-    """interfaces.md: per chunk, dispatch (ep - 1) / ep * c * k * H * a bytes and combine the
-    same, backward the two again; counts: E/ep int64 per other rank per dispatch."""
-    payload = 2 * chunks * (ep - 1) * c * k * h * a // ep
-    return {"forward": payload, "recompute": 0, "backward": payload, "splits": chunks * (ep - 1) * (e // ep) * 8,
-            "dispatches": chunks}
+def _balanced_bytes(ep: int, chunks: int, c: int) -> dict[str, int]:
+    """The planner's formula (:func:`genolong.parallel.plan.ep_comm_bytes`, summed over the
+    model's MoE layers) for one MoE layer: dispatch and combine ``(ep - 1) / ep * c * k * H * a``
+    per chunk, backward the two again, ``E/ep`` int64 counts to each other rank per dispatch."""
+    n_moe = sum(t == "sparse" for t in _CONFIG.mlp_layer_types)
+    whole = ep_comm_bytes(_CONFIG, chunks * c, ep, c, 4)
+    return {**{key: value // n_moe for key, value in whole.items()}, "recompute": 0, "dispatches": chunks}
 
 
 def _balanced_counter(rank: int, world: int) -> dict:
@@ -90,7 +92,7 @@ def _balanced_counter(rank: int, world: int) -> dict:
     x = torch.randn(1, 18, config.hidden_size, requires_grad=True)  # 3 chunks of 6 tokens
     moe(x).sum().backward()
     return {"measured": ep_comm_counter(moe).as_dict(), "received": moe.last_received,
-            "expected": _balanced_bytes(world, 3, 6, k, config.hidden_size, e)}
+            "expected": _balanced_bytes(world, 3, 6)}
 
 
 def _unequal_chunks(rank: int, world: int) -> dict:

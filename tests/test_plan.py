@@ -358,9 +358,9 @@ def test_comm_in_the_1m_plan() -> None:
     dsa = 11 * 3 * 7 * 131072 * (512 + 128 // 16) * 2      # all-gather fwd, again in recompute, reduce-scatter
     assert p.comm.part_total("kda") == kda and p.comm.part_total("dsa") == dsa
     # EP: 42 MoE layers x 32 chunks; per chunk dispatch + combine 7/8 x 4096 x 8 x 4096 x bf16 each
-    # and 7 x 8 bytes of split sizes forward, the data pair again in backward and in recompute
+    # and the row counts forward, the data pair again in backward and in recompute
     pair = 2 * 7 * 4096 * 8 * 4096 * 2 // 8
-    ep_fwd = 42 * 32 * (pair + 7 * 8)
+    ep_fwd = 42 * 32 * (pair + 7 * 36 * 8)  # counts: 288/8 int64 rows per expert to each of the 7 other ranks
     assert p.comm.part_total("ep") == 2 * ep_fwd + 42 * 32 * pair
     # FSDP: the experts of each MoE layer (36 of 288 per rank) over 8 ranks, the rest over 64
     units = fsdp_units(p_cfg := _preset_cfg("glm-5.3-flash"))
@@ -392,8 +392,9 @@ def _preset_cfg(name: str):  # type: ignore[no-untyped-def]
 
 
 def test_ep_comm_bytes_is_the_interface_convention() -> None:
-    """Per MoE layer per chunk of c tokens: dispatch and combine (ep - 1) c k H a / ep each and the
-    (ep - 1) x 8-byte split sizes forward; the data pair again backward; nothing without EP."""
+    """Per MoE layer per chunk of c tokens: dispatch and combine (ep - 1) c k H a / ep each
+    forward, the data pair again backward, and E/ep int64 row counts to each other rank per
+    dispatch; nothing without EP."""
     from genolong.parallel.plan import ep_comm_bytes
 
     cfg = PRESETS["tiny"]
@@ -404,8 +405,9 @@ def test_ep_comm_bytes_is_the_interface_convention() -> None:
         sizes = [min(chunk or tokens, tokens - s) for s in range(0, tokens, chunk or tokens)]
         data = sum((ep - 1) * c * k * H * a // ep for c in sizes)
         got = ep_comm_bytes(cfg, tokens, ep, chunk, a)
-        assert got == {"forward": n_moe * (2 * data + len(sizes) * (ep - 1) * 8), "backward": n_moe * 2 * data}
-    assert ep_comm_bytes(cfg, 1024, 1, None, 4) == {"forward": 0, "backward": 0}
+        splits = len(sizes) * (ep - 1) * (cfg.n_routed_experts // ep) * 8
+        assert got == {"forward": n_moe * 2 * data, "backward": n_moe * 2 * data, "splits": n_moe * splits}  # exact: byte counts
+    assert ep_comm_bytes(cfg, 1024, 1, None, 4) == {"forward": 0, "backward": 0, "splits": 0}  # exact: byte counts
     with pytest.raises(InputError, match="ep"):
         ep_comm_bytes(cfg, 1024, 0, None, 4)
 
@@ -452,7 +454,7 @@ def test_ep_in_the_plan(tmp_path: Path) -> None:
     assert "MoE all-to-all buffers (busiest rank)" not in one.device and "MoE dispatch chunk" in one.device
     row = next(r for r in two.comm.rows if r.part == "ep")
     call = ep_comm_bytes(cfg, 512, 2, 128, 2)
-    assert (row.convention, row.forward, row.recompute, row.backward) == (SENT, call["forward"], 0, call["backward"])
+    assert (row.convention, row.forward, row.recompute, row.backward) == (SENT, call["forward"] + call["splits"], 0, call["backward"])
     assert one.comm.part_total("ep") == 0
     text = format_plan(two)
     assert "ep 2 (" in text and "experts sharded over 2" in text and "**EP all-to-all total**" in text

@@ -962,26 +962,32 @@ def fsdp_unit_groups(config: ModelConfig, shard_group: int = 1, ep: int = 1) -> 
 def ep_comm_bytes(config: ModelConfig, tokens: int, ep: int, chunk_tokens: int | None, dtype_bytes: int) -> dict[str, int]:
     """Bytes one rank SENDS through expert parallelism's all-to-alls in one forward and one
     backward, summed over the model's MoE layers (recompute not included: a recomputed MoE runs
-    its forward pair again).
+    its forward exchanges again, the count exchange included).
 
-    The convention of the issue-15 interfaces, at exactly balanced routing (each rank sends
-    ``c k / ep`` (token, slot) rows to every EP rank, itself included; its own rows do not
-    travel). Per MoE layer per chunk of ``c`` tokens (``chunk_tokens``, the last chunk the
-    remainder; None: the whole slice), top-k ``k``, hidden ``H``, ``a = dtype_bytes``:
+    At exactly balanced routing (each rank sends ``c k / ep`` (token, slot) rows to every EP
+    rank, itself included; its own rows do not travel), per MoE layer per chunk of ``c`` tokens
+    (``chunk_tokens``, the last chunk the remainder; None: the whole slice), top-k ``k``, hidden
+    ``H``, ``a = dtype_bytes``, ``E`` routed experts:
 
-    - forward: dispatch ``(ep - 1) c k H a / ep`` (integer division), combine the same, and the
-      split-size all-to-all ``(ep - 1) * 8``;
-    - backward: dispatch and combine reversed, ``2 (ep - 1) c k H a / ep``.
+    - forward: dispatch ``(ep - 1) c k H a / ep`` (integer division) and combine the same;
+    - backward: dispatch and combine reversed, the same two again;
+    - splits: before each dispatch, the rows per expert of the receiving rank, ``E / ep`` int64 to
+      each of the ``ep - 1`` other ranks (the combine and the backward reuse them).
+
+    :class:`genolong.parallel.expert.AllToAllCounter` measures the same three numbers
+    (``forward``, ``backward``, ``splits``); ``benchmarks/ep_step.py`` and
+    ``tests/test_expert_parallel.py`` hold them equal to the byte.
 
     Args:
-        config: the architecture (``num_experts_per_tok``, ``hidden_size``, the MoE layers).
+        config: the architecture (``num_experts_per_tok``, ``hidden_size``, ``n_routed_experts``,
+            the MoE layers).
         tokens: tokens of the rank's slice (``batch * T / cp``).
         ep: expert-parallel size (1: nothing travels).
         chunk_tokens: ``memory.moe_chunk_tokens`` or None.
         dtype_bytes: the activation dtype's bytes (2: bf16, 4: fp32).
 
     Returns:
-        ``{"forward": int, "backward": int}``.
+        ``{"forward": int, "backward": int, "splits": int}``.
     """
     for name, value in (("tokens", tokens), ("ep", ep)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -989,12 +995,13 @@ def ep_comm_bytes(config: ModelConfig, tokens: int, ep: int, chunk_tokens: int |
     assert config.mlp_layer_types is not None
     layers = sum(t == "sparse" for t in config.mlp_layer_types)
     if ep == 1 or layers == 0:
-        return {"forward": 0, "backward": 0}
+        return {"forward": 0, "backward": 0, "splits": 0}
     c = min(chunk_tokens or tokens, tokens)
     sizes = [c] * (tokens // c) + ([tokens % c] if tokens % c else [])
     row = config.num_experts_per_tok * config.hidden_size * dtype_bytes
     data = sum((ep - 1) * n * row // ep for n in sizes)
-    return {"forward": layers * (2 * data + len(sizes) * (ep - 1) * _I64), "backward": layers * 2 * data}
+    splits = len(sizes) * (ep - 1) * (config.n_routed_experts // ep) * _I64
+    return {"forward": layers * 2 * data, "backward": layers * 2 * data, "splits": layers * splits}
 
 
 def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, dtype_bytes: int = 4,
@@ -1085,9 +1092,10 @@ def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, 
             raise InputError(f"parallel.ep = {ep} does not divide the shard group dp_shard x cp = {shard_group}")
         call = ep_comm_bytes(cfg, batch * tokens, ep, moe_chunk_tokens, dtype_bytes)
         n_moe = sum(t == "sparse" for t in (cfg.mlp_layer_types or ()))
-        rec = call["forward"] if redo_moe else 0
+        forward = call["forward"] + call["splits"]
+        rec = forward if redo_moe else 0
         rows.append(CommRow("ep", "EP dispatch + combine all-to-all, split sizes (ep_comm_bytes)", n_moe, SENT,
-                            call["forward"], rec, call["backward"], call["forward"] + rec + call["backward"]))
+                            forward, rec, call["backward"], forward + rec + call["backward"]))
 
     S, R = shard_group, dp_replicate
     all_units = fsdp_unit_groups(cfg, S, ep)
