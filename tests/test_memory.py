@@ -58,8 +58,12 @@ TECHNIQUES: dict[str, dict[str, object]] = {
     "full+offload": {"recompute": "full", "offload": True, "offload_min_bytes": 0},
     "selective+offload": {"recompute": "selective", "offload": True, "offload_min_bytes": 0},
     "moe-chunks": {"moe_chunk_tokens": 100},
+    "chunked": {"recompute": "chunked"},  # one chunk of 16384 tokens covers T
+    "chunked+offload": {"recompute": "chunked", "recompute_chunk_tokens": 256, "offload": True, "offload_min_bytes": 0},
 }
-EXACT = {name for name in TECHNIQUES if name != "moe-chunks"}  # same ops on the same values
+# same ops on the same values (several chunks: other matmul shapes, gradients summed over chunks;
+# tests/test_recompute_chunked.py compares those bitwise to the same chunked arithmetic)
+EXACT = {name for name in TECHNIQUES if name not in ("moe-chunks", "chunked+offload")}
 
 
 from .helpers import assert_bitwise_equal
@@ -87,7 +91,7 @@ def test_technique_leaves_loss_and_gradients_unchanged(runs: dict, name: str) ->
     if name in EXACT:
         assert_bitwise_equal(loss, loss0, f"the loss with {name}")
         bad = [n for n in grads0 if not torch.equal(grads[n], grads0[n])]
-    else:  # MoE chunks: other matmul shapes, other float summation order
+    else:  # MoE / feed-forward chunks: other matmul shapes, other float summation order
         torch.testing.assert_close(loss, loss0, rtol=1e-6, atol=0.0)
         bad = [n for n in grads0 if (grads[n] - grads0[n]).abs().max() > 1e-4 * grads0[n].abs().max() + 1e-12]
     assert not bad, f"{name}: gradients differ for {bad[:5]}"
@@ -128,6 +132,11 @@ def test_meter_per_layer_attribution(runs: dict) -> None:
     streams = T * TINY.hc_mult * TINY.hidden_size * 4
     k = TINY.index_topk + TINY.index_kpool - 1
     assert [layer.resident_bytes for layer in full.layers] == [streams + (T * k * 8 if i == 3 else 0) for i in range(8)]
+    # chunked keeps the same; with offload all of it moves
+    assert [layer.resident_bytes for layer in _run(runs, "chunked")[2].layers] == [layer.resident_bytes for layer in full.layers]
+    chunked_off = _run(runs, "chunked+offload")[2]
+    assert [layer.offloaded_bytes for layer in chunked_off.layers] == [layer.resident_bytes for layer in full.layers]
+    assert all(layer.resident_bytes == 0 for layer in chunked_off.layers)
 
 
 def test_full_offload_device_bytes_flat_in_layers() -> None:

@@ -63,6 +63,20 @@ class Block(nn.Module):
         self.ffn_hc = HyperConnection(config)
 
     def forward(self, streams: torch.Tensor, prev_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``streams [B, T, m, H]`` (and a shared DSA layer's ``prev_indices [B, T, k]``, default
+        None) -> (new streams ``[B, T, m, H]``, this DSA layer's top-k indices or None): the
+        attention half, then the feed-forward half."""
+        streams, indices = self.attention_half(streams, prev_indices)
+        return self.ffn_half(streams), indices
+
+    def attention_half(self, streams: torch.Tensor, prev_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The mixer inside its hyper-connection: ``attn_hc -> input_layernorm -> self_attn ->
+        merge_streams``.
+
+        Shapes: ``streams [B, T, m, H]``, ``prev_indices [B, T, k]`` or None (default; a shared
+        DSA layer reuses its predecessor's) -> (``[B, T, m, H]``, DSA top-k indices ``[B, T, k]``
+        or None on a KDA layer).
+        """
         post, comb, x = self.attn_hc(streams)
         x = self.input_layernorm(x)
         indices = None
@@ -70,10 +84,17 @@ class Block(nn.Module):
             x, indices = self.self_attn(x, prev_indices)
         else:
             x = self.self_attn(x)
-        streams = merge_streams(post, comb, x, streams)
+        return merge_streams(post, comb, x, streams), indices
+
+    def ffn_half(self, streams: torch.Tensor) -> torch.Tensor:
+        """The feed-forward inside its hyper-connection: ``ffn_hc -> post_attention_layernorm ->
+        mlp -> merge_streams``; position-wise (each token's output depends on that token only).
+
+        Shapes: ``streams [B, T, m, H] -> [B, T, m, H]``.
+        """
         post, comb, x = self.ffn_hc(streams)
         x = self.mlp(self.post_attention_layernorm(x))
-        return merge_streams(post, comb, x, streams), indices
+        return merge_streams(post, comb, x, streams)
 
 
 class GenoLM(nn.Module):

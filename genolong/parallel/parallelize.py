@@ -42,7 +42,7 @@ from .context import apply_context_parallel
 from .expert import apply_expert_parallel
 from .mesh import cp_group, ep_mesh, ep_size, expert_fsdp_mesh, fsdp_mesh
 from .offload import apply_offload
-from .recompute import apply_recompute
+from .recompute import DEFAULT_CHUNK_TOKENS, apply_recompute
 
 __all__ = ["apply_fsdp", "apply_moe_chunks", "parallelize"]
 
@@ -72,6 +72,7 @@ def parallelize(
     *,
     recompute: str = "none",
     recompute_modules: Sequence[str] = (),
+    recompute_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     offload: bool = False,
     offload_min_bytes: int = 2**20,
     moe_chunk_tokens: int | None = None,
@@ -85,13 +86,15 @@ def parallelize(
 
     Args:
         model: a :class:`~genolong.model.GenoLM` (``input_ids [B, T] -> hidden [B, T, H]``).
-        recompute: "none" (default), "selective" or "full"; see
+        recompute: "none" (default), "selective", "full" or "chunked"; see
             :func:`genolong.parallel.recompute.apply_recompute`. "full" keeps per layer only the
             block inputs (``streams [B, T, hc_mult, H]``, plus ``indices [B, T, K]`` on a shared
             DSA layer).
         recompute_modules: module kinds for "selective": any of "kda", "dsa", "attn", "moe",
             "mlp", "ffn", "hc" (default (): :data:`~genolong.parallel.recompute.DEFAULT_SELECTIVE`,
             ("attn", "hc")).
+        recompute_chunk_tokens: for "chunked", tokens rebuilt at a time in backward (default
+            16384, :data:`~genolong.parallel.recompute.DEFAULT_CHUNK_TOKENS`).
         offload: move each block's saved activations of at least ``offload_min_bytes`` to
             (pinned, on CUDA) host memory during forward and prefetch them back one block ahead
             in backward (default False); see :class:`genolong.parallel.offload.ActivationOffloader`
@@ -138,7 +141,7 @@ def parallelize(
     if mesh is not None:
         apply_context_parallel(model, cp_group(mesh))
         apply_expert_parallel(model, ep_mesh(mesh))
-    apply_recompute(model, recompute, recompute_modules)
+    apply_recompute(model, recompute, recompute_modules, chunk_tokens=recompute_chunk_tokens)
     if offload:
         apply_offload(model, offload_min_bytes)
     if mesh is not None:

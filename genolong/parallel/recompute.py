@@ -4,7 +4,10 @@
 inputs (the ``[B, T, m, H]`` streams and, for a shared-indexer DSA layer, the ``[B, T, K]``
 top-k indices) and rebuilds the block's activations during its backward. ``selective``
 checkpoints chosen module kinds inside every block (see :data:`MODULE_KINDS`), trading less
-recompute time for less saving.
+recompute time for less saving. ``chunked`` keeps what ``full`` keeps (the block inputs) but
+bounds what backward rebuilds at once: the attention half and the feed-forward half of a block
+are rebuilt separately, the feed-forward half (position-wise) ``chunk_tokens`` tokens at a time
+(see :class:`ChunkedBlockForward`).
 
 Mechanism: torch's non-reentrant checkpoint (``torch.utils.checkpoint.checkpoint(...,
 use_reentrant=False)``) around the module's forward, installed as an instance attribute
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,14 +37,20 @@ from ..errors import InputError
 from ..model.dsa import DSAMixer
 from ..model.kda import KDAMixer
 from ..model.layers import SwiGLU
+from ..model.config import INDEXED_ATTENTION, LINEAR_ATTENTION
 from ..model.lm import Block
 from ..model.mhc import HyperConnection
 from ..model.moe import MoE
+from .offload import _in_backward
 
 __all__ = [
     "RECOMPUTE_MODES",
     "MODULE_KINDS",
     "DEFAULT_SELECTIVE",
+    "ATTENTION_HALVES",
+    "DEFAULT_CHUNK_TOKENS",
+    "AttentionHalf",
+    "ChunkedBlockForward",
     "apply_recompute",
     "recompute_module",
     "is_recomputed",
@@ -48,7 +58,10 @@ __all__ = [
 ]
 
 #: Recompute modes accepted by :func:`apply_recompute`.
-RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full", "chunked")
+
+#: Tokens ``chunked`` rebuilds at a time by default (``memory.recompute_chunk_tokens``' default).
+DEFAULT_CHUNK_TOKENS = 16384
 
 #: Module kinds selective recompute can checkpoint inside each block: kind -> (attribute of the
 #: Block, module type). "attn" and "ffn" are shorthands for both mixers and both feed-forwards.
@@ -89,8 +102,8 @@ class _RecomputedForward:
 
 
 def is_recomputed(module: nn.Module) -> bool:
-    """Whether :func:`recompute_module` was applied to ``module``."""
-    return isinstance(module.__dict__.get("forward"), _RecomputedForward)
+    """Whether :func:`recompute_module` (or ``chunked`` recompute, on a block) was applied to ``module``."""
+    return isinstance(module.__dict__.get("forward"), (_RecomputedForward, ChunkedBlockForward))
 
 
 def recompute_module(module: nn.Module) -> nn.Module:
@@ -104,13 +117,153 @@ def recompute_module(module: nn.Module) -> nn.Module:
 
 
 def remove_recompute(model: nn.Module) -> int:
-    """Undo :func:`recompute_module` on ``model`` and all its submodules; returns how many."""
+    """Undo :func:`recompute_module` (and ``chunked`` recompute) on ``model`` and all its submodules;
+    returns how many modules were restored."""
     count = 0
     for module in model.modules():
         if is_recomputed(module):
             del module.forward
             count += 1
     return count
+
+
+# -- chunked: the two halves of a block rebuilt separately, the feed-forward half in token chunks ----
+
+#: An attention half run in token segments: ``(block, streams [B, T, m, H], prev_indices
+#: [B, T, k] or None, chunk_tokens) -> (streams [B, T, m, H], indices [B, T, k] or None)``. It may
+#: checkpoint its segments itself (non-reentrant ``torch.utils.checkpoint``); it must give the
+#: values of ``Block.attention_half`` (bitwise, or to its own stated tolerance).
+AttentionHalf = Callable[[Block, torch.Tensor, "torch.Tensor | None", int], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+def whole_attention_half(block: Block, streams: torch.Tensor, prev_indices: torch.Tensor | None,
+                         chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention half in one piece (:meth:`Block.attention_half`; ``chunk_tokens`` unused).
+
+    Inside :class:`ChunkedBlockForward`'s block-level checkpoint this rebuilds the whole half at
+    once in backward, as ``full`` does: the placeholder for a layer type that has no segmented
+    attention half in :data:`ATTENTION_HALVES`. Shapes as :data:`AttentionHalf`.
+    """
+    return block.attention_half(streams, prev_indices)
+
+
+#: The attention half ``chunked`` runs per layer type (``Block.layer_type``), looked up at each
+#: call. Every type starts with :func:`whole_attention_half`; the segmented versions plug in here:
+#: ``ATTENTION_HALVES[LINEAR_ATTENTION] = lambda b, s, p, c: (kda_attention_half(b, s, c), None)``
+#: and ``ATTENTION_HALVES[INDEXED_ATTENTION] = dsa_attention_half``.
+ATTENTION_HALVES: dict[str, AttentionHalf] = {
+    LINEAR_ATTENTION: whole_attention_half,
+    INDEXED_ATTENTION: whole_attention_half,
+}
+
+
+def _ffn_piece(block: Block, piece: torch.Tensor) -> torch.Tensor:
+    """The feed-forward half on one token chunk ``[1, c, m, H]``; during backward's recomputation
+    the MoE's ``last_load`` keeps the whole forward's loads (the chunk's would overwrite them)."""
+    if isinstance(block.mlp, MoE) and _in_backward():
+        load = block.mlp.last_load
+        try:
+            return block.ffn_half(piece)
+        finally:  # also when the recomputation stops early, once it has rebuilt what backward needs
+            block.mlp.last_load = load
+    return block.ffn_half(piece)
+
+
+def _skip_piece(piece: torch.Tensor) -> torch.Tensor:
+    # the block-level recomputation needs only the chunk inputs (saved when the chunk's checkpoint
+    # is entered), not the chunk's output: the chunk's own checkpoint rebuilds that later
+    return piece
+
+
+def chunked_ffn_half(block: Block, streams: torch.Tensor, chunk_tokens: int, *, skip: bool = False) -> torch.Tensor:
+    """:meth:`Block.ffn_half` over ``chunk_tokens`` tokens at a time, each chunk under a
+    non-reentrant checkpoint (autograd keeps the chunk's input, a view of ``streams``).
+
+    The ``B * T`` tokens are cut in order (the half is position-wise, so a chunk may span batch
+    rows); MoE loads (``block.mlp.last_load``, ``[E]`` int64) are the sum over the chunks.
+
+    Args:
+        block: the layer.
+        streams: ``[B, T, m, H]``, the attention half's output.
+        chunk_tokens: tokens per chunk (the last chunk takes the rest).
+        skip: return the chunk inputs for outputs (the block-level recomputation, which only
+            needs the chunks' checkpoints entered; default False).
+
+    Returns:
+        ``[B, T, m, H]``.
+    """
+    b, t, m, h = streams.shape
+    flat = streams.reshape(1, b * t, m, h)
+    fn = _skip_piece if skip else partial(_ffn_piece, block)
+    moe = block.mlp if isinstance(block.mlp, MoE) and not skip else None
+    outs, loads = [], []
+    # one split (not a slice per chunk): its backward concatenates the chunks' gradients once,
+    # where each slice's backward would write its chunk into a zero-filled [1, B*T, m, H] buffer
+    for piece in flat.split(chunk_tokens, dim=1):
+        outs.append(checkpoint(fn, piece, use_reentrant=False, preserve_rng_state=False))
+        if moe is not None and moe.last_load is not None:
+            loads.append(moe.last_load)
+    if moe is not None and loads:
+        moe.last_load = torch.stack(loads).sum(0)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return out.reshape(b, t, m, h)
+
+
+class ChunkedBlockForward:
+    """A block's forward under ``chunked`` recompute; installed as the instance attribute
+    ``block.forward`` (so ``Block.__call__`` and every hook on it, FSDP2's and the offloader's,
+    still run around it).
+
+    Forward, while autograd records: one non-reentrant checkpoint around the whole block, so
+    autograd keeps the block inputs only (``streams [B, T, m, H]``, plus a shared DSA layer's
+    ``prev_indices [B, T, k]``), as under ``full``. Inside it, the attention half of
+    :data:`ATTENTION_HALVES` (per layer type), then :func:`chunked_ffn_half`.
+
+    Backward of the block, in three steps, so that no step rebuilds more than ``chunk_tokens``
+    tokens of one half (with a segmented attention half):
+
+    1. the block-level recomputation runs the attention half again to rebuild its output (the
+       feed-forward half's input, ``[B, T, m, H]``; a segmented half keeps only its segment
+       inputs and carried states) and enters each feed-forward chunk's checkpoint without running
+       the chunk (``skip``);
+    2. each feed-forward chunk is rebuilt and differentiated, last chunk first;
+    3. the attention half's own segments are rebuilt and differentiated (the placeholder
+       :func:`whole_attention_half` has none: it was recorded whole in step 1, as ``full`` does).
+
+    So a segmented attention half runs three times (forward, step 1, step 3), the feed-forward
+    half twice, as under ``full``. Results equal ``full``'s bitwise when one chunk covers the
+    tokens; with several chunks the feed-forward's matmuls run on fewer rows and its parameter
+    gradients are sums over chunks: the same maths in another float order.
+
+    Without autograd recording (inference) the plain :meth:`Block.forward` runs.
+
+    Args:
+        block: the layer.
+        chunk_tokens: tokens rebuilt at a time.
+    """
+
+    def __init__(self, block: Block, chunk_tokens: int):
+        self.block = block
+        self.chunk_tokens = chunk_tokens
+
+    def __call__(self, streams: torch.Tensor, prev_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not torch.is_grad_enabled():
+            return Block.forward(self.block, streams, prev_indices)
+        # the model has no randomness: no RNG state to stash per block
+        return checkpoint(self._layer, streams, prev_indices, use_reentrant=False, preserve_rng_state=False)
+
+    def _layer(self, streams: torch.Tensor, prev_indices: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        block = self.block
+        rebuilding = _in_backward()  # step 1 of backward (see the class docstring)
+        mid, indices = ATTENTION_HALVES[block.layer_type](block, streams, prev_indices, self.chunk_tokens)
+        return chunked_ffn_half(block, mid, self.chunk_tokens, skip=rebuilding), indices
+
+
+def _check_chunk_tokens(chunk_tokens: object) -> int:
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise InputError(f"recompute chunk_tokens must be a positive integer (memory.recompute_chunk_tokens), "
+                         f"got {chunk_tokens!r}")
+    return chunk_tokens
 
 
 def _check_kinds(modules: Iterable[str]) -> tuple[str, ...]:
@@ -125,7 +278,8 @@ def _check_kinds(modules: Iterable[str]) -> tuple[str, ...]:
     return kinds
 
 
-def apply_recompute(model: nn.Module, mode: str = "none", modules: Sequence[str] = DEFAULT_SELECTIVE) -> list[str]:
+def apply_recompute(model: nn.Module, mode: str = "none", modules: Sequence[str] = DEFAULT_SELECTIVE,
+                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> list[str]:
     """Apply activation recomputation to a GenoLM in place.
 
     Args:
@@ -133,23 +287,29 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules: Sequence[str]
             :class:`~genolong.model.lm.Block`).
         mode: "none" (default: nothing), "selective" (checkpoint the ``modules`` kinds inside
             every block) or "full" (checkpoint every block: saved per layer = its inputs,
-            ``streams [B, T, m, H]`` plus ``indices [B, T, K]`` on shared DSA layers).
+            ``streams [B, T, m, H]`` plus ``indices [B, T, K]`` on shared DSA layers) or
+            "chunked" (keep what "full" keeps; rebuild each half of a block separately, the
+            feed-forward half ``chunk_tokens`` tokens at a time).
         modules: kinds for "selective" (default, or empty: :data:`DEFAULT_SELECTIVE`); see
             :data:`MODULE_KINDS`: "kda", "dsa", "attn" (= kda + dsa), "moe", "mlp" (dense),
             "ffn" (= moe + mlp), "hc" (the hyper-connection weights). Ignored otherwise.
+        chunk_tokens: for "chunked", tokens rebuilt at a time (default
+            :data:`DEFAULT_CHUNK_TOKENS`); see :class:`ChunkedBlockForward`. Ignored otherwise.
 
     Returns:
         The qualified names of the checkpointed modules (e.g. ``layers.3.self_attn``).
 
     Raises:
-        InputError: an unknown mode or module kind, a model without blocks, or a model that
-            already has recompute applied.
+        InputError: an unknown mode or module kind, a bad ``chunk_tokens``, a model without
+            blocks, or a model that already has recompute applied.
     """
     if mode not in RECOMPUTE_MODES:
         near = difflib.get_close_matches(str(mode), RECOMPUTE_MODES, n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
         raise InputError(f"recompute mode {mode!r} is unknown{hint}; choose one of {', '.join(RECOMPUTE_MODES)}")
     kinds = _check_kinds(modules)
+    if mode == "chunked":
+        _check_chunk_tokens(chunk_tokens)
     if mode == "none":
         return []
     layers = getattr(model, "layers", None)
@@ -159,6 +319,10 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules: Sequence[str]
         raise InputError("recompute is already applied to this model; apply it once (remove_recompute undoes it)")
     names = {id(m): n for n, m in model.named_modules()}
     chosen: list[nn.Module] = []
+    if mode == "chunked":
+        for block in layers:
+            block.forward = ChunkedBlockForward(block, chunk_tokens)  # type: ignore[method-assign]
+        return [names[id(b)] for b in layers]
     if mode == "full":
         chosen = list(layers)
     else:

@@ -199,7 +199,8 @@ def _parallelize(recipe: Recipe, model: GenoLM, mesh: DeviceMesh | None) -> Geno
     FSDP2; a bf16-mixed run all-gathers parameters in bf16 and reduces gradients in fp32."""
     m = recipe.memory
     mixed = mesh is not None and recipe.train.precision == "bf16-mixed"
-    parallelize(model, recompute=m.recompute, recompute_modules=m.recompute_modules, offload=m.offload,
+    parallelize(model, recompute=m.recompute, recompute_modules=m.recompute_modules,
+                recompute_chunk_tokens=m.recompute_chunk_tokens, offload=m.offload,
                 offload_min_bytes=m.offload_min_bytes, moe_chunk_tokens=m.moe_chunk_tokens, mesh=mesh,
                 param_dtype=torch.bfloat16 if mixed else None, reduce_dtype=torch.float32 if mixed else None,
                 ep=recipe.parallel.ep if mesh is not None else None)
