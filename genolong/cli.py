@@ -124,7 +124,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     result = plan(load_recipe(args.recipe, args.set), gpus=args.gpus, gpu_mem_gib=args.gpu_mem, host_mem_gib=args.host_mem,
                   gpus_per_node=args.gpus_per_node, moe_imbalance=args.moe_imbalance, kda_kernel=args.kda_kernel,
-                  dsa_kernel=args.dsa_kernel, sinkhorn_recompute=args.sinkhorn_recompute)
+                  dsa_kernel=args.dsa_kernel)
     print(json.dumps(result.to_dict(), indent=1) if args.json else format_plan(result))
     return 0
 
@@ -237,8 +237,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "kernel_backend runs; auto on a GPU recipe: fla)")
     pl.add_argument("--dsa-kernel", choices=["torch", "triton"], default=None,
                     help="whose DSA kernels' saved tensors to count (default: as --kda-kernel; auto on a GPU recipe: triton)")
-    pl.add_argument("--sinkhorn-recompute", action="store_true",
-                    help="count mHC's Sinkhorn iterations as recomputed in backward instead of saved")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=_cmd_plan)
 

@@ -289,3 +289,37 @@ def test_parallelize_bad_input(kwargs: dict, match: str) -> None:
         parallelize(GenoLM(TINY), **kwargs)
     with pytest.raises(InputError, match="GenoLM"):
         parallelize(nn.Linear(2, 2))
+
+
+def _hc_weights_saved_per_token(config: ModelConfig, bf16: bool) -> int:
+    """Bytes per token one hyper-connection's weight computation keeps unless rebuilt in backward
+    (see genolong.model.mhc): the normalised fp32 streams (+ the fp32 copy of bf16 streams), the
+    rsqrt, the mixing logits, the pre/post sigmoids, the softmax and, per Sinkhorn division, its
+    [m, m] numerator and [m] denominator, all fp32."""
+    m, h = config.hc_mult, config.hidden_size
+    return 4 * (m * h * (2 if bf16 else 1) + 1 + (2 + m) * m + 2 * m + m * m
+                + (2 * config.hc_sinkhorn_iters - 1) * (m * m + m))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_weights_rebuilt_in_backward_bitwise(dtype: torch.dtype) -> None:
+    """HyperConnection.recompute_weights (the default) against keeping the weight computation:
+    the loss and every gradient bit for bit, and the meter's saving is exactly that computation's
+    storages (in bf16 also the fp32 copy of each ``fn`` weight, a constant)."""
+    from genolong.model.mhc import HyperConnection
+
+    tokens = _tokens()
+    runs = {}
+    for rebuilt in (True, False):
+        model = _model().to(dtype)
+        hcs = [m for m in model.modules() if isinstance(m, HyperConnection)]
+        assert all(hc.recompute_weights for hc in hcs)  # the default
+        for hc in hcs:
+            hc.recompute_weights = rebuilt
+        runs[rebuilt] = _step(model, tokens)
+    assert_bitwise_equal(runs[True][0], runs[False][0], f"the loss with the hc weights rebuilt ({dtype})")
+    assert_bitwise_equal(runs[True][1], runs[False][1], f"the gradients with the hc weights rebuilt ({dtype})")
+    n_hc = 2 * TINY.num_hidden_layers
+    fn_copy = (2 + TINY.hc_mult) * TINY.hc_mult ** 2 * TINY.hidden_size * 4 if dtype == torch.bfloat16 else 0
+    saved = n_hc * (T * _hc_weights_saved_per_token(TINY, dtype == torch.bfloat16) + fn_copy)
+    assert runs[False][2].peak_resident_bytes - runs[True][2].peak_resident_bytes == saved

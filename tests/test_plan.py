@@ -506,15 +506,6 @@ def test_chunked_recompute_bounds_the_rebuilt_region() -> None:
     assert cp4.rebuilt_bytes >= one.rebuilt_bytes and max(cp4.rebuilt_bytes - one.rebuilt_bytes, 0) <= keys
 
 
-def test_sinkhorn_recompute_drops_the_iterations() -> None:
-    cfg = PRESETS["tiny"]
-    saved = activation_estimate(cfg, 512)
-    redo = activation_estimate(cfg, 512, sinkhorn_recompute=True)
-    m, iters = cfg.hc_mult, cfg.hc_sinkhorn_iters
-    per_token = 2 * cfg.num_hidden_layers * (2 * iters - 1) * (m * m + m) * 4  # two hyper-connections per layer
-    assert saved.by_kind["mhc"] - redo.by_kind["mhc"] == per_token * 512
-
-
 def test_kernel_backends_resolve_as_the_registry() -> None:
     """auto: the Triton backend (fla KDA + Triton DSA) on a GPU recipe, torch on a CPU one; the
     fla save set is smaller than the torch kernel's."""
@@ -670,17 +661,16 @@ def test_fla_save_set_is_the_one_the_planner_counts() -> None:
 
 
 def test_plan_command_kernel_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    """--kda-kernel / --dsa-kernel override the backend's kernels; --sinkhorn-recompute drops the
-    mHC iterations from the count (never more memory)."""
+    """--kda-kernel / --dsa-kernel override the backend's kernels (the torch KDA kernel saves
+    more than fla's)."""
     from genolong.cli import main
 
     recipe = str(ROOT / "recipes" / "512k.yaml")
     assert main(["plan", recipe, "--gpus", "64", "--gpu-mem", "180", "--json"]) == 0
     auto = json.loads(capsys.readouterr().out)
     assert main(["plan", recipe, "--gpus", "64", "--gpu-mem", "180", "--json", "--kda-kernel", "torch",
-                 "--dsa-kernel", "torch", "--sinkhorn-recompute"]) == 0
+                 "--dsa-kernel", "torch"]) == 0
     forced = json.loads(capsys.readouterr().out)
     assert (auto["kda_kernel"], auto["dsa_kernel"]) == ("fla", "triton")
     assert (forced["kda_kernel"], forced["dsa_kernel"]) == ("torch", "torch")
     assert forced["plain_by_kind"]["kda"] > auto["plain_by_kind"]["kda"]
-    assert forced["plain_by_kind"]["mhc"] < auto["plain_by_kind"]["mhc"]

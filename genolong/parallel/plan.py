@@ -446,57 +446,42 @@ def _ffn(cfg: ModelConfig, layer: int, a: int, recomputed: bool, tokens: int, ch
     ]
 
 
-def _mhc(cfg: ModelConfig, name: str, a: int, recomputed: bool, sinkhorn_recompute: bool = False) -> list[SavedTensor]:
+def _mhc(cfg: ModelConfig, name: str, a: int, recomputed: bool) -> list[SavedTensor]:
     """One hyper-connection (``genolong.model.mhc.HyperConnection``) and the stream merge after
     its block.
 
-    The streams it reads (``m x H``; saved flat, 4-D and by the merge's batched matmul: three
-    offload copies; in bf16 the flat fp32 copy is a separate storage); unless recomputed: the
-    RMS-normalised flat streams (mH fp32), its rsqrt, the mixing logits ((2+m)m), pre/post
-    sigmoids and pre (3m), the softmax (m^2) and the Sinkhorn iterations (each division keeps
-    its numerator ``[m, m]`` and denominator ``[m]``: ``2 * iters - 1`` divisions), all fp32.
-    The merge keeps post (m), the block output (H) and the transposed mixing matrix (m^2).
-    ``sinkhorn_recompute``: the Sinkhorn iterations are recomputed in mHC's backward (from the
-    softmax, which stays), so their ``(2 * iters - 1)`` divisions are not kept.
+    The streams it reads (``m x H``; saved 4-D by the weights' checkpoint and the collapse, and
+    by the merge's batched matmul: two offload copies). The weight computation (normalisation,
+    logits, sigmoids, softmax, Sinkhorn) is rebuilt in backward
+    (``HyperConnection.recompute_weights``, the default), so unless the whole hyper-connection is
+    recomputed only ``pre`` (m fp32, read by the collapse) stays. The merge keeps post (m), the
+    block output (H) and the transposed mixing matrix (m^2).
     """
     H, m = cfg.hidden_size, cfg.hc_mult
-    out: list[SavedTensor] = []
-    if recomputed:
-        out.append(SavedTensor("mhc", f"{name} streams", m * H * a, views=2.0))
-    elif a == _F32:
-        out.append(SavedTensor("mhc", f"{name} streams", m * H * a, views=3.0))
-    else:
-        out += [SavedTensor("mhc", f"{name} streams", m * H * a, views=2.0),
-                SavedTensor("mhc", f"{name} streams fp32", m * H * _F32)]
+    out: list[SavedTensor] = [SavedTensor("mhc", f"{name} streams", m * H * a, views=2.0)]
     if not recomputed:
-        iters = max(cfg.hc_sinkhorn_iters, 1)
-        out += [
-            SavedTensor("mhc", f"{name} normalised streams", m * H * _F32),
-            SavedTensor("mhc", f"{name} weights", ((2 + m) * m + 1 + 3 * m + m * m) * _F32),
-        ]
-        if not sinkhorn_recompute:
-            out.append(SavedTensor("mhc", f"{name} Sinkhorn iterations", (2 * iters - 1) * (m * m + m) * _F32))
+        out.append(SavedTensor("mhc", f"{name} pre", m * _F32))
     out.append(SavedTensor("mhc", f"{name} merge", (m + m * m + H) * a))
     return out
 
 
 def _half(cfg: ModelConfig, layer: int, half: str, a: int, kinds: frozenset[str], *, indexer_kl: bool,
           tokens: int, moe_chunk_tokens: int | None, kda_kernel: str, dsa_kernel: str, cp_path: bool,
-          sinkhorn_recompute: bool, expert_load: float = 1.0) -> list[SavedTensor]:
+          expert_load: float = 1.0) -> list[SavedTensor]:
     """The saved tensors of one half of block ``layer``: ``attention`` (``attn_hc ->
     input_layernorm -> self_attn -> merge``) or ``ffn`` (``ffn_hc -> post_attention_layernorm ->
     mlp -> merge``), under ``selective`` recompute of ``kinds`` (empty: nothing recomputed)."""
     assert cfg.layer_types is not None and cfg.mlp_layer_types is not None
     hc = "hc" in kinds
     if half == "attention":
-        out = _mhc(cfg, "attn_hc", a, hc, sinkhorn_recompute)
+        out = _mhc(cfg, "attn_hc", a, hc)
         out += _norm("norm", "input_layernorm", cfg.hidden_size, a)
         if cfg.layer_types[layer] == LINEAR_ATTENTION:
             out += _kda(cfg, a, "kda" in kinds, kda_kernel, cp_path)
         else:
             out += _dsa(cfg, layer, a, "dsa" in kinds, "dsa" in kinds, indexer_kl, dsa_kernel)
         return out
-    out = _mhc(cfg, "ffn_hc", a, hc, sinkhorn_recompute)
+    out = _mhc(cfg, "ffn_hc", a, hc)
     out += _norm("norm", "post_attention_layernorm", cfg.hidden_size, a)
     ffn_kind = "mlp" if cfg.mlp_layer_types[layer] == "dense" else "moe"
     out += _ffn(cfg, layer, a, ffn_kind in kinds, tokens, moe_chunk_tokens, expert_load)
@@ -526,7 +511,7 @@ class ChunkedTerms:
 def chunked_recompute_terms(config: ModelConfig, layer: int, tokens: int, chunk_tokens: int, *, cp: int = 1,
                             dtype_bytes: int = 4, indexer_kl: bool = False, moe_chunk_tokens: int | None = None,
                             kda_kernel: str = "torch", dsa_kernel: str = "torch",
-                            sinkhorn_recompute: bool = False, expert_load: float = 1.0) -> ChunkedTerms:
+                            expert_load: float = 1.0) -> ChunkedTerms:
     """The formulas for ``memory.recompute: chunked`` on layer ``layer`` (one place to adjust).
 
     Written from the description in the issue-15 interfaces (``/work/briefs/interfaces.md``),
@@ -550,7 +535,7 @@ def chunked_recompute_terms(config: ModelConfig, layer: int, tokens: int, chunk_
         tokens: tokens of the rank's slice (``batch * T / cp``).
         chunk_tokens: ``memory.recompute_chunk_tokens``.
         cp: context-parallel size (transitions, whole-sequence keys).
-        dtype_bytes, indexer_kl, moe_chunk_tokens, kda_kernel, dsa_kernel, sinkhorn_recompute,
+        dtype_bytes, indexer_kl, moe_chunk_tokens, kda_kernel, dsa_kernel,
             expert_load: as :func:`layer_saved_tensors`.
 
     Returns:
@@ -578,7 +563,7 @@ def chunked_recompute_terms(config: ModelConfig, layer: int, tokens: int, chunk_
         saved.append(SavedTensor("chunked", "KDA carried state (+ transition, conv tail) per segment",
                                  per_segment / c, piece_tokens=c))
     plain = dict(indexer_kl=indexer_kl, tokens=c, moe_chunk_tokens=moe_chunk_tokens, kda_kernel=kda_kernel,
-                 dsa_kernel=dsa_kernel, cp_path=cp > 1, sinkhorn_recompute=sinkhorn_recompute, expert_load=expert_load)
+                 dsa_kernel=dsa_kernel, cp_path=cp > 1, expert_load=expert_load)
     attn = sum(t.nbytes(c) for t in _half(cfg, layer, "attention", a, frozenset(), **plain))
     if is_dsa and cp > 1:
         attn += cp * tokens * (cfg.kv_lora_rank + (cfg.index_head_dim / cfg.index_kpool if full_indexer else 0)) * a
@@ -593,7 +578,7 @@ def layer_saved_tensors(config: ModelConfig, layer: int, recompute: str = "none"
                         indexer_kl: bool = False, tokens: int = 4096,
                         moe_chunk_tokens: int | None = None, kda_kernel: str = "torch",
                         dsa_kernel: str = "torch", cp: int = 1, recompute_chunk_tokens: int = 16384,
-                        sinkhorn_recompute: bool = False, expert_load: float = 1.0) -> list[SavedTensor]:
+                        expert_load: float = 1.0) -> list[SavedTensor]:
     """What layer ``layer`` keeps for backward, storage by storage.
 
     Args:
@@ -613,7 +598,6 @@ def layer_saved_tensors(config: ModelConfig, layer: int, recompute: str = "none"
         cp: context-parallel size (default 1): the KDA layer takes its CP path (gate and beta in
             torch) and ``chunked`` keeps transitions.
         recompute_chunk_tokens: ``chunked``'s segment (default 16384).
-        sinkhorn_recompute: mHC recomputes its Sinkhorn iterations in backward (default False).
         expert_load: routed-expert rows this rank holds over the mean (the EP imbalance; 1.0).
 
     Returns:
@@ -634,9 +618,9 @@ def layer_saved_tensors(config: ModelConfig, layer: int, recompute: str = "none"
         return chunked_recompute_terms(cfg, layer, tokens, recompute_chunk_tokens, cp=cp, dtype_bytes=a,
                                        indexer_kl=indexer_kl, moe_chunk_tokens=moe_chunk_tokens,
                                        kda_kernel=kda_kernel, dsa_kernel=dsa_kernel,
-                                       sinkhorn_recompute=sinkhorn_recompute, expert_load=expert_load).saved
+                                       expert_load=expert_load).saved
     common = dict(indexer_kl=indexer_kl, tokens=tokens, moe_chunk_tokens=moe_chunk_tokens, kda_kernel=kda_kernel,
-                  dsa_kernel=dsa_kernel, cp_path=cp > 1, sinkhorn_recompute=sinkhorn_recompute,
+                  dsa_kernel=dsa_kernel, cp_path=cp > 1,
                   expert_load=expert_load)
     return (_half(cfg, layer, "attention", a, kinds, **common)  # type: ignore[arg-type]
             + _half(cfg, layer, "ffn", a, kinds, **common))  # type: ignore[arg-type]
@@ -695,7 +679,7 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
                         offload_min_bytes: int = 1 << 20, dtype_bytes: int = 4, indexer_kl: bool = False,
                         moe_chunk_tokens: int | None = None, batch: int = 1,
                         kda_kernel: str = "torch", dsa_kernel: str = "torch", cp: int = 1,
-                        recompute_chunk_tokens: int = 16384, sinkhorn_recompute: bool = False,
+                        recompute_chunk_tokens: int = 16384,
                         expert_load: float = 1.0) -> ActivationEstimate:
     """Saved-activation bytes of one forward + backward on ``batch x tokens`` tokens of one rank.
 
@@ -717,7 +701,6 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
         cp: context-parallel size (default 1; the KDA layer's CP path, chunked's transitions and
             whole-sequence keys); ``tokens`` is still the slice.
         recompute_chunk_tokens: tokens per rebuilt piece under ``chunked`` (default 16384).
-        sinkhorn_recompute: mHC recomputes its Sinkhorn iterations in backward (default False).
         expert_load: routed-expert rows on this rank over the mean (expert parallelism's
             imbalance on the busiest rank; default 1.0).
 
@@ -736,7 +719,7 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
     if dsa_kernel not in DSA_KERNELS:
         raise InputError(f"dsa_kernel {dsa_kernel!r} is unknown; choose one of {', '.join(DSA_KERNELS)}")
     n = tokens * batch
-    kernels = dict(kda_kernel=kda_kernel, dsa_kernel=dsa_kernel, cp=cp, sinkhorn_recompute=sinkhorn_recompute,
+    kernels = dict(kda_kernel=kda_kernel, dsa_kernel=dsa_kernel, cp=cp,
                    expert_load=expert_load)
     L = config.num_hidden_layers
     resident: list[int] = []
@@ -1255,8 +1238,7 @@ def _describe(cfg: ModelConfig, count: int) -> str:
 
 
 def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None,
-               gpus_per_node: int, moe_imbalance: float, kda_kernel: str, dsa_kernel: str = "torch",
-               sinkhorn_recompute: bool = False) -> Plan:
+               gpus_per_node: int, moe_imbalance: float, kda_kernel: str, dsa_kernel: str = "torch") -> Plan:
     par, mem = recipe.parallel, recipe.memory
     cp, rep, ep = par.cp, par.dp_replicate, par.ep
     if gpus % (cp * rep):
@@ -1301,14 +1283,14 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
                               offload=mem.offload, offload_min_bytes=mem.offload_min_bytes, dtype_bytes=a,
                               indexer_kl=True, moe_chunk_tokens=mem.moe_chunk_tokens, batch=recipe.data.batch_size,
                               kda_kernel=kda_kernel, dsa_kernel=dsa_kernel, cp=cp,
-                              recompute_chunk_tokens=mem.recompute_chunk_tokens, sinkhorn_recompute=sinkhorn_recompute,
+                              recompute_chunk_tokens=mem.recompute_chunk_tokens,
                               expert_load=expert_load)
     device["saved activations (resident peak)"] = act.peak_resident_bytes
     rebuilt_region = ""
     if mem.recompute == "chunked":
         regions = [chunked_recompute_terms(cfg, i, tokens, mem.recompute_chunk_tokens, cp=cp, dtype_bytes=a, indexer_kl=True,
                                            moe_chunk_tokens=mem.moe_chunk_tokens, kda_kernel=kda_kernel,
-                                           dsa_kernel=dsa_kernel, sinkhorn_recompute=sinkhorn_recompute,
+                                           dsa_kernel=dsa_kernel,
                                            expert_load=expert_load)
                    for i in range(cfg.num_hidden_layers)]
         rebuilt_region = max(regions, key=lambda r: r.rebuilt_bytes + r.layer_bytes).rebuilt_region
@@ -1394,7 +1376,7 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
         f"workspace {WORKSPACE_BYTES / GIB:.0f} GiB + {FRAGMENTATION:.0%} fragmentation; the largest of MoE dispatch, "
         "DSA buffers and the cross-entropy chunk counts (they do not overlap)",
         "indexer KL on (the trainer computes it); batch_size sequences per rank"
-        + ("; mHC Sinkhorn iterations recomputed in backward" if sinkhorn_recompute else ""),
+        + "; mHC mixing weights (normalisation, Sinkhorn) rebuilt in backward, only pre kept (HyperConnection.recompute_weights)",
         "communication per rank per training step (one forward + backward, accumulate_grad_batches = 1): KDA rows "
         "count the payload each rank hands to the collective (cp_kda_comm_bytes, conv_halo_comm_bytes), DSA and FSDP "
         "rows the bytes each rank receives (cp_dsa_comm_bytes; FSDP per unit (S-1) x ceil(n/S)), EP rows the bytes each "
@@ -1471,7 +1453,7 @@ def _with_gpus(overrides: list[str], gpus: int, gpus_per_node: int) -> list[str]
 
 def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, host_mem_gib: float | None = None,
          gpus_per_node: int = 8, moe_imbalance: float = 4.0, *, kda_kernel: str | None = None,
-         dsa_kernel: str | None = None, sinkhorn_recompute: bool = False) -> Plan:
+         dsa_kernel: str | None = None) -> Plan:
     """Plan a recipe's memory per GPU and per node; suggest the cheapest change when it does not fit.
 
     Args:
@@ -1487,8 +1469,6 @@ def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, hos
             None: what the model's ``kernel_backend`` runs on the recipe's accelerator,
             :func:`backend_kernels`; ``auto`` on a GPU recipe is fla's ``chunk_kda``).
         dsa_kernel: ``torch`` or ``triton`` (default None: from the backend, as ``kda_kernel``).
-        sinkhorn_recompute: count mHC's Sinkhorn iterations as recomputed in backward (default
-            False: saved).
 
     Returns:
         A :class:`Plan`. When it does not fit, ``suggestion`` holds the first change of a
@@ -1520,8 +1500,7 @@ def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, hos
     if dsa not in DSA_KERNELS:
         raise InputError(f"dsa_kernel {dsa!r} is unknown; choose one of {', '.join(DSA_KERNELS)}")
     world = recipe.parallel.world_size if gpus is None else gpus
-    base = _plan_once(recipe, cfg, world, gpu_mem_gib, host_mem_gib, gpus_per_node, moe_imbalance, kernel, dsa,
-                      sinkhorn_recompute)
+    base = _plan_once(recipe, cfg, world, gpu_mem_gib, host_mem_gib, gpus_per_node, moe_imbalance, kernel, dsa)
     if base.fits:
         return base
     data = recipe.to_dict()
@@ -1529,8 +1508,7 @@ def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, hos
     def attempt(overrides: list[str], n: int) -> Plan | None:
         try:
             changed = parse_recipe(data, _with_gpus(overrides, n, gpus_per_node))
-            return _plan_once(changed, cfg, n, gpu_mem_gib, host_mem_gib, gpus_per_node, moe_imbalance, kernel, dsa,
-                              sinkhorn_recompute)
+            return _plan_once(changed, cfg, n, gpu_mem_gib, host_mem_gib, gpus_per_node, moe_imbalance, kernel, dsa)
         except InputError:
             return None
 

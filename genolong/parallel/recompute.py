@@ -79,9 +79,10 @@ _KIND_TARGETS["ffn"] = _KIND_TARGETS["moe"] + _KIND_TARGETS["mlp"]
 MODULE_KINDS: tuple[str, ...] = tuple(_KIND_TARGETS)
 
 #: What ``selective`` checkpoints by default: both token mixers (on the small preset at 2k tokens
-#: the KDA mixers alone hold 41% of the saved bytes) and the hyper-connection weights (17%, cheap
-#: to recompute: elementwise work on ``[B, T, m*H]`` and one ``[m*H, (2+m)m]`` matmul); the MoE
-#: (16%, a Python loop over experts to recompute) is left out. See benchmarks/memory.py.
+#: the KDA mixers alone hold 41% of the saved bytes) and the hyper-connections (their weight
+#: computation, 17%, is now rebuilt in backward anyway: ``HyperConnection.recompute_weights``;
+#: "hc" adds only ``pre``, m fp32 per token); the MoE (16%, a Python loop over experts to
+#: recompute) is left out. See benchmarks/memory.py.
 DEFAULT_SELECTIVE: tuple[str, ...] = ("attn", "hc")
 
 
