@@ -136,6 +136,14 @@ def test_chunks_equal_none(preset: str, t: int, chunk: int) -> None:
     assert all(int(load.sum()) == t * config.num_experts_per_tok for load in run["loads"])  # exact: counts
 
 
+def test_chunks_span_batch_rows() -> None:
+    """Batch 2 x 192 tokens: the feed-forward half is position-wise, so its 384 tokens are cut
+    in order (128 + 128 + 128: the middle chunk spans both rows)."""
+    tokens = torch.randint(1, 6, (2, 192), generator=torch.Generator().manual_seed(2))
+    run = _step(_model(TINY, recompute="chunked", recompute_chunk_tokens=128), tokens)
+    _assert_chunked_close(run, _step(_model(TINY), tokens), _step(_model(TINY).double(), tokens), "batch 2")
+
+
 def test_chunked_with_offload_and_moe_chunks() -> None:
     """Offload on (every saved tensor moves): the chunked results bit for bit, and what moves is
     the block inputs; MoE token chunks of 100 inside the feed-forward chunks of 256."""

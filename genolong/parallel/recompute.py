@@ -207,7 +207,8 @@ def chunked_ffn_half(block: Block, streams: torch.Tensor, chunk_tokens: int, *, 
     if moe is not None and loads:
         moe.last_load = torch.stack(loads).sum(0)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    return out.reshape(b, t, m, h)
+    # B = 1: the tensor itself, not a view of it (FSDP2 warns about a block returning a view)
+    return out if b == 1 else out.view(b, t, m, h)
 
 
 class ChunkedBlockForward:
