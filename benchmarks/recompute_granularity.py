@@ -19,7 +19,12 @@ Each run is its own process (``--child``), so its peak RSS (the child's ``ru_max
 machine that gets busier or quieter affects them alike, and each configuration's best round (least
 step time) is compared: ratios against ``full`` of the same length (above 1 for time: slower than
 full; below 1 for RSS: less memory). The step also runs under
-:class:`genolong.memory.ActivationMeter` for the saved-activation bytes (deterministic). A run
+:class:`genolong.memory.ActivationMeter` for the saved-activation bytes (deterministic). Peak RSS
+includes what the heap's fragmentation holds (chunk-sized blocks are reused less tidily than
+whole-layer ones), so one more run per configuration measures the live-bytes peak of the step
+(every storage torch creates during it, counted while alive: deterministic, allocator-free). The
+children allocate as the genolong commands do (``keep_freed_memory``; ``--allocator system``
+for glibc's defaults). A run
 whose RSS, extrapolated linearly from the shorter length, would not fit in 70% of the memory
 available is skipped and marked so. One torch thread per child (``--threads``).
 
@@ -60,8 +65,53 @@ def _techniques(config: str, chunk_tokens: int) -> dict[str, Any]:
     }[config]
 
 
-def child(config: str, tokens: int, chunk_tokens: int, preset: str, threads: int) -> None:
-    """One configuration's step in this process; prints its figures as one JSON line."""
+class _LiveBytes:
+    """Peak bytes of the tensor storages created during the step and alive at once (each storage
+    once, released when torch frees it): the step's own memory, free of the allocator's
+    fragmentation (a TorchDispatchMode, so it slows the step: its time is not reported)."""
+
+    def __new__(cls) -> Any:
+        import weakref
+
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        class Mode(TorchDispatchMode):
+            def __init__(self) -> None:
+                super().__init__()
+                self.live: dict[int, int] = {}
+                self.now = self.peak = 0
+
+            def _free(self, key: int) -> None:
+                self.now -= self.live.pop(key)
+
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                        storage = t.untyped_storage()
+                        key = storage.data_ptr()
+                        if key and key not in self.live:
+                            self.live[key] = storage.nbytes()
+                            self.now += storage.nbytes()
+                            self.peak = max(self.peak, self.now)
+                            weakref.finalize(storage, self._free, key)
+                return out
+
+        return Mode()
+
+
+def child(config: str, tokens: int, chunk_tokens: int, preset: str, threads: int, live: bool = False,
+          allocator: str = "genolong") -> None:
+    """One configuration's step in this process; prints its figures as one JSON line (with
+    ``live``: the live-bytes peak of the step instead of its time)."""
+    if allocator == "genolong":
+        from genolong.allocator import keep_freed_memory
+
+        keep_freed_memory()  # as every genolong command that runs a model does, before torch allocates
+    import contextlib
+
     import torch
 
     from genolong.memory import ActivationMeter
@@ -72,21 +122,25 @@ def child(config: str, tokens: int, chunk_tokens: int, preset: str, threads: int
     torch.manual_seed(0)
     model = parallelize(GenoLM(PRESETS[preset]), **_techniques(config, chunk_tokens))
     ids = torch.randint(1, 6, (1, tokens), generator=torch.Generator().manual_seed(1))
+    tracker = _LiveBytes() if live else contextlib.nullcontext()
     t0 = time.perf_counter()
-    with ActivationMeter(model) as meter:
+    with ActivationMeter(model) as meter, tracker:
         nll, weight = model.loss(ids)
         loss = nll / weight
         loss.backward()
     seconds = time.perf_counter() - t0
+    if live:
+        print(json.dumps({"live_peak_bytes": tracker.peak, "loss": loss.item()}))  # type: ignore[union-attr]
+        return
     print(json.dumps({"step_s": seconds, "loss": loss.item(), "saved_bytes": meter.peak_resident_bytes,
                       "layer_saved_bytes": [layer.resident_bytes for layer in meter.layers],
                       "meter_peak_rss_bytes": meter.peak_rss_bytes}))
 
 
-def _run_child_rusage(config: str, tokens: int, a: argparse.Namespace) -> dict[str, Any]:
+def _run_child_rusage(config: str, tokens: int, a: argparse.Namespace, live: bool = False) -> dict[str, Any]:
     """Run one child; its figures plus the process's own peak RSS (``ru_maxrss``) and wall time."""
     cmd = [sys.executable, __file__, "--child", config, "--lengths", str(tokens), "--chunk-tokens", str(a.chunk_tokens),
-           "--preset", a.preset, "--threads", str(a.threads)]
+           "--preset", a.preset, "--threads", str(a.threads), "--allocator", a.allocator] + (["--live"] if live else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -122,8 +176,9 @@ def _summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def _table(doc: dict[str, Any]) -> str:
-    lines = ["| T | recompute | step s | time vs full | peak RSS GiB | peak RSS vs full | saved (meter) GiB |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| T | recompute | step s | time vs full | peak RSS GiB | peak RSS vs full | live-bytes peak GiB | vs full "
+             "| saved (meter) GiB |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for tokens, row in doc["lengths"].items():
         for c in CONFIGS:
             if c in row.get("skipped", {}):
@@ -134,8 +189,12 @@ def _table(doc: dict[str, Any]) -> str:
                 continue
             tv = row.get("time_vs_full", {}).get(c)
             rv = row.get("peak_rss_vs_full", {}).get(c)
+            lb = row.get("live_peak_bytes", {}).get(c)
+            lr = row.get("live_peak_vs_full", {}).get(c)
             lines.append(f"| {int(tokens):,} | {c} | {b['step_s']:.1f} | {'' if tv is None else f'{tv:.2f}x'} | "
-                         f"{b['peak_rss_bytes'] / GiB:.2f} | {'' if rv is None else f'{rv:.2f}x'} | {b['saved_bytes'] / GiB:.3f} |")
+                         f"{b['peak_rss_bytes'] / GiB:.2f} | {'' if rv is None else f'{rv:.2f}x'} | "
+                         f"{'' if lb is None else f'{lb / GiB:.2f}'} | {'' if lr is None else f'{lr:.2f}x'} | "
+                         f"{b['saved_bytes'] / GiB:.3f} |")
     return "\n".join(lines)
 
 
@@ -151,16 +210,21 @@ def main() -> None:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--allocator", choices=("genolong", "system"), default="genolong",
+                        help="genolong: keep_freed_memory() as the genolong commands do (default); system: glibc's defaults")
+    parser.add_argument("--no-live", action="store_true", help="skip the live-bytes pass (one more run per configuration)")
+    parser.add_argument("--live", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     a = parser.parse_args()
     if a.child is not None:
-        child(a.child, int(a.lengths), a.chunk_tokens, a.preset, a.threads)
+        child(a.child, int(a.lengths), a.chunk_tokens, a.preset, a.threads, a.live, a.allocator)
         return
     configs = [c for c in a.configs.split(",") if c]
     doc: dict[str, Any] = {
         "benchmark": "recompute_granularity", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv), "machine": platform.platform(), "cpus": os.cpu_count(),
-        "preset": a.preset, "chunk_tokens": a.chunk_tokens, "threads": a.threads, "lengths": {},
+        "preset": a.preset, "chunk_tokens": a.chunk_tokens, "threads": a.threads, "allocator": a.allocator,
+        "lengths": {},
     }
     previous: dict[str, tuple[int, int]] = {}  # config -> (T, peak RSS) of its last length
     for tokens in (int(x) for x in a.lengths.split(",") if x):
@@ -186,11 +250,19 @@ def main() -> None:
                 print(f"T {tokens:>6} {c:>9} round {round_}: step {res['step_s']:.1f} s, peak RSS "
                       f"{res['peak_rss_bytes'] / GiB:.2f} GiB, saved {res['saved_bytes'] / GiB:.3f} GiB, "
                       f"loss {res['loss']:.6f}", flush=True)
+        live: dict[str, int] = {}
+        for c in configs:
+            if runs[c] and not a.no_live:
+                live[c] = _run_child_rusage(c, tokens, a, live=True)["live_peak_bytes"]
+                print(f"T {tokens:>6} {c:>9} live-bytes peak {live[c] / GiB:.2f} GiB", flush=True)
         for c in configs:
             if runs[c]:
                 previous[c] = (tokens, max(r["peak_rss_bytes"] for r in runs[c]))
         row = _summarise({c: rs for c, rs in runs.items() if rs})
         row["skipped"] = skipped
+        row["live_peak_bytes"] = live
+        if "full" in live:
+            row["live_peak_vs_full"] = {c: v / live["full"] for c, v in live.items()}
         row["rounds"] = rounds
         doc["lengths"][str(tokens)] = row
         doc["load_average_at_end"] = os.getloadavg()
