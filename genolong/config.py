@@ -1127,7 +1127,22 @@ def _resolve_model(recipe: Recipe, ctx: _Context | str, *, read_checkpoint: bool
     if config is not None:
         _check_context(recipe, config, ctx)
         _check_experts(recipe, config, ctx)
+        _check_recompute_chunk(recipe, config, ctx)
     return config
+
+
+def _check_recompute_chunk(recipe: Recipe, config: ModelConfig, ctx: _Context) -> None:
+    """``memory.recompute_chunk_tokens`` against the model under ``chunked`` recompute: segments of
+    whole KDA chunks and whole DSA key pools (a DSA query segment selects over whole pools)."""
+    mem = recipe.memory
+    if mem.recompute != "chunked":
+        return
+    unit = kernel_multiple(config)
+    if mem.recompute_chunk_tokens % unit:
+        lower = max(unit, mem.recompute_chunk_tokens // unit * unit)
+        raise ctx.error(("memory.recompute_chunk_tokens", "model"),
+                        f"memory.recompute_chunk_tokens = {mem.recompute_chunk_tokens:,}: must be a multiple of {unit:,} (whole KDA "
+                        f"chunks and DSA key pools of this model) under memory.recompute: chunked; use {lower:,}")
 
 
 def _check_experts(recipe: Recipe, config: ModelConfig, ctx: _Context) -> None:

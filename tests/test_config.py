@@ -420,3 +420,30 @@ def test_recipes_are_frozen() -> None:
         recipe.data.context = 2048  # type: ignore[misc]
     assert isinstance(recipe, Recipe)
     assert set(RECOMPUTE_MODULES) >= {"kda", "dsa", "moe", "mlp"}
+
+
+@pytest.mark.parametrize(
+    ("sets", "match"),
+    [
+        # small: 8 routed experts; 4 processes with cp 2 -> dp_shard x cp = 4
+        (("parallel.devices=4", "parallel.cp=2", "parallel.ep=3"),
+         r"parallel\.ep = 3 does not divide parallel\.dp_shard x parallel\.cp = 2 x 2 = 4"),
+        (("parallel.devices=8", "parallel.ep=8", "model.overrides.n_routed_experts=12", "model.overrides.n_group=1",
+          "model.overrides.topk_group=1"),
+         r"parallel\.ep = 8 does not divide the model's n_routed_experts = 12"),
+        (("parallel.devices=2", "parallel.ep=2", "model.overrides.mlp_layer_types=[dense, dense, dense, dense, dense, dense, dense, dense]"),
+         r"parallel\.ep = 2 but the model has no MoE layer"),
+        (("memory.recompute_chunk_tokens=100",), r"memory\.recompute_chunk_tokens = 100: must be a multiple of the KDA chunk of 64"),
+        (("memory.recompute=chunked", "model.overrides.index_kpool=128", "memory.recompute_chunk_tokens=192"),
+         r"memory\.recompute_chunk_tokens = 192: must be a multiple of 128 \(whole KDA chunks and DSA key pools"),
+    ],
+)
+def test_bad_expert_parallel_and_recompute_chunk(sets: tuple[str, ...], match: str) -> None:
+    """Impossible EP sizes and chunked-recompute segments fail before any work, one line naming the keys."""
+    fails(minimal(), match, sets)
+
+
+def test_expert_parallel_and_chunked_recompute_accepted() -> None:
+    recipe = parse_recipe(minimal(), ("parallel.devices=4", "parallel.cp=2", "parallel.ep=4", "memory.recompute=chunked",
+                                      "memory.recompute_chunk_tokens=128"))
+    assert (recipe.parallel.ep, recipe.memory.recompute, recipe.memory.recompute_chunk_tokens) == (4, "chunked", 128)

@@ -1,7 +1,9 @@
 """``chunked`` recompute: each half of a block rebuilt separately in backward, the feed-forward
 half ``chunk_tokens`` tokens at a time (genolong.parallel.recompute.ChunkedBlockForward).
 
-What is compared, and how exactly:
+What is compared, and how exactly. The framework first, with the attention half run whole
+(``ATTENTION_HALVES`` pointed at ``whole_attention_half``, the ``whole_halves`` fixture), so that
+only the feed-forward chunks change the arithmetic:
 
 - one chunk covering the tokens: the same operations on the same values as ``none`` and
   ``full``: the loss and every gradient bitwise equal;
@@ -14,6 +16,12 @@ What is compared, and how exactly:
   result's own distance to a float64 run``)`` of ``none``'s (RMS ratio): no further from it than
   fp32 rounding puts ``none`` itself from the exact value (measured worst: 2.1e-6 on a
   3-element ``ffn_hc.scale`` whose fp32 gap is 1.6e-6; 1.6e-5 on ``small``'s, gap 2.4e-5).
+
+Then the real thing, the segmented attention halves (KDA in token segments carrying the state,
+DSA in query segments over the slice's keys; their own tests: tests/test_chunked_kda.py,
+tests/test_chunked_dsa.py): the same bound against ``none`` as above. Their segments also sum
+the gradients of what crosses a segment boundary (KDA state, conv tail, DSA keys) in another
+order, still fp32 rounding.
 
 Lengths are multiples of 64 (the KDA chunk) and not of ``chunk_tokens``: the last chunk is short.
 """
@@ -39,6 +47,7 @@ from genolong.model import PRESETS, GenoLM, ModelConfig
 from genolong.model.lm import Block
 from genolong.model.moe import MoE
 from genolong.parallel import apply_recompute, is_recomputed, parallelize, remove_recompute
+from genolong.parallel import recompute as recompute_module
 from genolong.parallel.mesh import build_mesh, cp_rank, cp_size
 
 from .helpers import assert_bitwise_equal, run_ranks
@@ -47,6 +56,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = PRESETS["tiny"]
 SMALL = PRESETS["small"]
+
+
+@pytest.fixture
+def whole_halves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``chunked`` with the attention half run whole (the framework alone)."""
+    for layer_type in list(recompute_module.ATTENTION_HALVES):
+        monkeypatch.setitem(recompute_module.ATTENTION_HALVES, layer_type, recompute_module.whole_attention_half)
 
 
 def _tokens(t: int) -> torch.Tensor:
@@ -106,6 +122,7 @@ def _assert_chunked_close(run: dict[str, Any], ref: dict[str, Any], wide: dict[s
     assert all(torch.equal(a, b) for a, b in zip(run["loads"], ref["loads"], strict=True))  # exact: counts
 
 
+@pytest.mark.usefixtures("whole_halves")
 def test_one_chunk_equals_none_and_full_bitwise() -> None:
     """T = 640 > index_topk * index_kpool (a sparse DSA selection), one chunk of 1024."""
     tokens = _tokens(640)
@@ -119,6 +136,20 @@ def test_one_chunk_equals_none_and_full_bitwise() -> None:
         assert run["meter"].resident_bytes == 0
 
 
+@pytest.mark.parametrize(("preset", "t", "chunk"), [("tiny", 640, 1024), ("tiny", 640, 256), ("small", 192, 128)])
+def test_segmented_halves_equal_none(preset: str, t: int, chunk: int) -> None:
+    """The whole model with the segmented KDA and DSA halves and the feed-forward chunks against
+    ``none``: the loss to 1e-6, every gradient within fp32 rounding (module docstring), the
+    routing (MoE loads) unchanged, and it keeps the block inputs only."""
+    config = PRESETS[preset]
+    tokens = _tokens(t)
+    run = _step(_model(config, recompute="chunked", recompute_chunk_tokens=chunk), tokens)
+    _assert_chunked_close(run, _step(_model(config), tokens), _step(_model(config).double(), tokens),
+                          f"segmented halves, chunk {chunk} on {preset}")
+    assert run["meter"].resident_bytes == 0
+
+
+@pytest.mark.usefixtures("whole_halves")
 @pytest.mark.parametrize(("preset", "t", "chunk"), [("tiny", 640, 256), ("small", 192, 128)])
 def test_chunks_equal_none(preset: str, t: int, chunk: int) -> None:
     """640 = 256 + 256 + 128 tokens, 192 = 128 + 64."""
@@ -160,10 +191,16 @@ def test_chunked_with_offload_and_moe_chunks() -> None:
     assert all(layer.resident_bytes == 0 for layer in off["meter"].layers)
     assert off["meter"].resident_bytes == 0 and off["meter"].offloaded_bytes == 0
     moe = _step(_model(TINY, **chunked, moe_chunk_tokens=100), tokens)
-    plain = _step(_plain_chunked(TINY, 256, moe_chunk_tokens=100), tokens)
+    assert all(torch.equal(a, b) for a, b in zip(moe["loads"], base["loads"], strict=True))  # exact: counts
+    # MoE chunks inside the feed-forward chunks: the chunked arithmetic, bit for bit (attention
+    # halves whole on both sides, so the feed-forward pieces are all that differ from none)
+    with pytest.MonkeyPatch.context() as patch:
+        for layer_type in list(recompute_module.ATTENTION_HALVES):
+            patch.setitem(recompute_module.ATTENTION_HALVES, layer_type, recompute_module.whole_attention_half)
+        moe = _step(_model(TINY, **chunked, moe_chunk_tokens=100), tokens)
+        plain = _step(_plain_chunked(TINY, 256, moe_chunk_tokens=100), tokens)
     assert_bitwise_equal(moe["loss"], plain["loss"], "loss with chunked + MoE chunks")
     assert_bitwise_equal(moe["grads"], plain["grads"], "gradients with chunked + MoE chunks")
-    assert all(torch.equal(a, b) for a, b in zip(moe["loads"], base["loads"], strict=True))  # exact: counts
 
 
 def test_meter_keeps_the_block_inputs() -> None:
@@ -218,12 +255,15 @@ def test_rebuilt_feed_forward_region_bounded_by_chunk(monkeypatch: pytest.Monkey
     activations per token; under chunked only by the streams' gradient buffers (a few
     [T, m, H] fp32), while the rebuilt part grows with chunk_tokens instead.
 
-    The attention half is taken out (identity) so that the feed-forward half is what is rebuilt:
-    until the segmented attention halves plug in, chunked rebuilds the attention half whole.
+    The attention half is taken out (identity) so that the feed-forward half is what is rebuilt
+    (the segmented halves: :func:`test_rebuilt_region_of_the_whole_block_bounded_by_chunk`).
     Measured (tiny): full +14.5 KiB per token of T, chunked +3.1 KiB per token of T and +10.6 KiB
     per token of chunk.
     """
+    identity = lambda block, streams, prev, chunk: (streams, None)  # noqa: E731
     monkeypatch.setattr(Block, "attention_half", lambda self, streams, prev=None: (streams, None))
+    for layer_type in list(recompute_module.ATTENTION_HALVES):
+        monkeypatch.setitem(recompute_module.ATTENTION_HALVES, layer_type, identity)
     streams = TINY.hc_mult * TINY.hidden_size * 4  # bytes per token
     full = {t: _backward_peak(t, recompute="full") for t in (512, 1024)}
     chunked = {(t, c): _backward_peak(t, recompute="chunked", recompute_chunk_tokens=c)
@@ -234,6 +274,24 @@ def test_rebuilt_feed_forward_region_bounded_by_chunk(monkeypatch: pytest.Monkey
     assert chunked_slope <= 4 * streams, chunked_slope / streams
     assert full_slope > 3 * chunked_slope and chunk_slope > 2 * chunked_slope, (full_slope, chunked_slope, chunk_slope)
     assert chunked[1024, 256] < full[1024]
+
+
+def test_rebuilt_region_of_the_whole_block_bounded_by_chunk() -> None:
+    """With the segmented attention halves, the whole block's backward grows with T only by the
+    streams' gradient buffers, the rebuilt mid-block streams and the DSA keys (a few [T, m, H] fp32),
+    and with chunk_tokens by the rebuilt segment. Measured (tiny, streams = 1 KiB per token):
+    full +28.2 streams per token of T, chunked +3.0 per token of T and +20.1 per token of chunk.
+    """
+    streams = TINY.hc_mult * TINY.hidden_size * 4  # bytes per token
+    full = {t: _backward_peak(t, recompute="full") for t in (512, 1024)}
+    chunked = {(t, c): _backward_peak(t, recompute="chunked", recompute_chunk_tokens=c)
+               for t, c in ((512, 128), (1024, 128), (1024, 256))}
+    full_slope = (full[1024] - full[512]) / 512
+    chunked_slope = (chunked[1024, 128] - chunked[512, 128]) / 512
+    chunk_slope = (chunked[1024, 256] - chunked[1024, 128]) / 128
+    assert chunked_slope <= 4 * streams, chunked_slope / streams
+    assert full_slope > 5 * chunked_slope and chunk_slope > 3 * chunked_slope, (full_slope, chunked_slope, chunk_slope)
+    assert chunked[1024, 128] < full[1024] / 3
 
 
 def test_inference_errors_and_removal() -> None:

@@ -6,8 +6,10 @@ top-k indices) and rebuilds the block's activations during its backward. ``selec
 checkpoints chosen module kinds inside every block (see :data:`MODULE_KINDS`), trading less
 recompute time for less saving. ``chunked`` keeps what ``full`` keeps (the block inputs) but
 bounds what backward rebuilds at once: the attention half and the feed-forward half of a block
-are rebuilt separately, the feed-forward half (position-wise) ``chunk_tokens`` tokens at a time
-(see :class:`ChunkedBlockForward`).
+are rebuilt separately, each ``chunk_tokens`` tokens at a time: the feed-forward half
+(position-wise) in token chunks, a KDA attention half in token segments carrying the recurrent
+state (:mod:`genolong.parallel.chunked_kda`), a DSA attention half in query segments over the
+slice's keys (:mod:`genolong.parallel.chunked_dsa`); see :class:`ChunkedBlockForward`.
 
 Mechanism: torch's non-reentrant checkpoint (``torch.utils.checkpoint.checkpoint(...,
 use_reentrant=False)``) around the module's forward, installed as an instance attribute
@@ -41,6 +43,8 @@ from ..model.config import INDEXED_ATTENTION, LINEAR_ATTENTION
 from ..model.lm import Block
 from ..model.mhc import HyperConnection
 from ..model.moe import MoE
+from .chunked_dsa import dsa_attention_half
+from .chunked_kda import kda_attention_half
 from .offload import _in_backward
 
 __all__ = [
@@ -148,13 +152,22 @@ def whole_attention_half(block: Block, streams: torch.Tensor, prev_indices: torc
     return block.attention_half(streams, prev_indices)
 
 
+def segmented_kda_half(block: Block, streams: torch.Tensor, prev_indices: torch.Tensor | None,
+                       chunk_tokens: int) -> tuple[torch.Tensor, None]:
+    """A KDA layer's attention half in checkpointed segments of ``chunk_tokens`` tokens carrying
+    the KDA state and the short-conv tail (:func:`genolong.parallel.chunked_kda.kda_attention_half`;
+    KDA layers take no ``prev_indices`` and return no indices). Shapes as :data:`AttentionHalf`."""
+    return kda_attention_half(block, streams, chunk_tokens), None
+
+
 #: The attention half ``chunked`` runs per layer type (``Block.layer_type``), looked up at each
-#: call. Every type starts with :func:`whole_attention_half`; the segmented versions plug in here:
-#: ``ATTENTION_HALVES[LINEAR_ATTENTION] = lambda b, s, p, c: (kda_attention_half(b, s, c), None)``
-#: and ``ATTENTION_HALVES[INDEXED_ATTENTION] = dsa_attention_half``.
+#: call: KDA layers in token segments carrying the recurrent state
+#: (:func:`segmented_kda_half`), DSA layers in query segments over the slice's keys
+#: (:func:`genolong.parallel.chunked_dsa.dsa_attention_half`); :func:`whole_attention_half` is
+#: the unsegmented form (what ``full`` rebuilds) for comparison.
 ATTENTION_HALVES: dict[str, AttentionHalf] = {
-    LINEAR_ATTENTION: whole_attention_half,
-    INDEXED_ATTENTION: whole_attention_half,
+    LINEAR_ATTENTION: segmented_kda_half,
+    INDEXED_ATTENTION: dsa_attention_half,
 }
 
 
@@ -229,13 +242,16 @@ class ChunkedBlockForward:
        inputs and carried states) and enters each feed-forward chunk's checkpoint without running
        the chunk (``skip``);
     2. each feed-forward chunk is rebuilt and differentiated, last chunk first;
-    3. the attention half's own segments are rebuilt and differentiated (the placeholder
-       :func:`whole_attention_half` has none: it was recorded whole in step 1, as ``full`` does).
+    3. the attention half's own segments are rebuilt and differentiated, last segment first
+       (:func:`whole_attention_half` has none: it was recorded whole in step 1, as ``full`` does).
 
-    So a segmented attention half runs three times (forward, step 1, step 3), the feed-forward
-    half twice, as under ``full``. Results equal ``full``'s bitwise when one chunk covers the
-    tokens; with several chunks the feed-forward's matmuls run on fewer rows and its parameter
-    gradients are sums over chunks: the same maths in another float order.
+    So the segmented attention half runs three times (forward, step 1, step 3), the feed-forward
+    half twice, as under ``full``. Results: with :func:`whole_attention_half` and one chunk
+    covering the tokens, ``full``'s bitwise; with several chunks the feed-forward's matmuls run on
+    fewer rows and its parameter gradients are sums over chunks, and the segmented halves sum the
+    gradients of what crosses a segment boundary (KDA state and conv tail, DSA keys) per segment:
+    the same maths in another float order (tests/test_recompute_chunked.py bounds it by fp32
+    rounding).
 
     Without autograd recording (inference) the plain :meth:`Block.forward` runs.
 
