@@ -28,15 +28,12 @@ Lengths are multiples of 64 (the KDA chunk) and not of ``chunk_tokens``: the las
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from genolong.config import ParallelSection
 from genolong.data.windows import context_parallel_bounds
@@ -50,7 +47,7 @@ from genolong.parallel import apply_recompute, is_recomputed, parallelize, remov
 from genolong.parallel import recompute as recompute_module
 from genolong.parallel.mesh import build_mesh, cp_rank, cp_size
 
-from .helpers import assert_bitwise_equal, run_ranks
+from .helpers import LiveBytes, assert_bitwise_equal, run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -215,37 +212,11 @@ def test_meter_keeps_the_block_inputs() -> None:
         assert [layer.resident_bytes for layer in meter.layers] == expected
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Peak bytes of the storages created while active and still alive (each storage counted once,
-    released when torch frees it): what backward allocates, rebuilt activations included."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.now = self.peak = 0
-
-    def _free(self, key: int) -> None:
-        self.now -= self.live.pop(key)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self.live:
-                    self.live[key] = storage.nbytes()
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(storage, self._free, key)
-        return out
-
-
 def _backward_peak(t: int, **techniques: Any) -> int:
     model = _model(TINY, **techniques)
     nll, weight = model.loss(_tokens(t))
     loss = nll / weight
-    with _LiveBytes() as live:
+    with LiveBytes() as live:
         loss.backward()
     return live.peak
 

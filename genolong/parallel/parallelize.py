@@ -13,7 +13,8 @@ Order, and why:
 3. activation recompute (per block or per module);
 4. CPU activation offload (hooks around each block; inside a recomputed block only the block
    inputs are saved, so those are what moves);
-5. FSDP2 last: ``fully_shard`` on every block, then on the root (embeddings, final norm, head),
+5. FSDP2 last: ``fully_shard`` on the token embedding, on every block, then on the root (final
+   norm, head),
    over the mesh's ``dp_shard x cp`` ranks (:func:`genolong.parallel.mesh.fsdp_mesh`; HSDP when
    ``dp_replicate > 1``); with expert parallelism the routed experts of each MoE are their own
    (nested) unit over the ranks holding the same experts
@@ -151,8 +152,11 @@ def parallelize(
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype | None = None) -> nn.Module:
-    """FSDP2 over ``mesh``'s ``dp_shard x cp`` ranks: one ``fully_shard`` unit per block, then the
-    root (embeddings, final norm, LM head and whatever else is left).
+    """FSDP2 over ``mesh``'s ``dp_shard x cp`` ranks: one ``fully_shard`` unit for the token
+    embedding, one per block (under expert parallelism its routed experts a nested unit over the
+    ranks holding the same experts), then the root (final norm, LM head and whatever else is
+    left). The embedding is a unit of its own so that the largest unit a rank gathers is one
+    vocabulary-sized matrix, not two (GLM-5.3-Flash: 0.63B parameters instead of 1.27B).
 
     Every parameter becomes a ``Shard(0)`` DTensor over :func:`genolong.parallel.mesh.fsdp_mesh`
     (2-D HSDP: replicated over ``dp_replicate``). Gradients are summed over those ranks (divide
@@ -163,8 +167,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
     shard_mesh = fsdp_mesh(mesh)
     expert_mesh = expert_fsdp_mesh(mesh)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # the embedding runs first in forward and its gradient comes last in backward: resharded in
+    # between, like every block but the last
+    embedding = model.embed_tokens  # type: ignore[attr-defined]
+    fully_shard(embedding, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=True)
     units = [*model.layers, model]  # type: ignore[attr-defined]
-    nested: list[nn.Module] = []
+    nested: list[nn.Module] = [embedding]
     for i, unit in enumerate(units):
         # the root is resharded anyway after forward; the last block stays unsharded because
         # backward needs it first (torchtitan's choice)

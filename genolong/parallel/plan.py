@@ -494,12 +494,12 @@ class ChunkedTerms:
     :func:`chunked_recompute_terms`).
 
     Attributes:
-        saved: the storages kept from forward to backward (block input and carried extras).
-        rebuilt_bytes: the largest region rebuilt at a time in this layer's backward.
-        rebuilt_region: which half that is (for the breakdown).
-        layer_bytes: tensors of the whole layer that exist while its backward runs besides the
-            rebuilt region: the attention half's output streams ``[T, m, H]`` (the feed-forward
-            chunks' input).
+        saved: the storages kept from forward to backward: the block input, as under ``full``.
+        rebuilt_bytes: the largest region rebuilt at a time in this layer's backward (one
+            feed-forward chunk with the mid-block streams it reads, or one attention segment).
+        rebuilt_region: which that is (for the breakdown).
+        layer_bytes: what the layer's backward holds besides, from its block-level recomputation
+            to its end: the attention half's carried states (KDA) or keys (DSA).
     """
 
     saved: list[SavedTensor]
@@ -514,27 +514,37 @@ def chunked_recompute_terms(config: ModelConfig, layer: int, tokens: int, chunk_
                             expert_load: float = 1.0) -> ChunkedTerms:
     """The formulas for ``memory.recompute: chunked`` on layer ``layer`` (one place to adjust).
 
-    Written from the description in the issue-15 interfaces (``/work/briefs/interfaces.md``),
-    before the implementations (B: framework and FFN chunks; D: DSA segments; E: KDA segments):
+    From the code (:class:`genolong.parallel.recompute.ChunkedBlockForward`,
+    :mod:`genolong.parallel.chunked_kda`, :mod:`genolong.parallel.chunked_dsa`); ``T`` tokens of
+    the slice, segments of ``c = min(chunk_tokens, T)``, ``n = ceil(T / c)`` of them, compute
+    dtype ``a`` bytes:
 
-    - saved per layer: the block input ``streams [T, m, H]`` (as ``full``; on a shared DSA layer
-      also the received top-k indices) plus carried extras. KDA: the fp32 state ``[heads, dk,
-      dv]`` per segment of ``chunk_tokens`` tokens and, under CP, the transition ``[heads, dk,
-      dk]`` per segment, and the short-conv tail (``kernel - 1`` rows of q|k|v in the compute
-      dtype) per segment; DSA: the slice's kv latent ``[T, kv_lora_rank]`` and (full-indexer
-      layers) pooled index keys ``[T / pool, index_head_dim]`` in the compute dtype.
-    - rebuilt: the largest of (attention half of this layer, feed-forward half) of the half's
-      plain saved bytes (no recompute) for ``min(chunk_tokens, T)`` tokens; a DSA attention half
-      also holds the whole sequence's keys (``cp * T`` rows of latent and pooled keys) under CP.
-    - ``layer_bytes``: the attention half's output streams ``[T, m, H]`` (what the feed-forward
-      chunks read) live during the layer's backward.
+    - saved from forward to backward: the block input ``streams [T, m, H]`` only (one
+      block-level checkpoint; on a shared DSA layer also the received top-k indices), as ``full``;
+      ``tests/test_recompute_chunked.py`` meters it per layer.
+    - held while the layer's backward runs (``layer_bytes``): its block-level recomputation runs
+      the attention half again, whose segment checkpoints keep, for a KDA layer, per segment
+      boundary the short-conv tail (``kernel - 1`` rows of q|k|v, ``a`` bytes) and the fp32 state
+      ``[heads, dk, dv]``: ``n - 1`` of each in one process; under CP ``n`` of each, the pass-1
+      state maps ``[heads, dk, dv + dk]`` fp32 of ``n - 1`` segments and the fold's gathered ``cp``
+      maps; for a DSA layer the kv latent ``[T, kv_lora_rank]`` and (full-indexer layers) the
+      pooled index keys ``[T / pool, index_head_dim]``, under CP those of every position up to the
+      rank's slice (the last rank: ``cp * T``).
+    - rebuilt at a time (``rebuilt_bytes``): the larger of one feed-forward chunk (the plain
+      half's saved set for ``c`` tokens) together with the mid-block streams ``[T, m, H]`` it
+      reads (the attention half's output, rebuilt whole in step 1 and freed once every chunk is
+      done), and one attention segment (the plain half's saved set for ``c`` tokens; a DSA query
+      segment also relayouts and differentiates the keys it reads: ``3 x`` the latent of the
+      positions up to the slice's end); either with the gradients of its output and input streams
+      (``2 x [c, m, H]``). ``tests/test_plan.py`` holds the growth of the measured backward peak
+      with ``chunk_tokens`` to this within 10% (tiny, small).
 
     Args:
         config: the architecture.
         layer: layer index.
         tokens: tokens of the rank's slice (``batch * T / cp``).
         chunk_tokens: ``memory.recompute_chunk_tokens``.
-        cp: context-parallel size (transitions, whole-sequence keys).
+        cp: context-parallel size (state maps, keys of earlier ranks).
         dtype_bytes, indexer_kl, moe_chunk_tokens, kda_kernel, dsa_kernel,
             expert_load: as :func:`layer_saved_tensors`.
 
@@ -546,31 +556,32 @@ def chunked_recompute_terms(config: ModelConfig, layer: int, tokens: int, chunk_
     a = dtype_bytes
     H, m = cfg.hidden_size, cfg.hc_mult
     c = min(chunk_tokens, tokens)
+    segments = -(-tokens // c)
     saved = [SavedTensor("block_input", "streams", m * H * a)]
     is_dsa = cfg.layer_types[layer] == INDEXED_ATTENTION
     full_indexer = is_dsa and cfg.indexer_types[layer] == "full"
     if is_dsa and not full_indexer:
         saved.append(SavedTensor("block_input", "received top-k indices", _index_slots(cfg) * _I64))
-    if is_dsa:
-        saved.append(SavedTensor("chunked", "DSA kv latent of the slice", cfg.kv_lora_rank * a))
-        if full_indexer:
-            saved.append(SavedTensor("chunked", "DSA pooled index keys of the slice", cfg.index_head_dim * a / cfg.index_kpool))
-    else:
-        heads, d = cfg.linear_num_heads, cfg.linear_head_dim
-        per_segment = heads * d * d * _F32 + (cfg.linear_conv_kernel_dim - 1) * 3 * heads * d * a
-        if cp > 1:
-            per_segment += heads * d * d * _F32  # the segment's transition [heads, dk, dk]
-        saved.append(SavedTensor("chunked", "KDA carried state (+ transition, conv tail) per segment",
-                                 per_segment / c, piece_tokens=c))
     plain = dict(indexer_kl=indexer_kl, tokens=c, moe_chunk_tokens=moe_chunk_tokens, kda_kernel=kda_kernel,
                  dsa_kernel=dsa_kernel, cp_path=cp > 1, expert_load=expert_load)
-    attn = sum(t.nbytes(c) for t in _half(cfg, layer, "attention", a, frozenset(), **plain))
-    if is_dsa and cp > 1:
-        attn += cp * tokens * (cfg.kv_lora_rank + (cfg.index_head_dim / cfg.index_kpool if full_indexer else 0)) * a
-    ffn = sum(t.nbytes(c) for t in _half(cfg, layer, "ffn", a, frozenset(), **plain))
-    region = ("DSA" if is_dsa else "KDA") + " attention half" if attn >= ffn else "feed-forward half"
-    return ChunkedTerms(saved=saved, rebuilt_bytes=max(attn, ffn), rebuilt_region=region,
-                        layer_bytes=tokens * m * H * a)
+    # a segment's (or chunk's) backward also holds the gradients of its output and of its input
+    # streams, [c, m, H] each
+    grads = 2 * c * m * H * a
+    attn = sum(t.nbytes(c) for t in _half(cfg, layer, "attention", a, frozenset(), **plain)) + grads
+    if is_dsa:
+        end = cp * tokens if cp > 1 else tokens  # positions whose keys the (last) rank reads
+        carried = end * (cfg.kv_lora_rank + (cfg.index_head_dim / cfg.index_kpool if full_indexer else 0)) * a
+        attn += 3 * end * cfg.kv_lora_rank * a
+    else:
+        heads, d = cfg.linear_num_heads, cfg.linear_head_dim
+        boundary = heads * d * d * _F32 + (cfg.linear_conv_kernel_dim - 1) * 3 * heads * d * a
+        carried = (segments - 1) * boundary
+        if cp > 1:
+            state_map = heads * d * (d + d) * _F32
+            carried = segments * boundary + (segments - 1 + cp) * state_map
+    ffn = sum(t.nbytes(c) for t in _half(cfg, layer, "ffn", a, frozenset(), **plain)) + grads + tokens * m * H * a
+    region = ("DSA" if is_dsa else "KDA") + " attention segment" if attn >= ffn else "feed-forward chunk + mid streams"
+    return ChunkedTerms(saved=saved, rebuilt_bytes=max(attn, ffn), rebuilt_region=region, layer_bytes=carried)
 
 
 def layer_saved_tensors(config: ModelConfig, layer: int, recompute: str = "none",
@@ -906,8 +917,9 @@ class FSDPUnit:
     """One FSDP2 unit as a rank sees it.
 
     Attributes:
-        kind: ``block`` (a block; under EP without its routed experts), ``experts`` (one MoE
-            layer's ``E / ep`` routed experts of this rank's EP group) or ``root``.
+        kind: ``embedding`` (the token embedding), ``block`` (a block; under EP without its
+            routed experts), ``experts`` (one MoE layer's ``E / ep`` routed experts of this rank's
+            EP group) or ``root`` (final norm and LM head).
         layer: the block's layer index (None for the root).
         params: parameters the unit gathers (its unsharded size on this rank).
         group: ranks it is sharded over (``dp_shard * cp``, or ``dp_shard * cp / ep`` for experts).
@@ -920,7 +932,8 @@ class FSDPUnit:
 
 
 def fsdp_unit_groups(config: ModelConfig, shard_group: int = 1, ep: int = 1) -> list[FSDPUnit]:
-    """The FSDP2 units in order (each block, then under EP its experts unit, then the root).
+    """The FSDP2 units in order (the embedding, each block, then under EP its experts unit, then
+    the root: final norm and LM head), as :func:`genolong.parallel.apply_fsdp` builds them.
 
     With expert parallelism (``ep > 1``) each MoE block's routed experts are a separate unit:
     ``E / ep`` experts (``3 E I H / ep`` parameters) sharded over the ``shard_group / ep`` ranks
@@ -931,14 +944,15 @@ def fsdp_unit_groups(config: ModelConfig, shard_group: int = 1, ep: int = 1) -> 
     assert cfg.mlp_layer_types is not None
     units = fsdp_units(cfg)
     expert = routed_expert_parameters(cfg)
-    out: list[FSDPUnit] = []
+    embedding = parameter_count(cfg).embedding
+    out: list[FSDPUnit] = [FSDPUnit("embedding", None, embedding, shard_group)]
     for i, n in enumerate(units[:-1]):
         if ep > 1 and cfg.mlp_layer_types[i] == "sparse":
             out.append(FSDPUnit("block", i, n - expert, shard_group))
             out.append(FSDPUnit("experts", i, expert // ep, max(shard_group // ep, 1)))
         else:
             out.append(FSDPUnit("block", i, n, shard_group))
-    out.append(FSDPUnit("root", None, units[-1], shard_group))
+    out.append(FSDPUnit("root", None, units[-1] - embedding, shard_group))
     return out
 
 
@@ -1217,8 +1231,9 @@ def _model_config(recipe: Recipe) -> ModelConfig:
 
 
 def _largest_unit(cfg: ModelConfig, ep: int = 1) -> int:
-    """Parameters of the largest FSDP unit a rank gathers (:func:`fsdp_unit_groups`): a block
-    (under EP without its routed experts), one MoE layer's ``E / ep`` experts, or the root."""
+    """Parameters of the largest FSDP unit a rank gathers (:func:`fsdp_unit_groups`): the
+    embedding, a block (under EP without its routed experts), one MoE layer's ``E / ep`` experts,
+    or the root (LM head and final norm)."""
     return max(u.params for u in fsdp_unit_groups(cfg, 1, ep))
 
 
@@ -1294,7 +1309,7 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
                                            expert_load=expert_load)
                    for i in range(cfg.num_hidden_layers)]
         rebuilt_region = max(regions, key=lambda r: r.rebuilt_bytes + r.layer_bytes).rebuilt_region
-        device[f"rebuilt activations (largest chunk: {rebuilt_region}, + the layer's mid streams)"] = act.rebuilt_bytes
+        device[f"rebuilt activations (chunked: {rebuilt_region}, + the layer's carried states / keys)"] = act.rebuilt_bytes
     else:
         device["rebuilt activations (largest recomputed region)"] = act.rebuilt_bytes
     device["activation gradients in flight (3 x streams)"] = 3 * tokens * m * H * a
@@ -1351,10 +1366,11 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
                       + ": the largest recomputed region is rebuilt whole during its backward (MoE chunks do not bound it)")
     if mem.recompute == "chunked":
         recompute_note = (f"recompute chunked ({mem.recompute_chunk_tokens:,} tokens): saved per layer the block input "
-                          "streams + carried extras (KDA fp32 state per segment, + transition under CP; DSA kv latent and "
-                          "pooled keys of the slice); backward rebuilds one half of one layer for min(chunk, T) tokens at a "
-                          "time (+ the whole sequence's keys under CP), plus the layer's mid streams [T, m, H]: formulas "
-                          "from the issue-15 interface description, not yet metered (chunked_recompute_terms)")
+                          "streams only (as full; metered); during one layer's backward its carried extras (KDA: conv tail "
+                          "and fp32 state per segment boundary, + state maps under CP; DSA: kv latent and pooled keys up to "
+                          "the slice's end) and one feed-forward chunk with the mid-block streams [T, m, H], or one "
+                          "attention segment, at a time (chunked_recompute_terms; the backward-peak slopes in T and in the "
+                          "chunk are held to measurement on tiny/small)")
     assumptions = [
         f"saved activations from formulas over the config, {tokens:,} tokens per rank, kernel_backend {backend!r}: "
         f"KDA chunk kernel {kda_kernel!r} " + kda_note + f"; {dsa_note}"
