@@ -6,13 +6,11 @@ forward + backward of ``GenoLM.loss`` per configuration:
 
 - ``full``: every block checkpointed (the baseline: backward rebuilds a whole layer at once);
 - ``chunked``: ``memory.recompute: chunked`` (genolong.parallel.recompute.ChunkedBlockForward):
-  the block inputs kept as under ``full``, each half of a block rebuilt separately, the
-  feed-forward half ``--chunk-tokens`` tokens at a time (default 4,096);
+  the block inputs kept as under ``full``, each half of a block rebuilt separately,
+  ``--chunk-tokens`` tokens at a time (default 4,096): the feed-forward half in token chunks,
+  KDA attention halves in token segments carrying the state, DSA attention halves in query
+  segments;
 - ``selective``: the default selective kinds (``DEFAULT_SELECTIVE``), for reference.
-
-Until the segmented KDA / DSA attention halves plug into ``ATTENTION_HALVES``, ``chunked``
-rebuilds the attention half whole (as ``full`` does), so what this measures is the feed-forward
-half in chunks (norms, dense MLP / MoE, the merge).
 
 Each run is its own process (``--child``), so its peak RSS (the child's ``ru_maxrss``, from
 ``os.wait4``) is its own; the configurations alternate within each round (A B C, then C B A) so a
