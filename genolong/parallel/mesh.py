@@ -170,6 +170,9 @@ def build_mesh(parallel: ParallelSizes, world_size: int | None = None, device_ty
         # needs the expert weights' EP mesh and their FSDP mesh to come from one root
         efsdp = shape["dp_shard"] * shape["cp"] // ep
         experts = init_device_mesh(device_type, (shape["dp_replicate"], efsdp, ep), mesh_dim_names=EXPERT_MESH_DIMS)
+        # the flattened (efsdp, ep) dimension: a reduction over an expert weight's two shard
+        # dimensions (its gradient norm) is then one all-reduce, not two in sequence
+        experts[("efsdp", "ep")]._flatten("efsdp_ep")
         setattr(mesh, _EXPERT_ATTR, experts)
     return mesh
 
