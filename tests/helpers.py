@@ -166,6 +166,10 @@ def _rank_entry(rank: int, fn: Callable[..., None], world: int, init_file: str, 
                             timeout=timedelta(seconds=60))
     try:
         fn(rank, world, *args)
+        # every rank past its last collective before any rank closes its connections: a gloo send
+        # can complete before the peer has read it, and a rank whose peer vanished mid-read aborts
+        # (seen once in CI: "terminate called without an active exception", SIGABRT)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -407,7 +407,7 @@ def _swiglu(kind: str, name: str, inner: int, a: int) -> list[SavedTensor]:
 
 
 def _ffn(cfg: ModelConfig, layer: int, a: int, recomputed: bool, tokens: int, chunk: int | None,
-         expert_load: float = 1.0) -> list[SavedTensor]:
+         expert_load: float | None = None) -> list[SavedTensor]:
     """The feed-forward: dense SwiGLU (input H + :func:`_swiglu`) or MoE.
 
     MoE (``genolong.model.moe.MoE``), not recomputed, per token: the input (H in the compute
@@ -418,9 +418,11 @@ def _ffn(cfg: ModelConfig, layer: int, a: int, recomputed: bool, tokens: int, ch
     the weighted output that ``index_add_`` keeps as its source (H);
     the shared expert (:func:`_swiglu`). Recomputed: the input only.
 
-    ``expert_load``: the per-(token, slot) expert tensors live on the rank that holds the expert;
-    under expert parallelism the busiest rank holds ``expert_load`` (the imbalance) times the
-    mean (1 without EP: a rank runs its own tokens' slots).
+    ``expert_load``: None without expert parallelism (a rank runs its own tokens' slots); under
+    EP the per-(token, slot) expert tensors live on the rank that holds the expert, which holds
+    ``expert_load`` times the mean rows (the busiest rank: the imbalance), and the rows it
+    received by the dispatch all-to-all are kept too (H per row, before they are ordered by
+    expert; measured under EP 2 with the meter, ``tests/test_plan.py``).
     """
     assert cfg.mlp_layer_types is not None
     H = cfg.hidden_size
@@ -433,6 +435,8 @@ def _ffn(cfg: ModelConfig, layer: int, a: int, recomputed: bool, tokens: int, ch
     E, k, inner = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     c = min(chunk or tokens, tokens)
     per_expert = max(c / E, 1.0)  # tokens whose slots land in one expert's piece, on average
+    load = 1.0 if expert_load is None else expert_load
+    received = [] if expert_load is None else [SavedTensor("moe", "EP received rows", load * k * H * a, piece_tokens=c)]
     return [
         # the router reads it per chunk ([c, H] views), the shared expert whole: two offload
         # copies when chunked (one view when not); in bf16 the router reads an fp32 copy
@@ -441,7 +445,8 @@ def _ffn(cfg: ModelConfig, layer: int, a: int, recomputed: bool, tokens: int, ch
         SavedTensor("moe", "router scores", E * _F32),
         SavedTensor("moe", "top-k indices, order, token map", 3 * k * _I64),
         SavedTensor("moe", "routing weights", (k + 1) * _F32),
-        SavedTensor("moe", "routed experts", expert_load * k * ((3 * H + 6 * inner) * a + _F32), piece_tokens=per_expert),
+        SavedTensor("moe", "routed experts", load * k * ((3 * H + 6 * inner) * a + _F32), piece_tokens=per_expert),
+        *received,
         *_swiglu("moe", "shared expert", inner * cfg.n_shared_experts, a),
     ]
 
@@ -467,7 +472,7 @@ def _mhc(cfg: ModelConfig, name: str, a: int, recomputed: bool) -> list[SavedTen
 
 def _half(cfg: ModelConfig, layer: int, half: str, a: int, kinds: frozenset[str], *, indexer_kl: bool,
           tokens: int, moe_chunk_tokens: int | None, kda_kernel: str, dsa_kernel: str, cp_path: bool,
-          expert_load: float = 1.0) -> list[SavedTensor]:
+          expert_load: float | None = None) -> list[SavedTensor]:
     """The saved tensors of one half of block ``layer``: ``attention`` (``attn_hc ->
     input_layernorm -> self_attn -> merge``) or ``ffn`` (``ffn_hc -> post_attention_layernorm ->
     mlp -> merge``), under ``selective`` recompute of ``kinds`` (empty: nothing recomputed)."""
@@ -511,7 +516,7 @@ class ChunkedTerms:
 def chunked_recompute_terms(config: ModelConfig, layer: int, tokens: int, chunk_tokens: int, *, cp: int = 1,
                             dtype_bytes: int = 4, indexer_kl: bool = False, moe_chunk_tokens: int | None = None,
                             kda_kernel: str = "torch", dsa_kernel: str = "torch",
-                            expert_load: float = 1.0) -> ChunkedTerms:
+                            expert_load: float | None = None) -> ChunkedTerms:
     """The formulas for ``memory.recompute: chunked`` on layer ``layer`` (one place to adjust).
 
     From the code (:class:`genolong.parallel.recompute.ChunkedBlockForward`,
@@ -589,7 +594,7 @@ def layer_saved_tensors(config: ModelConfig, layer: int, recompute: str = "none"
                         indexer_kl: bool = False, tokens: int = 4096,
                         moe_chunk_tokens: int | None = None, kda_kernel: str = "torch",
                         dsa_kernel: str = "torch", cp: int = 1, recompute_chunk_tokens: int = 16384,
-                        expert_load: float = 1.0) -> list[SavedTensor]:
+                        expert_load: float | None = None) -> list[SavedTensor]:
     """What layer ``layer`` keeps for backward, storage by storage.
 
     Args:
@@ -609,7 +614,8 @@ def layer_saved_tensors(config: ModelConfig, layer: int, recompute: str = "none"
         cp: context-parallel size (default 1): the KDA layer takes its CP path (gate and beta in
             torch) and ``chunked`` keeps transitions.
         recompute_chunk_tokens: ``chunked``'s segment (default 16384).
-        expert_load: routed-expert rows this rank holds over the mean (the EP imbalance; 1.0).
+        expert_load: None without expert parallelism (default); under EP the routed-expert rows
+            this rank holds over the mean (the imbalance on the busiest rank; see ``_ffn``).
 
     Returns:
         The :class:`SavedTensor` list; under "full" only the block inputs (``streams [T, m, H]``
@@ -691,7 +697,7 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
                         moe_chunk_tokens: int | None = None, batch: int = 1,
                         kda_kernel: str = "torch", dsa_kernel: str = "torch", cp: int = 1,
                         recompute_chunk_tokens: int = 16384,
-                        expert_load: float = 1.0) -> ActivationEstimate:
+                        expert_load: float | None = None) -> ActivationEstimate:
     """Saved-activation bytes of one forward + backward on ``batch x tokens`` tokens of one rank.
 
     What :class:`~genolong.memory.meter.ActivationMeter` measures around ``model.loss(...)
@@ -712,8 +718,8 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
         cp: context-parallel size (default 1; the KDA layer's CP path, chunked's transitions and
             whole-sequence keys); ``tokens`` is still the slice.
         recompute_chunk_tokens: tokens per rebuilt piece under ``chunked`` (default 16384).
-        expert_load: routed-expert rows on this rank over the mean (expert parallelism's
-            imbalance on the busiest rank; default 1.0).
+        expert_load: None without expert parallelism (default); under EP the routed-expert rows
+            on this rank over the mean (the imbalance on the busiest rank).
 
     Raises:
         InputError: non-positive tokens or batch, an unknown recompute mode or kind, a bad dtype
@@ -1293,7 +1299,7 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
     device["FSDP unsharded params (2 units) + grad (1 unit)"] = working
 
     # under EP the busiest rank holds moe_imbalance x the mean (token, slot) rows of its experts
-    expert_load = moe_imbalance if ep > 1 else 1.0
+    expert_load = moe_imbalance if ep > 1 else None
     act = activation_estimate(cfg, context // cp, recompute=mem.recompute, recompute_modules=mem.recompute_modules,
                               offload=mem.offload, offload_min_bytes=mem.offload_min_bytes, dtype_bytes=a,
                               indexer_kl=True, moe_chunk_tokens=mem.moe_chunk_tokens, batch=recipe.data.batch_size,
