@@ -63,43 +63,6 @@ def _techniques(config: str, chunk_tokens: int) -> dict[str, Any]:
     }[config]
 
 
-class _LiveBytes:
-    """Peak bytes of the tensor storages created during the step and alive at once (each storage
-    once, released when torch frees it): the step's own memory, free of the allocator's
-    fragmentation (a TorchDispatchMode, so it slows the step: its time is not reported)."""
-
-    def __new__(cls) -> Any:
-        import weakref
-
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
-
-        class Mode(TorchDispatchMode):
-            def __init__(self) -> None:
-                super().__init__()
-                self.live: dict[int, int] = {}
-                self.now = self.peak = 0
-
-            def _free(self, key: int) -> None:
-                self.now -= self.live.pop(key)
-
-            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                out = func(*args, **(kwargs or {}))
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                        storage = t.untyped_storage()
-                        key = storage.data_ptr()
-                        if key and key not in self.live:
-                            self.live[key] = storage.nbytes()
-                            self.now += storage.nbytes()
-                            self.peak = max(self.peak, self.now)
-                            weakref.finalize(storage, self._free, key)
-                return out
-
-        return Mode()
-
-
 def child(config: str, tokens: int, chunk_tokens: int, preset: str, threads: int, live: bool = False,
           allocator: str = "genolong") -> None:
     """One configuration's step in this process; prints its figures as one JSON line (with
@@ -112,7 +75,7 @@ def child(config: str, tokens: int, chunk_tokens: int, preset: str, threads: int
 
     import torch
 
-    from genolong.memory import ActivationMeter
+    from genolong.memory import ActivationMeter, LiveBytes
     from genolong.model import PRESETS, GenoLM
     from genolong.parallel import parallelize
 
@@ -120,7 +83,7 @@ def child(config: str, tokens: int, chunk_tokens: int, preset: str, threads: int
     torch.manual_seed(0)
     model = parallelize(GenoLM(PRESETS[preset]), **_techniques(config, chunk_tokens))
     ids = torch.randint(1, 6, (1, tokens), generator=torch.Generator().manual_seed(1))
-    tracker = _LiveBytes() if live else contextlib.nullcontext()
+    tracker = LiveBytes() if live else contextlib.nullcontext()
     t0 = time.perf_counter()
     with ActivationMeter(model) as meter, tracker:
         nll, weight = model.loss(ids)

@@ -1,13 +1,12 @@
 """Test helpers: small FASTA writers, a naive reference segmenter, paths of the test data, the
 bitwise comparison of floating-point results, the transformers child process, the multi-process
-(gloo) launcher, a spy on Triton kernel launches and a live-bytes meter."""
+(gloo) launcher and a spy on Triton kernel launches."""
 
 from __future__ import annotations
 
 import gzip
 import re
 import time
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -19,8 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_DATA = Path(__file__).resolve().parent / "data"
@@ -212,30 +209,3 @@ def spy_on_launches(monkeypatch: pytest.MonkeyPatch, kernel: Any) -> list[list[t
 
     monkeypatch.setattr(kernel, "run", run)
     return seen
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the storages created while active and still alive (each storage counted once,
-    released when torch frees it): e.g. what a backward allocates, rebuilt activations included,
-    independent of the allocator. ``peak`` after the ``with`` block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.now = self.peak = 0
-
-    def _free(self, key: int) -> None:
-        self.now -= self.live.pop(key)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self.live:
-                    self.live[key] = storage.nbytes()
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(storage, self._free, key)
-        return out

@@ -518,13 +518,12 @@ def test_chunked_recompute_bounds_the_rebuilt_region() -> None:
 def test_chunked_rebuilt_region_matches_the_measured_backward(preset: str, tokens: int, chunks: tuple[int, int]) -> None:
     """What backward allocates grows with chunk_tokens by the largest rebuilt segment per token:
     the plan's figure (chunked_recompute_terms, the largest layer) within 10% of the measured
-    growth of the backward's live-bytes peak (all storages torch creates, tests/helpers.py
-    LiveBytes), fp32, one process. Measured: tiny 20,600 B per token of chunk, small 71,956."""
+    growth of the backward's live-bytes peak (all storages torch creates,
+    genolong.memory.LiveBytes), fp32, one process. Measured: tiny 20,600 B per token of chunk, small 71,956."""
+    from genolong.memory import LiveBytes
     from genolong.model import GenoLM
     from genolong.parallel import parallelize
     from genolong.parallel.plan import chunked_recompute_terms
-
-    from .helpers import LiveBytes
 
     cfg = PRESETS[preset]
     tokens_ids = torch.randint(1, 6, (1, tokens), generator=torch.Generator().manual_seed(1))

@@ -31,6 +31,7 @@ import os
 import resource
 import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from types import TracebackType
@@ -40,8 +41,11 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 __all__ = [
+    "LiveBytes",
     "ActivationMeter", "Charge", "LayerMemory", "current_meter", "peak_rss_bytes", "tensor_bytes", "track_saved",
     "untrack_saved",
 ]
@@ -356,3 +360,31 @@ def peak_rss_bytes() -> int:
             pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of the storages torch creates while active and still alive (each storage counted
+    once, released when torch frees it): what a step (e.g. a backward, rebuilt activations
+    included) allocates, free of the allocator's rounding and fragmentation. A
+    ``TorchDispatchMode``, so it slows what runs under it. ``peak`` after the ``with`` block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.live:
+                    self.live[key] = storage.nbytes()
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(storage, self._free, key)
+        return out
