@@ -1540,14 +1540,17 @@ def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, hos
     cheap = [c for c in candidates if c[1] == world and not any(o.startswith("parallel.cp=") for o in c[0])]
     mesh = [c for c in candidates if c not in cheap]
 
+    def fits(overrides: list[str], n: int) -> bool:
+        """Plan with ``overrides`` on ``n`` GPUs; when it fits, record it as the suggestion."""
+        result = attempt(overrides, n)
+        if result is None or not result.fits:
+            return False
+        base.suggestion = overrides + ([f"--gpus {n}"] if n != world else [])
+        base.suggestion_total = result.device_total
+        return True
+
     def first_single(options: list[tuple[list[str], int]]) -> bool:
-        for overrides, n in options:
-            result = attempt(overrides, n)
-            if result is not None and result.fits:
-                base.suggestion = overrides + ([f"--gpus {n}"] if n != world else [])
-                base.suggestion_total = result.device_total
-                return True
-        return False
+        return any(fits(overrides, n) for overrides, n in options)
 
     def first_prefix(options: list[tuple[list[str], int]]) -> bool:
         merged: dict[str, str] = {}
@@ -1556,28 +1559,12 @@ def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, hos
             for item in overrides:
                 merged[item.split("=", 1)[0]] = item
             n = max(n, m)
-            result = attempt(list(merged.values()), n)
-            if result is not None and result.fits:
-                base.suggestion = list(merged.values()) + ([f"--gpus {n}"] if n != world else [])
-                base.suggestion_total = result.device_total
+            if fits(list(merged.values()), n):
                 return True
         return False
 
-    if first_single(cheap) or first_prefix(cheap) or first_single(mesh):
-        return base
-    first_prefix(candidates)
-    return base
-    merged: dict[str, str] = {}
-    n = world
-    for overrides, m in candidates:
-        for item in overrides:
-            merged[item.split("=", 1)[0]] = item
-        n = max(n, m)
-        result = attempt(list(merged.values()), n)
-        if result is not None and result.fits:
-            base.suggestion = list(merged.values()) + ([f"--gpus {n}"] if n != world else [])
-            base.suggestion_total = result.device_total
-            return base
+    if not (first_single(cheap) or first_prefix(cheap) or first_single(mesh)):
+        first_prefix(candidates)
     return base
 
 
