@@ -39,7 +39,7 @@ from genolong.config import ParallelSection
 from genolong.data.windows import context_parallel_bounds
 from genolong.errors import InputError
 from genolong.kernels.testing import rms_ratio
-from genolong.memory import ActivationMeter
+from genolong.memory import ActivationMeter, LiveBytes
 from genolong.model import PRESETS, GenoLM, ModelConfig
 from genolong.model.lm import Block
 from genolong.model.moe import MoE
@@ -47,7 +47,7 @@ from genolong.parallel import apply_recompute, is_recomputed, parallelize, remov
 from genolong.parallel import recompute as recompute_module
 from genolong.parallel.mesh import build_mesh, cp_rank, cp_size
 
-from .helpers import LiveBytes, assert_bitwise_equal, run_ranks
+from .helpers import assert_bitwise_equal, run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -221,6 +221,17 @@ def _backward_peak(t: int, **techniques: Any) -> int:
     return live.peak
 
 
+def _backward_slopes() -> tuple[dict, dict, tuple[float, float, float]]:
+    """Backward peaks of tiny under full (T = 512, 1024) and chunked ((T, chunk) = (512, 128),
+    (1024, 128), (1024, 256)), and their growth in bytes: full's and chunked's per token of T,
+    chunked's per token of chunk."""
+    full = {t: _backward_peak(t, recompute="full") for t in (512, 1024)}
+    chunked = {(t, c): _backward_peak(t, recompute="chunked", recompute_chunk_tokens=c)
+               for t, c in ((512, 128), (1024, 128), (1024, 256))}
+    return full, chunked, ((full[1024] - full[512]) / 512, (chunked[1024, 128] - chunked[512, 128]) / 512,
+                           (chunked[1024, 256] - chunked[1024, 128]) / 128)
+
+
 def test_rebuilt_feed_forward_region_bounded_by_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     """The peak of what backward holds: under full it grows with T by the whole layer's rebuilt
     activations per token; under chunked only by the streams' gradient buffers (a few
@@ -236,12 +247,7 @@ def test_rebuilt_feed_forward_region_bounded_by_chunk(monkeypatch: pytest.Monkey
     for layer_type in list(recompute_module.ATTENTION_HALVES):
         monkeypatch.setitem(recompute_module.ATTENTION_HALVES, layer_type, identity)
     streams = TINY.hc_mult * TINY.hidden_size * 4  # bytes per token
-    full = {t: _backward_peak(t, recompute="full") for t in (512, 1024)}
-    chunked = {(t, c): _backward_peak(t, recompute="chunked", recompute_chunk_tokens=c)
-               for t, c in ((512, 128), (1024, 128), (1024, 256))}
-    full_slope = (full[1024] - full[512]) / 512
-    chunked_slope = (chunked[1024, 128] - chunked[512, 128]) / 512
-    chunk_slope = (chunked[1024, 256] - chunked[1024, 128]) / 128
+    full, chunked, (full_slope, chunked_slope, chunk_slope) = _backward_slopes()
     assert chunked_slope <= 4 * streams, chunked_slope / streams
     assert full_slope > 3 * chunked_slope and chunk_slope > 2 * chunked_slope, (full_slope, chunked_slope, chunk_slope)
     assert chunked[1024, 256] < full[1024]
@@ -254,12 +260,7 @@ def test_rebuilt_region_of_the_whole_block_bounded_by_chunk() -> None:
     full +28.2 streams per token of T, chunked +3.0 per token of T and +20.1 per token of chunk.
     """
     streams = TINY.hc_mult * TINY.hidden_size * 4  # bytes per token
-    full = {t: _backward_peak(t, recompute="full") for t in (512, 1024)}
-    chunked = {(t, c): _backward_peak(t, recompute="chunked", recompute_chunk_tokens=c)
-               for t, c in ((512, 128), (1024, 128), (1024, 256))}
-    full_slope = (full[1024] - full[512]) / 512
-    chunked_slope = (chunked[1024, 128] - chunked[512, 128]) / 512
-    chunk_slope = (chunked[1024, 256] - chunked[1024, 128]) / 128
+    full, chunked, (full_slope, chunked_slope, chunk_slope) = _backward_slopes()
     assert chunked_slope <= 4 * streams, chunked_slope / streams
     assert full_slope > 5 * chunked_slope and chunk_slope > 3 * chunked_slope, (full_slope, chunked_slope, chunk_slope)
     assert chunked[1024, 128] < full[1024] / 3
