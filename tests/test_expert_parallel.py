@@ -95,14 +95,17 @@ def _balanced_counter(rank: int, world: int) -> dict:
             "expected": _balanced_bytes(world, 3, 6)}
 
 
-def _unequal_chunks(rank: int, world: int) -> dict:
+def _unequal_chunks(rank: int, world: int, balance: float = 0.0, capacity: float | None = None) -> dict:
     """One MoE under EP where the ranks hold 5, 12, 19, ... tokens (1, 2, 4, ... chunks of 6):
-    each rank's output and input gradient against the plain MoE on its own tokens (the MoE is
-    position-wise), as RMS ratios, and whether the loads agree."""
+    each rank's output, input gradient and router gradient against the plain MoE on its own
+    tokens (the MoE is position-wise; the balance loss and the capacity act on the rank's own
+    tokens), as RMS ratios, and whether the routing statistics agree."""
     torch.manual_seed(1)
     plain = MoE(_CONFIG, chunk_tokens=6)
     moe = MoE(_CONFIG, chunk_tokens=6)
     moe.load_state_dict(plain.state_dict())
+    for module in (plain, moe):
+        module.balance_loss_weight, module.capacity_factor = balance, capacity
     apply_expert_parallel(moe, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
     torch.manual_seed(10 + rank)
     x = torch.randn(1, 5 + 7 * rank, _CONFIG.hidden_size)
@@ -112,10 +115,12 @@ def _unequal_chunks(rank: int, world: int) -> dict:
         xi = x.clone().requires_grad_(True)
         out = module(xi)
         (out * probe).sum().backward()
-        results.append((out.detach(), xi.grad, module.last_load))
-    (want, want_grad, want_load), (got, got_grad, got_load) = results
-    return {"out": rms_ratio(want, got), "grad": rms_ratio(want_grad, got_grad),
-            "loads": torch.equal(want_load, got_load)}  # exact: int64 counts
+        results.append((out.detach(), xi.grad, module.gate.weight.grad, module.last_routing, module.last_balance_loss))
+    (want, want_grad, want_gate, want_stats, want_bal), (got, got_grad, got_gate, got_stats, got_bal) = results
+    return {"out": rms_ratio(want, got), "grad": rms_ratio(want_grad, got_grad), "gate": rms_ratio(want_gate, got_gate),
+            "loads": torch.equal(want_stats.load, got_stats.load),  # exact: int64 counts
+            "dropped": (int(want_stats.dropped), int(got_stats.dropped)),
+            "balance": None if want_bal is None else (float(want_bal), float(got_bal))}
 
 
 def _ep_worker(rank: int, world: int, folder: str) -> None:
@@ -148,7 +153,8 @@ def _ep_worker(rank: int, world: int, folder: str) -> None:
         except InputError as error:
             bad_split = str(error)
     torch.save({"hidden": hidden.detach(), "grads": grads, "loads": loads, "received": received, "bad_split": bad_split,
-                "counter": _balanced_counter(rank, world), "unequal": _unequal_chunks(rank, world)},
+                "counter": _balanced_counter(rank, world), "unequal": _unequal_chunks(rank, world),
+                "unequal_balanced": _unequal_chunks(rank, world, balance=0.5, capacity=1.0)},
                Path(folder) / f"rank{rank}.pt")
 
 
@@ -183,6 +189,12 @@ def test_expert_parallel_model_equals_one_process(tmp_path: Path, world: int) ->
         errors = _compare(ref, wide, r["grads"])
         print(f"EP {world}: worst {max(errors.values()):.2e}, {sum(e >= _TOL for e in errors.values())} of {len(errors)} >= 1e-5")
         assert r["unequal"]["out"] < _TOL and r["unequal"]["grad"] < _TOL and r["unequal"]["loads"], r["unequal"]
+        # with the balance loss and a capacity of 1.0: the same loss, the same rows dropped, and the
+        # loss's gradient reaching the router through the all-to-alls
+        balanced = r["unequal_balanced"]
+        assert balanced["out"] < _TOL and balanced["grad"] < _TOL and balanced["gate"] < _TOL and balanced["loads"], balanced
+        assert balanced["dropped"][0] == balanced["dropped"][1], balanced  # exact: row counts
+        assert balanced["balance"] is not None and abs(balanced["balance"][0] - balanced["balance"][1]) < 1e-6, balanced
         counter = r["counter"]
         assert counter["measured"] == counter["expected"], counter  # exact: byte counts
         assert counter["received"] == 18 * k  # exact: row counts (balanced: each rank gets its share)

@@ -79,13 +79,13 @@ def _plain_chunked(config: ModelConfig, chunk: int, **techniques: Any) -> GenoLM
 
     def forward(block: Block, streams: torch.Tensor, prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         mid, indices = block.attention_half(streams, prev)
-        pieces, loads = [], []
+        pieces, stats = [], []
         for piece in mid.split(chunk, dim=1):
             pieces.append(block.ffn_half(piece))
             if isinstance(block.mlp, MoE):
-                loads.append(block.mlp.last_load)
-        if loads:
-            block.mlp.last_load = torch.stack(loads).sum(0)
+                stats.append(block.mlp.last_routing)
+        if stats:
+            block.mlp.last_routing = sum(stats[1:], stats[0])
         return torch.cat(pieces, dim=1), indices
 
     for block in model.layers:

@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import InputError
 from ..model.layers import clamped_swiglu
-from ..model.moe import MoE
+from ..model.moe import MoE, RoutingTally
 
 __all__ = ["AllToAllCounter", "apply_expert_parallel", "ep_comm_counter", "expert_parallel_size", "is_expert_parallel"]
 
@@ -149,9 +149,10 @@ class _LocalExperts:
 
 class _ExpertParallelForward:
     """``MoE.forward`` under EP (see the module docstring); ``x [B, T, H] -> [B, T, H]``. Sets
-    ``module.last_load`` (``[E]`` rows this rank routed to each expert: its own tokens only, so a
-    sum over all ranks is the global load) and ``module.last_received`` (rows this rank's experts
-    received, summed over chunks)."""
+    ``module.last_routing`` (its ``load``: ``[E]`` rows this rank routed to each expert, its own
+    tokens only, so a sum over all ranks is the global load; the balance loss and the capacity
+    drop act on the rank's own tokens, as in one process) and ``module.last_received`` (rows this
+    rank's experts received, summed over chunks)."""
 
     def __init__(self, module: MoE, group: dist.ProcessGroup, counter: AllToAllCounter):
         self.module, self.group, self.counter = module, group, counter
@@ -169,15 +170,16 @@ class _ExpertParallelForward:
         self.counter.dispatches += 1
         return recv.view(self.ep, self.local_experts)
 
-    def _chunk(self, chunk: torch.Tensor, n_chunks: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """One token chunk ``[n, H]`` -> (routed output ``[n, H]``, load ``[E]``, rows received,
-        the group's largest chunk count)."""
+    def _chunk(self, chunk: torch.Tensor, start: int, n_chunks: int, tally: RoutingTally) -> tuple[torch.Tensor, int, int]:
+        """One token chunk ``[n, H]`` (rows from ``start`` of the rank's flattened input) ->
+        (routed output ``[n, H]``, rows received, the group's largest chunk count)."""
         m = self.module
-        _, weights, indices = m.gate(chunk)
+        weights, indices = tally.route(chunk, start)
         k = indices.shape[1]
         flat = indices.reshape(-1)
-        order = flat.argsort(stable=True)                  # (token, slot) rows grouped by expert
-        counts = torch.bincount(flat, minlength=m.gate.num_experts)
+        counts = torch.bincount(flat, minlength=m.gate.num_experts + 1)[:m.gate.num_experts]
+        # (token, slot) rows grouped by expert; rows the capacity dropped (index E) sort last, unsent
+        order = flat.argsort(stable=True)[:int(counts.sum())]
         header = self._counts(counts, n_chunks).cpu()
         recv_counts = header & _COUNT_MASK                 # [ep sources, E/ep local experts]
         group_chunks = int((header >> _CHUNK_SHIFT).max())
@@ -199,7 +201,7 @@ class _ExpertParallelForward:
         back = _AllToAll.apply(y.index_select(0, inverse), recv_splits, send_splits, self.group, self.rank, self.counter)
         out = torch.zeros_like(chunk)
         out.index_add_(0, token_of, (back * weights.reshape(-1)[order, None]).to(out.dtype))
-        return out, counts, total, group_chunks
+        return out, total, group_chunks
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
@@ -207,21 +209,19 @@ class _ExpertParallelForward:
         flat = x.reshape(-1, shape[-1])
         step = m.chunk_tokens or max(flat.shape[0], 1)
         chunks = list(flat.split(step)) if flat.shape[0] else []
-        load = torch.zeros(m.gate.num_experts, dtype=torch.int64, device=x.device)
+        tally = RoutingTally(m, shape, x.device)
         outputs, received, i, group_chunks = [], 0, 0, 1
         while i < group_chunks:
             chunk = chunks[i] if i < len(chunks) else flat[:0]   # empty: another rank has more chunks
-            routed, counts, got, chunks_seen = self._chunk(chunk, len(chunks))
+            routed, got, chunks_seen = self._chunk(chunk, i * step, len(chunks), tally)
             group_chunks = chunks_seen if i == 0 else group_chunks
-            load += counts
             received += got
             # kept even when empty (no rows): its exchanges must be in the autograd graph, so that
             # every rank of the group runs the same backward all-to-alls in the same order
             outputs.append(routed)
             i += 1
-        m.last_load = load
         m.last_received = received
-        return torch.cat(outputs).view(shape) + m.shared_experts(x)
+        return tally.finish(torch.cat(outputs).view(shape) + m.shared_experts(x))
 
 
 def is_expert_parallel(module: nn.Module) -> bool:

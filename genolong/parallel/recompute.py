@@ -173,13 +173,14 @@ ATTENTION_HALVES: dict[str, AttentionHalf] = {
 
 def _ffn_piece(block: Block, piece: torch.Tensor) -> torch.Tensor:
     """The feed-forward half on one token chunk ``[1, c, m, H]``; during backward's recomputation
-    the MoE's ``last_load`` keeps the whole forward's loads (the chunk's would overwrite them)."""
+    the MoE's ``last_routing`` keeps the whole forward's statistics (the chunk's would overwrite
+    them)."""
     if isinstance(block.mlp, MoE) and _in_backward():
-        load = block.mlp.last_load
+        stats = block.mlp.last_routing
         try:
             return block.ffn_half(piece)
         finally:  # also when the recomputation stops early, once it has rebuilt what backward needs
-            block.mlp.last_load = load
+            block.mlp.last_routing = stats
     return block.ffn_half(piece)
 
 
@@ -194,7 +195,8 @@ def chunked_ffn_half(block: Block, streams: torch.Tensor, chunk_tokens: int, *, 
     non-reentrant checkpoint (autograd keeps the chunk's input, a view of ``streams``).
 
     The ``B * T`` tokens are cut in order (the half is position-wise, so a chunk may span batch
-    rows); MoE loads (``block.mlp.last_load``, ``[E]`` int64) are the sum over the chunks.
+    rows); the MoE's routing statistics (``block.mlp.last_routing``) are the sum over the chunks,
+    and its sequence-wise balance loss counts each chunk as one sequence.
 
     Args:
         block: the layer.
@@ -210,15 +212,15 @@ def chunked_ffn_half(block: Block, streams: torch.Tensor, chunk_tokens: int, *, 
     flat = streams.reshape(1, b * t, m, h)
     fn = _skip_piece if skip else partial(_ffn_piece, block)
     moe = block.mlp if isinstance(block.mlp, MoE) and not skip else None
-    outs, loads = [], []
+    outs, stats = [], []
     # one split (not a slice per chunk): its backward concatenates the chunks' gradients once,
     # where each slice's backward would write its chunk into a zero-filled [1, B*T, m, H] buffer
     for piece in flat.split(chunk_tokens, dim=1):
         outs.append(checkpoint(fn, piece, use_reentrant=False, preserve_rng_state=False))
-        if moe is not None and moe.last_load is not None:
-            loads.append(moe.last_load)
-    if moe is not None and loads:
-        moe.last_load = torch.stack(loads).sum(0)
+        if moe is not None and moe.last_routing is not None:
+            stats.append(moe.last_routing)
+    if moe is not None and stats:
+        moe.last_routing = sum(stats[1:], stats[0])
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     # B = 1: the tensor itself, not a view of it (FSDP2 warns about a block returning a view)
     return out if b == 1 else out.view(b, t, m, h)
