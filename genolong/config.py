@@ -191,8 +191,17 @@ class TrainSection:
         indexer_kl_weight: weight of the DSA indexer KL loss (the indexer learns to pick the keys
             the main attention uses; 0 freezes it in effect, the KL is still logged). Default 1.0.
         moe_bias_update_rate: step of the MoE routing-bias balancing (DeepSeek-V3's gamma: after
-            each step the bias of an overloaded expert drops by this, of an underloaded one rises;
-            0 turns it off). Default 0.001.
+            each step the bias of an overloaded expert drops, of an underloaded one rises; 0 turns
+            it off). Default 0.001.
+        moe_bias_update: how far the bias moves: ``sign`` (DeepSeek-V3: by the rate, whatever
+            the error; made for runs of many thousands of steps) or ``proportional`` (by the rate
+            times the relative load error ``(mean - load) / mean``: a collapsed layer moves
+            several rates a step, a balanced one barely; for fine-tuning runs of tens to hundreds
+            of steps). Default ``sign``.
+        moe_balance_loss_weight: weight ``alpha`` of DeepSeek-V3's complementary sequence-wise
+            balance loss ``alpha * sum_i f_i P_i`` in every MoE layer (it trains the router
+            itself towards equal load within each window; 0: off). DeepSeek-V3 used 1e-4 over
+            14.8T tokens; short runs need more (see BENCHMARKS.md). Default 0.0.
         context_cut: train with at most this many bases of context per target: each window is
             cut into pieces of ``context_cut + 1`` tokens sharing one token (the same targets, the
             same loss weights, less context), the short-context control of ``genolong quickstart
@@ -212,6 +221,8 @@ class TrainSection:
     max_consecutive_nonfinite: int = 3
     indexer_kl_weight: float = 1.0
     moe_bias_update_rate: float = 0.001
+    moe_bias_update: Literal["sign", "proportional"] = "sign"
+    moe_balance_loss_weight: float = 0.0
     context_cut: int | None = None
 
 
@@ -236,6 +247,14 @@ class MemorySection:
         ce_chunk_tokens: rows per chunk of the fused LM-head cross-entropy. Default 4096.
         recompute_chunk_tokens: for ``chunked``, tokens rebuilt at a time (a multiple of the KDA
             chunk, :data:`KDA_CHUNK`). Default 16384.
+        moe_capacity_factor: a hard bound on each routed expert's rows in training: at most
+            ``ceil(factor x mean)`` (token, slot) rows per expert per MoE token chunk; the rows
+            over it (lowest routing weight first) are dropped, counted and logged. For a memory
+            bound you can rely on (the plan sizes the dispatch for it); null: nothing dropped.
+            Default None.
+        moe_imbalance: the busiest expert's (and EP rank's) load over the mean that ``genolong
+            plan`` sizes the MoE dispatch for (the reference saw 4x); with
+            ``moe_capacity_factor`` the plan takes the smaller of the two. Default 4.0.
     """
 
     recompute: Literal["none", "selective", "full", "chunked"] = "none"
@@ -245,6 +264,8 @@ class MemorySection:
     moe_chunk_tokens: int | None = None
     ce_chunk_tokens: int = 4096
     recompute_chunk_tokens: int = 16384
+    moe_capacity_factor: float | None = None
+    moe_imbalance: float = 4.0
 
 
 @dataclass(frozen=True)
@@ -337,6 +358,8 @@ class LoggingSection:
         csv: write ``metrics.csv``. Default True.
         tensorboard: write TensorBoard event files. Default True.
         progress_bar: show a progress bar. Default True.
+        moe_collapse_steps: warn (once per run) when a MoE layer has experts that got no token,
+            or one expert that took over half the tokens, for this many steps in a row. Default 20.
     """
 
     dir: Path | None = None
@@ -344,6 +367,7 @@ class LoggingSection:
     csv: bool = True
     tensorboard: bool = True
     progress_bar: bool = True
+    moe_collapse_steps: int = 20
 
 
 @dataclass(frozen=True)
@@ -1004,7 +1028,8 @@ def _check(recipe: Recipe, ctx: _Context) -> None:
 
     t = recipe.train
     positive("train.max_steps", t.max_steps)
-    for key in ("lr", "min_lr", "weight_decay", "eps", "grad_clip", "indexer_kl_weight", "moe_bias_update_rate"):
+    for key in ("lr", "min_lr", "weight_decay", "eps", "grad_clip", "indexer_kl_weight", "moe_bias_update_rate",
+                "moe_balance_loss_weight"):
         finite(f"train.{key}", getattr(t, key))
     need(t.lr > 0, "train.lr", f"train.lr = {t.lr}: the learning rate must be > 0")
     need(0 <= t.min_lr <= t.lr, ("train.min_lr", "train.lr"), f"train.min_lr = {t.min_lr}: must be in [0, train.lr = {t.lr}] (the cosine decays from lr to min_lr)")
@@ -1021,6 +1046,7 @@ def _check(recipe: Recipe, ctx: _Context) -> None:
     nonneg("train.indexer_kl_weight", t.indexer_kl_weight)
     positive("train.context_cut", t.context_cut, allow_none=True)
     nonneg("train.moe_bias_update_rate", t.moe_bias_update_rate)
+    nonneg("train.moe_balance_loss_weight", t.moe_balance_loss_weight)
 
     mem = recipe.memory
     for i, module in enumerate(mem.recompute_modules):
@@ -1040,6 +1066,15 @@ def _check(recipe: Recipe, ctx: _Context) -> None:
     positive("memory.moe_chunk_tokens", mem.moe_chunk_tokens, allow_none=True)
     positive("memory.ce_chunk_tokens", mem.ce_chunk_tokens)
     positive("memory.recompute_chunk_tokens", mem.recompute_chunk_tokens)
+    for key in ("moe_capacity_factor", "moe_imbalance"):
+        if getattr(mem, key) is not None:
+            finite(f"memory.{key}", getattr(mem, key))
+    need(mem.moe_capacity_factor is None or mem.moe_capacity_factor >= 1.0, "memory.moe_capacity_factor",
+         f"memory.moe_capacity_factor = {mem.moe_capacity_factor}: must be at least 1.0 (below it tokens are dropped even at "
+         "perfectly balanced routing), e.g. 1.25-2.0, or null for no capacity")
+    need(mem.moe_imbalance >= 1.0, "memory.moe_imbalance",
+         f"memory.moe_imbalance = {mem.moe_imbalance}: the busiest expert's load over the mean is at least 1.0 (balanced); "
+         "the reference saw 4.0")
     need(mem.recompute_chunk_tokens % KDA_CHUNK == 0, "memory.recompute_chunk_tokens",
          f"memory.recompute_chunk_tokens = {mem.recompute_chunk_tokens:,}: must be a multiple of the KDA chunk of {KDA_CHUNK} "
          f"tokens; use {max(KDA_CHUNK, mem.recompute_chunk_tokens // KDA_CHUNK * KDA_CHUNK):,}")
@@ -1076,6 +1111,7 @@ def _check(recipe: Recipe, ctx: _Context) -> None:
     nonneg("checkpoint.every_n_steps", c.every_n_steps)
     positive("checkpoint.keep_last", c.keep_last)
     positive("logging.every_n_steps", recipe.logging.every_n_steps)
+    positive("logging.moe_collapse_steps", recipe.logging.moe_collapse_steps)
 
     # the window length against the model: needs the architecture (preset, or the checkpoint's
     # config.json when it is already on disk); a missing checkpoint is checked at run time by

@@ -38,7 +38,8 @@ def _recipe(tmp_path: Path, store: Path, name: str, **sections: dict) -> Path:
         "seed": 3,
         "model": {"preset": "tiny"},
         "data": {"store": str(store), "context": 256},
-        "train": {"max_steps": _STEPS, "lr": 2.0e-3, "warmup_steps": 2},
+        "train": {"max_steps": _STEPS, "lr": 2.0e-3, "warmup_steps": 2, "moe_balance_loss_weight": 0.1,
+                  "moe_bias_update": "proportional", "moe_bias_update_rate": 0.01},
         "eval": {"every_n_steps": 4, "max_tiles": 1},
         "checkpoint": {"dir": str(tmp_path / "runs" / name / "checkpoints"), "every_n_steps": 2, "keep_last": 2},
         "logging": {"dir": str(tmp_path / "runs" / name / "logs"), "progress_bar": False, "tensorboard": False},
@@ -95,8 +96,15 @@ def test_sigkill_then_resume_gives_the_same_losses(sample_store: Path, tmp_path:
     assert sorted(a) == sorted(b) == list(range(1, _STEPS + 1))
     first = int(resumed_from.stem.removeprefix("step")) + 1
     assert first <= killed_at  # some steps were redone after the kill
+    routing = [f"moe/layer{i}/{what}" for i in range(1, 8) for what in ("load_max_over_mean", "dead_fraction", "router_entropy")]
+    routing += ["train/moe_balance_loss", "train/moe_dead_experts", "train/moe_load_max_over_mean"]
     for step in range(1, _STEPS + 1):  # both runs single-threaded (OMP_NUM_THREADS=1): bitwise
         assert b[step]["train/loss"] == a[step]["train/loss"], (step, a[step]["train/loss"], b[step]["train/loss"])
+        # the routing statistics of every MoE layer (tiny: layers 1-7), the same after the resume
+        # (the routing biases are in the checkpoint)
+        for key in routing:
+            assert b[step][key] == a[step][key], (step, key, a[step][key], b[step][key])
+    assert 0.9 < a[_STEPS]["train/moe_balance_loss"] < 2.0  # sum_i f_i P_i: 1.0 at uniform routing
     # the exported models are identical too
     sa = GenoLM.from_pretrained(tmp_path / "runs" / "straight" / "export").state_dict()
     sb = GenoLM.from_pretrained(tmp_path / "runs" / "killed" / "export").state_dict()

@@ -12,7 +12,8 @@ TensorBoard) and to ``steps.jsonl`` in the run directory:
   ``..._backward`` and ``..._splits``: the bytes this process's expert-parallel all-to-alls sent
   to other ranks during the batch (:class:`genolong.parallel.expert.AllToAllCounter`; rank 0's
   in steps.jsonl);
-- whatever the module logged for the step (loss, bits per base, lr, MoE load, EP load, ...).
+- whatever the module logged for the step (loss, bits per base, lr, MoE load and the per-layer
+  routing statistics ``moe/layerL/...``, EP load, ...).
 
 ``steps.jsonl`` gets one JSON object per training batch, flushed as it is written: a run killed
 at any moment keeps every finished step, and a resumed run appends the steps it redoes (readers
@@ -119,7 +120,7 @@ class StepMetrics(L.Callback):
         if self._handle is not None:
             record: dict[str, Any] = {"step": trainer.global_step, "batch": batch_idx, "window_tokens": tokens}
             for key, value in {**trainer.callback_metrics, **metrics}.items():
-                if key.startswith(("train/", "perf/", "memory/")):
+                if key.startswith(("train/", "perf/", "memory/", "moe/")):
                     record[key] = float(value)
             self._handle.write(json.dumps(record) + "\n")
             self._handle.flush()

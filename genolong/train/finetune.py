@@ -291,6 +291,7 @@ def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
             lr=recipe.train.lr, min_lr=recipe.train.min_lr, warmup_steps=recipe.train.warmup_steps,
             max_steps=recipe.train.max_steps, weight_decay=recipe.train.weight_decay, betas=recipe.train.betas,
             eps=recipe.train.eps, moe_bias_rate=recipe.train.moe_bias_update_rate,
+            moe_bias_update=recipe.train.moe_bias_update, moe_balance_loss_weight=recipe.train.moe_balance_loss_weight,
         ),
         parallelize=functools.partial(_parallelize, recipe),
         parallel=recipe.parallel,
@@ -302,6 +303,8 @@ def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
         indexer_kl_weight=recipe.train.indexer_kl_weight,
         extra_checkpoint_state={"recipe": recipe.to_dict()},
         context_cut=recipe.train.context_cut,
+        moe_capacity_factor=m.moe_capacity_factor,
+        moe_collapse_steps=recipe.logging.moe_collapse_steps,
     )
     d = recipe.data
     datamodule = GenomeDataModule(

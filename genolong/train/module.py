@@ -16,6 +16,7 @@ routing-bias updates, identical on every rank) and the validation loss are reduc
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,13 +34,18 @@ from ..errors import GenolongError, InputError
 from ..model.dsa import DSAMixer
 from ..model.lm import GenoLM
 from ..model.loss import bits_per_base
-from ..model.moe import MoE
+from ..model.moe import MoE, RoutingStats
 from ..model.vocab import VocabMap
 from ..parallel.expert import ep_comm_counter
 from ..parallel.mesh import ParallelSizes, build_mesh, cp_rank, cp_size, dp_size, ep_size
 
-__all__ = ["GenoLMModule", "NonFiniteLossError", "OptimSettings", "WarmupCosine", "clip_grad_norm_by_mesh", "cut_windows",
-           "freeze_parameters"]
+__all__ = ["BIAS_UPDATES", "GenoLMModule", "NonFiniteLossError", "OptimSettings", "WarmupCosine", "clip_grad_norm_by_mesh",
+           "cut_windows", "freeze_parameters", "routing_bias_step"]
+
+log = logging.getLogger("genolong")
+
+#: Rules of the routing-bias update (``OptimSettings.moe_bias_update``, see :func:`routing_bias_step`).
+BIAS_UPDATES = ("sign", "proportional")
 
 
 class NonFiniteLossError(GenolongError):
@@ -59,8 +65,13 @@ class OptimSettings:
             1-D parameters get none).
         betas: AdamW betas.
         eps: AdamW epsilon.
-        moe_bias_rate: aux-loss-free router balancing (DeepSeek-V3): after every step each MoE's
-            ``e_score_correction_bias`` moves by this much towards equal expert load (0: off).
+        moe_bias_rate: aux-loss-free router balancing (DeepSeek-V3's gamma): after every step each
+            MoE's ``e_score_correction_bias`` moves towards equal expert load by this much (0: off).
+        moe_bias_update: ``"sign"`` (DeepSeek-V3: every bias moves by ``moe_bias_rate``) or
+            ``"proportional"`` (by ``moe_bias_rate`` times the expert's relative load error; see
+            :func:`routing_bias_step`).
+        moe_balance_loss_weight: ``alpha`` of the sequence-wise balance loss of every MoE layer
+            (:mod:`genolong.model.moe`; 0: off).
     """
 
     lr: float = 1e-4
@@ -71,6 +82,8 @@ class OptimSettings:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     moe_bias_rate: float = 0.001
+    moe_bias_update: str = "sign"
+    moe_balance_loss_weight: float = 0.0
 
 
 class WarmupCosine:
@@ -122,6 +135,21 @@ def cut_windows(tokens: torch.Tensor, cut: int) -> torch.Tensor:
     for k, (start, stop) in enumerate(spans):
         pieces[:, k, : stop - start] = tokens[:, start:stop]
     return pieces.reshape(-1, cut + 1)
+
+
+def routing_bias_step(load: torch.Tensor, rate: float, rule: str = "sign") -> torch.Tensor:
+    """The change of one MoE layer's ``e_score_correction_bias`` after a step with expert loads
+    ``load [E]``: towards equal load, ``rate * sign(mean - load)`` (``"sign"``, DeepSeek-V3) or
+    ``rate * (mean - load) / mean`` (``"proportional"``: an expert with no row rises by ``rate``,
+    one with ``E/k`` x the mean, every token's, falls by ``(E/k - 1) rate``; a nearly balanced
+    layer barely moves, where ``sign`` keeps jittering by ``rate``). Returns ``[E]`` float32."""
+    load = load.float()
+    mean = load.mean()
+    if rule == "sign":
+        return rate * torch.sign(mean - load)
+    if rule == "proportional":
+        return rate * (mean - load) / mean.clamp_min(1e-9)
+    raise ValueError(f"moe_bias_update must be one of {BIAS_UPDATES}, got {rule!r}")
 
 
 def _mesh_of(param: torch.Tensor) -> Any:
@@ -183,12 +211,22 @@ class GenoLMModule(L.LightningModule):
         extra_checkpoint_state: plain data stored in every checkpoint (the resolved recipe).
         context_cut: train each target with at most this many bases of context (windows cut by
             :func:`cut_windows`; the short-context control); default None: whole windows.
+        moe_capacity_factor: per-expert capacity over the mean rows per token chunk, over it rows
+            are dropped (``MoE.capacity_factor``; default None: no capacity).
+        moe_collapse_steps: warn (once per run) when some experts of a layer got no token, or one
+            expert took over half the tokens, for this many steps in a row (default 20).
 
     Batches are the data module's: ``tokens`` torch.long ``[B, T]`` (store tokens, case kept).
     Logged every step: ``train/loss`` (nats per counted base), ``train/bits_per_base``,
     ``train/tokens`` (counted targets), ``train/indexer_kl``, ``train/lr``, ``train/moe_load_max_over_mean`` (worst
-    layer), ``train/nonfinite_steps``; with expert parallelism also ``train/ep_rows/rank{r}``
-    (the (token, slot) rows global rank ``r``'s experts received, summed over the MoE layers) and
+    layer), ``train/moe_dead_experts`` (experts without a row this step, all layers),
+    ``train/moe_balance_loss`` (mean over layers of ``sum_i f_i P_i``, when the loss is on),
+    ``train/moe_dropped_fraction`` (with a capacity) and per MoE layer ``L`` (its index in the
+    model) ``moe/layerL/load_max_over_mean``, ``moe/layerL/dead_fraction``,
+    ``moe/layerL/router_entropy`` (mean nats per token) and ``moe/layerL/dropped_fraction``
+    (with a capacity), all over the global batch; ``train/nonfinite_steps``; with expert
+    parallelism also ``train/ep_rows/rank{r}`` (the (token, slot) rows global rank ``r``'s
+    experts received, summed over the MoE layers) and
     ``train/ep_load_max_over_mean`` (busiest EP rank over its group's mean, worst layer and group:
     the reference's 4x figure); the callbacks add throughput, memory and the all-to-all bytes.
     """
@@ -207,8 +245,14 @@ class GenoLMModule(L.LightningModule):
         indexer_kl_weight: float = 1.0,
         extra_checkpoint_state: Mapping[str, Any] | None = None,
         context_cut: int | None = None,
+        moe_capacity_factor: float | None = None,
+        moe_collapse_steps: int = 20,
     ):
         super().__init__()
+        if optim.moe_bias_update not in BIAS_UPDATES:
+            raise InputError(f"train.moe_bias_update must be one of {', '.join(BIAS_UPDATES)}, got {optim.moe_bias_update!r}")
+        self.moe_capacity_factor = moe_capacity_factor
+        self.moe_collapse_steps = moe_collapse_steps
         self.context_cut = context_cut
         self.build_model = build_model
         self.optim = optim
@@ -225,7 +269,13 @@ class GenoLMModule(L.LightningModule):
         self.model: GenoLM | None = None
         self.indexers: list[DSAMixer] = []
         self.moes: list[MoE] = []
+        self.moe_layers: list[int] = []  # model layer index of each of self.moes
         self._step_loads: list[torch.Tensor] = []  # [E] float per MoE layer, summed over ranks
+        self._step_routing: list[RoutingStats] = []  # per MoE layer, summed over ranks
+        self._step_balance: float | None = None  # mean over layers of sum_i f_i P_i, over ranks
+        self._dead_streak: torch.Tensor | None = None  # [layers, E] steps in a row without a row
+        self._hog_streak: torch.Tensor | None = None  # [layers] steps in a row one expert took > 1/2
+        self._collapse_warned = False
         self._step_received: torch.Tensor | None = None  # [world, MoE layers] rows each rank's experts received
         self.consecutive_nonfinite = 0
         self.nonfinite_steps = 0
@@ -240,6 +290,12 @@ class GenoLMModule(L.LightningModule):
             freeze_parameters(model, self.freeze)
         self.indexers = [m for m in model.modules() if isinstance(m, DSAMixer) and m.indexer is not None]
         self.moes = [m for m in model.modules() if isinstance(m, MoE)]
+        self.moe_layers = [i for i, layer in enumerate(getattr(model, "layers", [])) if isinstance(layer.mlp, MoE)]
+        if len(self.moe_layers) != len(self.moes):
+            self.moe_layers = list(range(len(self.moes)))
+        for moe in self.moes:
+            moe.capacity_factor = self.moe_capacity_factor
+            moe.balance_loss_weight = self.optim.moe_balance_loss_weight * self._balance_loss_scale()
         for mixer in self.indexers:
             mixer.indexer_kl = True
         if _distributed():
@@ -249,6 +305,15 @@ class GenoLMModule(L.LightningModule):
             if cp_size(self.mesh) > 1 and self.context_cut is not None:
                 raise InputError("train.context_cut trains short pieces one process can hold: set parallel.cp: 1 with it")
         self.model = self.parallelize_fn(model, self.mesh) if self.parallelize_fn is not None else model
+
+    def _balance_loss_scale(self) -> float:
+        """The balance loss's share on this rank: each rank adds the mean loss of its own rows (a
+        window, or its CP slice) and FSDP sums the gradients over the ranks, and Lightning divides
+        the model's loss (not this one) by the accumulated batches; so ``1 / (world x batches)``
+        makes the step the one of the mean over all rows."""
+        world = dist.get_world_size() if _distributed() else 1
+        accumulate = self._trainer.accumulate_grad_batches if self._trainer is not None else 1
+        return 1.0 / (world * accumulate)
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``tokens [B, T]`` -> (NLL sum in nats, counted-target weight sum) of this rank's share:
@@ -317,7 +382,7 @@ class GenoLMModule(L.LightningModule):
         self.log("train/loss", mean, prog_bar=True)
         self.log("train/bits_per_base", bits_per_base(mean))
         self.log("train/tokens", float(totals[1]))
-        self.log("train/moe_load_max_over_mean", self._worst_moe_load())
+        self._log_routing()
         if self._step_received is not None:
             for rank, rows in enumerate(self._step_received.sum(1).tolist()):
                 self.log(f"train/ep_rows/rank{rank}", float(rows))
@@ -328,34 +393,94 @@ class GenoLMModule(L.LightningModule):
         return total
 
     def _reduce_moe_loads(self) -> None:
-        """Keep this step's expert loads of every MoE layer, summed over all ranks (one
-        all-reduce), so the logged balance and the routing-bias updates see the global batch and
-        agree on every rank. Kept apart from ``MoE.last_load``, which a recomputed forward in
-        backward overwrites with the local loads."""
-        loads = [m.last_load for m in self.moes]
-        if any(x is None for x in loads):
-            self._step_loads, self._step_received = [], None
+        """Keep this step's routing statistics of every MoE layer (:class:`RoutingStats`, and the
+        balance loss), summed over all ranks (one all-reduce), so the logged balance and the
+        routing-bias updates see the global batch and agree on every rank. Kept apart from
+        ``MoE.last_routing``, which a recomputed forward in backward overwrites with the local
+        statistics."""
+        stats = [m.last_routing for m in self.moes]
+        if not stats or any(x is None for x in stats):
+            self._step_loads, self._step_routing, self._step_received, self._step_balance = [], [], None, None
             return
         ep = ep_size(self.mesh)
-        # float64 under EP: the received-row counts of a rank can pass 2**24 at reference scale
-        dtype = torch.float64 if ep > 1 else torch.float32
-        parts = [x.to(dtype).reshape(-1) for x in loads]  # type: ignore[union-attr]
+        # float64: the received-row counts under EP can pass 2**24 at reference scale, and the
+        # entropy sums are over every token
+        dtype = torch.float64
+        device = stats[0].load.device  # type: ignore[union-attr]
+        balance = [m.last_balance_loss for m in self.moes]
+        per_layer = torch.tensor([[float(x.dropped), float(x.entropy), float(x.tokens),  # type: ignore[union-attr]
+                                   float(b) if b is not None else 0.0] for x, b in zip(stats, balance)],
+                                 dtype=dtype, device=device)
+        parts = [x.load.to(dtype).reshape(-1) for x in stats] + [per_layer.reshape(-1)]  # type: ignore[union-attr]
         if ep > 1:
             # the rows each rank's experts received, per layer: this rank's row of a [world, layers]
             # table, the others zero, summed with the loads in the same all-reduce
             world, rank = dist.get_world_size(), dist.get_rank()
-            table = torch.zeros(world, len(self.moes), dtype=dtype, device=parts[0].device)
+            table = torch.zeros(world, len(self.moes), dtype=dtype, device=device)
             table[rank] = torch.tensor([float(getattr(m, "last_received", 0)) for m in self.moes], dtype=dtype,
                                        device=table.device)
             parts.append(table.reshape(-1))
         summed = _all_reduce_sum(torch.cat(parts))
         sizes = [m.gate.num_experts for m in self.moes]
-        self._step_loads = list(summed[:sum(sizes)].float().split(sizes))
-        self._step_received = summed[sum(sizes):].view(-1, len(self.moes)) if ep > 1 else None
+        n_loads, n_layers = sum(sizes), len(self.moes)
+        layers = summed[n_loads:n_loads + 4 * n_layers].view(-1, 4)
+        self._step_loads = list(summed[:n_loads].float().split(sizes))
+        self._step_routing = [RoutingStats(load.round().long(), row[0].round().long(), row[1], int(row[2]))
+                              for load, row in zip(summed[:n_loads].split(sizes), layers)]
+        world = dist.get_world_size() if _distributed() else 1
+        self._step_balance = float(layers[:, 3].mean()) / world if any(b is not None for b in balance) else None
+        self._step_received = summed[n_loads + 4 * n_layers:].view(-1, n_layers) if ep > 1 else None
 
     def _worst_moe_load(self) -> float:
         """max / mean tokens per expert of this step, worst MoE layer (1.0 = balanced)."""
         return max((float(load.max() / load.mean().clamp_min(1e-9)) for load in self._step_loads), default=0.0)
+
+    def _log_routing(self) -> None:
+        """Log this step's routing statistics (see the class docstring) and warn, once per run,
+        about a collapsed layer."""
+        self.log("train/moe_load_max_over_mean", self._worst_moe_load())
+        if not self._step_routing:
+            return
+        summaries = [stats.summary() for stats in self._step_routing]
+        for layer, summary in zip(self.moe_layers, summaries):
+            self.log(f"moe/layer{layer}/load_max_over_mean", summary["load_max_over_mean"])
+            self.log(f"moe/layer{layer}/dead_fraction", summary["dead_fraction"])
+            self.log(f"moe/layer{layer}/router_entropy", summary["router_entropy"])
+            if self.moe_capacity_factor is not None:
+                self.log(f"moe/layer{layer}/dropped_fraction", summary["dropped_fraction"])
+        self.log("train/moe_dead_experts", float(sum(int((s.load == 0).sum()) for s in self._step_routing)))
+        if self._step_balance is not None:
+            self.log("train/moe_balance_loss", self._step_balance)
+        if self.moe_capacity_factor is not None:
+            dropped = sum(float(s.dropped) for s in self._step_routing)
+            rows = sum(float(s.load.sum() + s.dropped) for s in self._step_routing)
+            self.log("train/moe_dropped_fraction", dropped / rows if rows else 0.0)
+        self._check_collapse(summaries)
+
+    def _check_collapse(self, summaries: list[dict[str, float]]) -> None:
+        """Count, per layer, the steps in a row that each expert got no row and that one expert
+        took over half the tokens; warn once per run when either reaches ``moe_collapse_steps``
+        (a fresh router can pass either for a step or two by chance)."""
+        dead = torch.stack([s.load == 0 for s in self._step_routing]).long()  # [layers, E]
+        hogged = torch.tensor([s["top_expert_share"] > 0.5 for s in summaries], dtype=torch.long)  # [layers]
+        if self._dead_streak is None or self._dead_streak.shape != dead.shape:
+            self._dead_streak, self._hog_streak = torch.zeros_like(dead), torch.zeros_like(hogged)
+        self._dead_streak = (self._dead_streak + 1) * dead
+        self._hog_streak = (self._hog_streak + 1) * hogged
+        if self._collapse_warned:
+            return
+        n = self.moe_collapse_steps
+        for j, (layer, summary) in enumerate(zip(self.moe_layers, summaries)):
+            long_dead = int((self._dead_streak[j] >= n).sum())
+            if int(self._hog_streak[j]) >= n or long_dead:
+                what = (f"one expert took over half the tokens for {n} steps ({summary['top_expert_share']:.0%} now)"
+                        if int(self._hog_streak[j]) >= n else f"{long_dead} of {dead.shape[1]} experts got no token for {n} steps")
+                if self.global_rank == 0:
+                    log.warning("genolong: MoE layer %d collapsed at step %d: %s, load max/mean %.2f; balance it with "
+                                "train.moe_balance_loss_weight (e.g. 0.1) or train.moe_bias_update: proportional",
+                                layer, self.global_step + 1, what, summary["load_max_over_mean"])
+                self._collapse_warned = True
+                return
 
     def _worst_ep_load(self) -> float:
         """Rows received by the busiest rank of an EP group over the group's mean, worst MoE
@@ -392,14 +517,16 @@ class GenoLMModule(L.LightningModule):
             self._balance_experts()
 
     def _balance_experts(self) -> None:
-        """DeepSeek-V3 aux-loss-free balancing: raise under-loaded experts' routing bias, lower
-        over-loaded ones', by ``optim.moe_bias_rate``. Done with the optimiser step (before
-        Lightning's checkpoint callbacks run), from the last forward's expert loads."""
+        """Aux-loss-free balancing (DeepSeek-V3): raise under-loaded experts' routing bias, lower
+        over-loaded ones' (:func:`routing_bias_step` with ``optim.moe_bias_rate`` and
+        ``optim.moe_bias_update``). Done with the optimiser step (before Lightning's checkpoint
+        callbacks run), from the last forward's expert loads."""
         if self.optim.moe_bias_rate <= 0:
             return
         for module, load in zip(self.moes, self._step_loads):
             bias = module.gate.e_score_correction_bias
-            bias.add_(self.optim.moe_bias_rate * torch.sign(load.mean() - load).to(bias.device, bias.dtype))
+            step = routing_bias_step(load, self.optim.moe_bias_rate, self.optim.moe_bias_update)
+            bias.add_(step.to(bias.device, bias.dtype))
 
     def _count_nonfinite(self, what: str) -> None:
         self.consecutive_nonfinite += 1
