@@ -9,7 +9,7 @@ import pandas as pd
 
 from ..files import replace_file
 
-__all__ = ["format_bucket_table", "format_compare_table", "markdown_table", "write_table"]
+__all__ = ["format_bucket_table", "format_compare_table", "format_routing_table", "markdown_table", "write_table"]
 
 
 def write_table(table: pd.DataFrame, path: Path) -> None:
@@ -52,3 +52,12 @@ def format_compare_table(table: pd.DataFrame, a: str, b: str) -> str:
     ]
     return markdown_table(rows, ["preceding bases", "tokens", f"{a} nats", f"{b} nats", "B - A (95% CI)",
                                  "change (95% CI)", "CI excludes 0"])
+
+
+def format_routing_table(routing: list[dict]) -> str:
+    """An evaluation's routing statistics (``meta.json``'s ``routing``, one entry per MoE layer)
+    as Markdown: load max/mean (1.0 balanced), dead experts, the busiest expert's share of the
+    tokens and the mean router entropy (nats)."""
+    rows = [[str(r["layer"]), _num(r["load_max_over_mean"], 2), f"{r['dead_experts']} of {len(r['load'])}",
+             f"{100 * r['top_expert_share']:.0f}%", _num(r["router_entropy"], 3)] for r in routing]
+    return markdown_table(rows, ["MoE layer", "load max/mean", "dead experts", "busiest expert's tokens", "router entropy"])

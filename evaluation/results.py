@@ -3,7 +3,8 @@
 Layout of a result directory (format ``genolong-eval/1``; written by ``genolong evaluate``, see :mod:`genolong.evaluation.score`):
 
 - ``meta.json``: run description (label, checkpoint, store, split, context, context_cut,
-  bucket_edges, tiles, tokens, nll_sum, fingerprint, free extras);
+  bucket_edges, tiles, tokens, nll_sum, fingerprint; ``routing``: per MoE layer the load per
+  expert over the scored tiles, load max/mean, dead experts, router entropy; free extras);
 - ``tiles.parquet``: one row per tile: tile, contig, start, length;
 - ``tile_buckets.parquet``: dense ``W * K`` rows, tile-major: tile, bucket, tokens, nll_sum;
 - ``positions.parquet``: ``L`` rows: offset, tokens, nll_sum (row 0 always has 0 tokens);

@@ -29,7 +29,7 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from ..data.alphabet import BASE_MASK, SOFTMASK, VOCAB_SIZE
 from ..data.windows import EvalTiles, SplitLike, context_cut_spans
 from ..errors import InputError
 from ..model.lm import GenoLM
+from ..model.moe import MoE, RoutingStats, record_routing
 from ..model.vocab import VocabMap
 from ..files import replace_dir, replace_file
 from .results import EvalResult
@@ -164,10 +165,15 @@ def read_tokens(result_dir: str | os.PathLike[str]) -> pd.DataFrame:
 
 
 class _Running:
-    """Running sums of an evaluation, saved after every tile (``state.npz``)."""
+    """Running sums of an evaluation, saved after every tile (``state.npz``); with ``n_moe``
+    MoE layers of ``n_experts`` experts also the routing sums (per layer: rows per expert, router
+    entropy summed over tokens, tokens)."""
 
-    def __init__(self, n_tiles: int, n_buckets: int, context: int):
+    def __init__(self, n_tiles: int, n_buckets: int, context: int, n_moe: int = 0, n_experts: int = 0):
         self.next_tile = 0
+        self.routing_load = np.zeros((n_moe, n_experts), np.int64)
+        self.routing_entropy = np.zeros(n_moe, np.float64)
+        self.routing_tokens = np.zeros(n_moe, np.int64)
         self.tile_tokens = np.zeros((n_tiles, n_buckets), np.int64)
         self.tile_nll = np.zeros((n_tiles, n_buckets), np.float64)
         self.position_tokens = np.zeros(context, np.int64)
@@ -180,12 +186,14 @@ class _Running:
             with open(tmp, "wb") as f:
                 np.savez(f, next_tile=self.next_tile, tile_tokens=self.tile_tokens, tile_nll=self.tile_nll,
                          position_tokens=self.position_tokens, position_nll=self.position_nll,
-                         digests=self.digests, seconds=self.seconds)
+                         digests=self.digests, seconds=self.seconds, routing_load=self.routing_load,
+                         routing_entropy=self.routing_entropy, routing_tokens=self.routing_tokens)
         replace_file(path, write)
 
     def load(self, path: Path) -> None:
         with np.load(path) as z:
-            if z["tile_tokens"].shape != self.tile_tokens.shape or z["position_nll"].shape != self.position_nll.shape:
+            if (z["tile_tokens"].shape != self.tile_tokens.shape or z["position_nll"].shape != self.position_nll.shape
+                    or "routing_load" not in z or z["routing_load"].shape != self.routing_load.shape):
                 raise InputError(f"{path} does not match this evaluation; delete {path.parent} to start over")
             self.next_tile = int(z["next_tile"])
             self.tile_tokens[:] = z["tile_tokens"]
@@ -194,6 +202,32 @@ class _Running:
             self.position_nll[:] = z["position_nll"]
             self.digests[:] = z["digests"]
             self.seconds = float(z["seconds"])
+            self.routing_load[:] = z["routing_load"]
+            self.routing_entropy[:] = z["routing_entropy"]
+            self.routing_tokens[:] = z["routing_tokens"]
+
+    def add_routing(self, totals: Mapping[str, RoutingStats], names: Sequence[str]) -> None:
+        """Add one tile's routing statistics (:func:`~genolong.model.moe.record_routing`'s)."""
+        for j, name in enumerate(names):
+            if name in totals:
+                self.routing_load[j] += totals[name].load.cpu().numpy()
+                self.routing_entropy[j] += float(totals[name].entropy)
+                self.routing_tokens[j] += totals[name].tokens
+
+    def routing_summary(self, layers: Sequence[int]) -> list[dict[str, Any]]:
+        """Per MoE layer: ``layer`` (its index in the model), ``load_max_over_mean``,
+        ``dead_experts``, ``router_entropy`` (mean nats per token), ``top_expert_share``, ``tokens``
+        and the ``load`` (rows per expert) over the scored tiles."""
+        out = []
+        for j, layer in enumerate(layers):
+            stats = RoutingStats(torch.from_numpy(self.routing_load[j]), torch.zeros((), dtype=torch.int64),
+                                 torch.tensor(self.routing_entropy[j], dtype=torch.float64), int(self.routing_tokens[j]))
+            summary = stats.summary()
+            out.append({"layer": int(layer), "load_max_over_mean": summary["load_max_over_mean"],
+                        "dead_experts": int((self.routing_load[j] == 0).sum()), "router_entropy": summary["router_entropy"],
+                        "top_expert_share": summary["top_expert_share"], "tokens": int(self.routing_tokens[j]),
+                        "load": self.routing_load[j].tolist()})
+        return out
 
 
 def evaluate(
@@ -257,7 +291,9 @@ def evaluate(
         "chunk_size": int(chunk_size),
     }
     work = out.with_name(f".{out.name}.partial")
-    running = _Running(n_tiles, len(edges) - 1, context)
+    moe_names, moe_layers = _moe_layers(model)
+    n_experts = model.config.n_routed_experts if moe_names else 0
+    running = _Running(n_tiles, len(edges) - 1, context, len(moe_names), n_experts)
     state = work / _STATE
     if (work / _SETTINGS).is_file() and json.loads((work / _SETTINGS).read_text()) == settings and state.is_file():
         running.load(state)
@@ -281,7 +317,9 @@ def evaluate(
         for i in range(running.next_tile, n_tiles):
             began = time.perf_counter()
             tile = tiles[i]
-            scores = score_tile(model, tile.tokens, context_cut, vocab, chunk_size, device)
+            with record_routing(model) as routing:
+                scores = score_tile(model, tile.tokens, context_cut, vocab, chunk_size, device)
+            running.add_routing(routing, moe_names)
             bucket = np.searchsorted(edges, scores.offset, side="right") - 1
             nll64 = scores.nll.astype(np.float64)
             running.tile_tokens[i] = np.bincount(bucket, minlength=len(edges) - 1)
@@ -312,6 +350,7 @@ def evaluate(
             "fingerprint": hashlib.sha256(running.digests.tobytes()).hexdigest(),
             "seconds": running.seconds,
             "tokens_per_second": tokens / running.seconds if running.seconds > 0 else None,
+            "routing": running.routing_summary(moe_layers),
         },
         tiles=tiles.tiles.iloc[:n_tiles].reset_index(names="tile")[["tile", "contig", "start", "length"]],
         tile_tokens=running.tile_tokens,
@@ -326,6 +365,13 @@ def evaluate(
         (work / "tokens").rmdir()
     replace_dir(work, out)
     return result
+
+
+def _moe_layers(model: torch.nn.Module) -> tuple[list[str], list[int]]:
+    """The MoE modules of ``model``: (their names, e.g. ``layers.1.mlp``, and layer indices)."""
+    names = [name for name, module in model.named_modules() if isinstance(module, MoE)]
+    layers = [int(m.group(1)) if (m := re.search(r"layers\.(\d+)\.", name)) else j for j, name in enumerate(names)]
+    return names, layers
 
 
 def _progress(total: int, done: int, enabled: bool | None, desc: str) -> Any:

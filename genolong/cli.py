@@ -64,7 +64,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
     from .data.store import GenomeStore
     from .errors import InputError
-    from .evaluation.report import format_bucket_table
+    from .evaluation.report import format_bucket_table, format_routing_table
     from .evaluation.score import evaluate, load_eval_model, recipe_context
 
     context = args.context if args.context is not None else recipe_context(args.checkpoint)
@@ -88,6 +88,9 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     )
     print(f"genolong evaluate: {result.meta['tokens']:,} tokens in {result.meta['tiles']} tiles of {context:,} -> {out}")
     print(format_bucket_table(result.bucket_table()))
+    if result.meta.get("routing"):
+        print("\nMoE routing over the scored tiles:")
+        print(format_routing_table(result.meta["routing"]))
     return 0
 
 
@@ -230,8 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpu-mem", type=float, default=80.0, metavar="GiB", help="memory per GPU (default: %(default)s)")
     pl.add_argument("--host-mem", type=float, metavar="GiB", help="host RAM per node (default: not checked)")
     pl.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs per node (default: %(default)s)")
-    pl.add_argument("--moe-imbalance", type=float, default=4.0, metavar="X",
-                    help="tokens on the busiest expert rank over the mean (default: %(default)s, as the reference saw)")
+    pl.add_argument("--moe-imbalance", type=float, default=None, metavar="X",
+                    help="tokens on the busiest expert rank over the mean (default: the recipe's memory.moe_imbalance, "
+                         "4.0 as the reference saw, or its memory.moe_capacity_factor when smaller)")
     pl.add_argument("--kda-kernel", choices=["torch", "fla"], default=None,
                     help="whose KDA kernel's saved tensors to count (default: what the recipe's model.overrides."
                          "kernel_backend runs; auto on a GPU recipe: fla)")

@@ -29,6 +29,7 @@ from genolong.evaluation.results import EvalResult
 from genolong.evaluation.score import evaluate, load_eval_model, read_tokens, score_tile
 from genolong.evaluation.stats import bucket_edges, compare
 from genolong.model import PRESETS, GenoLM
+from genolong.model.moe import record_routing
 from genolong.train.module import cut_windows
 
 
@@ -147,6 +148,21 @@ def test_evaluate_tables_agree_with_the_per_token_table(tiny: GenoLM, tmp_path: 
     with torch.no_grad():
         total = sum(float(tiny.loss(torch.from_numpy(t.tokens).long()[None])[0]) for t in tiles)
     assert result.meta["nll_sum"] == pytest.approx(total, rel=1e-5)
+    # the routing statistics: per MoE layer every tile's tokens, top-k rows each, the loads those
+    # of the model's own forwards over the tiles
+    routing = result.meta["routing"]
+    moe_layers = [i for i, t in enumerate(tiny.config.mlp_layer_types) if t == "sparse"]
+    assert [r["layer"] for r in routing] == moe_layers
+    routed = sum(t.length for t in tiles)
+    with record_routing(tiny) as totals, torch.no_grad():
+        for t in tiles:
+            tiny(torch.from_numpy(t.tokens).long()[None] & BASE_MASK)
+    for r, stats in zip(routing, totals.values()):
+        assert r["tokens"] == routed and sum(r["load"]) == routed * tiny.config.num_experts_per_tok
+        assert r["load"] == stats.load.tolist()  # exact: row counts
+        assert r["dead_experts"] == sum(x == 0 for x in r["load"])
+        assert r["load_max_over_mean"] == pytest.approx(max(r["load"]) / np.mean(r["load"]))
+        assert r["router_entropy"] == pytest.approx(float(stats.entropy) / stats.tokens, rel=1e-6)
     # the saved directory loads back to the same result
     loaded = EvalResult.load(tmp_path / "r")
     np.testing.assert_array_equal(loaded.tile_nll, result.tile_nll)  # exact: saved and read back

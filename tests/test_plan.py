@@ -474,6 +474,30 @@ def test_ep_in_the_plan(tmp_path: Path) -> None:
         plan(parse_recipe(base.to_dict(), ["parallel.ep=4"]), gpus=2)  # 4 does not divide dp_shard x cp = 2
 
 
+def test_plan_sizes_the_moe_dispatch_for_the_recipes_imbalance(tmp_path: Path) -> None:
+    """The busiest rank's buffers scale with memory.moe_imbalance (default 4.0), a capacity factor
+    below it caps them (rows over it are dropped), --moe-imbalance overrides both; the assumptions
+    say which."""
+    base = _recipe(tmp_path, parallel={"cp": 2, "devices": 4, "ep": 2}, train={"precision": "bf16-mixed"},
+                   memory={"moe_chunk_tokens": 128})
+    cfg = PRESETS["tiny"]
+    H, k, inner = cfg.hidden_size, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+
+    def buffers(imbalance: float) -> int:
+        return int(imbalance * 128 * k * (2 * H + 3 * inner) * 2) + 2 * 128 * k * H * 2
+
+    key = "MoE all-to-all buffers (busiest rank)"
+    cases = [([], None, 4.0, "memory.moe_imbalance, the reference's figure"),
+             (["memory.moe_imbalance=2.5"], None, 2.5, "memory.moe_imbalance"),
+             (["memory.moe_capacity_factor=1.5"], None, 1.5, "memory.moe_capacity_factor"),
+             (["memory.moe_capacity_factor=6.0"], None, 4.0, "memory.moe_imbalance"),
+             (["memory.moe_capacity_factor=1.5"], 3.0, 3.0, "--moe-imbalance")]
+    for overrides, flag, imbalance, source in cases:
+        p = plan(parse_recipe(base.to_dict(), overrides), moe_imbalance=flag)
+        assert p.device[key] == buffers(imbalance), overrides
+        assert any(f"at {imbalance:g} x the mean load ({source}" in a for a in p.assumptions), (overrides, p.assumptions)
+
+
 def test_plan_suggests_expert_parallelism() -> None:
     """1m without EP is over a 140 GiB budget by the unsharded experts of one layer: the cheapest
     change that fits is parallel.ep."""

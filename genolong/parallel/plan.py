@@ -71,38 +71,39 @@ from .cp_dsa import cp_dsa_comm_bytes
 from .recompute import DEFAULT_SELECTIVE, MODULE_KINDS, RECOMPUTE_MODES
 
 __all__ = [
+    "BACKEND_KERNELS",
+    "COMM_CONVENTIONS",
+    "COMM_PARTS",
+    "DSA_KERNELS",
     "FRAGMENTATION",
     "GIB",
     "KDA_KERNELS",
-    "WORKSPACE_BYTES",
-    "COMM_CONVENTIONS",
     "PAYLOAD",
-    "RECEIVED",
-    "ActivationEstimate",
-    "CommEstimate",
-    "CommRow",
-    "Plan",
-    "SavedTensor",
-    "BACKEND_KERNELS",
-    "COMM_PARTS",
-    "DSA_KERNELS",
     "PLAN_RECOMPUTE_MODES",
+    "RECEIVED",
     "SENT",
     "TRANSIENTS",
+    "WORKSPACE_BYTES",
+    "ActivationEstimate",
     "ChunkedTerms",
+    "CommEstimate",
+    "CommRow",
     "FSDPUnit",
+    "Plan",
+    "SavedTensor",
     "activation_estimate",
     "backend_kernels",
     "chunked_recompute_terms",
-    "ep_comm_bytes",
-    "fsdp_unit_groups",
-    "routed_expert_parameters",
     "comm_estimate",
+    "ep_comm_bytes",
     "format_plan",
+    "fsdp_unit_groups",
     "fsdp_units",
     "layer_saved_tensors",
     "outside_saved_tensors",
     "plan",
+    "recipe_moe_imbalance",
+    "routed_expert_parameters",
 ]
 
 GIB = 1 << 30
@@ -1259,8 +1260,9 @@ def _describe(cfg: ModelConfig, count: int) -> str:
 
 
 def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None,
-               gpus_per_node: int, moe_imbalance: float, kda_kernel: str, dsa_kernel: str = "torch") -> Plan:
+               gpus_per_node: int, moe_imbalance: float | None, kda_kernel: str, dsa_kernel: str = "torch") -> Plan:
     par, mem = recipe.parallel, recipe.memory
+    moe_imbalance, imbalance_source = recipe_moe_imbalance(recipe, moe_imbalance)
     cp, rep, ep = par.cp, par.dp_replicate, par.ep
     if gpus % (cp * rep):
         raise InputError(f"--gpus {gpus} is not divisible by parallel.cp x parallel.dp_replicate = {cp * rep}; "
@@ -1390,7 +1392,7 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
         "offload: every saved tensor of at least offload_min_bytes goes to pinned host memory, one host copy per "
         "distinct view autograd saves; two layers are back on the device in backward (prefetch)" if mem.offload
         else "offload off: all saved activations stay on the device",
-        f"MoE dispatch buffer for the busiest GPU at {moe_imbalance:g} x the mean load (the reference saw 4x)"
+        f"MoE dispatch buffer for the busiest GPU at {moe_imbalance:g} x the mean load ({imbalance_source})"
         + (f"; expert parallelism ep {ep}: {cfg.n_routed_experts // ep} experts per rank, each MoE layer's experts an "
            f"FSDP unit over {shard // ep} ranks; the busiest rank's expert activations at {moe_imbalance:g} x, plus its own "
            "dispatch-send and combine-receive rows" if ep > 1 else ""),
@@ -1468,13 +1470,27 @@ def _candidates(recipe: Recipe, cfg: ModelConfig, gpus: int) -> list[tuple[list[
     return out
 
 
+def recipe_moe_imbalance(recipe: Recipe, override: float | None = None) -> tuple[float, str]:
+    """The busiest expert's (and EP rank's) load over the mean that the plan sizes the MoE
+    dispatch for, and where it comes from: ``override`` (``--moe-imbalance``) when given, else
+    the recipe's ``memory.moe_imbalance`` (default 4.0, the reference's figure), capped by
+    ``memory.moe_capacity_factor`` when that is set (the capacity drops the rows over it)."""
+    if override is not None:
+        return float(override), "--moe-imbalance"
+    mem = recipe.memory
+    if mem.moe_capacity_factor is not None and mem.moe_capacity_factor < mem.moe_imbalance:
+        return float(mem.moe_capacity_factor), "memory.moe_capacity_factor: rows over it are dropped"
+    source = "memory.moe_imbalance" + (", the reference's figure" if mem.moe_imbalance == 4.0 else "")
+    return float(mem.moe_imbalance), source
+
+
 def _with_gpus(overrides: list[str], gpus: int, gpus_per_node: int) -> list[str]:
     devices = min(gpus, gpus_per_node)
     return [*overrides, f"parallel.devices={devices}", f"parallel.num_nodes={math.ceil(gpus / devices)}"]
 
 
 def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, host_mem_gib: float | None = None,
-         gpus_per_node: int = 8, moe_imbalance: float = 4.0, *, kda_kernel: str | None = None,
+         gpus_per_node: int = 8, moe_imbalance: float | None = None, *, kda_kernel: str | None = None,
          dsa_kernel: str | None = None) -> Plan:
     """Plan a recipe's memory per GPU and per node; suggest the cheapest change when it does not fit.
 
@@ -1486,7 +1502,8 @@ def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, hos
         gpu_mem_gib: device memory per GPU in GiB (default 80).
         host_mem_gib: host RAM per node in GiB for the pinned offload pool, or None (not checked).
         gpus_per_node: GPUs per node (default 8).
-        moe_imbalance: busiest-GPU MoE load over the mean (default 4.0, as the reference saw).
+        moe_imbalance: busiest-GPU MoE load over the mean (default None: the recipe's, see
+            :func:`recipe_moe_imbalance`).
         kda_kernel: KDA chunk kernel whose saved tensors count: ``torch`` or ``fla`` (default
             None: what the model's ``kernel_backend`` runs on the recipe's accelerator,
             :func:`backend_kernels`; ``auto`` on a GPU recipe is fla's ``chunk_kda``).
@@ -1510,8 +1527,8 @@ def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, hos
     _check_positive("--gpu-mem", gpu_mem_gib)
     _check_positive("--host-mem", host_mem_gib, allow_none=True)
     _check_positive("--gpus-per-node", gpus_per_node, int)
-    _check_positive("moe_imbalance", moe_imbalance)
-    if moe_imbalance < 1:
+    _check_positive("moe_imbalance", moe_imbalance, allow_none=True)
+    if moe_imbalance is not None and moe_imbalance < 1:
         raise InputError(f"moe_imbalance is the busiest GPU's load over the mean and must be >= 1, got {moe_imbalance}")
     cfg = _model_config(recipe)
     default_kda, default_dsa = backend_kernels(cfg.kernel_backend, recipe.parallel.accelerator)
