@@ -263,6 +263,40 @@ def _reading(table: pd.DataFrame, a: str, b: str, tiles: int) -> list[str]:
     return lines
 
 
+def _trained_share(story: _Story) -> str:
+    """'the attention layers only (2.1M of 9.3M parameters)': what the recipe's freeze leaves trained."""
+    from .model import GenoLM
+    from .model.config import ModelConfig
+    from .train.module import freeze_parameters
+
+    with torch.device("meta"):
+        model = GenoLM(ModelConfig.from_pretrained(bundled_base()))
+    freeze_parameters(model, story.recipe.model.freeze)
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    names = {n.split(".")[2] if n.startswith("layers.") else n.split(".")[0] for n, p in model.named_parameters() if p.requires_grad}
+    what = "the attention layers only" if names == {"self_attn"} else "the parameters not frozen"
+    return f"{what} ({trained / 1e6:.1f}M of {total / 1e6:.1f}M parameters; model.freeze)"
+
+
+def _routing_section(results: dict[str, Any]) -> list[str]:
+    """MoE routing of each scored model on the held-out tiles (from ``meta.json``'s ``routing``)."""
+    from .evaluation.report import markdown_table
+
+    scored = {name: res for name, res in results.items() if res.meta.get("routing") and "cut" not in name}
+    if not scored:
+        return []
+    lines = ["## MoE routing on the held-out tiles", "",
+             "Per MoE layer, the busiest expert's (token, slot) rows over the mean (1.0: balanced; 4.0: one expert for "
+             "every token) and the experts that got no token, over the scored tiles (`genolong evaluate`'s routing "
+             "statistics).", ""]
+    layers = [r["layer"] for r in next(iter(scored.values())).meta["routing"]]
+    rows = [[str(layer)] + [f"{x['load_max_over_mean']:.2f} ({x['dead_experts']} dead)"
+                            for res in scored.values() for x in res.meta["routing"] if x["layer"] == layer]
+            for layer in layers]
+    return lines + [markdown_table(rows, ["MoE layer", *(res.label for res in scored.values())]), ""]
+
+
 def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
     from . import __version__
     from .files import replace_file
@@ -284,7 +318,8 @@ def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
         f"(GRCh37) slice, {first.tokens:,} scored bases (N bases are never scored).",
         f"- Base model: the bundled `small` preset (data/sample/base), trained from scratch at {story.cut:,} tokens.",
         f"- Fine-tuned: {r.train.max_steps} steps of {r.data.batch_size} x {r.data.context:,}-token windows of the "
-        f"sample's training split (chr1, chr3, chr4, chr5 slices), lr {r.train.lr:g} (recipes/quickstart.yaml).",
+        f"sample's training split (chr1, chr3, chr4, chr5 slices), lr {r.train.lr:g} (recipes/quickstart.yaml)"
+        + (f", training {_trained_share(story)}" if r.model.freeze else "") + ".",
     ]
     if "control" in results:
         lines.append(f"- Control: the same recipe, seed, windows and steps with `train.context_cut: {story.cut}` "
@@ -294,6 +329,10 @@ def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
         f"{story.cut:,} bases (`genolong evaluate --context-cut {story.cut}`).",
         "- Buckets are by preceding bases within the tile. Intervals: 95% block bootstrap over tiles "
         "(2,000 resamples; tokens within a tile are not independent); comparisons are paired on the same tiles.",
+        f"- How much held-out DNA the intervals rest on: {story.tiles} tiles, {first.tokens:,} scored bases, all from one "
+        f"1 Mb region of one chromosome (chr22:20-21 Mb). They say how sure these tiles are, not how the models compare on "
+        "other chromosomes: benchmarks/quickstart_heldout.py scores both models on other human DNA (chr16, the "
+        "mitochondrion and the chr22 tiles after these; BENCHMARKS.md).",
         "",
         "## Held-out loss by preceding context (nats per base, 95% CI)",
         "",
@@ -314,6 +353,7 @@ def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
         lines += [f"### {question}", "", f"A = {la}, B = {lb}. Change is B - A.", "",
                   format_compare_table(table, "A", "B"), ""]
         lines += [f"- {line}" for line in _reading(table, la, lb, story.tiles)] + [""]
+    lines += _routing_section(results)
     lines += ["## Figures", ""]
     for name, title in (("position_loss", "Loss by position in the tile"), ("buckets", "Bucket means with 95% CIs"),
                         ("relative_change", "Relative change vs the base")):

@@ -1,0 +1,141 @@
+#!/usr/bin/env python
+"""Does the quickstart's fine-tune carry beyond its own held-out slice? Base vs fine-tuned on other human DNA.
+
+``genolong quickstart`` scores the bundled base and its fine-tuned model on the first 8 tiles of
+8,192 bases of the bundled chr22:20-21 Mb slice. This scores the same two models, as ``genolong
+evaluate`` does (tiles of ``--context`` tokens, every counted base), on held-out human DNA the
+quickstart never trains on or reports:
+
+- ``chr16``: hg38 chr16:186,964-397,118, soft-masked (tests/data; another chromosome, another
+  assembly, 42% repeat-masked);
+- ``chrM``: the human mitochondrion, rCRS (tests/data; 16,569 bp, a different genome);
+- ``chr22-more``: tiles 9 to 8 + ``--more-tiles`` of the same chr22 slice (the second look at the
+  quickstart's own region: the tiles after the ones it reports).
+
+Per set: both models' mean loss, the change (fine-tuned - base) with its paired 95% block
+bootstrap interval over tiles (:func:`genolong.evaluation.stats.compare`), and the routing of each
+model's MoE layers on those tiles (load max/mean, dead experts).
+
+Run ``genolong quickstart`` first (its fine-tuned model is ``OUT/runs/quickstart/export``)::
+
+    genolong quickstart
+    python benchmarks/quickstart_heldout.py                     # OUT = genolong-quickstart
+    python benchmarks/quickstart_heldout.py --tuned other/runs/quickstart/export
+
+Prints a table and writes JSON (default benchmarks/results/quickstart_heldout.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DEFAULT_JSON = HERE / "results" / "quickstart_heldout.json"
+CHR16 = ROOT / "tests" / "data" / "hg38_chr16_186964-397118.softmasked.fa.gz"
+CHRM = ROOT / "tests" / "data" / "chrM_rCRS.fa.gz"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quickstart", type=Path, default=Path("genolong-quickstart"),
+                        help="the quickstart's output directory (default: %(default)s)")
+    parser.add_argument("--base", type=Path, default=None, help="base model (default: the bundled data/sample/base)")
+    parser.add_argument("--tuned", type=Path, default=None, help="fine-tuned model (default: QUICKSTART/runs/quickstart/export)")
+    parser.add_argument("--context", type=int, default=8192, help="tile length (default: %(default)s, the quickstart's)")
+    parser.add_argument("--more-tiles", type=int, default=32, help="chr22 tiles after the quickstart's 8 (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="output JSON (default: %(default)s)")
+    args = parser.parse_args()
+
+    import torch
+
+    from genolong.data.prepare import prepare_genome
+    from genolong.data.store import GenomeStore
+    from genolong.data.windows import EvalTiles
+    from genolong.evaluation.score import evaluate, load_eval_model
+    from genolong.evaluation.stats import compare
+    from genolong.quickstart import DEFAULT_EVAL_TILES, bundled_base
+
+    torch.set_num_threads(args.threads)
+    base_dir = args.base or bundled_base()
+    tuned_dir = args.tuned or args.quickstart / "runs" / "quickstart" / "export"
+    if not (tuned_dir / "config.json").is_file():
+        parser.error(f"{tuned_dir} is not a model directory; run `genolong quickstart` first, or pass --tuned")
+    models = {"base": load_eval_model(base_dir)[0], "fine-tuned": load_eval_model(tuned_dir)[0]}
+    sets: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="genolong-heldout-") as work:
+        work_dir = Path(work)
+        # chr16 and chrM each the held-out split of a store whose train split is the other one
+        # (the mitochondrion's record is named MT_human in its file)
+        for name, record, other in (("chr16", "chr16", "MT_human"), ("chrM", "MT_human", "chr16")):
+            store = prepare_genome([CHR16, CHRM], work_dir / f"store-{name}", train=[other], eval=[record], progress=False)
+            split = GenomeStore.open(store.path).split("eval")
+            sets.append({"set": name, "split": split, "first": 0, "tiles": len(EvalTiles(split, args.context))})
+        chr22 = GenomeStore.open(args.quickstart / "genome").split("eval")
+        sets.append({"set": "chr22-more", "split": chr22, "first": DEFAULT_EVAL_TILES, "tiles": args.more_tiles})
+        rows = []
+        for s in sets:
+            results = {}
+            for label, model in models.items():
+                results[label] = evaluate(model, s["split"], work_dir / f"{s['set']}-{label}", args.context,
+                                          max_tiles=s["first"] + s["tiles"], write_tokens=bool(s["first"]), progress=False,
+                                          label=label)
+            if s["first"]:  # only the tiles after the quickstart's own
+                results = {label: _tail(r, work_dir / f"{s['set']}-{label}", s["first"]) for label, r in results.items()}
+            table = compare(results["base"], results["fine-tuned"]).set_index("bucket")
+            overall = table.loc["all"]
+            rows.append({
+                "set": s["set"], "tiles": results["base"].n_tiles, "bases": results["base"].tokens,
+                "base_nats": results["base"].mean_nll, "tuned_nats": results["fine-tuned"].mean_nll,
+                "change_pct": float(overall.rel_pct), "ci_lo_pct": float(overall.rel_ci_lo), "ci_hi_pct": float(overall.rel_ci_hi),
+                "buckets": {str(b): {"change_pct": float(r.rel_pct), "ci": [float(r.rel_ci_lo), float(r.rel_ci_hi)]}
+                            for b, r in table.iterrows() if b != "all"},
+                "routing": {label: [{k: x[k] for k in ("layer", "load_max_over_mean", "dead_experts")} for x in r.meta["routing"]]
+                            for label, r in results.items()},
+            })
+    print(f"base {base_dir} vs fine-tuned {tuned_dir}, tiles of {args.context:,}\n")
+    print("| held-out set | tiles | bases | base nats | fine-tuned nats | change (95% CI) | worst MoE max/mean base / tuned |")
+    print("|---|---:|---:|---:|---:|---|---|")
+    for r in rows:
+        worst = [max(x["load_max_over_mean"] for x in r["routing"][label]) for label in ("base", "fine-tuned")]
+        print(f"| {r['set']} | {r['tiles']} | {r['bases']:,} | {r['base_nats']:.4f} | {r['tuned_nats']:.4f} | "
+              f"{r['change_pct']:+.2f}% [{r['ci_lo_pct']:+.2f}, {r['ci_hi_pct']:+.2f}] | {worst[0]:.2f} / {worst[1]:.2f} |")
+    out = {"benchmark": "quickstart_heldout", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "machine": platform.platform(), "torch": torch.__version__, "base": str(base_dir), "tuned": str(tuned_dir),
+           "context": args.context, "rows": rows}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.json.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(out, indent=1) + "\n")
+    tmp.replace(args.json)
+    print(f"\nwrote {args.json}")
+
+
+def _tail(result: Any, directory: Path, first: int) -> Any:
+    """``result`` (saved in ``directory`` with its per-token table) without its first ``first``
+    tiles: their per-tile rows dropped and their tokens taken out of the per-offset sums."""
+    import numpy as np
+
+    from genolong.evaluation.results import EvalResult
+    from genolong.evaluation.score import read_tokens
+
+    head = read_tokens(directory)
+    head = head[head.tile < first]
+    position_tokens = result.position_tokens - np.bincount(head.offset, minlength=result.context)
+    position_nll = result.position_nll - np.bincount(head.offset, weights=head.nll.astype(np.float64), minlength=result.context)
+    meta = {**result.meta, "tiles": result.n_tiles - first, "tokens": int(result.tile_tokens[first:].sum()),
+            "nll_sum": float(result.tile_nll[first:].sum())}
+    tiles = result.tiles.iloc[first:].reset_index(drop=True)
+    tiles["tile"] = np.arange(len(tiles))
+    return EvalResult(meta=meta, tiles=tiles, tile_tokens=result.tile_tokens[first:], tile_nll=result.tile_nll[first:],
+                      position_tokens=position_tokens, position_nll=position_nll)
+
+
+if __name__ == "__main__":
+    main()
