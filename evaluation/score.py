@@ -44,6 +44,7 @@ from ..data.alphabet import BASE_MASK, SOFTMASK, VOCAB_SIZE
 from ..data.windows import EvalTiles, SplitLike, context_cut_spans
 from ..errors import InputError
 from ..model.lm import GenoLM
+from ..model.stream import check_segment_tokens
 from ..model.moe import MoE, RoutingStats, record_routing
 from ..model.vocab import VocabMap
 from ..files import replace_dir, replace_file
@@ -91,7 +92,8 @@ class TileScores:
 
 @torch.no_grad()
 def score_tile(model: GenoLM, tokens: np.ndarray, context_cut: int | None = None, vocab: VocabMap | None = None,
-               chunk_size: int = 4096, device: torch.device | str = "cpu") -> TileScores:
+               chunk_size: int = 4096, device: torch.device | str = "cpu",
+               segment_tokens: int | None = None) -> TileScores:
     """Score one tile's targets.
 
     Args:
@@ -101,7 +103,12 @@ def score_tile(model: GenoLM, tokens: np.ndarray, context_cut: int | None = None
         vocab: base ids -> model ids (default None: nucleotide ids).
         chunk_size: LM-head rows per chunk.
         device: where the model runs.
+        segment_tokens: stream each window (the tile, or each cut span) through the model this many
+            tokens at a time, carrying the KDA states and DSA caches (:mod:`genolong.model.stream`;
+            per-token NLL equal to the one-shot forward's up to float rounding); default None: one
+            forward per window.
     """
+    check_segment_tokens(segment_tokens)
     length = int(tokens.shape[0])
     if length < 2:
         return TileScores(*(np.zeros(0, dt) for dt in (np.int64, np.int64, np.uint8, bool, np.float32)))
@@ -109,8 +116,8 @@ def score_tile(model: GenoLM, tokens: np.ndarray, context_cut: int | None = None
     spans = context_cut_spans(length, context_cut)
     # the whole spans are one batch [n, C + 1] (one forward instead of n); a short last span alone
     whole = [(a, b) for a, b in spans if b - a == spans[0][1] - spans[0][0]]
-    parts = [model.token_nll(torch.cat([ids[:, a:b] for a, b in whole]), chunk_size, vocab).reshape(-1)]
-    parts += [model.token_nll(ids[:, a:b], chunk_size, vocab)[0] for a, b in spans[len(whole):]]
+    parts = [model.token_nll(torch.cat([ids[:, a:b] for a, b in whole]), chunk_size, vocab, segment_tokens).reshape(-1)]
+    parts += [model.token_nll(ids[:, a:b], chunk_size, vocab, segment_tokens)[0] for a, b in spans[len(whole):]]
     nll = torch.cat(parts).float().cpu().numpy()  # [T - 1]
     offset = np.arange(1, length, dtype=np.int64)
     context = offset if context_cut is None or context_cut >= length - 1 else (offset - 1) % context_cut + 1
@@ -245,6 +252,7 @@ def evaluate(
     meta: Mapping[str, Any] | None = None,
     force: bool = False,
     progress: bool | None = None,
+    segment_tokens: int | None = None,
 ) -> EvalResult:
     """Score the first ``max_tiles`` tiles of ``context`` tokens of ``split`` and write ``out``.
 
@@ -264,6 +272,9 @@ def evaluate(
             that decide the scores must be in it for a resumed run to be checked against them.
         force: replace an existing ``out`` (default False).
         progress: show a progress bar (default: on a terminal).
+        segment_tokens: stream each tile through the model this many tokens at a time (see
+            :func:`score_tile`; recorded in the settings, so a resumed run must use the same);
+            default None: one forward per tile.
 
     Returns:
         The result, as saved in ``out``.
@@ -278,6 +289,7 @@ def evaluate(
         raise InputError(f"--context-cut must be at least 1 base, got {context_cut}")
     if max_tiles is not None and max_tiles < 1:
         raise InputError(f"--max-tiles must be at least 1, got {max_tiles}")
+    check_segment_tokens(segment_tokens)
     edges = bucket_edges(context, first_bucket)
     tiles = EvalTiles(split, context)
     n_tiles = len(tiles) if max_tiles is None else min(max_tiles, len(tiles))
@@ -289,6 +301,8 @@ def evaluate(
         "context": int(context), "context_cut": None if context_cut is None else int(context_cut),
         "tiles": n_tiles, "bucket_edges": edges.tolist(), "write_tokens": bool(write_tokens),
         "chunk_size": int(chunk_size),
+        # streamed and one-shot scores differ by float rounding: a resumed run must not mix them
+        "segment_tokens": None if segment_tokens is None else int(segment_tokens),
     }
     work = out.with_name(f".{out.name}.partial")
     moe_names, moe_layers = _moe_layers(model)
@@ -318,7 +332,7 @@ def evaluate(
             began = time.perf_counter()
             tile = tiles[i]
             with record_routing(model) as routing:
-                scores = score_tile(model, tile.tokens, context_cut, vocab, chunk_size, device)
+                scores = score_tile(model, tile.tokens, context_cut, vocab, chunk_size, device, segment_tokens)
             running.add_routing(routing, moe_names)
             bucket = np.searchsorted(edges, scores.offset, side="right") - 1
             nll64 = scores.nll.astype(np.float64)

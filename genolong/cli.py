@@ -56,6 +56,11 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``evaluate --segment-tokens`` default: a tile up to 64k tokens runs in one forward (as before); a
+#: longer one streams, so peak memory stops growing with the tile (a 1M-token tile of the bundled
+#: base fits a 24 GB machine) at about the one-shot speed (benchmarks/stream_eval.py)
+_SEGMENT_TOKENS = 65536
+
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
@@ -66,10 +71,13 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from .errors import InputError
     from .evaluation.report import format_bucket_table, format_routing_table
     from .evaluation.score import evaluate, load_eval_model, recipe_context
+    from .model.stream import check_segment_tokens
 
     context = args.context if args.context is not None else recipe_context(args.checkpoint)
     if context is None:
         raise InputError(f"give --context L: {args.checkpoint} is not a finetune run or checkpoint with a recipe to take it from")
+    segment_tokens = None if args.segment_tokens == 0 else args.segment_tokens
+    check_segment_tokens(segment_tokens)  # before the model loads
     store = GenomeStore.open(args.store)
     split = store.split(args.split)
     dtype = getattr(torch, _DTYPES[args.dtype])
@@ -85,6 +93,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         meta={"checkpoint": str(Path(args.checkpoint).resolve()), "store": str(store.path.resolve()), "split": args.split,
               "dtype": _DTYPES[args.dtype], "device": args.device},
         force=args.force, progress=None if not args.quiet else False,
+        segment_tokens=segment_tokens,
     )
     print(f"genolong evaluate: {result.meta['tokens']:,} tokens in {result.meta['tiles']} tiles of {context:,} -> {out}")
     print(format_bucket_table(result.bucket_table()))
@@ -260,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-tiles", type=int, metavar="N", help="score only the first N tiles (default: all)")
     ev.add_argument("--label", help="name of this run in tables and figures (default: from CHECKPOINT)")
     ev.add_argument("--no-tokens", action="store_true", help="do not write the per-token table (aggregates only)")
+    ev.add_argument("--segment-tokens", type=int, default=_SEGMENT_TOKENS, metavar="S",
+                    help="stream a tile longer than S tokens through the model S at a time, carrying the KDA states "
+                         "and DSA caches (peak memory of one segment plus the caches; equal to the one-shot forward "
+                         "up to float rounding); 0: one forward per tile (default: %(default)s)")
     ev.set_defaults(func=_cmd_evaluate)
 
     cmp_ = sub.add_parser(

@@ -143,9 +143,20 @@ class GenoLM(nn.Module):
         return next_token_loss(hidden, self.lm_head.weight, tokens, softmask_weight, chunk_size, vocab, next_tokens)
 
     @torch.no_grad()
-    def token_nll(self, tokens: torch.Tensor, chunk_size: int = 4096, vocab: VocabMap | None = None) -> torch.Tensor:
+    def token_nll(self, tokens: torch.Tensor, chunk_size: int = 4096, vocab: VocabMap | None = None,
+                  segment_tokens: int | None = None) -> torch.Tensor:
         """Per-target NLL of store tokens ``[B, T]``: ``[B, T - 1]`` float32 nats, NaN where the
-        target does not count (see :func:`genolong.model.loss.next_token_nll`); no gradient."""
+        target does not count (see :func:`genolong.model.loss.next_token_nll`); no gradient.
+
+        ``segment_tokens``: stream the sequence through the model this many tokens at a time
+        (:func:`genolong.model.stream.stream_token_nll`: peak memory of one segment plus the DSA
+        caches; equal up to float rounding); default None, or ``>= T``: one forward of the whole.
+        """
+        from .stream import check_segment_tokens, stream_token_nll
+
+        check_segment_tokens(segment_tokens)
+        if segment_tokens is not None and segment_tokens < tokens.shape[1]:
+            return stream_token_nll(self, tokens, segment_tokens, chunk_size, vocab)
         inputs = model_inputs(tokens) if vocab is None else vocab.to_model(tokens)
         return next_token_nll(self(inputs), self.lm_head.weight, tokens, chunk_size, vocab)
 
