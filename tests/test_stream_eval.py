@@ -236,3 +236,13 @@ def test_evaluate_cli_segment_tokens(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_bad_segment_tokens_is_a_one_line_input_error(tiny: GenoLM, bad: object) -> None:
     with pytest.raises(InputError, match="--segment-tokens must be a positive"):
         tiny.token_nll(dna(1, 50, seed=9), segment_tokens=bad)  # type: ignore[arg-type]
+
+
+def test_a_context_parallel_model_is_refused(tiny: GenoLM) -> None:
+    mixer = tiny.layers[0].self_attn
+    mixer.cp_group = object()  # as apply_context_parallel records it
+    try:
+        with pytest.raises(InputError, match="context parallelism"):
+            PrefillStream(tiny)
+    finally:
+        mixer.cp_group = None
