@@ -108,8 +108,10 @@ def _finish(jobs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def _result(job: dict[str, Any], status: int, usage: Any, wall: float) -> dict[str, Any]:
     """One ended child's JSON line plus its peak RSS and wall time (exits on a failed child)."""
     output = job["log"].read_bytes()
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"{' '.join(job['cmd'])} failed:\n{output.decode(errors='replace')[-3000:]}")
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:  # a negative code is the signal that ended it (e.g. -9: killed, as the OOM killer does)
+        sys.exit(f"{' '.join(job['cmd'])} failed with exit code {code} after {wall:.0f} s, peak RSS "
+                 f"{usage.ru_maxrss * 1024 / GiB:.2f} GiB:\n{output.decode(errors='replace')[-3000:]}")
     result = json.loads(output.decode().strip().splitlines()[-1])
     result.update(wall_s=wall, peak_rss_bytes=usage.ru_maxrss * 1024, segment_tokens=job["segment_tokens"] or None)
     return result
