@@ -44,8 +44,8 @@ from ..data.alphabet import BASE_MASK, SOFTMASK, VOCAB_SIZE
 from ..data.windows import EvalTiles, SplitLike, context_cut_spans
 from ..errors import InputError
 from ..model.lm import GenoLM
-from ..model.stream import check_segment_tokens
 from ..model.moe import MoE, RoutingStats, record_routing
+from ..model.stream import check_segment_tokens
 from ..model.vocab import VocabMap
 from ..files import replace_dir, replace_file
 from .results import EvalResult
