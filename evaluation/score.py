@@ -44,7 +44,7 @@ from ..data.alphabet import BASE_MASK, SOFTMASK, VOCAB_SIZE
 from ..data.windows import EvalTiles, SplitLike, context_cut_spans
 from ..errors import InputError
 from ..model.lm import GenoLM
-from ..model.moe import MoE, RoutingStats, record_routing
+from ..model.moe import RoutingStats, moe_layers, record_routing
 from ..model.stream import check_segment_tokens
 from ..model.vocab import VocabMap
 from ..files import replace_dir, replace_file
@@ -305,7 +305,8 @@ def evaluate(
         "segment_tokens": None if segment_tokens is None else int(segment_tokens),
     }
     work = out.with_name(f".{out.name}.partial")
-    moe_names, moe_layers = _moe_layers(model)
+    moes = moe_layers(model)
+    moe_names, moe_indices = [name for name, _, _ in moes], [index for _, index, _ in moes]
     n_experts = model.config.n_routed_experts if moe_names else 0
     running = _Running(n_tiles, len(edges) - 1, context, len(moe_names), n_experts)
     state = work / _STATE
@@ -364,7 +365,7 @@ def evaluate(
             "fingerprint": hashlib.sha256(running.digests.tobytes()).hexdigest(),
             "seconds": running.seconds,
             "tokens_per_second": tokens / running.seconds if running.seconds > 0 else None,
-            "routing": running.routing_summary(moe_layers),
+            "routing": running.routing_summary(moe_indices),
         },
         tiles=tiles.tiles.iloc[:n_tiles].reset_index(names="tile")[["tile", "contig", "start", "length"]],
         tile_tokens=running.tile_tokens,
@@ -379,13 +380,6 @@ def evaluate(
         (work / "tokens").rmdir()
     replace_dir(work, out)
     return result
-
-
-def _moe_layers(model: torch.nn.Module) -> tuple[list[str], list[int]]:
-    """The MoE modules of ``model``: (their names, e.g. ``layers.1.mlp``, and layer indices)."""
-    names = [name for name, module in model.named_modules() if isinstance(module, MoE)]
-    layers = [int(m.group(1)) if (m := re.search(r"layers\.(\d+)\.", name)) else j for j, name in enumerate(names)]
-    return names, layers
 
 
 def _progress(total: int, done: int, enabled: bool | None, desc: str) -> Any:

@@ -27,6 +27,7 @@ load). Chunking changes memory, not results.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from torch import nn
 from .config import ModelConfig
 from .layers import SwiGLU, clamped_swiglu
 
-__all__ = ["Router", "Experts", "MoE", "RoutingStats", "RoutingTally", "capacity_keep", "record_routing"]
+__all__ = ["Router", "Experts", "MoE", "RoutingStats", "RoutingTally", "capacity_keep", "moe_layers", "record_routing"]
 
 
 class Router(nn.Module):
@@ -309,6 +310,14 @@ class MoE(nn.Module):
             outputs.append(self.experts(chunk, indices, weights)[0])
         routed = torch.cat(outputs) if outputs else torch.zeros_like(flat)
         return tally.finish(routed.view(shape) + self.shared_experts(x))
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, int, MoE]]:
+    """The MoE modules of ``model`` in model order: (module name, e.g. ``layers.1.mlp``; its
+    decoder-layer index, from the name, else its position among the MoE modules; the module)."""
+    named = [(name, module) for name, module in model.named_modules() if isinstance(module, MoE)]
+    return [(name, int(m.group(1)) if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", name)) else j, module)
+            for j, (name, module) in enumerate(named)]
 
 
 @contextmanager

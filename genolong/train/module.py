@@ -34,7 +34,7 @@ from ..errors import GenolongError, InputError
 from ..model.dsa import DSAMixer
 from ..model.lm import GenoLM
 from ..model.loss import bits_per_base
-from ..model.moe import MoE, RoutingStats
+from ..model.moe import MoE, RoutingStats, moe_layers
 from ..model.vocab import VocabMap
 from ..parallel.expert import ep_comm_counter
 from ..parallel.mesh import ParallelSizes, build_mesh, cp_rank, cp_size, dp_size, ep_size
@@ -270,7 +270,6 @@ class GenoLMModule(L.LightningModule):
         self.indexers: list[DSAMixer] = []
         self.moes: list[MoE] = []
         self.moe_layers: list[int] = []  # model layer index of each of self.moes
-        self._step_loads: list[torch.Tensor] = []  # [E] float per MoE layer, summed over ranks
         self._step_routing: list[RoutingStats] = []  # per MoE layer, summed over ranks
         self._step_balance: float | None = None  # mean over layers of sum_i f_i P_i, over ranks
         self._dead_streak: torch.Tensor | None = None  # [layers, E] steps in a row without a row
@@ -289,10 +288,8 @@ class GenoLMModule(L.LightningModule):
         if self.freeze:
             freeze_parameters(model, self.freeze)
         self.indexers = [m for m in model.modules() if isinstance(m, DSAMixer) and m.indexer is not None]
-        self.moes = [m for m in model.modules() if isinstance(m, MoE)]
-        self.moe_layers = [i for i, layer in enumerate(getattr(model, "layers", [])) if isinstance(layer.mlp, MoE)]
-        if len(self.moe_layers) != len(self.moes):
-            self.moe_layers = list(range(len(self.moes)))
+        moes = moe_layers(model)
+        self.moes, self.moe_layers = [m for _, _, m in moes], [index for _, index, _ in moes]
         for moe in self.moes:
             moe.capacity_factor = self.moe_capacity_factor
             moe.balance_loss_weight = self.optim.moe_balance_loss_weight * self._balance_loss_scale()
@@ -400,7 +397,7 @@ class GenoLMModule(L.LightningModule):
         statistics."""
         stats = [m.last_routing for m in self.moes]
         if not stats or any(x is None for x in stats):
-            self._step_loads, self._step_routing, self._step_received, self._step_balance = [], [], None, None
+            self._step_routing, self._step_received, self._step_balance = [], None, None
             return
         ep = ep_size(self.mesh)
         # float64: the received-row counts under EP can pass 2**24 at reference scale, and the
@@ -424,24 +421,20 @@ class GenoLMModule(L.LightningModule):
         sizes = [m.gate.num_experts for m in self.moes]
         n_loads, n_layers = sum(sizes), len(self.moes)
         layers = summed[n_loads:n_loads + 4 * n_layers].view(-1, 4)
-        self._step_loads = list(summed[:n_loads].float().split(sizes))
         self._step_routing = [RoutingStats(load.round().long(), row[0].round().long(), row[1], int(row[2]))
                               for load, row in zip(summed[:n_loads].split(sizes), layers)]
         world = dist.get_world_size() if _distributed() else 1
         self._step_balance = float(layers[:, 3].mean()) / world if any(b is not None for b in balance) else None
         self._step_received = summed[n_loads + 4 * n_layers:].view(-1, n_layers) if ep > 1 else None
 
-    def _worst_moe_load(self) -> float:
-        """max / mean tokens per expert of this step, worst MoE layer (1.0 = balanced)."""
-        return max((float(load.max() / load.mean().clamp_min(1e-9)) for load in self._step_loads), default=0.0)
-
     def _log_routing(self) -> None:
         """Log this step's routing statistics (see the class docstring) and warn, once per run,
         about a collapsed layer."""
-        self.log("train/moe_load_max_over_mean", self._worst_moe_load())
-        if not self._step_routing:
-            return
         summaries = [stats.summary() for stats in self._step_routing]
+        # max / mean rows per expert of this step, worst MoE layer (1.0 = balanced)
+        self.log("train/moe_load_max_over_mean", max((x["load_max_over_mean"] for x in summaries), default=0.0))
+        if not summaries:
+            return
         for layer, summary in zip(self.moe_layers, summaries):
             self.log(f"moe/layer{layer}/load_max_over_mean", summary["load_max_over_mean"])
             self.log(f"moe/layer{layer}/dead_fraction", summary["dead_fraction"])
@@ -523,9 +516,9 @@ class GenoLMModule(L.LightningModule):
         callbacks run), from the last forward's expert loads."""
         if self.optim.moe_bias_rate <= 0:
             return
-        for module, load in zip(self.moes, self._step_loads):
+        for module, stats in zip(self.moes, self._step_routing):
             bias = module.gate.e_score_correction_bias
-            step = routing_bias_step(load, self.optim.moe_bias_rate, self.optim.moe_bias_update)
+            step = routing_bias_step(stats.load, self.optim.moe_bias_rate, self.optim.moe_bias_update)
             bias.add_(step.to(bias.device, bias.dtype))
 
     def _count_nonfinite(self, what: str) -> None:
