@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -27,7 +28,11 @@ from ..files import replace_file
 from .results import EvalResult
 from .stats import check_comparable, compare, format_bases
 
-__all__ = ["OKABE_ITO", "position_figure", "bucket_figure", "relative_change_figure", "plot_results"]
+if TYPE_CHECKING:  # probe.py imports this module lazily; the type is for hints only
+    from .probe import ProbeResult
+
+__all__ = ["OKABE_ITO", "position_figure", "bucket_figure", "relative_change_figure", "plot_results", "probe_figure",
+           "save_probe_figure"]
 
 log = logging.getLogger(__name__)
 
@@ -262,3 +267,81 @@ def plot_results(results: Sequence[EvalResult], out: Path, formats: Sequence[str
             _save(fig, series, out, "relative_change", formats, written)
     return written
 
+
+
+def probe_figure(results: Sequence[ProbeResult], n_boot: int = 2000, seed: int = 0, level: float = 0.95,
+                 marks: Sequence[tuple[int, str]] = ()) -> tuple[Figure, pd.DataFrame]:
+    """The planted-repeat probe (``genolong probe``): loss on the copy by distance in both views
+    (top), and the drop ``cut - full`` with its paired interval (bottom), one colour per run.
+
+    Args:
+        results: probe results (overlaid; e.g. the base and the fine-tuned model on the same tiles).
+        n_boot, seed, level: bootstrap replicates (2000), seed (0) and CI coverage (0.95).
+        marks: vertical reference lines ``(bases, text)``, e.g. ``[(1024, "base trained at 1k")]``.
+
+    Returns:
+        ``(figure, series)``: the rows of each run's :meth:`ProbeResult.table` with a ``run`` column
+        (what was drawn: the means, intervals and drops).
+    """
+    _need(results, 1, "the probe figure")
+    fig = Figure(figsize=(7.0, 6.0), layout="constrained")
+    FigureCanvasAgg(fig)
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(1.0, 1.0))
+    names = _run_names(results)  # type: ignore[arg-type]  # only .label is read
+    parts = []
+    for i, (r, name) in enumerate(zip(results, names)):
+        t = r.table(n_boot, seed, level)
+        x = t["distance"].to_numpy(np.float64)
+        colour = _colour(i)
+        top.plot(x, t["full_nats"].to_numpy(), color=colour, marker="o", ms=4, lw=1.6, label=f"{name}: source in view")
+        top.fill_between(x, t["full_ci_lo"].to_numpy(), t["full_ci_hi"].to_numpy(), color=colour, alpha=0.15, lw=0)
+        top.plot(x, t["cut_nats"].to_numpy(), color=colour, marker="s", ms=4, lw=1.2, ls="--",
+                 label=f"{name}: cut below d")
+        drop = t["drop"].to_numpy()
+        bottom.vlines(x, t["drop_ci_lo"].to_numpy(), t["drop_ci_hi"].to_numpy(), color=colour, lw=1.6)
+        bottom.plot(x, drop, color=colour, marker="o", ms=5, lw=1.0, label=name)
+        parts.append(t.assign(run=name))
+    bottom.axhline(0.0, color="#000000", lw=0.8)
+    for bases, text in marks:
+        for ax in (top, bottom):
+            ax.axvline(bases, color="#999999", lw=1.0, ls=":")
+        top.annotate(text, (bases, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3), textcoords="offset points",
+                     ha="left", va="top", fontsize=8, color="#555555")
+    for ax in (top, bottom):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: format_bases(int(v)) if v >= 1 and float(v).is_integer() else ""))
+        ax.grid(True, which="major", alpha=0.3)
+    m = results[0].repeat_bases
+    top.set_ylabel(f"loss on the {m}-base copy\n(nats/base)")
+    top.set_title(f"Planted-repeat recall: a {m}-base copy d bases after its source ({level:.0%} CIs over tiles)")
+    top.legend(loc="best", frameon=False, fontsize=8)
+    bottom.set_ylabel("drop = cut - full (nats/base)\n(paired CI; > 0: recalled)")
+    bottom.set_xlabel("distance d from the source to its copy (bases, log scale)")
+    if len(results) > 1:
+        bottom.legend(loc="best", frameon=False, fontsize=8)
+    return fig, pd.concat(parts, ignore_index=True)
+
+
+def save_probe_figure(results: Sequence[ProbeResult], out: Path, formats: Sequence[str] = ("png", "pdf"),
+                      n_boot: int = 2000, seed: int = 0, marks: Sequence[tuple[int, str]] = (),
+                      stem: str = "probe") -> dict[str, Path]:
+    """Draw :func:`probe_figure` and save ``out/<stem>.{png,pdf}`` and ``out/<stem>_series.csv``
+    (the series drawn), each through a temporary name; returns ``{file name: path}``."""
+    supported = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    bad = [f for f in formats if f not in supported]
+    if bad:
+        raise InputError(f"unknown figure format(s) {', '.join(bad)}; use some of {', '.join(sorted(supported))}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    fig, series = probe_figure(results, n_boot, seed, marks=marks)
+    for fmt in formats:
+        path = out / f"{stem}.{fmt}"
+        meta = {"CreationDate": None} if fmt == "pdf" else None  # same tables, same bytes
+        replace_file(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=150, metadata=meta, bbox_inches="tight"))
+        written[path.name] = path
+    # not <stem>.csv: in a probe result directory probe.csv is the result's own table
+    path = out / f"{stem}_series.csv"
+    replace_file(path, lambda tmp: series.to_csv(tmp, index=False))
+    written[path.name] = path
+    return written

@@ -9,7 +9,8 @@ import pandas as pd
 
 from ..files import replace_file
 
-__all__ = ["format_bucket_table", "format_compare_table", "format_routing_table", "markdown_table", "write_table"]
+__all__ = ["format_bucket_table", "format_compare_table", "format_probe_table", "format_routing_table", "markdown_table",
+           "write_table"]
 
 
 def write_table(table: pd.DataFrame, path: Path) -> None:
@@ -61,3 +62,18 @@ def format_routing_table(routing: list[dict]) -> str:
     rows = [[str(r["layer"]), _num(r["load_max_over_mean"], 2), f"{r['dead_experts']} of {len(r['load'])}",
              f"{100 * r['top_expert_share']:.0f}%", _num(r["router_entropy"], 3)] for r in routing]
     return markdown_table(rows, ["MoE layer", "load max/mean", "dead experts", "busiest expert's tokens", "router entropy"])
+
+
+def format_probe_table(table: pd.DataFrame) -> str:
+    """A probe table (``ProbeResult.table()``) as Markdown: per distance, the loss on the copy with
+    the source in view and with the view cut below the distance (bases the cut view shows), the drop
+    cut - full with its paired 95% CI, and whether the CI excludes zero."""
+    rows = [
+        [f"{int(r.distance):,}", str(int(r.tiles)), f"{int(r.tokens):,}", _num(r.full_nats, 4),
+         f"{_num(r.cut_nats, 4)} ({int(r.cut_context_lo):,}-{int(r.cut_context_hi):,})",
+         f"{_num(r.drop, 4)} [{_num(r.drop_ci_lo, 4)}, {_num(r.drop_ci_hi, 4)}]",
+         "yes" if bool(r.supported) else "no"]
+        for r in table.itertuples()
+    ]
+    return markdown_table(rows, ["distance d", "tiles", "copy bases", "full view nats", "cut view nats (bases seen)",
+                                 "drop = cut - full (95% CI)", "CI excludes 0"])

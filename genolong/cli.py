@@ -104,6 +104,51 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_probe(args: argparse.Namespace) -> int:
+    import torch
+
+    from .data.store import GenomeStore
+    from .errors import InputError
+    from .evaluation.probe import ProbeSettings, probe
+    from .evaluation.report import format_probe_table
+    from .evaluation.score import load_eval_model, recipe_context
+
+    context = args.context if args.context is not None else recipe_context(args.checkpoint)
+    if context is None:
+        raise InputError(f"give --context L: {args.checkpoint} is not a finetune run or checkpoint with a recipe to take it from")
+    distances = _int_list(args.distances, "--distances") if args.distances else ()
+    segment_tokens = None if args.segment_tokens == 0 else args.segment_tokens
+    ProbeSettings(context, args.repeat_bases, distances, segment_tokens=segment_tokens)  # bad settings: before the model loads
+    store = GenomeStore.open(args.store)
+    split = store.split(args.split)
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    model, vocab = load_eval_model(args.checkpoint, dtype=dtype, device=args.device)
+    name = Path(args.checkpoint).resolve()
+    name = name.parent.parent.name if name.suffix == ".ckpt" else (name.parent.name if name.name == "export" else name.name)
+    out = Path(args.out) if args.out else Path("evaluations") / f"{name}-{args.split}-L{context}-probe{args.repeat_bases}"
+    result = probe(
+        model, split, out, context, repeat_bases=args.repeat_bases, distances=distances, max_tiles=args.max_tiles,
+        vocab=vocab, label=args.label or name,
+        meta={"checkpoint": str(Path(args.checkpoint).resolve()), "store": str(store.path.resolve()), "split": args.split,
+              "dtype": _DTYPES[args.dtype], "device": args.device},
+        force=args.force, progress=None if not args.quiet else False, segment_tokens=segment_tokens,
+    )
+    print(f"genolong probe: a {args.repeat_bases}-base copy planted d bases after its source in {result.meta['tiles']} "
+          f"tiles of {context:,} -> {out}; 95% paired block-bootstrap CIs over tiles")
+    print(format_probe_table(result.table()))
+    return 0
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    """``"128,256,1024"`` -> (128, 256, 1024); a one-line error naming ``flag`` otherwise."""
+    from .errors import InputError
+
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise InputError(f"{flag} must be comma-separated integers (e.g. 128,256,512), got {text!r}") from None
+
+
 def _cmd_check_logprobs(args: argparse.Namespace) -> int:
     import torch
 
@@ -276,6 +321,39 @@ def build_parser() -> argparse.ArgumentParser:
                          "up to float rounding); 0: one forward per tile (default: %(default)s)")
     ev.set_defaults(func=_cmd_evaluate)
 
+    prb = sub.add_parser(
+        "probe",
+        help="planted-repeat recall by distance: loss on a copied segment with its source in view and cut away",
+        description=(
+            "On held-out tiles of --context bases, overwrite the last --repeat-bases bases with the segment d bases "
+            "before them, for d in powers of two up to the context, and score the copy twice on the same model: with "
+            "the whole tile in view (the source d bases back included) and with the model restarted d - 1 bases "
+            "before the copy's end (no base of the source in view). Prints and writes, per distance, both losses and "
+            "the drop (cut - full) with 95%% paired block-bootstrap CIs over tiles; a figure (PNG + PDF) and JSON."
+        ),
+    )
+    prb.add_argument("checkpoint", metavar="CHECKPOINT",
+                     help="a model directory (config.json + safetensors, e.g. runs/NAME/export), a run directory "
+                          "runs/NAME or a runs/NAME/checkpoints/step*.ckpt")
+    prb.add_argument("--store", required=True, metavar="DIR", help="genome store (genolong prepare)")
+    prb.add_argument("--split", default="eval", help="split to probe (default: %(default)s)")
+    prb.add_argument("--context", type=int, metavar="L",
+                     help="tile length in bases (default: the run's eval context when CHECKPOINT is a run or .ckpt)")
+    prb.add_argument("--repeat-bases", type=int, default=100, metavar="M", help="bases copied (default: %(default)s)")
+    prb.add_argument("--distances", metavar="D1,D2,...",
+                     help="distances from source to copy (default: the powers of two with M < d <= L - M)")
+    prb.add_argument("--max-tiles", type=int, metavar="N", help="probe only the first N full-length tiles (default: all)")
+    prb.add_argument("--label", help="name of this run in tables and figures (default: from CHECKPOINT)")
+    prb.add_argument("--segment-tokens", type=int, default=_SEGMENT_TOKENS, metavar="S",
+                     help="stream forwards longer than S tokens S at a time (as evaluate); 0: one forward each "
+                          "(default: %(default)s)")
+    prb.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter dtype (default: %(default)s)")
+    prb.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")
+    prb.add_argument("--out", metavar="DIR", help="result directory (default: evaluations/NAME-SPLIT-LCONTEXT-probeM)")
+    prb.add_argument("--force", action="store_true", help="replace an existing --out")
+    prb.add_argument("--quiet", action="store_true", help="no progress bar")
+    prb.set_defaults(func=_cmd_probe)
+
     cmp_ = sub.add_parser(
         "compare",
         help="change in held-out loss from result A to result B, per context bucket, with paired CIs",
@@ -358,7 +436,7 @@ def _setup_logging() -> None:
 
 
 #: the commands that run a model: their CPU runs keep freed memory (genolong.allocator)
-_MODEL_COMMANDS = frozenset({"finetune", "evaluate", "check-logprobs", "quickstart"})
+_MODEL_COMMANDS = frozenset({"finetune", "evaluate", "check-logprobs", "probe", "quickstart"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,591 @@
+"""``genolong probe``: planted-repeat recall, distance by distance, up to the full context.
+
+Held-out loss mixes how well a model predicts DNA with whether it uses what lies far back. The
+probe measures the second alone. On a held-out tile of ``L`` bases the last ``m`` bases (the
+*copy*, ``m = repeat_bases``, default 100) are overwritten with the ``m`` bases that start ``d``
+bases earlier (the *source*, a held-out segment of the same tile), for ``d`` in powers of two with
+``m < d <= L - m``: every copied base then has its twin exactly ``d`` bases back. The copy's ``m``
+targets are scored twice on one model:
+
+- **full view**: the whole planted tile before each target is in view (``s + j`` bases for the
+  copy's ``j``-th target, ``s = L - m``), the source included;
+- **cut view**: the model restarted ``d - 1`` bases before the copy's end, i.e. the window
+  ``[L - d, L)`` (the ``--context-cut`` machinery: exactly what
+  :func:`~genolong.evaluation.score.score_tile` with ``context_cut = d - 1`` gives these targets
+  when its span grid ends at the tile's end, see :func:`cut_view_span`). Target ``j`` sees
+  ``d - m + j`` bases, always fewer than ``d``: no base of the source is in view.
+
+The **drop** is ``cut - full`` (nats per base, mean over the copy's counted targets): how much the
+source, ``d`` bases back, lowers the loss of its copy. A model that recalls at distance ``d`` has
+a drop near the loss of the sequence itself (up to ~1.39 nats on random DNA); a model that cannot
+reach back ``d`` has a drop near zero (what remains is what the ``d - m .. d - 1`` nearest bases
+leave unexplained about the far context in general, small on natural DNA). Intervals: paired
+block bootstrap over tiles (:func:`~genolong.evaluation.stats.paired_bootstrap`; tokens inside a
+tile are dependent, both views resampled with the same tiles).
+
+Structure (for a multi-process run): :func:`probe_tile` is the per-tile work, a pure function of
+(model, tile tokens, :class:`ProbeSettings`) -> :class:`ProbeTileScores` (``[D]`` arrays);
+:func:`probe` is the loop (tiles, per-tile commits in ``.<out>.partial``, the result directory).
+
+Result directory (format ``genolong-probe/1``): ``meta.json`` (settings, tiles, distances, the
+model signature, seconds), ``tiles.parquet`` (tile, contig, start, length, eval_tile: the index
+in :class:`~genolong.data.windows.EvalTiles`), ``probe_tiles.parquet`` (dense ``W x D`` rows:
+tile, distance, tokens, full_nll, cut_nll), ``probe.csv`` and ``probe.json`` (the table of
+:meth:`ProbeResult.table`), ``probe.png`` / ``probe.pdf`` (the figure).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from ..data.windows import EvalTiles, SplitLike
+from ..errors import InputError
+from ..files import replace_dir, replace_file
+from ..model.loss import model_inputs, next_token_nll
+from ..model.stream import PrefillStream, check_segment_tokens
+from ..model.vocab import VocabMap
+from .stats import block_bootstrap, paired_bootstrap
+
+__all__ = ["PROBE_FORMAT", "PROBE_COLUMNS", "ProbeSettings", "ProbeTileScores", "ProbeResult", "probe_distances",
+           "plant_repeat", "cut_view_span", "probe_views", "probe_tile", "probe"]
+
+log = logging.getLogger(__name__)
+
+PROBE_FORMAT = "genolong-probe/1"
+_STATE = "state.npz"
+_SETTINGS = "settings.json"
+_FIX = "run `genolong probe CHECKPOINT --store DIR --out {path}` first"
+
+#: Columns of :meth:`ProbeResult.table` (``probe.csv``): one row per distance.
+PROBE_COLUMNS = ["distance", "tiles", "tokens", "cut_context_lo", "cut_context_hi", "full_nats", "full_ci_lo",
+                 "full_ci_hi", "cut_nats", "cut_ci_lo", "cut_ci_hi", "drop", "drop_ci_lo", "drop_ci_hi",
+                 "rel_drop_pct", "supported"]
+
+
+def probe_distances(context: int, repeat_bases: int) -> list[int]:
+    """The default distances for tiles of ``context`` bases and a copy of ``repeat_bases``: the
+    powers of two ``d`` with ``repeat_bases < d <= context - repeat_bases`` (source and copy do not
+    overlap, and the source lies inside the tile).
+
+    Raises:
+        InputError: no power of two fits (``context`` below about ``4 * repeat_bases``).
+    """
+    _check_repeat(repeat_bases)
+    out, d = [], 2
+    while d <= context - repeat_bases:
+        if d > repeat_bases:
+            out.append(d)
+        d *= 2
+    if not out:
+        raise InputError(f"no power-of-two distance d with {repeat_bases} < d <= {context} - {repeat_bases} fits a tile of "
+                         f"--context {context}; raise --context or lower --repeat-bases")
+    return out
+
+
+def _check_repeat(repeat_bases: int) -> None:
+    if isinstance(repeat_bases, bool) or not isinstance(repeat_bases, (int, np.integer)) or repeat_bases < 1:
+        raise InputError(f"--repeat-bases must be a positive number of bases (e.g. 100), got {repeat_bases!r}")
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """What decides a probe's scores (a resumed run must use the same).
+
+    Attributes:
+        context: tile length ``L`` in bases.
+        repeat_bases: ``m``, bases copied (default 100).
+        distances: the distances ``d`` (default: :func:`probe_distances`); each ``m < d <= L - m``.
+        chunk_size: LM-head rows per chunk (default 4096).
+        segment_tokens: stream the full view's prefix and each cut window this many tokens at a
+            time (:mod:`genolong.model.stream`); default None: one forward each.
+    """
+
+    context: int
+    repeat_bases: int = 100
+    distances: tuple[int, ...] = ()
+    chunk_size: int = 4096
+    segment_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_repeat(self.repeat_bases)
+        check_segment_tokens(self.segment_tokens)
+        if int(self.context) < 2 * self.repeat_bases + 2:
+            raise InputError(f"--context {self.context} is too short for a copy of --repeat-bases {self.repeat_bases} "
+                             f"(needs at least {2 * self.repeat_bases + 2})")
+        distances = tuple(int(d) for d in self.distances) or tuple(probe_distances(self.context, self.repeat_bases))
+        bad = [d for d in distances if not self.repeat_bases < d <= self.context - self.repeat_bases]
+        if bad:
+            raise InputError(f"--distances {bad} out of range: each must satisfy {self.repeat_bases} < d <= "
+                             f"{self.context - self.repeat_bases} (--repeat-bases < d <= --context - --repeat-bases)")
+        if len(set(distances)) != len(distances) or list(distances) != sorted(distances):
+            raise InputError(f"--distances must be increasing and distinct, got {list(distances)}")
+        object.__setattr__(self, "context", int(self.context))
+        object.__setattr__(self, "distances", distances)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (for ``settings.json`` / ``meta.json``)."""
+        return {f.name: (list(getattr(self, f.name)) if f.name == "distances" else getattr(self, f.name))
+                for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class ProbeTileScores:
+    """One tile's probe: per distance (``[D]``, in the order of ``ProbeSettings.distances``).
+
+    Attributes:
+        tokens: counted targets of the copy (int64; ``m`` unless the source has N bases).
+        full_nll: summed NLL (nats, float64) of those targets with the source in view.
+        cut_nll: summed NLL (nats, float64) of the same targets in the cut view.
+    """
+
+    tokens: np.ndarray
+    full_nll: np.ndarray
+    cut_nll: np.ndarray
+
+
+def plant_repeat(tokens: np.ndarray, distance: int, repeat_bases: int) -> np.ndarray:
+    """A copy of ``tokens [L]`` whose last ``m`` bases are replaced by the ``m`` bases starting
+    ``distance`` bases before them: ``out[L - m + j] = tokens[L - m - d + j]`` (case kept)."""
+    length, m, d = int(tokens.shape[0]), int(repeat_bases), int(distance)
+    s = length - m
+    if not (m < d <= s):
+        raise InputError(f"distance {d} does not fit: need {m} < d <= {s} for a tile of {length} and a copy of {m}")
+    out = np.array(tokens, copy=True)
+    out[s:] = tokens[s - d:s - d + m]
+    return out
+
+
+def cut_view_span(length: int, distance: int) -> tuple[int, int]:
+    """The cut view's window ``[start, length)`` of a planted tile: ``start = length - distance``
+    (``distance`` tokens, so the copy's last target sees ``distance - 1`` bases).
+
+    It is the last span of :func:`~genolong.data.windows.context_cut_spans` with ``cut = d - 1`` on
+    the tile's tail ``[off, length)`` for ``off = (length - 1) % (d - 1)``: there the spans
+    ``[k (d - 1), ...)`` end at the tile's end, so ``score_tile(tile[off:], context_cut=d - 1)``
+    scores the copy exactly as this window does (tests/test_probe.py checks it).
+    """
+    return int(length) - int(distance), int(length)
+
+
+def _repeat_state(stream: PrefillStream, n: int) -> None:
+    """Turn a batch-1 :class:`PrefillStream` into ``n`` identical rows (each continued with its own
+    tokens afterwards): every carried tensor (KDA states and conv tails, DSA latents, pooled keys
+    and pending rows) is repeated along its batch dimension."""
+    for state in stream.layers:
+        for f in fields(state):
+            value = getattr(state, f.name)
+            if isinstance(value, torch.Tensor):
+                assert value.shape[0] == 1, f"{type(state).__name__}.{f.name} is not batch-1: {tuple(value.shape)}"
+                setattr(state, f.name, value.expand(n, *value.shape[1:]).clone())
+
+
+@torch.no_grad()
+def probe_views(model: torch.nn.Module, tokens: np.ndarray, settings: ProbeSettings, vocab: VocabMap | None = None,
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-target NLL of the copy in both views, at every distance of ``settings``.
+
+    The full views share the tile's first ``L - m`` bases, so the prefix runs once through a
+    :class:`~genolong.model.stream.PrefillStream` and its carried state continues with the ``D``
+    copies as one batch (per-token NLL equal to one forward of each planted tile up to float
+    rounding; tests/test_probe.py compares). Each cut view is one forward of its ``d``-token window
+    (:func:`cut_view_span`). Work per tile: ``L + D m`` tokens (full) plus ``sum(d) < 2 L`` (cut).
+
+    Args:
+        model: a :class:`~genolong.model.lm.GenoLM` in eval mode.
+        tokens: ``[L]`` uint8 store tokens of the tile (case kept), ``L = settings.context``.
+        settings: repeat length, distances, chunking.
+        vocab: base ids -> model ids (default None: nucleotide ids).
+        device: where the model runs.
+
+    Returns:
+        ``(full, cut)``, each ``[D, m]`` float32 nats on the CPU: entry ``[i, j]`` is the NLL of the
+        copy's ``j``-th base (tile position ``L - m + j``) at distance ``distances[i]``; NaN where
+        the target does not count (N).
+
+    Raises:
+        InputError: the tile is not ``settings.context`` long.
+    """
+    length, m = int(tokens.shape[0]), settings.repeat_bases
+    if length != settings.context:
+        raise InputError(f"the probe needs tiles of exactly {settings.context} bases, got {length}")
+    distances = settings.distances
+    n_dist, s = len(distances), length - m
+    planted = np.stack([plant_repeat(tokens, d, m) for d in distances])  # [D, L]
+    ids = torch.from_numpy(planted).long().to(device)  # store tokens, case kept
+    inputs = model_inputs(ids) if vocab is None else vocab.to_model(ids)
+    head = model.lm_head.weight
+    seg = settings.segment_tokens or s
+
+    # full view: the prefix [0, s) is the same in every planted tile
+    stream = PrefillStream(model, batch_size=1, capacity=length)
+    last = None
+    for a in range(0, s, seg):
+        last = stream.extend(inputs[:1, a:min(a + seg, s)])
+    assert last is not None
+    rows = [last[:, -1:].expand(n_dist, 1, last.shape[-1])]  # [D, 1, H]: predicts the copy's first base
+    if m > 1:
+        _repeat_state(stream, n_dist)
+        rows.append(stream.extend(inputs[:, s:length - 1]))  # [D, m - 1, H]: predict the copy's bases 1..m-1
+    rows.append(torch.zeros_like(rows[0]))  # a dummy last row: next_token_nll scores rows [:-1]
+    full = next_token_nll(torch.cat(rows, dim=1), head, ids[:, s - 1:], settings.chunk_size, vocab)  # [D, m]
+
+    # cut view: each planted tile restarted d - 1 bases before its end
+    cut = torch.empty_like(full)
+    for i, d in enumerate(distances):
+        a, b = cut_view_span(length, d)
+        cut[i] = model.token_nll(ids[i:i + 1, a:b], settings.chunk_size, vocab, settings.segment_tokens)[0, -m:]
+    return full.cpu(), cut.cpu()
+
+
+def probe_tile(model: torch.nn.Module, tokens: np.ndarray, settings: ProbeSettings, vocab: VocabMap | None = None,
+               device: torch.device | str = "cpu") -> ProbeTileScores:
+    """Probe one tile at every distance of ``settings``: :func:`probe_views` summed over the copy's
+    counted targets. The per-tile unit of work of :func:`probe` (a pure function of its arguments,
+    so tiles can be dealt to processes and their ``[D]`` arrays gathered).
+
+    Args:
+        model, tokens, settings, vocab, device: as :func:`probe_views`.
+
+    Returns:
+        :class:`ProbeTileScores` of ``[D]`` arrays.
+    """
+    full, cut = probe_views(model, tokens, settings, vocab, device)
+    full64, cut64 = full.double().numpy(), cut.double().numpy()
+    counted = ~np.isnan(full64)
+    # NaN marks an uncounted target (N, padding): a property of the target, the same in both views
+    assert np.array_equal(counted, ~np.isnan(cut64)), "full and cut views count different targets"  # exact: masks
+    return ProbeTileScores(tokens=counted.sum(axis=1).astype(np.int64),
+                           full_nll=np.where(counted, full64, 0.0).sum(axis=1),
+                           cut_nll=np.where(counted, cut64, 0.0).sum(axis=1))
+
+
+# --------------------------------------------------------------------------------------------------
+# The result
+# --------------------------------------------------------------------------------------------------
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"meta value of type {type(value).__name__} is not JSON serialisable")
+
+
+_TILE_COLUMNS = ["tile", "contig", "start", "length", "eval_tile"]
+_REQUIRED_META = ("format", "label", "checkpoint", "store", "split", "context", "repeat_bases", "distances", "tiles")
+
+
+@dataclass(eq=False)
+class ProbeResult:
+    """A probe over ``W`` tiles and ``D`` distances.
+
+    Attributes:
+        meta: the ``meta.json`` object (settings, label, checkpoint, store, split, tiles, seconds...).
+        tiles: one row per probed tile: ``tile`` (0..W-1), ``contig``, ``start`` (genomic), ``length``,
+            ``eval_tile`` (its index among the split's :class:`~genolong.data.windows.EvalTiles`).
+        tile_tokens: ``[W, D]`` int64 counted copy targets.
+        tile_full: ``[W, D]`` float64 summed NLL (nats), full view.
+        tile_cut: ``[W, D]`` float64 summed NLL (nats), cut view.
+        source: the directory it was loaded from (None in memory).
+    """
+
+    meta: dict[str, Any]
+    tiles: pd.DataFrame
+    tile_tokens: np.ndarray
+    tile_full: np.ndarray
+    tile_cut: np.ndarray
+    source: Path | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.tile_tokens = np.asarray(self.tile_tokens, dtype=np.int64)
+        self.tile_full = np.asarray(self.tile_full, dtype=np.float64)
+        self.tile_cut = np.asarray(self.tile_cut, dtype=np.float64)
+        where = f"probe result {self.source}" if self.source is not None else "probe result"
+        fix = _FIX.format(path=self.source if self.source is not None else "DIR")
+        missing = [k for k in _REQUIRED_META if k not in self.meta]
+        if self.meta.get("format") != PROBE_FORMAT or missing:
+            raise InputError(f"{where}: not a {PROBE_FORMAT} result (format {self.meta.get('format')!r}, "
+                             f"missing {missing}); {fix}")
+        shape = (int(self.meta["tiles"]), len(self.meta["distances"]))
+        if any(x.shape != shape for x in (self.tile_tokens, self.tile_full, self.tile_cut)) or len(self.tiles) != shape[0]:
+            raise InputError(f"{where}: arrays {self.tile_tokens.shape}, {self.tile_full.shape}, {self.tile_cut.shape} and "
+                             f"{len(self.tiles)} tile rows do not match {shape[0]} tiles x {shape[1]} distances; {fix}")
+
+    @property
+    def label(self) -> str:
+        """Display name."""
+        return str(self.meta["label"])
+
+    @property
+    def distances(self) -> np.ndarray:
+        """``[D]`` int64 distances."""
+        return np.asarray(self.meta["distances"], dtype=np.int64)
+
+    @property
+    def repeat_bases(self) -> int:
+        """``m``, bases per copy."""
+        return int(self.meta["repeat_bases"])
+
+    def table(self, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
+        """Per distance: mean loss on the copy in both views with block-bootstrap intervals, and the
+        drop ``cut - full`` with its paired interval over tiles (same resamples for both views).
+
+        Args:
+            n_boot, seed, level: bootstrap replicates (2000), seed (0) and coverage (0.95).
+
+        Returns:
+            DataFrame with :data:`PROBE_COLUMNS`: ``distance``, ``tiles`` (with counted targets),
+            ``tokens``, ``cut_context_lo`` / ``_hi`` (bases the cut view shows the copy's first and
+            last target: ``d - m``, ``d - 1``), ``full_nats`` / ``cut_nats`` with ``_ci_lo`` /
+            ``_ci_hi``, ``drop`` (nats) with ``drop_ci_lo`` / ``drop_ci_hi``, ``rel_drop_pct``
+            (``100 (1 - full / cut)``) and ``supported`` (the drop's interval excludes 0).
+        """
+        t, full, cut = self.tile_tokens, self.tile_full, self.tile_cut
+        f_mean, f_lo, f_hi = block_bootstrap(t, full, n_boot, seed, level)
+        c_mean, c_lo, c_hi = block_bootstrap(t, cut, n_boot, seed, level)
+        ci = paired_bootstrap(t, full, t, cut, n_boot, seed, level)  # diff = cut - full: the drop
+        d, m = self.distances, self.repeat_bases
+        with np.errstate(invalid="ignore"):
+            supported = (ci.diff_lo > 0) | (ci.diff_hi < 0)
+            rel = 100.0 * (1.0 - f_mean / c_mean)
+        table = pd.DataFrame({
+            "distance": d, "tiles": (t > 0).sum(axis=0).astype(np.int64), "tokens": t.sum(axis=0).astype(np.int64),
+            "cut_context_lo": d - m, "cut_context_hi": d - 1,
+            "full_nats": f_mean, "full_ci_lo": f_lo, "full_ci_hi": f_hi,
+            "cut_nats": c_mean, "cut_ci_lo": c_lo, "cut_ci_hi": c_hi,
+            "drop": ci.diff, "drop_ci_lo": ci.diff_lo, "drop_ci_hi": ci.diff_hi,
+            "rel_drop_pct": rel, "supported": supported,
+        })
+        return table[PROBE_COLUMNS]
+
+    def save(self, directory: Path) -> None:
+        """Write meta.json, tiles.parquet, probe_tiles.parquet, probe.csv and probe.json into the
+        existing ``directory`` (the table with its defaults: 2000 resamples, seed 0, level 0.95)."""
+        directory = Path(directory)
+        w, k = self.tile_tokens.shape
+        (directory / "meta.json").write_text(json.dumps(self.meta, indent=2, default=_json_default) + "\n")
+        pq.write_table(pa.table({
+            "tile": pa.array(self.tiles["tile"].to_numpy(), pa.int64()),
+            "contig": pa.array(self.tiles["contig"].astype(str).tolist(), pa.string()),
+            "start": pa.array(self.tiles["start"].to_numpy(), pa.int64()),
+            "length": pa.array(self.tiles["length"].to_numpy(), pa.int64()),
+            "eval_tile": pa.array(self.tiles["eval_tile"].to_numpy(), pa.int64()),
+        }), directory / "tiles.parquet")
+        pq.write_table(pa.table({
+            "tile": pa.array(np.repeat(np.arange(w, dtype=np.int64), k), pa.int64()),
+            "distance": pa.array(np.tile(self.distances, w), pa.int64()),
+            "tokens": pa.array(self.tile_tokens.ravel(), pa.int64()),
+            "full_nll": pa.array(self.tile_full.ravel(), pa.float64()),
+            "cut_nll": pa.array(self.tile_cut.ravel(), pa.float64()),
+        }), directory / "probe_tiles.parquet")
+        table = self.table()
+        table.to_csv(directory / "probe.csv", index=False)
+        rows = [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in row.items()}
+                for row in table.to_dict(orient="records")]
+        (directory / "probe.json").write_text(json.dumps({"label": self.label, "repeat_bases": self.repeat_bases,
+                                                          "context": self.meta["context"], "rows": rows},
+                                                         indent=1, default=_json_default) + "\n")
+
+    @classmethod
+    def load(cls, directory: Path | str) -> ProbeResult:
+        """Read a result directory written by :meth:`save`.
+
+        Raises:
+            InputError: one line naming the directory and the fix when it is missing or damaged.
+        """
+        directory = Path(directory)
+        fix = _FIX.format(path=directory)
+        meta_path = directory / "meta.json"
+        if not meta_path.is_file():
+            raise InputError(f"{directory} is not a probe result (no meta.json); {fix}")
+        try:
+            meta = json.loads(meta_path.read_text())
+            tiles = pq.read_table(directory / "tiles.parquet").to_pandas()
+            cells = pq.read_table(directory / "probe_tiles.parquet").to_pandas()
+        except (OSError, ValueError, pa.ArrowException) as exc:
+            raise InputError(f"probe result {directory} is not readable ({exc}); {fix}") from None
+        if not isinstance(meta, dict) or meta.get("format") != PROBE_FORMAT:
+            raise InputError(f"{meta_path} is not a {PROBE_FORMAT} result; {fix}")
+        w, k = int(meta["tiles"]), len(meta["distances"])
+        cells = cells.sort_values(["tile", "distance"], kind="stable")
+        if len(cells) != w * k or not np.array_equal(cells["tile"].to_numpy(), np.repeat(np.arange(w), k)):
+            raise InputError(f"{directory / 'probe_tiles.parquet'} is not the dense {w} tiles x {k} distances table; {fix}")
+        return cls(meta=meta, tiles=tiles[_TILE_COLUMNS],
+                   tile_tokens=cells["tokens"].to_numpy(np.int64).reshape(w, k),
+                   tile_full=cells["full_nll"].to_numpy(np.float64).reshape(w, k),
+                   tile_cut=cells["cut_nll"].to_numpy(np.float64).reshape(w, k), source=directory)
+
+
+# --------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------
+
+
+class _Running:
+    """A probe's per-tile arrays, saved after every tile (``state.npz``)."""
+
+    def __init__(self, n_tiles: int, n_dist: int):
+        self.next_tile = 0
+        self.tokens = np.zeros((n_tiles, n_dist), np.int64)
+        self.full = np.zeros((n_tiles, n_dist), np.float64)
+        self.cut = np.zeros((n_tiles, n_dist), np.float64)
+        self.seconds = 0.0
+
+    def add(self, i: int, scores: ProbeTileScores) -> None:
+        """Record tile ``i``'s scores (the next tile in order)."""
+        self.tokens[i], self.full[i], self.cut[i] = scores.tokens, scores.full_nll, scores.cut_nll
+        self.next_tile = i + 1
+
+    def save(self, path: Path) -> None:
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as f:
+                np.savez(f, next_tile=self.next_tile, tokens=self.tokens, full=self.full, cut=self.cut, seconds=self.seconds)
+        replace_file(path, write)
+
+    def load(self, path: Path) -> None:
+        with np.load(path) as z:
+            if z["tokens"].shape != self.tokens.shape:
+                raise InputError(f"{path} does not match this probe; delete {path.parent} to start over")
+            self.next_tile = int(z["next_tile"])
+            self.tokens[:], self.full[:], self.cut[:] = z["tokens"], z["full"], z["cut"]
+            self.seconds = float(z["seconds"])
+
+
+def probe(
+    model: torch.nn.Module,
+    split: SplitLike,
+    out: str | os.PathLike[str],
+    context: int,
+    repeat_bases: int = 100,
+    distances: Sequence[int] | None = None,
+    max_tiles: int | None = None,
+    vocab: VocabMap | None = None,
+    chunk_size: int = 4096,
+    label: str | None = None,
+    meta: Mapping[str, Any] | None = None,
+    force: bool = False,
+    progress: bool | None = None,
+    segment_tokens: int | None = None,
+    figure: bool = True,
+) -> ProbeResult:
+    """Probe the first ``max_tiles`` full-length tiles of ``context`` bases of ``split``; write ``out``.
+
+    Tiles are :class:`~genolong.data.windows.EvalTiles` of ``context`` (those ``evaluate`` scores),
+    the shorter last tile of a segment left out. After every tile its scores are committed to
+    ``.<out>.partial/state.npz``, so a killed probe resumes at the next tile (with the same
+    settings and weights) and ends with the same tables; the finished directory is renamed to ``out``.
+
+    Args:
+        model: the model (its device and dtype are used as they are).
+        split: the held-out split.
+        out: result directory (must not exist unless ``force``).
+        context: tile length ``L``.
+        repeat_bases: ``m``, bases copied (default 100).
+        distances: the distances (default: powers of two with ``m < d <= L - m``).
+        max_tiles: tiles probed (default None: every full-length tile).
+        vocab: base ids -> model ids (default None: nucleotide ids).
+        chunk_size: LM-head rows per chunk (default 4096).
+        label: display name (default: ``out``'s name).
+        meta: extra plain data for ``meta.json`` (checkpoint, store, split, dtype, device...).
+        force: replace an existing ``out`` (default False).
+        progress: show a progress bar (default: on a terminal).
+        segment_tokens: stream forwards this many tokens at a time (default None: one forward each).
+        figure: draw ``probe.png`` / ``probe.pdf`` into the result (default True).
+
+    Returns:
+        The result, as saved in ``out``.
+
+    Raises:
+        InputError: ``out`` exists (without ``force``), bad settings, or no tile of ``context`` bases.
+    """
+    from ..model.lm import GenoLM
+    from .score import _progress, model_signature
+
+    out = Path(out)
+    if out.exists() and not force:
+        raise InputError(f"{out} already exists; pass --force to replace it, or choose another --out")
+    if max_tiles is not None and max_tiles < 1:
+        raise InputError(f"--max-tiles must be at least 1, got {max_tiles}")
+    if not isinstance(model, GenoLM):
+        raise InputError(f"the probe runs a genolong GenoLM; got {type(model).__name__}")
+    settings = ProbeSettings(context, repeat_bases, tuple(distances or ()), chunk_size, segment_tokens)
+    tiles = EvalTiles(split, context)
+    full_length = np.flatnonzero(tiles.tiles["length"].to_numpy() == context)
+    if full_length.size == 0:
+        raise InputError(f"no tile of split {getattr(split, 'name', '?')!r} is {context:,} bases long (its segments are "
+                         "shorter); lower --context")
+    chosen = full_length if max_tiles is None else full_length[:max_tiles]
+    run_settings = {
+        "checkpoint": "(in memory)", "store": "(in memory)", "split": str(getattr(split, "name", "?")),
+        **dict(meta or {}), "model_signature": model_signature(model), **settings.to_dict(),
+        "tiles": int(chosen.size), "eval_tiles": chosen.tolist(),
+    }
+    work = out.with_name(f".{out.name}.partial")
+    running = _Running(int(chosen.size), len(settings.distances))
+    state = work / _STATE
+    if (work / _SETTINGS).is_file() and json.loads((work / _SETTINGS).read_text()) == run_settings and state.is_file():
+        running.load(state)
+        log.info("resuming the probe in %s at tile %d of %d", work, running.next_tile, chosen.size)
+    else:
+        if work.exists():
+            log.info("discarding an unfinished probe with other settings in %s", work)
+            shutil.rmtree(work)
+        work.mkdir(parents=True)
+        replace_file(work / _SETTINGS, lambda tmp: tmp.write_text(json.dumps(run_settings, indent=1)))
+
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    bar = _progress(int(chosen.size), running.next_tile, progress, f"probe {label or out.name}")
+    try:
+        for i in range(running.next_tile, int(chosen.size)):
+            began = time.perf_counter()
+            scores = probe_tile(model, tiles[int(chosen[i])].tokens, settings, vocab, device)
+            running.add(i, scores)
+            running.seconds += time.perf_counter() - began
+            running.save(state)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        model.train(was_training)
+        if bar is not None:
+            bar.close()
+
+    picked = tiles.tiles.iloc[chosen]
+    digest = hashlib.sha256(json.dumps([picked["contig"].astype(str).tolist(), picked["start"].tolist()]).encode())
+    result = ProbeResult(
+        meta={"format": PROBE_FORMAT, "label": label or out.name, **run_settings,
+              "tokens": int(running.tokens.sum()), "fingerprint": digest.hexdigest(), "seconds": running.seconds},
+        tiles=pd.DataFrame({"tile": np.arange(chosen.size, dtype=np.int64), "contig": picked["contig"].astype(str).to_numpy(),
+                            "start": picked["start"].to_numpy(np.int64), "length": picked["length"].to_numpy(np.int64),
+                            "eval_tile": chosen.astype(np.int64)}),
+        tile_tokens=running.tokens, tile_full=running.full, tile_cut=running.cut,
+    )
+    result.save(work)
+    if figure:
+        from .plots import save_probe_figure
+
+        save_probe_figure([result], work)
+    state.unlink()
+    (work / _SETTINGS).unlink()
+    replace_dir(work, out)
+    result.source = out
+    return result
