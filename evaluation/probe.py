@@ -570,7 +570,9 @@ def probe(
             bar.close()
 
     picked = tiles.tiles.iloc[chosen]
-    digest = hashlib.sha256(json.dumps([picked["contig"].astype(str).tolist(), picked["start"].tolist()]).encode())
+    # the probed bases: two probes with one fingerprint planted the same copies in the same tiles
+    digest = hashlib.sha256(json.dumps([picked["contig"].astype(str).tolist(), picked["start"].tolist(),
+                                        settings.repeat_bases, list(settings.distances)]).encode())
     result = ProbeResult(
         meta={"format": PROBE_FORMAT, "label": label or out.name, **run_settings,
               "tokens": int(running.tokens.sum()), "fingerprint": digest.hexdigest(), "seconds": running.seconds},

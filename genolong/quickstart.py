@@ -10,7 +10,10 @@
    at the base's training length (``OUT/eval/tuned``, ``OUT/eval/tuned-cut``).
 5. With ``control``: train the short-context control, the same recipe, windows and steps with
    ``train.context_cut`` at the base's training length (``OUT/runs/control``), and evaluate it.
-6. Compare (paired block bootstrap over tiles), draw the figures (``OUT/figures``) and write
+6. Probe long-range recall of the base and the fine-tuned model (``genolong probe``: a 100-base
+   held-out segment copied d bases further on, scored with and without its source in view;
+   ``OUT/probe/base``, ``OUT/probe/tuned``), unless ``probe_tiles`` is 0.
+7. Compare (paired block bootstrap over tiles), draw the figures (``OUT/figures``) and write
    ``OUT/REPORT.md`` with the tables, the figures and which differences the intervals support.
 """
 
@@ -36,13 +39,18 @@ from .data.prepare import PrepareResult, format_summary, prepare_genome
 from .data.store import GenomeStore
 from .errors import GenolongError
 
-__all__ = ["SAMPLE_TRAIN", "SAMPLE_EVAL", "DEFAULT_EVAL_TILES", "bundled_base", "base_context", "quickstart_recipe",
+__all__ = ["SAMPLE_TRAIN", "SAMPLE_EVAL", "DEFAULT_EVAL_TILES", "DEFAULT_PROBE_TILES", "PROBE_CONTEXT", "bundled_base", "base_context", "quickstart_recipe",
            "sample_fasta", "run_quickstart"]
 
 SAMPLE_TRAIN = ("chr1", "chr3", "chr4", "chr5")
 SAMPLE_EVAL = ("chr22",)
 #: Held-out tiles the quickstart scores per model (8 x 8,192 = 65k bases; about 40 s per model on 2 cores).
 DEFAULT_EVAL_TILES = 8
+#: Held-out tiles the planted-repeat probe (``genolong probe``) runs on per model, and their length:
+#: distances 128 .. 2,048 around the base's 1,024-token training context (a tile costs about
+#: ``L + 5 m + sum(d)`` = 8.5k tokens of forward per model).
+DEFAULT_PROBE_TILES = 4
+PROBE_CONTEXT = 4096
 
 
 def sample_fasta() -> Path:
@@ -106,7 +114,7 @@ def _clock(seconds: float) -> str:
 
 def run_quickstart(out: Path = Path("genolong-quickstart"), progress: bool | None = None,
                    overrides: Sequence[str] = (), train: bool = True, control: bool = False,
-                   eval_tiles: int = DEFAULT_EVAL_TILES) -> GenomeStore:
+                   eval_tiles: int = DEFAULT_EVAL_TILES, probe_tiles: int = DEFAULT_PROBE_TILES) -> GenomeStore:
     """Run the quickstart into directory ``out``; returns the prepared store.
 
     Args:
@@ -117,11 +125,13 @@ def run_quickstart(out: Path = Path("genolong-quickstart"), progress: bool | Non
         train: fine-tune, evaluate and report (default True); False stops after preparing the store.
         control: also train and evaluate the short-context control (default False).
         eval_tiles: held-out tiles scored per model (default 8).
+        probe_tiles: held-out tiles of :data:`PROBE_CONTEXT` bases the planted-repeat probe runs on
+            per model (default 4; 0: no probe).
 
     Raises:
         GenolongError: the bundled base model is missing, or a bad override.
     """
-    stages = _Stages(1 + (5 + 2 * control if train else 0))
+    stages = _Stages(1 + (5 + 2 * control + (probe_tiles > 0) if train else 0))
     out.mkdir(parents=True, exist_ok=True)
     stages.start(f"preparing the bundled human sample {sample_fasta().name} -> {out / 'genome'}")
     result = prepare_sample(out / "genome", progress=progress)
@@ -131,7 +141,7 @@ def run_quickstart(out: Path = Path("genolong-quickstart"), progress: bool | Non
         lengths = split.segment_lengths
         print(f"{split.name}: {split.n_tokens:,} tokens in {len(lengths)} segments (longest {int(lengths.max()):,})")
     if train:
-        _story(out, store, overrides, progress, control, eval_tiles, stages)
+        _story(out, store, overrides, progress, control, eval_tiles, stages, probe_tiles)
     stages.finish()
     print(f"\ngenolong quickstart: done in {stages.elapsed()}")
     return store
@@ -148,10 +158,11 @@ class _Story:
     results: dict[str, Any] = field(default_factory=dict)  # name -> EvalResult
     comparisons: list[tuple[str, str, str, pd.DataFrame]] = field(default_factory=list)  # (a, b, question, table)
     figures: dict[str, Path] = field(default_factory=dict)
+    probes: dict[str, Any] = field(default_factory=dict)  # name -> ProbeResult
 
 
 def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bool | None, control: bool,
-           eval_tiles: int, stages: _Stages) -> None:
+           eval_tiles: int, stages: _Stages, probe_tiles: int = 0) -> None:
     from .config import load_recipe
     from .evaluation.plots import plot_results
     from .evaluation.report import format_compare_table
@@ -167,6 +178,8 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
         )
     if eval_tiles < 1:
         raise GenolongError(f"--eval-tiles must be at least 1, got {eval_tiles}")
+    if probe_tiles < 0:
+        raise GenolongError(f"probe_tiles must be at least 0, got {probe_tiles}")
     out = out.resolve()
     runs = out / "runs"
 
@@ -223,6 +236,22 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
         story.comparisons.append(
             ("control", "tuned", f"What does training at long context buy over the same tokens at {cut:,}? "
              "(fine-tuned vs short-context control)", None))
+    if probe_tiles > 0:
+        from .evaluation.probe import probe
+
+        context = min(PROBE_CONTEXT, story.context)
+        stages.start(f"probing recall: a 100-base held-out segment copied d bases further on, scored with and without "
+                     f"its source in view, base and fine-tuned, {probe_tiles} tiles of {context:,} -> {out / 'probe'}")
+        shutil.rmtree(out / "probe", ignore_errors=True)
+        for name, label, model_dir, model in (("base", "base", base, load_eval_model(base)[0]),
+                                              ("tuned", "fine-tuned", tuned.export, tuned_model)):
+            story.probes[name] = probe(model, heldout, out / "probe" / name, context, max_tiles=probe_tiles, label=label,
+                                       meta={"checkpoint": str(model_dir), "store": str(store.path), "split": heldout.name},
+                                       progress=progress, figure=False)
+            t = story.probes[name].table()
+            print(f"  {label}: drop (cut - full, nats/base) by distance: "
+                  + ", ".join(f"{int(r.distance):,}: {r.drop:+.3f}{'*' if r.supported else ''}" for r in t.itertuples())
+                  + " (* = 95% CI excludes 0)")
     stages.start(f"comparing, drawing the figures -> {out / 'figures'}, writing {out / 'REPORT.md'}")
     story.comparisons = [(a, b, q, compare(story.results[a], story.results[b])) for a, b, q, _ in story.comparisons]
     for a, b, question, table in story.comparisons:
@@ -231,6 +260,11 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
     order = ["base", "tuned", "tuned-cut", "control"]
     shutil.rmtree(out / "figures", ignore_errors=True)
     story.figures = plot_results([story.results[n] for n in order if n in story.results], out / "figures")
+    if story.probes:
+        from .evaluation.plots import save_probe_figure
+
+        marks = [(story.cut, f"base trained at {story.cut:,}")]
+        story.figures.update(save_probe_figure(list(story.probes.values()), out / "figures", marks=marks))
     stages.finish()
     _write_report(out / "REPORT.md", story, stages)
     print(f"\nreport: {out / 'REPORT.md'}; figures: {out / 'figures'}; fine-tuned model: {tuned.export}")
@@ -297,6 +331,49 @@ def _routing_section(results: dict[str, Any]) -> list[str]:
     return lines + [markdown_table(rows, ["MoE layer", *(res.label for res in scored.values())]), ""]
 
 
+def _probe_section(story: _Story) -> list[str]:
+    """The planted-repeat probe of the base and the fine-tuned model: a table per distance and the
+    reading of its intervals."""
+    from .evaluation.report import markdown_table
+
+    if not story.probes:
+        return []
+    first = next(iter(story.probes.values()))
+    m, context, tiles = first.repeat_bases, int(first.meta["context"]), int(first.meta["tiles"])
+    lines = ["## Long-range recall: planted repeats (genolong probe)", "",
+             f"On {tiles} held-out tiles of {context:,} bases, the last {m} bases are overwritten with the {m} bases "
+             f"that start d bases earlier, and the copy is scored twice on the same model: with the whole tile in view "
+             f"(full: the source d bases back is visible) and with the model restarted d - 1 bases before the copy's "
+             f"end (cut: it sees {m} fewer than d .. d - 1 bases, never the source). The drop, cut - full, is what "
+             "recalling the source d bases back is worth (nats per base; paired 95% block-bootstrap CI over tiles). "
+             "A model that recalls has a drop near the loss of DNA itself (~1.2-1.4 nats); one that cannot reach d "
+             "back, a drop near 0.", ""]
+    tables = {name: p.table() for name, p in story.probes.items()}
+    header = ["distance d"]
+    for p in story.probes.values():
+        header += [f"{p.label} full", f"{p.label} cut", f"{p.label} drop (95% CI)"]
+    rows = []
+    for i, d in enumerate(first.distances):
+        row = [f"{int(d):,}"]
+        for t in tables.values():
+            r = t.iloc[i]
+            mark = "*" if r.supported else ""
+            row += [f"{r.full_nats:.4f}", f"{r.cut_nats:.4f}",  # r["drop"]: r.drop is Series.drop
+                    f"{r['drop']:+.4f} [{r.drop_ci_lo:+.4f}, {r.drop_ci_hi:+.4f}]{mark}"]
+        rows.append(row)
+    lines += [markdown_table(rows, header), "", "(* the drop's interval excludes 0.)", ""]
+    for name, t in tables.items():
+        label = story.probes[name].label
+        yes = [f"{int(r.distance):,}" for r in t.itertuples() if r.supported and r.drop > 0]
+        lines.append(f"- {label}: " + (f"recall supported at d = {', '.join(yes)}." if yes else
+                                       f"no distance with a supported drop on {tiles} tiles."))
+    lines += [f"- The base was trained at {story.cut:,} tokens and the fine-tuned model at {story.recipe.data.context:,}: "
+              "a drop at distances beyond a model's training context means it recalls further than it was trained "
+              "to; none there is what a model bound to its training length shows.",
+              f"- {tiles} tiles: the intervals say how sure these tiles are, nothing more.", ""]
+    return lines
+
+
 def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
     from . import __version__
     from .files import replace_file
@@ -353,10 +430,12 @@ def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
         lines += [f"### {question}", "", f"A = {la}, B = {lb}. Change is B - A.", "",
                   format_compare_table(table, "A", "B"), ""]
         lines += [f"- {line}" for line in _reading(table, la, lb, story.tiles)] + [""]
+    lines += _probe_section(story)
     lines += _routing_section(results)
     lines += ["## Figures", ""]
     for name, title in (("position_loss", "Loss by position in the tile"), ("buckets", "Bucket means with 95% CIs"),
-                        ("relative_change", "Relative change vs the base")):
+                        ("relative_change", "Relative change vs the base"),
+                        ("probe", "Planted-repeat recall by distance (genolong probe)")):
         if f"{name}.png" in story.figures:
             lines += [f"### {title}", "", f"![{title}](figures/{name}.png)", ""]
     lines += [

@@ -150,3 +150,26 @@ def test_probe_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], sample_st
     assert main([*args, "--distances", "8", "--force"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--distances" in err
+
+
+def test_quickstart_report_probe_section(tiny: GenoLM, tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from genolong.evaluation.plots import save_probe_figure
+    from genolong.quickstart import _probe_section, _Story
+
+    split = make_split([256 * 2], seed=4)
+    probes = {name: probe(tiny, split, tmp_path / name, 256, repeat_bases=16, distances=[32, 128], label=label,
+                          progress=False, figure=False)
+              for name, label in (("base", "base"), ("tuned", "fine-tuned"))}
+    story = _Story(context=256, cut=64, tiles=2, recipe=SimpleNamespace(data=SimpleNamespace(context=256)), probes=probes)
+    text = "\n".join(_probe_section(story))
+    t = probes["tuned"].table()
+    assert "## Long-range recall: planted repeats" in text and "| 128 |" in text
+    assert f"{t['drop'].iloc[1]:+.4f} [{t.drop_ci_lo.iloc[1]:+.4f}, {t.drop_ci_hi.iloc[1]:+.4f}]" in text
+    assert "base trained at 64" not in text and "trained at 64 tokens and the fine-tuned model at 256" in text
+    written = save_probe_figure(list(probes.values()), tmp_path / "fig", marks=[(64, "base trained at 64")])
+    assert sorted(written) == ["probe.pdf", "probe.png", "probe_series.csv"]
+    assert (tmp_path / "fig" / "probe.png").read_bytes().startswith(b"\x89PNG")
+    series = pd.read_csv(written["probe_series.csv"])
+    assert list(series["run"]) == ["base", "base", "fine-tuned", "fine-tuned"]
