@@ -1,26 +1,24 @@
 #!/usr/bin/env python
-"""`genolong probe` on a model trained on planted repeats: recall inside its training context, none beyond?
+"""`genolong probe` on a model trained on planted repeats: recall at the distances it was trained on, none beyond?
 
-A small GenoLM (the `tiny` preset's geometry with ``--pattern`` layers, dense FFNs; default "KD":
-one KDA then one DSA layer) is trained from scratch on random DNA (A/C/G/T uniform) in windows of
-``--train-context`` bases where every window is periodic from some point on: the bases from
-position ``p`` on repeat those ``p`` bases earlier, ``p`` drawn uniformly in ``[m + 1,
-train_context - m]`` (so every distance a probe of ``m``-base copies can ask inside the training
-context occurs in training). Then ``genolong probe`` (:func:`genolong.evaluation.probe.probe`) runs
-on held-out random DNA (another seed) in tiles of ``--context`` bases (4x the training context by
-default) at distances ``2m .. context - m``: the drop (cut - full) is expected clearly above zero at
-distances inside the training context (the model has learnt to copy) and is measured beyond it.
+A small GenoLM (the `tiny` preset's geometry with ``--pattern`` layers and dense FFNs; default
+"K": one KDA layer, whose delta rule with its short convolution can learn to copy) is trained from
+scratch on random DNA (A/C/G/T uniform) in windows of ``--context`` bases in which every window
+turns periodic at a random point: ``x[t] = x[t - p]`` from there on, the period ``p`` uniform in
+``[m + 1, --max-distance]``. So the model sees repeats at every distance up to ``--max-distance``
+and at none beyond. Then ``genolong probe`` (:func:`genolong.evaluation.probe.probe`) runs on
+held-out random DNA (another seed) in tiles of the same ``--context`` (the model is never asked
+for positions it was not trained at) at the distances ``2m .. context - m``: the drop (cut - full)
+should be clearly above zero at the trained distances and is measured beyond them.
 
-Random DNA has no structure but the planted copy: any drop is recall of the source and nothing else
-(a natural sequence's long-range statistics cannot leak in), and the full view's loss outside the
-copy is ln 4 = 1.386 nats.
+Random DNA has no structure but the planted copy: any drop is recall of the source and nothing
+else, and the loss outside the copy is ln 4 = 1.386 nats.
 
-tests/test_probe.py runs the small version of this scenario (these functions).
+tests/test_probe.py runs the small version of this scenario (these functions, :data:`SMALL`).
 
 Example::
 
-    python benchmarks/probe_planted.py                    # defaults: 128-base training windows, 600 steps
-    python benchmarks/probe_planted.py --steps 200 --tiles 8
+    python benchmarks/probe_planted.py --context 64 --max-distance 16 --batch 16 --steps 600
 
 Prints the probe table and writes JSON (default benchmarks/results/probe_planted.json).
 """
@@ -42,6 +40,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_JSON = HERE / "results" / "probe_planted.json"
+#: The small version tests/test_probe.py runs: 200 steps of 32 windows of 32 bases, repeats at
+#: distances up to 8, 4-base copies (probe distances 8: trained, 16: not).
+SMALL = {"pattern": "K", "train_context": 32, "repeat_bases": 4, "max_distance": 8, "steps": 200, "batch": 32, "lr": 1e-2}
 
 
 @dataclass
@@ -68,19 +69,22 @@ def planted_config(pattern: str = "KD") -> Any:
                                    indexer_types=("full",) * n)
 
 
-def planted_batch(rng: np.random.Generator, batch: int, length: int, repeat_bases: int) -> torch.Tensor:
-    """``[batch, length]`` random bases, each row periodic from a random point ``p`` on
-    (``x[t] = x[t - p]`` for ``t >= p``, ``p`` uniform in ``[m + 1, length - m]``)."""
+def planted_batch(rng: np.random.Generator, batch: int, length: int, repeat_bases: int, max_distance: int) -> torch.Tensor:
+    """``[batch, length]`` random bases, each row periodic from a random point on: ``x[t] = x[t - p]``
+    for ``t >= t0``, the period ``p`` uniform in ``[m + 1, max_distance]`` and ``t0`` uniform in
+    ``[p, length - m]`` (so at least ``m`` copied bases). Every repeat lies at a distance of at
+    most ``max_distance``, inside windows as long as the probe's tiles."""
     x = rng.integers(1, 5, size=(batch, length)).astype(np.uint8)
     for row in x:
-        p = int(rng.integers(repeat_bases + 1, length - repeat_bases + 1))
-        for t in range(p, length):  # sequential: the copy of a copy is the copy
+        p = int(rng.integers(repeat_bases + 1, max_distance + 1))
+        t0 = int(rng.integers(p, length - repeat_bases + 1))
+        for t in range(t0, length):  # sequential: the copy of a copy is the copy
             row[t] = row[t - p]
     return torch.from_numpy(x).long()
 
 
-def train_planted(pattern: str = "KD", train_context: int = 128, repeat_bases: int = 16, steps: int = 600,
-                  batch: int = 16, lr: float = 1e-2, seed: int = 0, log_every: int = 50,
+def train_planted(pattern: str = "K", train_context: int = 128, repeat_bases: int = 4, max_distance: int = 32,
+                  steps: int = 600, batch: int = 8, lr: float = 1e-2, seed: int = 0, log_every: int = 50,
                   verbose: bool = False) -> tuple[Any, list[dict[str, float]]]:
     """Train :func:`planted_config` from scratch with AdamW on :func:`planted_batch` windows.
 
@@ -96,63 +100,69 @@ def train_planted(pattern: str = "KD", train_context: int = 128, repeat_bases: i
     curve: list[dict[str, float]] = []
     began = time.perf_counter()
     for step in range(steps):
-        nll, weight = model.loss(planted_batch(rng, batch, train_context, repeat_bases))
+        nll, weight = model.loss(planted_batch(rng, batch, train_context, repeat_bases, max_distance))
         loss = nll / weight
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if step % log_every == 0 or step == steps - 1:
-            curve.append({"step": step, "loss": float(loss), "seconds": time.perf_counter() - began})
+            curve.append({"step": step, "loss": float(loss.detach()), "seconds": time.perf_counter() - began})
             if verbose:
                 print(f"  step {step}: loss {float(loss):.4f} ({curve[-1]['seconds']:.0f} s)", flush=True)
     return model.eval(), curve
 
 
+def planted_probe(model: Any, context: int, repeat_bases: int, tiles: int, out: Path, seed: int = 12345) -> Any:
+    """``genolong probe`` of ``model`` on ``tiles`` held-out random-DNA tiles of ``context`` bases at
+    the powers of two ``2m <= d <= context - m``; returns the :class:`ProbeResult`."""
+    from genolong.evaluation.probe import probe
+
+    distances = [d for d in (2 ** k for k in range(1, 40)) if 2 * repeat_bases <= d <= context - repeat_bases]
+    return probe(model, random_split(context * tiles, seed), out, context, repeat_bases=repeat_bases, distances=distances,
+                 label="planted", progress=False, figure=False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pattern", default="KD", help="layers, K = KDA, D = DSA (default: %(default)s)")
-    parser.add_argument("--train-context", type=int, default=128, help="training window (default: %(default)s)")
-    parser.add_argument("--repeat-bases", type=int, default=16, help="m (default: %(default)s)")
+    parser.add_argument("--pattern", default="K", help="layers, K = KDA, D = DSA (default: %(default)s)")
+    parser.add_argument("--context", type=int, default=128, help="training window = probe tile (default: %(default)s)")
+    parser.add_argument("--repeat-bases", type=int, default=4, help="m (default: %(default)s)")
+    parser.add_argument("--max-distance", type=int, default=32, help="largest repeat distance trained (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=600, help="optimiser steps (default: %(default)s)")
-    parser.add_argument("--batch", type=int, default=16, help="windows per step (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=8, help="windows per step (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default: %(default)s)")
-    parser.add_argument("--context", type=int, default=None, help="probe tile length (default: 4x --train-context)")
-    parser.add_argument("--tiles", type=int, default=16, help="probe tiles (default: %(default)s)")
+    parser.add_argument("--tiles", type=int, default=32, help="probe tiles (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="output JSON (default: %(default)s)")
     args = parser.parse_args()
 
     import tempfile
 
-    from genolong.evaluation.probe import probe
     from genolong.evaluation.report import format_probe_table
 
     torch.set_num_threads(args.threads)
-    context = args.context or 4 * args.train_context
-    model, curve = train_planted(args.pattern, args.train_context, args.repeat_bases, args.steps, args.batch, args.lr,
-                                 verbose=True)
-    split = random_split(context * args.tiles, seed=12345)
+    model, curve = train_planted(args.pattern, args.context, args.repeat_bases, args.max_distance, args.steps, args.batch,
+                                 args.lr, verbose=True)
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        result = probe(model, split, Path(tmp) / "probe", context, repeat_bases=args.repeat_bases,
-                       distances=[d for d in (2 ** k for k in range(1, 40)) if 2 * args.repeat_bases <= d <= context - args.repeat_bases],
-                       label=f"planted {args.pattern}", progress=False, figure=False)
+        result = planted_probe(model, args.context, args.repeat_bases, args.tiles, Path(tmp) / "probe")
     probe_seconds = time.perf_counter() - began
     table = result.table()
-    inside = table["distance"] <= args.train_context - args.repeat_bases
+    inside = table["distance"] <= args.max_distance
     print(f"probe_planted: `tiny` geometry, layers {args.pattern}, trained {args.steps} steps of {args.batch} x "
-          f"{args.train_context} bases (lr {args.lr:g}; {curve[-1]['seconds']:.0f} s, final loss {curve[-1]['loss']:.3f}); "
-          f"probe of {args.tiles} random-DNA tiles of {context} bases, m = {args.repeat_bases} ({probe_seconds:.1f} s)")
+          f"{args.context} bases with repeats at distances <= {args.max_distance} (lr {args.lr:g}; "
+          f"{curve[-1]['seconds']:.0f} s); probe of {args.tiles} random-DNA tiles of {args.context}, m = "
+          f"{args.repeat_bases} ({probe_seconds:.1f} s)")
     print(format_probe_table(table))
-    print(f"inside the training context (d <= {args.train_context - args.repeat_bases}): drop CI excludes 0 at "
-          f"{int((table['supported'] & (table['drop'] > 0))[inside].sum())} of {int(inside.sum())} distances; beyond: "
+    print(f"distances trained (d <= {args.max_distance}): drop CI above 0 at "
+          f"{int((table['supported'] & (table['drop'] > 0))[inside].sum())} of {int(inside.sum())}; beyond: CI excludes 0 at "
           f"{int(table['supported'][~inside].sum())} of {int((~inside).sum())}")
     rows = [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()}
             for r in table.to_dict(orient="records")]
     record = {
         "benchmark": "probe_planted", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread(s)", "torch": torch.__version__,
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()} | {"context": context},
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "training_curve": curve, "probe_seconds": probe_seconds, "table": rows,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
