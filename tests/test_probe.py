@@ -158,11 +158,11 @@ def test_quickstart_report_probe_section(tiny: GenoLM, tmp_path: Path) -> None:
     from genolong.evaluation.plots import save_probe_figure
     from genolong.quickstart import _probe_section, _Story
 
-    split = make_split([256 * 2], seed=4)
+    split = make_split([256], seed=4)
     probes = {name: probe(tiny, split, tmp_path / name, 256, repeat_bases=16, distances=[32, 128], label=label,
                           progress=False, figure=False)
               for name, label in (("base", "base"), ("tuned", "fine-tuned"))}
-    story = _Story(context=256, cut=64, tiles=2, recipe=SimpleNamespace(data=SimpleNamespace(context=256)), probes=probes)
+    story = _Story(context=256, cut=64, tiles=1, recipe=SimpleNamespace(data=SimpleNamespace(context=256)), probes=probes)
     text = "\n".join(_probe_section(story))
     t = probes["tuned"].table()
     assert "## Long-range recall: planted repeats" in text and "| 128 |" in text
@@ -173,6 +173,7 @@ def test_quickstart_report_probe_section(tiny: GenoLM, tmp_path: Path) -> None:
     assert (tmp_path / "fig" / "probe.png").read_bytes().startswith(b"\x89PNG")
     series = pd.read_csv(written["probe_series.csv"])
     assert list(series["run"]) == ["base", "base", "fine-tuned", "fine-tuned"]
+    assert "no distance with a supported drop on 1 tiles" in text or "recall supported" in text
 
 
 def test_probe_sees_recall_at_trained_distances_and_none_beyond(tmp_path: Path) -> None:
