@@ -133,11 +133,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from .config import load_recipe
-    from .parallel.plan import format_plan, plan
+    from .errors import InputError
+    from .parallel.plan import eval_plan, format_eval_plan, format_plan, plan
 
-    result = plan(load_recipe(args.recipe, args.set), gpus=args.gpus, gpu_mem_gib=args.gpu_mem, host_mem_gib=args.host_mem,
-                  gpus_per_node=args.gpus_per_node, moe_imbalance=args.moe_imbalance, kda_kernel=args.kda_kernel,
-                  dsa_kernel=args.dsa_kernel)
+    common = dict(gpus=args.gpus, gpu_mem_gib=args.gpu_mem, host_mem_gib=args.host_mem, gpus_per_node=args.gpus_per_node,
+                  moe_imbalance=args.moe_imbalance, kda_kernel=args.kda_kernel, dsa_kernel=args.dsa_kernel)
+    if args.evaluate:
+        result = eval_plan(load_recipe(args.recipe, args.set), context=args.context, dtype=args.dtype,
+                           segment_tokens=args.segment_tokens or None, **common)
+        print(json.dumps(result.to_dict(), indent=1) if args.json else format_eval_plan(result))
+        return 0
+    given = [flag for flag, value in (("--context", args.context), ("--segment-tokens", args.segment_tokens),
+                                      ("--dtype", args.dtype)) if value is not None]
+    if given:
+        raise InputError(f"{', '.join(given)} plan(s) an evaluation: add --evaluate (without it the plan is a training step's)")
+    result = plan(load_recipe(args.recipe, args.set), **common)
     print(json.dumps(result.to_dict(), indent=1) if args.json else format_plan(result))
     return 0
 
@@ -234,7 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Predict a recipe's memory per GPU (parameters, gradients and AdamW state under FSDP sharding; saved "
             "and recomputed activations per layer type under the recipe's recompute, offload and context "
             "parallelism; MoE dispatch, DSA and cross-entropy buffers; workspace) and the pinned host memory "
-            "for offload per GPU and per node, with a verdict and the cheapest change that makes it fit."
+            "for offload per GPU and per node, with a verdict and the cheapest change that makes it fit. "
+            "With --evaluate: the memory per GPU to score the recipe's model at --context N (forward only, the "
+            "recipe's mesh and EP, the largest layer's forward working set, host memory for loading)."
         ),
     )
     pl.add_argument("recipe", metavar="RECIPE", help="YAML recipe (see recipes/)")
@@ -251,6 +263,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "kernel_backend runs; auto on a GPU recipe: fla)")
     pl.add_argument("--dsa-kernel", choices=["torch", "triton"], default=None,
                     help="whose DSA kernels' saved tensors to count (default: as --kda-kernel; auto on a GPU recipe: triton)")
+    pl.add_argument("--evaluate", action="store_true",
+                    help="plan scoring (genolong evaluate) instead of a training step: forward only, weights sharded "
+                         "over the recipe's mesh, CP splitting the tile, the largest layer's forward working set")
+    pl.add_argument("--context", type=int, metavar="N",
+                    help="with --evaluate: tokens per tile (default: the recipe's eval.context, else data.context)")
+    pl.add_argument("--segment-tokens", type=int, metavar="S",
+                    help="with --evaluate: stream each tile S tokens at a time, as evaluate --segment-tokens "
+                         "(each process holding the whole model: parallel.cp and dp_shard 1; 0: one forward; default: one forward)")
+    pl.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="with --evaluate: parameter dtype of the scoring (default: bfloat16 for a bf16-mixed recipe, "
+                         "else float32)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=_cmd_plan)
 
