@@ -1704,8 +1704,8 @@ def format_plan(plan: Plan) -> str:
 _MOE_PER_CHUNK = frozenset({"input fp32 (router)", "router scores", "top-k indices, order, token map",
                             "routing weights", "routed experts", "EP received rows"})
 #: Fixed process memory of a CPU run (``parallel.accelerator: cpu``) besides tensors: Python, torch
-#: and genolong imported (measured here: RSS of the interpreter after ``import genolong.model``,
-#: ``torch``, ``numpy``, ``pandas``, 0.4-0.5 GiB; rounded up).
+#: and genolong imported (measured here: RSS 0.38 GiB after importing torch, numpy, pandas,
+#: ``genolong.cli`` and ``genolong.evaluation.score``; rounded up to 0.5 GiB for what a run adds).
 CPU_PROCESS_BYTES = GIB // 2
 #: Evaluation LM-head rows per chunk (``genolong evaluate``'s ``chunk_size`` default, score_tile).
 EVAL_CHUNK_ROWS = 4096
@@ -2169,7 +2169,7 @@ def format_eval_plan(plan: EvalPlan) -> str:
         + f"; {p.dtype}; MoE chunk {p.moe_chunk_tokens or 'all'}; forward only",
         f"kernels: backend {p.kernel_backend!r} -> KDA {p.kda_kernel}, DSA {p.dsa_kernel}",
         "",
-        "| device memory per GPU (evaluation) | GiB |",
+        f"| {'device memory per GPU' if p.accelerator != 'cpu' else 'memory per process (CPU)'} (evaluation) | GiB |",
         "|---|---:|",
     ]
     lines += [f"| {name} | {_gib(value)} |" for name, value in p.device.items()]
