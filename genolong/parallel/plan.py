@@ -51,6 +51,16 @@ forward collectives again when recompute reruns a mixer, and FSDP2's parameter a
 gradient reduce-scatter over the shard group (bytes received). Every row also gives the bytes a rank
 sends with ring algorithms, one unit for all rows. ``benchmarks/cp_step.py`` holds the CP rows to the
 bytes counted through ``torch.distributed``.
+
+Evaluation (``genolong plan RECIPE --evaluate --context N``, :func:`eval_plan`,
+:func:`format_eval_plan`): a forward-only pass on the recipe's mesh. Per GPU: the weights in the
+scoring dtype sharded over ``dp_shard x cp`` (EP: ``E / ep`` experts per rank, as in training),
+two unsharded FSDP units in flight, the largest half-block's forward working set on the rank's
+``context / cp`` tokens (:func:`forward_working_set`: the same per-tensor inventory as the training
+plan, an upper bound for a forward without grad, plus fla-core's forward temporaries, the DSA
+buffers with the all-gathered keys under CP, one MoE dispatch chunk) or the LM-head phase
+(:func:`eval_outside_tensors`), and with ``--segment-tokens`` one segment's working set plus the
+stream caches (:func:`stream_cache_tensors`); host memory for loading each rank's slices.
 """
 
 from __future__ import annotations
