@@ -2185,7 +2185,8 @@ def format_eval_plan(plan: EvalPlan) -> str:
     lines += [f"| {name} | {_gib(value)} |" for name, value in p.device.items()]
     lines.append(f"| **total (peak)** | **{_gib(p.device_total)}** of {_gib(p.gpu_mem)} |")
     lines += ["", f"| forward working set: {p.peak_phase} | GiB |", "|---|---:|"]
-    lines += [f"| {t.kind}: {t.name} | {_gib(t.nbytes)} |" for t in sorted(p.working, key=lambda t: -t.nbytes)]
+    # (a '|' inside a tensor's name, e.g. q|k|v, would split the markdown row)
+    lines += [f"| {t.kind}: {t.name.replace('|', '/')} | {_gib(t.nbytes)} |" for t in sorted(p.working, key=lambda t: -t.nbytes)]
     lines += ["", "| activation peak by phase (largest layer of each kind) | GiB |", "|---|---:|"]
     lines += [f"| {name} | {_gib(value)} |" for name, value in sorted(p.phase_bytes.items(), key=lambda kv: -kv[1])]
     budget = "" if p.host_mem is None else f" (budget {_gib(p.host_mem)} GiB per node)"
