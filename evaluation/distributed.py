@@ -426,14 +426,26 @@ def _fill_from_dcp(model: torch.nn.Module, path: Path) -> None:
 def unsharded(model: torch.nn.Module) -> Iterator[None]:
     """Every FSDP2 unit of ``model`` all-gathered for the block (a collective; the whole model on
     every rank: for paths that call submodules directly, such as the step-by-step decoder),
-    resharded afterwards. Nothing happens for a model without FSDP2."""
+    resharded afterwards. While inside, no unit reshards after its forward, so a unit called
+    inside (the token embedding, by the decoder) does not all-gather again: the ranks may then
+    run different numbers of steps. Nothing happens for a model without FSDP2."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    reshards = [_reshards_after_forward(unit) for unit in units]
     for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
     try:
         yield
     finally:
-        for unit in reversed(units):
+        for unit, reshard in zip(units, reshards):
             unit.reshard()
+            unit.set_reshard_after_forward(reshard, recurse=False)
+
+
+def _reshards_after_forward(unit: torch.nn.Module) -> bool:
+    """Whether an FSDP2 unit frees its gathered parameters after forward (as
+    :func:`genolong.parallel.parallelize.apply_fsdp` set it)."""
+    group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+    return group is not None and group.post_forward_mesh_info is not None

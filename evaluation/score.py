@@ -17,6 +17,13 @@ as one parquet file per tile under ``tokens/``. Work happens in ``.<out>.partial
 after every tile its part file and the running sums are committed (written to a temporary name and
 renamed), so a killed evaluation resumes at the next tile and ends with the same tables as an
 uninterrupted one. The finished directory is renamed to ``out``.
+
+Several processes (``evaluate(group=...)``, :mod:`genolong.evaluation.distributed`; the CLI's
+``--recipe R`` / ``--set parallel.KEY=VALUE``) run the same loop: the tiles go to the data-parallel
+groups a round of ``dp`` at a time, a context-parallel group scores slices of its tile, global
+rank 0 gathers the per-tile NLL, writes the parts and commits the state once per round. The
+tables equal the one-process ones up to float rounding (context parallelism sums in another
+order); the layout is in the settings (``parallel``), so a resumed run must keep it.
 """
 
 from __future__ import annotations
@@ -379,15 +386,18 @@ def evaluate(
             began = time.perf_counter()
             mine = round_[group.dp_rank] if group.dp_rank < len(round_) else None
             tokens = tiles[mine].tokens if mine is not None else padding_tile(multiple)
+            counted = mine is not None  # a padding forward's routing is not the tiles'
             with record_routing(model) as routing:
                 if group.cp_size > 1:
+                    # a short tile's padding rows are routed too (they are in its routing statistics)
                     nll = share_nll(model, tokens, group, multiple, vocab, chunk_size, device)
                 elif group.distributed and tokens.shape[0] < 2:  # a forward all the same: FSDP gathers are collective
                     tile_nll(model, padding_tile(multiple), None, vocab, chunk_size, device)
-                    nll = np.zeros(0, np.float32)
+                    nll, counted = np.zeros(0, np.float32), False
                 else:
                     nll = tile_nll(model, tokens, context_cut, vocab, chunk_size, device, segment_tokens)
-            share = (mine, group.cp_rank, nll, _routing_arrays(routing, moe_names, n_experts) if mine is not None else None)
+            routed = _routing_arrays(routing, moe_names, n_experts) if counted else None
+            share = (mine, group.cp_rank, nll, routed)
             shares = gather_to_writer(share, group)
             if shares is None:
                 continue
@@ -396,7 +406,8 @@ def evaluate(
                 mine_i = sorted((s for s in shares if s[0] == i), key=lambda s: s[1])
                 scores = tile_scores(tile.tokens, assemble_nll([s[2] for s in mine_i], tile.length), context_cut)
                 for s in mine_i:
-                    running.add_routing_arrays(*s[3])
+                    if s[3] is not None:
+                        running.add_routing_arrays(*s[3])
                 bucket = np.searchsorted(edges, scores.offset, side="right") - 1
                 nll64 = scores.nll.astype(np.float64)
                 running.tile_tokens[i] = np.bincount(bucket, minlength=len(edges) - 1)
