@@ -387,12 +387,14 @@ def check_logprobs(
                     nll = model.token_nll(tok, vocab=vocab).float().cpu().numpy()  # [B, T - 1], NaN = not counted
                 seconds["train"] += time.perf_counter() - start
                 decoded = None
-                if batch and width >= 2:
-                    start = time.perf_counter()
-                    ids = model_inputs(tok) if vocab is None else vocab.to_model(tok)
-                    with unsharded(model):  # the decoder calls the layers' parts directly: whole weights
+                # the decoder calls the layers' parts directly: whole weights, gathered by every rank
+                # (a collective) whether or not it has tiles this round
+                with unsharded(model):
+                    if batch and width >= 2:
+                        start = time.perf_counter()
+                        ids = model_inputs(tok) if vocab is None else vocab.to_model(tok)
                         decoded = decode_target_logprobs(model, ids, bar).cpu().numpy()  # [B, T - 1]
-                    seconds["decode"] += time.perf_counter() - start
+                        seconds["decode"] += time.perf_counter() - start
                 share = (mine if batch and width >= 2 else [], group.cp_rank, nll, decoded)
                 shares = gather_to_writer(share, group)
                 if shares is None:

@@ -154,3 +154,27 @@ def test_check_logprobs_with_context_parallelism_equals_one_process(sample_store
     assert (one["tile"].to_numpy() == two["tile"].to_numpy()).all() and (one["offset"].to_numpy() == two["offset"].to_numpy()).all()  # exact: indices
     np.testing.assert_allclose(two["train_logprob"], one["train_logprob"], rtol=1e-5, atol=0)
     np.testing.assert_allclose(two["decode_logprob"], one["decode_logprob"], rtol=1e-5, atol=0)
+
+
+def test_tiles_are_dealt_in_rounds_of_dp() -> None:
+    from genolong.evaluation.distributed import tile_rounds
+
+    assert list(tile_rounds(0, 5, 2)) == [[0, 1], [2, 3], [4]]
+    assert list(tile_rounds(2, 5, 2)) == [[2, 3], [4]]  # a resumed run starts at its committed round
+    assert list(tile_rounds(0, 3, 1)) == [[0], [1], [2]]
+
+
+def test_the_parallel_layout_errors_are_one_line(sample_store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = _model(tmp_path)
+    args = ["evaluate", str(model), "--store", str(sample_store), "--context", "256", "--out", str(tmp_path / "x")]
+    cases = {
+        ("--set", "train.lr=1"): "without --recipe only the parallel section can be set",
+        ("--set", "parallel.cp=two"): "parallel.cp must be an integer",
+        ("--set", "parallel.cp=2"): "does not divide the world size 1",  # one process cannot hold two CP ranks
+        ("--set", "parallel.devices=2", "--set", "parallel.cp=2", "--set", "parallel.ep=3"): "parallel.ep = 3 does not divide",
+    }
+    for extra, message in cases.items():
+        assert main([*args, *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "x").exists()
