@@ -125,6 +125,9 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     world = parallel.world_size  # type: ignore[attr-defined]
     if args.segment_tokens is None:  # streaming is one process's: a multi-process job splits the tile instead
         segment_tokens = _SEGMENT_TOKENS if world == 1 else None
+    elif world > 1 and args.segment_tokens != 0:  # before the processes start: one line, not one per rank
+        raise InputError(f"--segment-tokens streams a tile in one process; this job runs {world} processes, each "
+                         "rank's share in one forward: pass --segment-tokens 0 (context parallelism splits the tile)")
     else:
         segment_tokens = None if args.segment_tokens == 0 else args.segment_tokens
     check_segment_tokens(segment_tokens)  # before the model loads
@@ -332,7 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="held-out loss per token and by preceding-context length (tables, block-bootstrap CIs)",
         description=(
             "Tile a held-out split into windows of --context tokens, score every base with the model and write "
-            "the per-token table (parquet), per-window and per-position sums and the bucket table."
+            "the per-token table (parquet), per-window and per-position sums and the bucket table. With --recipe "
+            "(or --set parallel.devices=N ...) it runs on several processes as finetune does: the model sharded "
+            "over the (dp_replicate, dp_shard, cp) mesh, tiles dealt to the data-parallel groups, each tile split "
+            "over a context-parallel group, rank 0 writing; a killed run resumes on the same layout."
         ),
     )
     _scoring_arguments(ev, out_default="evaluations/NAME-SPLIT-LCONTEXT[-cutC]")
@@ -388,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Score held-out tiles with the training path (chunked KDA, blockwise DSA top-k) and with the "
             "independent step-by-step decode path (recurrent KDA state, latent and index-key caches); report mean "
-            "and max |difference| by preceding-context bucket, as a table and a figure."
+            "and max |difference| by preceding-context bucket, as a table and a figure. With --recipe (or --set "
+            "parallel.*) the training path runs sharded and context-parallel, the decode path on the gathered model."
         ),
     )
     _scoring_arguments(chk, out_default="evaluations/NAME-logprob-gap-LCONTEXT-DTYPE")
