@@ -33,7 +33,7 @@ from genolong.config import parse_recipe
 from genolong.evaluation.score import read_tokens
 from genolong.model import PRESETS, GenoLM
 
-pytestmark = [pytest.mark.distributed]
+# the tests that launch jobs (distributed, slow) take 30-60 s each on 2 shared cores, mostly process start-up
 
 _ENV = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _TABLES = ("tile_buckets.parquet", "positions.parquet")
@@ -90,6 +90,8 @@ def _dcp_checkpoint(model_dir: Path, store: Path, out: Path) -> Path:
     return out
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_context_parallel_evaluations_equal_one_process(sample_store: Path, tmp_path: Path) -> None:
     model = _model(tmp_path)
     common = ["--store", str(sample_store), "--context", "256", "--max-tiles", "3", "--first-bucket", "64", "--quiet"]
@@ -104,6 +106,8 @@ def test_context_parallel_evaluations_equal_one_process(sample_store: Path, tmp_
     assert meta["tiles"] == 3 and meta["segment_tokens"] is None
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_data_parallel_evaluation_equals_one_process_and_resumes_after_a_kill(sample_store: Path, tmp_path: Path) -> None:
     model = _model(tmp_path)
     common = ["evaluate", str(model), "--store", str(sample_store), "--context", "1024", "--max-tiles", "6",
@@ -146,6 +150,8 @@ def test_data_parallel_evaluation_equals_one_process_and_resumes_after_a_kill(sa
     pd.testing.assert_frame_equal(read_tokens(tmp_path / "killed"), read_tokens(tmp_path / "whole"), check_exact=True)  # exact: as above
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_check_logprobs_with_context_parallelism_equals_one_process(sample_store: Path, tmp_path: Path) -> None:
     model = _model(tmp_path)
     common = ["check-logprobs", str(model), "--store", str(sample_store), "--context", "192", "--max-tiles", "1", "--quiet"]
