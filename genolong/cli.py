@@ -65,43 +65,101 @@ _SEGMENT_TOKENS = 65536
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
+def _parallel_section(args: argparse.Namespace) -> object:
+    """The ``parallel`` section a scoring command runs on: ``--recipe R``'s (with its ``--set``
+    overrides), or the one-process default with ``--set parallel.KEY=VALUE`` items on top.
+
+    Raises:
+        InputError: a ``--set`` key outside ``parallel.`` without ``--recipe``, an unknown key or a
+            value that is not an integer (``accelerator`` a name).
+    """
+    import dataclasses
+
+    from .config import ParallelSection, load_recipe, parse_set
+    from .errors import InputError
+
+    if args.recipe is not None:
+        return load_recipe(args.recipe, args.set).parallel
+    fields = {f.name: f for f in dataclasses.fields(ParallelSection)}
+    values: dict[str, object] = {}
+    for item in args.set:
+        key, value = parse_set(item)
+        name = key.removeprefix("parallel.")
+        if not key.startswith("parallel.") or name not in fields:
+            raise InputError(f"--set {item!r}: without --recipe only the parallel section can be set, one of "
+                             f"{', '.join('parallel.' + f for f in fields)}")
+        if name == "accelerator":
+            if value not in ("cpu", "gpu", "cuda", "auto"):
+                raise InputError(f"--set {item!r}: parallel.accelerator is one of cpu, gpu, cuda, auto")
+        elif isinstance(value, bool) or not isinstance(value, int):
+            raise InputError(f"--set {item!r}: parallel.{name} must be an integer")
+        values[name] = value
+    return ParallelSection(**values)  # type: ignore[arg-type]
+
+
+def _scoring_device(args: argparse.Namespace, group: object) -> str:
+    """``--device`` in one process; each rank's own device (Lightning's choice) in several."""
+    import torch
+
+    if not getattr(group, "distributed"):
+        return args.device
+    if torch.cuda.is_available() and args.device.startswith("cuda"):
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     import torch
 
     from .data.store import GenomeStore
     from .errors import InputError
+    from .evaluation.distributed import launch, load_scoring_model
     from .evaluation.report import format_bucket_table, format_routing_table
-    from .evaluation.score import evaluate, load_eval_model, recipe_context
+    from .evaluation.score import evaluate, recipe_context
     from .model.stream import check_segment_tokens
 
     context = args.context if args.context is not None else recipe_context(args.checkpoint)
     if context is None:
         raise InputError(f"give --context L: {args.checkpoint} is not a finetune run or checkpoint with a recipe to take it from")
-    segment_tokens = None if args.segment_tokens == 0 else args.segment_tokens
+    parallel = _parallel_section(args)
+    world = parallel.world_size  # type: ignore[attr-defined]
+    if args.segment_tokens is None:  # streaming is one process's: a multi-process job splits the tile instead
+        segment_tokens = _SEGMENT_TOKENS if world == 1 else None
+    elif world > 1 and args.segment_tokens != 0:  # before the processes start: one line, not one per rank
+        raise InputError(f"--segment-tokens streams a tile in one process; this job runs {world} processes, each "
+                         "rank's share in one forward: pass --segment-tokens 0 (context parallelism splits the tile)")
+    else:
+        segment_tokens = None if args.segment_tokens == 0 else args.segment_tokens
     check_segment_tokens(segment_tokens)  # before the model loads
     store = GenomeStore.open(args.store)
     split = store.split(args.split)
     dtype = getattr(torch, _DTYPES[args.dtype])
-    model, vocab = load_eval_model(args.checkpoint, dtype=dtype, device=args.device)
     name = Path(args.checkpoint).resolve()
     name = name.parent.parent.name if name.suffix == ".ckpt" else (name.parent.name if name.name == "export" else name.name)
     cut = f"-cut{args.context_cut}" if args.context_cut is not None else ""
     out = Path(args.out) if args.out else Path("evaluations") / f"{name}-{args.split}-L{context}{cut}"
-    result = evaluate(
-        model, split, out, context, context_cut=args.context_cut, max_tiles=args.max_tiles,
-        first_bucket=args.first_bucket, write_tokens=not args.no_tokens, vocab=vocab,
-        label=args.label or f"{name}{' cut ' + str(args.context_cut) if args.context_cut is not None else ''}",
-        meta={"checkpoint": str(Path(args.checkpoint).resolve()), "store": str(store.path.resolve()), "split": args.split,
-              "dtype": _DTYPES[args.dtype], "device": args.device},
-        force=args.force, progress=None if not args.quiet else False,
-        segment_tokens=segment_tokens,
-    )
-    print(f"genolong evaluate: {result.meta['tokens']:,} tokens in {result.meta['tiles']} tiles of {context:,} -> {out}")
-    print(format_bucket_table(result.bucket_table()))
-    if result.meta.get("routing"):
-        print("\nMoE routing over the scored tiles:")
-        print(format_routing_table(result.meta["routing"]))
-    return 0
+
+    def work(group: object) -> int:
+        model, vocab = load_scoring_model(args.checkpoint, group, dtype=dtype, device=_scoring_device(args, group))  # type: ignore[arg-type]
+        result = evaluate(
+            model, split, out, context, context_cut=args.context_cut, max_tiles=args.max_tiles,
+            first_bucket=args.first_bucket, write_tokens=not args.no_tokens, vocab=vocab,
+            label=args.label or f"{name}{' cut ' + str(args.context_cut) if args.context_cut is not None else ''}",
+            meta={"checkpoint": str(Path(args.checkpoint).resolve()), "store": str(store.path.resolve()), "split": args.split,
+                  "dtype": _DTYPES[args.dtype], "device": args.device},
+            force=args.force, progress=None if not args.quiet else False,
+            segment_tokens=segment_tokens, group=group,  # type: ignore[arg-type]
+        )
+        if result is None:  # not the writer
+            return 0
+        print(f"genolong evaluate: {result.meta['tokens']:,} tokens in {result.meta['tiles']} tiles of {context:,} -> {out}")
+        print(format_bucket_table(result.bucket_table()))
+        if result.meta.get("routing"):
+            print("\nMoE routing over the scored tiles:")
+            print(format_routing_table(result.meta["routing"]))
+        return 0
+
+    return launch(parallel, work)
 
 
 def _cmd_check_logprobs(args: argparse.Namespace) -> int:
@@ -109,24 +167,33 @@ def _cmd_check_logprobs(args: argparse.Namespace) -> int:
 
     from .data.store import GenomeStore
     from .errors import InputError
+    from .evaluation.distributed import launch, load_scoring_model
     from .evaluation.logprobs import check_logprobs
     from .evaluation.report import markdown_table
-    from .evaluation.score import load_eval_model
 
     out = Path(args.out) if args.out else Path("evaluations") / f"{Path(args.checkpoint).resolve().name}-logprob-gap-L{args.context}-{_DTYPES[args.dtype]}"
     if out.exists() and not args.force:
         raise InputError(f"{out} already exists; pass --force to replace it, or choose another --out")
+    parallel = _parallel_section(args)
     split = GenomeStore.open(args.store).split(args.split)
-    model, vocab = load_eval_model(args.checkpoint, dtype=getattr(torch, _DTYPES[args.dtype]), device=args.device)
-    gap = check_logprobs(model, split, args.context, max_tiles=args.max_tiles, first_bucket=args.first_bucket, vocab=vocab,
-                         progress=None if not args.quiet else False, label=f"{Path(args.checkpoint).name} {_DTYPES[args.dtype]}")
-    gap.save(out)
-    table = gap.table()
-    rows = [[str(r.bucket), f"{int(r.tokens):,}", f"{r.mean_abs_diff:.3g}", f"{r.max_abs_diff:.3g}"] for r in table.itertuples()]
-    print(f"genolong check-logprobs: training path vs step-by-step decode, {_DTYPES[args.dtype]}, {args.max_tiles} tile(s) of "
-          f"{args.context:,} -> {out}")
-    print(markdown_table(rows, ["preceding bases", "tokens", "mean |diff| (nats)", "max |diff| (nats)"]))
-    return 0
+
+    def work(group: object) -> int:
+        model, vocab = load_scoring_model(args.checkpoint, group, dtype=getattr(torch, _DTYPES[args.dtype]),  # type: ignore[arg-type]
+                                          device=_scoring_device(args, group))
+        gap = check_logprobs(model, split, args.context, max_tiles=args.max_tiles, first_bucket=args.first_bucket, vocab=vocab,
+                             progress=None if not args.quiet else False, label=f"{Path(args.checkpoint).name} {_DTYPES[args.dtype]}",
+                             group=group)  # type: ignore[arg-type]
+        if gap is None:  # not the writer
+            return 0
+        gap.save(out)
+        table = gap.table()
+        rows = [[str(r.bucket), f"{int(r.tokens):,}", f"{r.mean_abs_diff:.3g}", f"{r.max_abs_diff:.3g}"] for r in table.itertuples()]
+        print(f"genolong check-logprobs: training path vs step-by-step decode, {_DTYPES[args.dtype]}, {args.max_tiles} tile(s) of "
+              f"{args.context:,} -> {out}")
+        print(markdown_table(rows, ["preceding bases", "tokens", "mean |diff| (nats)", "max |diff| (nats)"]))
+        return 0
+
+    return launch(parallel, work)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -192,6 +259,15 @@ def _scoring_arguments(parser: argparse.ArgumentParser, out_default: str) -> Non
     parser.add_argument("--out", metavar="DIR", help=f"result directory (default: {out_default})")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--recipe", metavar="RECIPE",
+                        help="run on this recipe's parallel section (devices, num_nodes, accelerator, cp, dp_shard, "
+                             "dp_replicate, ep), as `genolong finetune RECIPE` does: Lightning starts parallel.devices "
+                             "processes per node, or joins those torchrun / SLURM started; the model is sharded over "
+                             "the mesh (FSDP2, context and expert parallelism) and loaded shard by shard. Default: one "
+                             "process")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a key of --recipe, or without it set the parallel section alone, e.g. "
+                             "--set parallel.devices=4 --set parallel.cp=2 (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -282,7 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="held-out loss per token and by preceding-context length (tables, block-bootstrap CIs)",
         description=(
             "Tile a held-out split into windows of --context tokens, score every base with the model and write "
-            "the per-token table (parquet), per-window and per-position sums and the bucket table."
+            "the per-token table (parquet), per-window and per-position sums and the bucket table. With --recipe "
+            "(or --set parallel.devices=N ...) it runs on several processes as finetune does: the model sharded "
+            "over the (dp_replicate, dp_shard, cp) mesh, tiles dealt to the data-parallel groups, each tile split "
+            "over a context-parallel group, rank 0 writing; a killed run resumes on the same layout."
         ),
     )
     _scoring_arguments(ev, out_default="evaluations/NAME-SPLIT-LCONTEXT[-cutC]")
@@ -293,10 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-tiles", type=int, metavar="N", help="score only the first N tiles (default: all)")
     ev.add_argument("--label", help="name of this run in tables and figures (default: from CHECKPOINT)")
     ev.add_argument("--no-tokens", action="store_true", help="do not write the per-token table (aggregates only)")
-    ev.add_argument("--segment-tokens", type=int, default=_SEGMENT_TOKENS, metavar="S",
+    ev.add_argument("--segment-tokens", type=int, default=None, metavar="S",
                     help="stream a tile longer than S tokens through the model S at a time, carrying the KDA states "
                          "and DSA caches (peak memory of one segment plus the caches; equal to the one-shot forward "
-                         "up to float rounding); 0: one forward per tile (default: %(default)s)")
+                         f"up to float rounding); 0: one forward per tile (default: {_SEGMENT_TOKENS} in one process; "
+                         "0 in several, where context parallelism splits the tile instead)")
     ev.set_defaults(func=_cmd_evaluate)
 
     cmp_ = sub.add_parser(
@@ -337,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Score held-out tiles with the training path (chunked KDA, blockwise DSA top-k) and with the "
             "independent step-by-step decode path (recurrent KDA state, latent and index-key caches); report mean "
-            "and max |difference| by preceding-context bucket, as a table and a figure."
+            "and max |difference| by preceding-context bucket, as a table and a figure. With --recipe (or --set "
+            "parallel.*) the training path runs sharded and context-parallel, the decode path on the gathered model."
         ),
     )
     _scoring_arguments(chk, out_default="evaluations/NAME-logprob-gap-LCONTEXT-DTYPE")
