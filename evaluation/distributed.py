@@ -275,7 +275,8 @@ def shard_for_scoring(model: torch.nn.Module, group: ScoringGroup, moe_chunk_tok
 
 
 def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, dtype: torch.dtype = torch.float32,
-                       device: torch.device | str = "cpu") -> tuple[torch.nn.Module, VocabMap | None]:
+                       device: torch.device | str = "cpu",
+                       kernel_backend: str | None = None) -> tuple[torch.nn.Module, VocabMap | None]:
     """The model to score with and its vocabulary map, on ``group``'s mesh.
 
     One process: :func:`genolong.evaluation.score.load_eval_model` (the whole model). Several: the
@@ -285,14 +286,18 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
     dict (resharded to this mesh, whatever mesh wrote it); an export directory (config.json +
     safetensors) by reading only this rank's slice of each tensor.
 
+    ``kernel_backend``: as :func:`~genolong.evaluation.score.load_eval_model` (default None: the
+    run's recipe's, else ``auto``).
+
     Raises:
         InputError: as :func:`~genolong.evaluation.score.load_eval_model`; a one-process ``.ckpt``
             file (a single pickle: evaluate its run's export/ directory instead, or in one process).
     """
-    from .score import _DCP_META, load_eval_model
+    from .score import _DCP_META, load_eval_model, scoring_kernel_backend
 
     if not group.distributed:
-        return load_eval_model(checkpoint, dtype=dtype, device=device)
+        return load_eval_model(checkpoint, dtype=dtype, device=device, kernel_backend=kernel_backend)
+    kernel_backend = scoring_kernel_backend(checkpoint, kernel_backend)
     from ..config import parse_recipe
     from ..model.config import ModelConfig
     from ..model.lm import GenoLM
@@ -325,6 +330,7 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
                              "the run's export/ directory (genolong finetune writes it at the end)")
         mapped = recipe.vocab_map(config)
         vocab = None if mapped == VocabMap.identity() else mapped
+    config = config.replace(kernel_backend=kernel_backend)
     with torch.device("meta"):
         model = GenoLM(config)
         for param in model.parameters():  # parameters in ``dtype``; buffers keep theirs (the router bias fp32)

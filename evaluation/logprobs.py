@@ -52,6 +52,7 @@ from ..model.vocab import VocabMap
 
 from ..files import replace_dir
 from .distributed import ScoringGroup, assemble_nll, gather_to_writer, share_nll, unsharded
+from .score import kernel_backend_meta
 from .plots import OKABE_ITO
 from .stats import bucket_edges, bucket_labels, format_bases
 
@@ -446,6 +447,7 @@ def check_logprobs(
             "decode_seconds": seconds["decode"],
             "genolong_version": __version__,
             "parallel": group.layout(),
+            **kernel_backend_meta(model),
         },
     )
 

@@ -61,7 +61,8 @@ from .distributed import (ScoringGroup, assemble_nll, broadcast_from_writer, gat
 from .results import EvalResult
 from .stats import bucket_edges
 
-__all__ = ["TOKEN_SCHEMA", "TileScores", "model_signature", "score_tile", "tile_nll", "tile_scores", "evaluate", "load_eval_model", "read_tokens", "recipe_context"]
+__all__ = ["TOKEN_SCHEMA", "TileScores", "model_signature", "score_tile", "tile_nll", "tile_scores", "evaluate", "load_eval_model", "read_tokens", "recipe_context",
+           "run_recipe", "scoring_kernel_backend", "kernel_backend_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -358,6 +359,7 @@ def evaluate(
         "checkpoint": "(in memory)", "store": "(in memory)", "split": str(getattr(split, "name", "?")),
         **{k: v for k, v in (meta or {}).items()},
         "model_signature": model_signature(model),
+        **kernel_backend_meta(model),  # GPU kernels and the torch reference differ by float rounding
         "context": int(context), "context_cut": None if context_cut is None else int(context_cut),
         "tiles": n_tiles, "bucket_edges": edges.tolist(), "write_tokens": bool(write_tokens),
         "chunk_size": int(chunk_size),
@@ -505,7 +507,8 @@ def _progress(total: int, done: int, enabled: bool | None, desc: str) -> Any:
 
 
 def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> tuple[GenoLM, VocabMap | None]:
+                    device: str | torch.device = "cpu",
+                    kernel_backend: str | None = None) -> tuple[GenoLM, VocabMap | None]:
     """The model to evaluate and its vocabulary map, from any of:
 
     - a GLM-5.3-Flash-format directory (config.json + safetensors; e.g. a run's ``export/``);
@@ -513,6 +516,14 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
     - a Lightning checkpoint ``runs/NAME/checkpoints/stepNNNNNNN.ckpt`` (weights and the resolved
       recipe inside it; read with ``weights_only=True``): a file from a one-process run, a
       directory of shards (torch.distributed.checkpoint) from a multi-process one.
+
+    Args:
+        checkpoint: any of the above.
+        dtype: parameter dtype (default float32; a Lightning checkpoint only in float32).
+        device: where the parameters are allocated (default cpu).
+        kernel_backend: the kernel backend the model runs (``genolong.kernels.backends``); default
+            None: :func:`scoring_kernel_backend` (the run's recipe's ``model.overrides.kernel_backend``,
+            else ``auto``: the GPU kernels on a GPU, torch on a CPU), as ``genolong finetune`` runs it.
 
     Returns:
         (model in eval mode, VocabMap or None for the nucleotide vocabulary).
@@ -522,11 +533,12 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
     """
     from ..config import parse_recipe
 
+    kernel_backend = scoring_kernel_backend(checkpoint, kernel_backend)
     path = Path(checkpoint)
     if path.is_dir() and not (path / "config.json").is_file() and (path / "export" / "config.json").is_file():
         path = path / "export"
     if path.is_dir() and (path / "config.json").is_file():
-        model = GenoLM.from_pretrained(path, dtype=dtype, device=device)
+        model = GenoLM.from_pretrained(path, dtype=dtype, device=device, kernel_backend=kernel_backend)
         vocab = None
         if model.config.vocab_size != VOCAB_SIZE:  # a text LLM checkpoint: bases through its tokenizer
             vocab = VocabMap.from_tokenizer(path, pad=model.config.pad_token_id, bos=model.config.bos_token_id)
@@ -539,7 +551,7 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
             raise InputError(f"{path} is not a genolong finetune checkpoint (no recipe or state_dict inside); "
                              "give a run's export/ directory or a step*.ckpt written by genolong finetune")
         recipe = parse_recipe(recipe_data, source=str(path))
-        config = recipe.model_config()
+        config = recipe.model_config().replace(kernel_backend=kernel_backend)
         if dtype != torch.float32:
             raise InputError(f"{path}: a Lightning checkpoint is evaluated in float32; for --dtype {dtype} evaluate "
                              "the run's export/ directory (genolong finetune writes it at the end)")
@@ -580,9 +592,10 @@ def _load_sharded_weights(model: GenoLM, path: Path) -> None:
         raise InputError(f"{path} does not fit its recipe's model ({str(error).splitlines()[-1][:200]})") from error
 
 
-def recipe_context(checkpoint: str | os.PathLike[str]) -> int | None:
-    """The eval context of the run ``checkpoint`` belongs to (its recipe's ``eval.context`` or
-    ``data.context``), or None when it is not part of a genolong finetune run."""
+def run_recipe(checkpoint: str | os.PathLike[str]) -> Mapping[str, Any] | None:
+    """The resolved recipe (plain data) of the finetune run ``checkpoint`` belongs to: inside a
+    ``step*.ckpt`` (file or sharded directory), or the ``recipe.yaml`` of a run directory or beside
+    its ``export/``; None when it is not part of a genolong finetune run."""
     import yaml
 
     path = Path(checkpoint)
@@ -593,8 +606,36 @@ def recipe_context(checkpoint: str | os.PathLike[str]) -> int | None:
     else:
         found = [p / "recipe.yaml" for p in (path, path.parent) if (p / "recipe.yaml").is_file()]
         data = yaml.safe_load(found[0].read_text()) if found else None
-    if not isinstance(data, Mapping):
+    return data if isinstance(data, Mapping) else None
+
+
+def recipe_context(checkpoint: str | os.PathLike[str]) -> int | None:
+    """The eval context of the run ``checkpoint`` belongs to (its recipe's ``eval.context`` or
+    ``data.context``), or None when it is not part of a genolong finetune run."""
+    data = run_recipe(checkpoint)
+    if data is None:
         return None
     evaluation = data.get("eval") or {}
     context = evaluation.get("context") or (data.get("data") or {}).get("context")
     return int(context) if context else None
+
+
+def scoring_kernel_backend(checkpoint: str | os.PathLike[str], requested: str | None = None) -> str:
+    """The kernel backend a scoring command runs ``checkpoint`` with, as ``genolong finetune``
+    chooses it: ``requested`` (a flag) when given, else the run's recipe's
+    ``model.overrides.kernel_backend`` (:func:`run_recipe`), else ``"auto"`` (``triton`` / ``fla``
+    on a CUDA machine, ``torch`` elsewhere; :func:`genolong.kernels.backends.resolve_auto`)."""
+    if requested is not None:
+        return requested
+    overrides = ((run_recipe(checkpoint) or {}).get("model") or {}).get("overrides") or {}
+    backend = overrides.get("kernel_backend") if isinstance(overrides, Mapping) else None
+    return str(backend) if backend else "auto"
+
+
+def kernel_backend_meta(model: torch.nn.Module) -> dict[str, str]:
+    """What a result records of the kernels that scored it: ``{"kernel_backend": the model's
+    configured name (e.g. "auto"), "kernel_backend_resolved": the backend it runs here}``."""
+    from ..kernels.backends import get_backend
+
+    name = str(getattr(getattr(model, "config", None), "kernel_backend", "torch"))
+    return {"kernel_backend": name, "kernel_backend_resolved": get_backend(name).name}

@@ -97,6 +97,17 @@ def _parallel_section(args: argparse.Namespace) -> object:
     return ParallelSection(**values)  # type: ignore[arg-type]
 
 
+def _scoring_backend(args: argparse.Namespace) -> str | None:
+    """``--kernel-backend``, else ``--recipe``'s ``model.overrides.kernel_backend``; None leaves the
+    choice to the checkpoint's run recipe, else ``auto`` (:func:`genolong.evaluation.score.scoring_kernel_backend`)."""
+    if args.kernel_backend is not None or args.recipe is None:
+        return args.kernel_backend
+    from .config import load_recipe
+
+    backend = load_recipe(args.recipe, args.set).model.overrides.get("kernel_backend")
+    return None if backend is None else str(backend)
+
+
 def _scoring_device(args: argparse.Namespace, group: object) -> str:
     """``--device`` in one process; each rank's own device (Lightning's choice) in several."""
     import torch
@@ -122,6 +133,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if context is None:
         raise InputError(f"give --context L: {args.checkpoint} is not a finetune run or checkpoint with a recipe to take it from")
     parallel = _parallel_section(args)
+    backend = _scoring_backend(args)
     world = parallel.world_size  # type: ignore[attr-defined]
     if args.segment_tokens is None:  # streaming is one process's: a multi-process job splits the tile instead
         segment_tokens = _SEGMENT_TOKENS if world == 1 else None
@@ -140,7 +152,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("evaluations") / f"{name}-{args.split}-L{context}{cut}"
 
     def work(group: object) -> int:
-        model, vocab = load_scoring_model(args.checkpoint, group, dtype=dtype, device=_scoring_device(args, group))  # type: ignore[arg-type]
+        model, vocab = load_scoring_model(args.checkpoint, group, dtype=dtype, device=_scoring_device(args, group),  # type: ignore[arg-type]
+                                          kernel_backend=backend)
         result = evaluate(
             model, split, out, context, context_cut=args.context_cut, max_tiles=args.max_tiles,
             first_bucket=args.first_bucket, write_tokens=not args.no_tokens, vocab=vocab,
@@ -175,11 +188,12 @@ def _cmd_check_logprobs(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:
         raise InputError(f"{out} already exists; pass --force to replace it, or choose another --out")
     parallel = _parallel_section(args)
+    backend = _scoring_backend(args)
     split = GenomeStore.open(args.store).split(args.split)
 
     def work(group: object) -> int:
         model, vocab = load_scoring_model(args.checkpoint, group, dtype=getattr(torch, _DTYPES[args.dtype]),  # type: ignore[arg-type]
-                                          device=_scoring_device(args, group))
+                                          device=_scoring_device(args, group), kernel_backend=backend)
         gap = check_logprobs(model, split, args.context, max_tiles=args.max_tiles, first_bucket=args.first_bucket, vocab=vocab,
                              progress=None if not args.quiet else False, label=f"{Path(args.checkpoint).name} {_DTYPES[args.dtype]}",
                              group=group)  # type: ignore[arg-type]
@@ -268,6 +282,10 @@ def _scoring_arguments(parser: argparse.ArgumentParser, out_default: str) -> Non
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a key of --recipe, or without it set the parallel section alone, e.g. "
                              "--set parallel.devices=4 --set parallel.cp=2 (repeatable)")
+    parser.add_argument("--kernel-backend", choices=("auto", "torch", "fla", "triton"), default=None,
+                        help="the kernels the model runs, as in finetune: auto = genolong's Triton / fla-core GPU kernels "
+                             "on a GPU, the torch reference on a CPU (default: --recipe's model.overrides.kernel_backend, "
+                             "else the checkpoint's run recipe's, else auto); recorded in the results' metadata")
 
 
 def build_parser() -> argparse.ArgumentParser:
