@@ -481,6 +481,19 @@ def _setup_logging() -> None:
 
 #: the commands that run a model: their CPU runs keep freed memory (genolong.allocator)
 _MODEL_COMMANDS = frozenset({"finetune", "evaluate", "check-logprobs", "quickstart"})
+#: the commands that score a model, one process or several (``--recipe`` / ``--set parallel.*``)
+_SCORING_COMMANDS = frozenset({"evaluate", "check-logprobs"})
+
+
+def _shards_for_memory(args: argparse.Namespace) -> bool:
+    """A scoring command that runs on several processes (its ``--recipe`` / ``--set parallel.*``
+    layout): it shards the model to fit memory, so it keeps glibc's allocator. With the kept-freed
+    heap, FSDP2's gather / free of one block after another grows every rank's heap back to about the
+    whole model's footprint: 4 CPU ranks (cp 2 x dp_shard 2) peaked at 0.98x one process's RSS above
+    the imports, 0.48x with glibc's defaults (benchmarks/evaluate_memory.py)."""
+    if args.command not in _SCORING_COMMANDS or not hasattr(args, "set"):
+        return False
+    return int(getattr(_parallel_section(args), "world_size")) > 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -489,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _setup_logging()
     try:
-        if args.command in _MODEL_COMMANDS:
+        if args.command in _MODEL_COMMANDS and not _shards_for_memory(args):
             # before torch allocates anything: freed activations are reused, not faulted in anew
             # (genolong.allocator; GENOLONG_MALLOC=system opts out)
             keep_freed_memory()

@@ -186,3 +186,17 @@ def test_the_parallel_layout_errors_are_one_line(sample_store: Path, tmp_path: P
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_multi_process_scoring_run_keeps_glibcs_allocator(tmp_path: Path) -> None:
+    # one process keeps freed memory (speed); several shard to fit memory, where the kept heap grew
+    # each rank back to the one-process peak (benchmarks/evaluate_memory.py)
+    from genolong.cli import _shards_for_memory, build_parser
+
+    def parse(*extra: str) -> bool:
+        return _shards_for_memory(build_parser().parse_args(["evaluate", "m", "--store", "s", *extra]))
+
+    assert not parse()
+    assert not parse("--set", "parallel.cp=1")
+    assert parse("--set", "parallel.devices=2", "--set", "parallel.cp=2")
+    assert not _shards_for_memory(build_parser().parse_args(["finetune", "r.yaml"]))
