@@ -42,6 +42,7 @@ import pandas as pd
 import torch
 
 from ..data.alphabet import N
+from ..config import kernel_multiple
 from ..data.windows import EvalTiles, SplitLike
 from ..errors import InputError
 from ..model.decode import Decoder
@@ -50,6 +51,8 @@ from ..model.loss import model_inputs
 from ..model.vocab import VocabMap
 
 from ..files import replace_dir
+from .distributed import ScoringGroup, assemble_nll, gather_to_writer, share_nll, unsharded
+from .score import kernel_backend_meta
 from .plots import OKABE_ITO
 from .stats import bucket_edges, bucket_labels, format_bases
 
@@ -296,7 +299,8 @@ def check_logprobs(
     *,
     batch_size: int = 8,
     label: str = "",
-) -> LogprobGap:
+    group: ScoringGroup | None = None,
+) -> LogprobGap | None:
     """Score the first tiles of ``split`` by the training and the decode path and compare per token.
 
     Tiles are ``EvalTiles(split, context)`` in order (every segment cut into consecutive tiles of
@@ -318,9 +322,16 @@ def check_logprobs(
             default False).
         batch_size: tiles per batch (default 8; a step costs about the same for 1 or 8 sequences).
         label: display name of the checkpoint, kept in the metadata and the figure title.
+        group: a multi-process job (:class:`~genolong.evaluation.distributed.ScoringGroup`; every
+            rank calls this): each data-parallel group takes ``batch_size`` tiles per round, its
+            context-parallel ranks run their slices of the training path, and the decode path runs
+            on the whole model (all-gathered for it: :func:`~genolong.evaluation.distributed.unsharded`),
+            every rank of a CP group stepping the same tiles; global rank 0 gathers the arrays.
+            Default None: one process.
 
     Returns:
-        :class:`LogprobGap` over all counted targets (non-N bases, either case) of the scored tiles.
+        :class:`LogprobGap` over all counted targets (non-N bases, either case) of the scored tiles
+        (None on the ranks other than global rank 0).
 
     Raises:
         InputError: ``context < 2``, ``max_tiles < 1``, ``batch_size < 1``, ``first_bucket < 2``, a
@@ -340,44 +351,75 @@ def check_logprobs(
     n_tiles = len(tiles) if max_tiles is None else min(int(max_tiles), len(tiles))
     if n_tiles == 0:
         raise InputError(f"split {getattr(split, 'name', '?')!r} has no tiles to score; check the store's eval split")
+    group = group or ScoringGroup()
+    if group.distributed and getattr(group.parallel, "ep", 1) > 1:
+        raise InputError("check-logprobs steps the decode path token by token on each rank; with parallel.ep > 1 the "
+                         "experts' all-to-all would need every rank in step: run it with parallel.ep: 1")
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
+    multiple = kernel_multiple(model.config, group.cp_size)
+    per_round = int(batch_size) * group.dp_size
 
-    bar = _progress_bar(progress, sum(int(n) - 1 for n in tiles.tiles["length"].iloc[:n_tiles]))
+    def share_of(first: int) -> list[int]:
+        lo = first + group.dp_rank * int(batch_size)
+        return list(range(lo, min(lo + int(batch_size), n_tiles)))
+
+    steps = sum(int(tiles.tiles["length"].iloc[i]) - 1 for first in range(0, n_tiles, per_round) for i in share_of(first))
+    bar = _progress_bar(progress, steps) if group.is_writer else None
     parts: list[tuple[np.ndarray, ...]] = []
     seconds = {"train": 0.0, "decode": 0.0}
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for first in range(0, n_tiles, int(batch_size)):
-                batch = [tiles[i] for i in range(first, min(first + int(batch_size), n_tiles))]
-                width = max(tile.length for tile in batch)
-                if width < 2:
-                    continue  # one-token tiles have no target
-                tokens = np.full((len(batch), width), N, dtype=np.int64)  # padding: N, never counted
+            for first in range(0, n_tiles, per_round):
+                mine = share_of(first)
+                batch = [tiles[i] for i in mine]
+                width = max((tile.length for tile in batch), default=0)
+                tokens = np.full((max(len(batch), 1), max(width, 2)), N, dtype=np.int64)  # padding: N, never counted
                 for row, tile in enumerate(batch):
                     tokens[row, : tile.length] = tile.tokens
                 tok = torch.from_numpy(tokens).to(device)
                 start = time.perf_counter()
-                nll = model.token_nll(tok, vocab=vocab).float()  # [B, T - 1], NaN = not counted
+                nll = None
+                if group.cp_size > 1:
+                    nll = share_nll(model, tokens, group, multiple, vocab)  # this rank's slice [B, n]
+                elif batch and width >= 2 or group.distributed:  # a forward all the same: FSDP gathers are collective
+                    nll = model.token_nll(tok, vocab=vocab).float().cpu().numpy()  # [B, T - 1], NaN = not counted
                 seconds["train"] += time.perf_counter() - start
-                start = time.perf_counter()
-                ids = model_inputs(tok) if vocab is None else vocab.to_model(tok)
-                decoded = decode_target_logprobs(model, ids, bar)  # [B, T - 1]
-                seconds["decode"] += time.perf_counter() - start
-                lengths = torch.tensor([tile.length for tile in batch], device=device)
-                offset = torch.arange(1, width, device=device)  # target t + 1 of entry t
-                counted = ~torch.isnan(nll) & (offset[None] < lengths[:, None])
-                rows, cols = counted.nonzero(as_tuple=True)
-                train_lp = (-nll[rows, cols]).cpu().numpy()
-                decode_lp = decoded[rows, cols].cpu().numpy()
-                tile_ids = np.array([tile.index for tile in batch], dtype=np.int64)[rows.cpu().numpy()]
-                parts.append((tile_ids, (cols + 1).cpu().numpy().astype(np.int64), train_lp, decode_lp))
+                decoded = None
+                # the decoder calls the layers' parts directly: whole weights, gathered by every rank
+                # (a collective) whether or not it has tiles this round
+                with unsharded(model):
+                    if batch and width >= 2:
+                        start = time.perf_counter()
+                        ids = model_inputs(tok) if vocab is None else vocab.to_model(tok)
+                        decoded = decode_target_logprobs(model, ids, bar).cpu().numpy()  # [B, T - 1]
+                        seconds["decode"] += time.perf_counter() - start
+                share = (mine if batch and width >= 2 else [], group.cp_rank, nll, decoded)
+                shares = gather_to_writer(share, group)
+                if shares is None:
+                    continue
+                for d in range(group.dp_size):  # the dp groups' tiles follow one another
+                    ranks = sorted((s for s in shares if s[0] and s[0][0] == first + d * int(batch_size)), key=lambda s: s[1])
+                    if not ranks:
+                        continue
+                    ids_d = ranks[0][0]
+                    lengths = np.array([tiles.tiles["length"].iloc[i] for i in ids_d], dtype=np.int64)
+                    w = int(lengths.max())
+                    train = assemble_nll([s[2] for s in ranks], w)[: len(ids_d)]  # [B, w - 1]
+                    dec = ranks[0][3][: len(ids_d), : w - 1]
+                    offset = np.arange(1, w)  # target t + 1 of entry t
+                    counted = ~np.isnan(train) & (offset[None] < lengths[:, None])
+                    rows, cols = counted.nonzero()
+                    parts.append((np.asarray(ids_d, dtype=np.int64)[rows], (cols + 1).astype(np.int64),
+                                  -train[rows, cols], dec[rows, cols]))
     finally:
         model.train(was_training)
         if bar is not None:
             bar.close()
+    if not group.is_writer:
+        return None
 
     def cat(i: int, dt: type) -> np.ndarray:
         return np.concatenate([p[i] for p in parts]).astype(dt) if parts else np.zeros(0, dtype=dt)
@@ -404,6 +446,8 @@ def check_logprobs(
             "train_seconds": seconds["train"],
             "decode_seconds": seconds["decode"],
             "genolong_version": __version__,
+            "parallel": group.layout(),
+            **kernel_backend_meta(model),
         },
     )
 

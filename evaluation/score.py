@@ -17,6 +17,13 @@ as one parquet file per tile under ``tokens/``. Work happens in ``.<out>.partial
 after every tile its part file and the running sums are committed (written to a temporary name and
 renamed), so a killed evaluation resumes at the next tile and ends with the same tables as an
 uninterrupted one. The finished directory is renamed to ``out``.
+
+Several processes (``evaluate(group=...)``, :mod:`genolong.evaluation.distributed`; the CLI's
+``--recipe R`` / ``--set parallel.KEY=VALUE``) run the same loop: the tiles go to the data-parallel
+groups a round of ``dp`` at a time, a context-parallel group scores slices of its tile, global
+rank 0 gathers the per-tile NLL, writes the parts and commits the state once per round. The
+tables equal the one-process ones up to float rounding (context parallelism sums in another
+order); the layout is in the settings (``parallel``), so a resumed run must keep it.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import pyarrow.parquet as pq
 import torch
 
 from ..data.alphabet import BASE_MASK, SOFTMASK, VOCAB_SIZE
+from ..config import kernel_multiple
 from ..data.windows import EvalTiles, SplitLike, context_cut_spans
 from ..errors import InputError
 from ..model.lm import GenoLM
@@ -48,10 +56,13 @@ from ..model.moe import RoutingStats, moe_layers, record_routing
 from ..model.stream import check_segment_tokens
 from ..model.vocab import VocabMap
 from ..files import replace_dir, replace_file
+from .distributed import (ScoringGroup, assemble_nll, broadcast_from_writer, gather_to_writer, padding_tile, share_nll,
+                          tile_rounds)
 from .results import EvalResult
 from .stats import bucket_edges
 
-__all__ = ["TOKEN_SCHEMA", "TileScores", "model_signature", "score_tile", "evaluate", "load_eval_model", "read_tokens", "recipe_context"]
+__all__ = ["TOKEN_SCHEMA", "TileScores", "model_signature", "score_tile", "tile_nll", "tile_scores", "evaluate", "load_eval_model", "read_tokens", "recipe_context",
+           "run_recipe", "scoring_kernel_backend", "kernel_backend_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +102,46 @@ class TileScores:
 
 
 @torch.no_grad()
+def tile_nll(model: GenoLM, tokens: np.ndarray, context_cut: int | None = None, vocab: VocabMap | None = None,
+             chunk_size: int = 4096, device: torch.device | str = "cpu",
+             segment_tokens: int | None = None) -> np.ndarray:
+    """Every target's NLL of one tile in one process: ``[T - 1]`` float32 nats (NaN: not counted);
+    the arguments as :func:`score_tile`'s (a tile shorter than 2 tokens: ``[0]``, no forward)."""
+    length = int(tokens.shape[0])
+    if length < 2:
+        return np.zeros(0, np.float32)
+    ids = torch.from_numpy(np.ascontiguousarray(tokens)).long().to(device)[None]
+    spans = context_cut_spans(length, context_cut)
+    # the whole spans are one batch [n, C + 1] (one forward instead of n); a short last span alone
+    whole = [(a, b) for a, b in spans if b - a == spans[0][1] - spans[0][0]]
+    parts = [model.token_nll(torch.cat([ids[:, a:b] for a, b in whole]), chunk_size, vocab, segment_tokens).reshape(-1)]
+    parts += [model.token_nll(ids[:, a:b], chunk_size, vocab, segment_tokens)[0] for a, b in spans[len(whole):]]
+    return torch.cat(parts).float().cpu().numpy()  # [T - 1]
+
+
+def tile_scores(tokens: np.ndarray, nll: np.ndarray, context_cut: int | None = None) -> TileScores:
+    """The counted targets of one tile from its per-target NLL.
+
+    Args:
+        tokens: ``[T]`` uint8 store tokens of the tile.
+        nll: ``[T - 1]`` NLL of targets ``1 .. T - 1`` (NaN: not counted), from :func:`tile_nll` or
+            assembled from context-parallel slices (:func:`genolong.evaluation.distributed.assemble_nll`).
+        context_cut: the cut the NLL was scored with (sets ``context``); default None.
+    """
+    length = int(tokens.shape[0])
+    if length < 2:
+        return TileScores(*(np.zeros(0, dt) for dt in (np.int64, np.int64, np.uint8, bool, np.float32)))
+    offset = np.arange(1, length, dtype=np.int64)
+    context = offset if context_cut is None or context_cut >= length - 1 else (offset - 1) % context_cut + 1
+    keep = ~np.isnan(nll)
+    targets = tokens[1:]
+    return TileScores(
+        offset=offset[keep], context=context[keep], base=(targets & BASE_MASK)[keep].astype(np.uint8),
+        softmask=((targets & SOFTMASK) > 0)[keep], nll=nll[keep].astype(np.float32),
+    )
+
+
+@torch.no_grad()
 def score_tile(model: GenoLM, tokens: np.ndarray, context_cut: int | None = None, vocab: VocabMap | None = None,
                chunk_size: int = 4096, device: torch.device | str = "cpu",
                segment_tokens: int | None = None) -> TileScores:
@@ -109,24 +160,9 @@ def score_tile(model: GenoLM, tokens: np.ndarray, context_cut: int | None = None
             forward per window.
     """
     check_segment_tokens(segment_tokens)
-    length = int(tokens.shape[0])
-    if length < 2:
-        return TileScores(*(np.zeros(0, dt) for dt in (np.int64, np.int64, np.uint8, bool, np.float32)))
-    ids = torch.from_numpy(np.ascontiguousarray(tokens)).long().to(device)[None]
-    spans = context_cut_spans(length, context_cut)
-    # the whole spans are one batch [n, C + 1] (one forward instead of n); a short last span alone
-    whole = [(a, b) for a, b in spans if b - a == spans[0][1] - spans[0][0]]
-    parts = [model.token_nll(torch.cat([ids[:, a:b] for a, b in whole]), chunk_size, vocab, segment_tokens).reshape(-1)]
-    parts += [model.token_nll(ids[:, a:b], chunk_size, vocab, segment_tokens)[0] for a, b in spans[len(whole):]]
-    nll = torch.cat(parts).float().cpu().numpy()  # [T - 1]
-    offset = np.arange(1, length, dtype=np.int64)
-    context = offset if context_cut is None or context_cut >= length - 1 else (offset - 1) % context_cut + 1
-    keep = ~np.isnan(nll)
-    targets = tokens[1:]
-    return TileScores(
-        offset=offset[keep], context=context[keep], base=(targets & BASE_MASK)[keep].astype(np.uint8),
-        softmask=((targets & SOFTMASK) > 0)[keep], nll=nll[keep].astype(np.float32),
-    )
+    if int(tokens.shape[0]) < 2:
+        return tile_scores(tokens, np.zeros(0, np.float32), context_cut)
+    return tile_scores(tokens, tile_nll(model, tokens, context_cut, vocab, chunk_size, device, segment_tokens), context_cut)
 
 
 def _tile_digest(contig: str, start: int, scores: TileScores) -> bytes:
@@ -140,11 +176,20 @@ def _tile_digest(contig: str, start: int, scores: TileScores) -> bytes:
 @torch.no_grad()
 def model_signature(model: torch.nn.Module) -> str:
     """A cheap identity of the weights: sha256 over each parameter's name, shape, dtype, sum and
-    sum of squares (float64). A resumed evaluation must be of the same weights as its first part."""
+    sum of squares (float64). A resumed evaluation must be of the same weights as its first part.
+
+    A sharded model (DTensor parameters) gives the sums of its shards reduced over the mesh (a
+    collective: every rank must call it), equal on every rank; they may differ from the
+    one-process sums in the last bits (another summation order)."""
+    from torch.distributed.tensor import DTensor
+
+    def value(x: torch.Tensor) -> float:
+        return float(x.full_tensor() if isinstance(x, DTensor) else x)
+
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         x = p.detach().double()
-        h.update(f"{name}{tuple(p.shape)}{p.dtype}{float(x.sum()):.17g}{float(x.square().sum()):.17g}".encode())
+        h.update(f"{name}{tuple(p.shape)}{p.dtype}{value(x.sum()):.17g}{value(x.square().sum()):.17g}".encode())
     return h.hexdigest()
 
 
@@ -213,13 +258,12 @@ class _Running:
             self.routing_entropy[:] = z["routing_entropy"]
             self.routing_tokens[:] = z["routing_tokens"]
 
-    def add_routing(self, totals: Mapping[str, RoutingStats], names: Sequence[str]) -> None:
-        """Add one tile's routing statistics (:func:`~genolong.model.moe.record_routing`'s)."""
-        for j, name in enumerate(names):
-            if name in totals:
-                self.routing_load[j] += totals[name].load.cpu().numpy()
-                self.routing_entropy[j] += float(totals[name].entropy)
-                self.routing_tokens[j] += totals[name].tokens
+    def add_routing_arrays(self, load: np.ndarray, entropy: np.ndarray, tokens: np.ndarray) -> None:
+        """Add one forward's routing statistics (:func:`_routing_arrays` of
+        :func:`~genolong.model.moe.record_routing`'s totals)."""
+        self.routing_load += load
+        self.routing_entropy += entropy
+        self.routing_tokens += tokens
 
     def routing_summary(self, layers: Sequence[int]) -> list[dict[str, Any]]:
         """Per MoE layer: ``layer`` (its index in the model), ``load_max_over_mean``,
@@ -253,15 +297,19 @@ def evaluate(
     force: bool = False,
     progress: bool | None = None,
     segment_tokens: int | None = None,
-) -> EvalResult:
+    group: ScoringGroup | None = None,
+) -> EvalResult | None:
     """Score the first ``max_tiles`` tiles of ``context`` tokens of ``split`` and write ``out``.
 
     Args:
-        model: the model (its device and dtype are used as they are).
+        model: the model (its device and dtype are used as they are); in a multi-process job the
+            model sharded over ``group``'s mesh
+            (:func:`genolong.evaluation.distributed.shard_for_scoring`).
         split: the held-out split (``GenomeStore.open(path).split("eval")``).
         out: result directory (must not exist unless ``force``).
         context: tile length ``L`` (>= 2).
-        context_cut: restart the model every this many inputs (default None: full context).
+        context_cut: restart the model every this many inputs (default None: full context; not
+            with context parallelism).
         max_tiles: tiles in order (default None: every tile of the split).
         first_bucket: upper edge of the first preceding-context bucket (default 1024).
         write_tokens: write the per-token table ``tokens/`` (default True).
@@ -274,14 +322,22 @@ def evaluate(
         progress: show a progress bar (default: on a terminal).
         segment_tokens: stream each tile through the model this many tokens at a time (see
             :func:`score_tile`; recorded in the settings, so a resumed run must use the same);
-            default None: one forward per tile.
+            default None: one forward per tile (the only choice in a multi-process job).
+        group: the multi-process job (:class:`~genolong.evaluation.distributed.ScoringGroup`):
+            tile ``i`` is scored by data-parallel group ``i mod dp`` (a round of ``dp`` tiles at a
+            time), a context-parallel group scores slices of its tile, global rank 0 gathers the
+            per-tile arrays, writes, and commits the progress once per round; every rank must
+            call this. Default None: one process. The layout is in the settings (``parallel``):
+            a resumed run must use the same.
 
     Returns:
-        The result, as saved in ``out``.
+        The result, as saved in ``out`` (None on the ranks other than global rank 0).
 
     Raises:
-        InputError: ``out`` exists (without ``force``), bad context / cut / tile count.
+        InputError: ``out`` exists (without ``force``), bad context / cut / tile count, streaming
+            or a context cut where the job cannot do them.
     """
+    group = group or ScoringGroup()
     out = Path(out)
     if out.exists() and not force:
         raise InputError(f"{out} already exists; pass --force to replace it, or choose another --out")
@@ -290,6 +346,11 @@ def evaluate(
     if max_tiles is not None and max_tiles < 1:
         raise InputError(f"--max-tiles must be at least 1, got {max_tiles}")
     check_segment_tokens(segment_tokens)
+    if group.distributed and segment_tokens is not None:
+        raise InputError("--segment-tokens streams a tile in one process; a multi-process evaluation runs each "
+                         "rank's share in one forward: pass --segment-tokens 0 (context parallelism splits the tile)")
+    if group.cp_size > 1 and context_cut is not None:
+        raise InputError("--context-cut scores short windows one process can hold: evaluate it with parallel.cp: 1")
     edges = bucket_edges(context, first_bucket)
     tiles = EvalTiles(split, context)
     n_tiles = len(tiles) if max_tiles is None else min(max_tiles, len(tiles))
@@ -298,11 +359,14 @@ def evaluate(
         "checkpoint": "(in memory)", "store": "(in memory)", "split": str(getattr(split, "name", "?")),
         **{k: v for k, v in (meta or {}).items()},
         "model_signature": model_signature(model),
+        **kernel_backend_meta(model),  # GPU kernels and the torch reference differ by float rounding
         "context": int(context), "context_cut": None if context_cut is None else int(context_cut),
         "tiles": n_tiles, "bucket_edges": edges.tolist(), "write_tokens": bool(write_tokens),
         "chunk_size": int(chunk_size),
         # streamed and one-shot scores differ by float rounding: a resumed run must not mix them
         "segment_tokens": None if segment_tokens is None else int(segment_tokens),
+        # so do scores under another context-parallel split
+        "parallel": group.layout(),
     }
     work = out.with_name(f".{out.name}.partial")
     moes = moe_layers(model)
@@ -310,61 +374,75 @@ def evaluate(
     n_experts = model.config.n_routed_experts if moe_names else 0
     running = _Running(n_tiles, len(edges) - 1, context, len(moe_names), n_experts)
     state = work / _STATE
-    if (work / _SETTINGS).is_file() and json.loads((work / _SETTINGS).read_text()) == settings and state.is_file():
-        running.load(state)
-        log.info("resuming the evaluation in %s at tile %d of %d", work, running.next_tile, n_tiles)
-    else:
-        if work.exists():
-            log.info("discarding an unfinished evaluation with other settings in %s", work)
-            shutil.rmtree(work)
-        (work / "tokens").mkdir(parents=True)
-        replace_file(work / _SETTINGS, lambda tmp: tmp.write_text(json.dumps(settings, indent=1)))
-    for entry in (work / "tokens").iterdir():  # a part (or its temporary file) after the last committed state
-        part = re.fullmatch(r"part-(\d{5})\.parquet", entry.name)
-        if part is None or int(part.group(1)) >= running.next_tile:
-            entry.unlink()
+    if group.is_writer:
+        _open_work(work, settings, running)
+    start = broadcast_from_writer(running.next_tile, group)
+    multiple = kernel_multiple(model.config, group.cp_size)
 
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    bar = _progress(n_tiles, running.next_tile, progress, label or out.name)
+    bar = _progress(n_tiles, start, progress, label or out.name) if group.is_writer else None
     try:
-        for i in range(running.next_tile, n_tiles):
+        for round_ in tile_rounds(start, n_tiles, group.dp_size):
             began = time.perf_counter()
-            tile = tiles[i]
+            mine = round_[group.dp_rank] if group.dp_rank < len(round_) else None
+            tokens = tiles[mine].tokens if mine is not None else padding_tile(multiple)
+            counted = mine is not None  # a padding forward's routing is not the tiles'
             with record_routing(model) as routing:
-                scores = score_tile(model, tile.tokens, context_cut, vocab, chunk_size, device, segment_tokens)
-            running.add_routing(routing, moe_names)
-            bucket = np.searchsorted(edges, scores.offset, side="right") - 1
-            nll64 = scores.nll.astype(np.float64)
-            running.tile_tokens[i] = np.bincount(bucket, minlength=len(edges) - 1)
-            running.tile_nll[i] = np.bincount(bucket, weights=nll64, minlength=len(edges) - 1)
-            running.position_tokens += np.bincount(scores.offset, minlength=context)
-            running.position_nll += np.bincount(scores.offset, weights=nll64, minlength=context)
-            running.digests[i] = np.frombuffer(_tile_digest(tile.contig, tile.start, scores), np.uint8)
-            if write_tokens:
-                _write_part(work / "tokens" / f"part-{i:05d}.parquet", i, tile.contig, tile.start, scores)
-            running.next_tile = i + 1
+                if group.cp_size > 1:
+                    # a short tile's padding rows are routed too (they are in its routing statistics)
+                    nll = share_nll(model, tokens, group, multiple, vocab, chunk_size, device)
+                elif group.distributed and tokens.shape[0] < 2:  # a forward all the same: FSDP gathers are collective
+                    tile_nll(model, padding_tile(multiple), None, vocab, chunk_size, device)
+                    nll, counted = np.zeros(0, np.float32), False
+                else:
+                    nll = tile_nll(model, tokens, context_cut, vocab, chunk_size, device, segment_tokens)
+            routed = _routing_arrays(routing, moe_names, n_experts) if counted else None
+            share = (mine, group.cp_rank, nll, routed)
+            shares = gather_to_writer(share, group)
+            if shares is None:
+                continue
+            for i in round_:
+                tile = tiles[i]
+                mine_i = sorted((s for s in shares if s[0] == i), key=lambda s: s[1])
+                scores = tile_scores(tile.tokens, assemble_nll([s[2] for s in mine_i], tile.length), context_cut)
+                for s in mine_i:
+                    if s[3] is not None:
+                        running.add_routing_arrays(*s[3])
+                bucket = np.searchsorted(edges, scores.offset, side="right") - 1
+                nll64 = scores.nll.astype(np.float64)
+                running.tile_tokens[i] = np.bincount(bucket, minlength=len(edges) - 1)
+                running.tile_nll[i] = np.bincount(bucket, weights=nll64, minlength=len(edges) - 1)
+                running.position_tokens += np.bincount(scores.offset, minlength=context)
+                running.position_nll += np.bincount(scores.offset, weights=nll64, minlength=context)
+                running.digests[i] = np.frombuffer(_tile_digest(tile.contig, tile.start, scores), np.uint8)
+                if write_tokens:
+                    _write_part(work / "tokens" / f"part-{i:05d}.parquet", i, tile.contig, tile.start, scores)
+            # the round is committed at once: a kill leaves the state of the last whole round
+            running.next_tile = round_[-1] + 1
             running.seconds += time.perf_counter() - began
             running.save(state)
             if bar is not None:
-                bar.update(1)
+                bar.update(len(round_))
     finally:
         model.train(was_training)
         if bar is not None:
             bar.close()
+    if not group.is_writer:
+        return None
 
-    tokens = int(running.tile_tokens.sum())
+    tokens_total = int(running.tile_tokens.sum())
     result = EvalResult(
         meta={
             "format": "genolong-eval/1",
             "label": label or out.name,
             **settings,
-            "tokens": tokens,
+            "tokens": tokens_total,
             "nll_sum": float(running.tile_nll.sum()),
             "fingerprint": hashlib.sha256(running.digests.tobytes()).hexdigest(),
             "seconds": running.seconds,
-            "tokens_per_second": tokens / running.seconds if running.seconds > 0 else None,
+            "tokens_per_second": tokens_total / running.seconds if running.seconds > 0 else None,
             "routing": running.routing_summary(moe_indices),
         },
         tiles=tiles.tiles.iloc[:n_tiles].reset_index(names="tile")[["tile", "contig", "start", "length"]],
@@ -382,6 +460,40 @@ def evaluate(
     return result
 
 
+def _open_work(work: Path, settings: Mapping[str, Any], running: _Running) -> None:
+    """Resume the unfinished evaluation in ``work`` if it has the same ``settings`` (``running`` is
+    loaded), else start it afresh; parts after the last committed state are removed."""
+    state = work / _STATE
+    if (work / _SETTINGS).is_file() and json.loads((work / _SETTINGS).read_text()) == settings and state.is_file():
+        running.load(state)
+        log.info("resuming the evaluation in %s at tile %d of %d", work, running.next_tile, len(running.tile_tokens))
+    else:
+        if work.exists():
+            log.info("discarding an unfinished evaluation with other settings in %s", work)
+            shutil.rmtree(work)
+        (work / "tokens").mkdir(parents=True)
+        replace_file(work / _SETTINGS, lambda tmp: tmp.write_text(json.dumps(settings, indent=1)))
+    for entry in (work / "tokens").iterdir():  # a part (or its temporary file) after the last committed state
+        part = re.fullmatch(r"part-(\d{5})\.parquet", entry.name)
+        if part is None or int(part.group(1)) >= running.next_tile:
+            entry.unlink()
+
+
+def _routing_arrays(totals: Mapping[str, RoutingStats], names: Sequence[str], n_experts: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One forward's routing statistics as arrays over the MoE layers ``names``: rows per expert
+    ``[n, E]`` int64, router entropy summed over tokens ``[n]`` float64, tokens ``[n]`` int64."""
+    load = np.zeros((len(names), n_experts), np.int64)
+    entropy = np.zeros(len(names), np.float64)
+    count = np.zeros(len(names), np.int64)
+    for j, name in enumerate(names):
+        if name in totals:
+            load[j] = totals[name].load.cpu().numpy()
+            entropy[j] = float(totals[name].entropy)
+            count[j] = totals[name].tokens
+    return load, entropy, count
+
+
 def _progress(total: int, done: int, enabled: bool | None, desc: str) -> Any:
     import sys
 
@@ -395,7 +507,8 @@ def _progress(total: int, done: int, enabled: bool | None, desc: str) -> Any:
 
 
 def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> tuple[GenoLM, VocabMap | None]:
+                    device: str | torch.device = "cpu",
+                    kernel_backend: str | None = None) -> tuple[GenoLM, VocabMap | None]:
     """The model to evaluate and its vocabulary map, from any of:
 
     - a GLM-5.3-Flash-format directory (config.json + safetensors; e.g. a run's ``export/``);
@@ -403,6 +516,14 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
     - a Lightning checkpoint ``runs/NAME/checkpoints/stepNNNNNNN.ckpt`` (weights and the resolved
       recipe inside it; read with ``weights_only=True``): a file from a one-process run, a
       directory of shards (torch.distributed.checkpoint) from a multi-process one.
+
+    Args:
+        checkpoint: any of the above.
+        dtype: parameter dtype (default float32; a Lightning checkpoint only in float32).
+        device: where the parameters are allocated (default cpu).
+        kernel_backend: the kernel backend the model runs (``genolong.kernels.backends``); default
+            None: :func:`scoring_kernel_backend` (the run's recipe's ``model.overrides.kernel_backend``,
+            else ``auto``: the GPU kernels on a GPU, torch on a CPU), as ``genolong finetune`` runs it.
 
     Returns:
         (model in eval mode, VocabMap or None for the nucleotide vocabulary).
@@ -412,11 +533,12 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
     """
     from ..config import parse_recipe
 
+    kernel_backend = scoring_kernel_backend(checkpoint, kernel_backend)
     path = Path(checkpoint)
     if path.is_dir() and not (path / "config.json").is_file() and (path / "export" / "config.json").is_file():
         path = path / "export"
     if path.is_dir() and (path / "config.json").is_file():
-        model = GenoLM.from_pretrained(path, dtype=dtype, device=device)
+        model = GenoLM.from_pretrained(path, dtype=dtype, device=device, kernel_backend=kernel_backend)
         vocab = None
         if model.config.vocab_size != VOCAB_SIZE:  # a text LLM checkpoint: bases through its tokenizer
             vocab = VocabMap.from_tokenizer(path, pad=model.config.pad_token_id, bos=model.config.bos_token_id)
@@ -429,7 +551,7 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
             raise InputError(f"{path} is not a genolong finetune checkpoint (no recipe or state_dict inside); "
                              "give a run's export/ directory or a step*.ckpt written by genolong finetune")
         recipe = parse_recipe(recipe_data, source=str(path))
-        config = recipe.model_config()
+        config = recipe.model_config().replace(kernel_backend=kernel_backend)
         if dtype != torch.float32:
             raise InputError(f"{path}: a Lightning checkpoint is evaluated in float32; for --dtype {dtype} evaluate "
                              "the run's export/ directory (genolong finetune writes it at the end)")
@@ -470,9 +592,10 @@ def _load_sharded_weights(model: GenoLM, path: Path) -> None:
         raise InputError(f"{path} does not fit its recipe's model ({str(error).splitlines()[-1][:200]})") from error
 
 
-def recipe_context(checkpoint: str | os.PathLike[str]) -> int | None:
-    """The eval context of the run ``checkpoint`` belongs to (its recipe's ``eval.context`` or
-    ``data.context``), or None when it is not part of a genolong finetune run."""
+def run_recipe(checkpoint: str | os.PathLike[str]) -> Mapping[str, Any] | None:
+    """The resolved recipe (plain data) of the finetune run ``checkpoint`` belongs to: inside a
+    ``step*.ckpt`` (file or sharded directory), or the ``recipe.yaml`` of a run directory or beside
+    its ``export/``; None when it is not part of a genolong finetune run."""
     import yaml
 
     path = Path(checkpoint)
@@ -483,8 +606,36 @@ def recipe_context(checkpoint: str | os.PathLike[str]) -> int | None:
     else:
         found = [p / "recipe.yaml" for p in (path, path.parent) if (p / "recipe.yaml").is_file()]
         data = yaml.safe_load(found[0].read_text()) if found else None
-    if not isinstance(data, Mapping):
+    return data if isinstance(data, Mapping) else None
+
+
+def recipe_context(checkpoint: str | os.PathLike[str]) -> int | None:
+    """The eval context of the run ``checkpoint`` belongs to (its recipe's ``eval.context`` or
+    ``data.context``), or None when it is not part of a genolong finetune run."""
+    data = run_recipe(checkpoint)
+    if data is None:
         return None
     evaluation = data.get("eval") or {}
     context = evaluation.get("context") or (data.get("data") or {}).get("context")
     return int(context) if context else None
+
+
+def scoring_kernel_backend(checkpoint: str | os.PathLike[str], requested: str | None = None) -> str:
+    """The kernel backend a scoring command runs ``checkpoint`` with, as ``genolong finetune``
+    chooses it: ``requested`` (a flag) when given, else the run's recipe's
+    ``model.overrides.kernel_backend`` (:func:`run_recipe`), else ``"auto"`` (``triton`` / ``fla``
+    on a CUDA machine, ``torch`` elsewhere; :func:`genolong.kernels.backends.resolve_auto`)."""
+    if requested is not None:
+        return requested
+    overrides = ((run_recipe(checkpoint) or {}).get("model") or {}).get("overrides") or {}
+    backend = overrides.get("kernel_backend") if isinstance(overrides, Mapping) else None
+    return str(backend) if backend else "auto"
+
+
+def kernel_backend_meta(model: torch.nn.Module) -> dict[str, str]:
+    """What a result records of the kernels that scored it: ``{"kernel_backend": the model's
+    configured name (e.g. "auto"), "kernel_backend_resolved": the backend it runs here}``."""
+    from ..kernels.backends import get_backend
+
+    name = str(getattr(getattr(model, "config", None), "kernel_backend", "torch"))
+    return {"kernel_backend": name, "kernel_backend_resolved": get_backend(name).name}

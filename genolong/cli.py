@@ -65,43 +65,114 @@ _SEGMENT_TOKENS = 65536
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
+def _parallel_section(args: argparse.Namespace) -> object:
+    """The ``parallel`` section a scoring command runs on: ``--recipe R``'s (with its ``--set``
+    overrides), or the one-process default with ``--set parallel.KEY=VALUE`` items on top.
+
+    Raises:
+        InputError: a ``--set`` key outside ``parallel.`` without ``--recipe``, an unknown key or a
+            value that is not an integer (``accelerator`` a name).
+    """
+    import dataclasses
+
+    from .config import ParallelSection, load_recipe, parse_set
+    from .errors import InputError
+
+    if args.recipe is not None:
+        return load_recipe(args.recipe, args.set).parallel
+    fields = {f.name: f for f in dataclasses.fields(ParallelSection)}
+    values: dict[str, object] = {}
+    for item in args.set:
+        key, value = parse_set(item)
+        name = key.removeprefix("parallel.")
+        if not key.startswith("parallel.") or name not in fields:
+            raise InputError(f"--set {item!r}: without --recipe only the parallel section can be set, one of "
+                             f"{', '.join('parallel.' + f for f in fields)}")
+        if name == "accelerator":
+            if value not in ("cpu", "gpu", "cuda", "auto"):
+                raise InputError(f"--set {item!r}: parallel.accelerator is one of cpu, gpu, cuda, auto")
+        elif isinstance(value, bool) or not isinstance(value, int):
+            raise InputError(f"--set {item!r}: parallel.{name} must be an integer")
+        values[name] = value
+    return ParallelSection(**values)  # type: ignore[arg-type]
+
+
+def _scoring_backend(args: argparse.Namespace) -> str | None:
+    """``--kernel-backend``, else ``--recipe``'s ``model.overrides.kernel_backend``; None leaves the
+    choice to the checkpoint's run recipe, else ``auto`` (:func:`genolong.evaluation.score.scoring_kernel_backend`)."""
+    if args.kernel_backend is not None or args.recipe is None:
+        return args.kernel_backend
+    from .config import load_recipe
+
+    backend = load_recipe(args.recipe, args.set).model.overrides.get("kernel_backend")
+    return None if backend is None else str(backend)
+
+
+def _scoring_device(args: argparse.Namespace, group: object) -> str:
+    """``--device`` in one process; each rank's own device (Lightning's choice) in several."""
+    import torch
+
+    if not getattr(group, "distributed"):
+        return args.device
+    if torch.cuda.is_available() and args.device.startswith("cuda"):
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     import torch
 
     from .data.store import GenomeStore
     from .errors import InputError
+    from .evaluation.distributed import launch, load_scoring_model
     from .evaluation.report import format_bucket_table, format_routing_table
-    from .evaluation.score import evaluate, load_eval_model, recipe_context
+    from .evaluation.score import evaluate, recipe_context
     from .model.stream import check_segment_tokens
 
     context = args.context if args.context is not None else recipe_context(args.checkpoint)
     if context is None:
         raise InputError(f"give --context L: {args.checkpoint} is not a finetune run or checkpoint with a recipe to take it from")
-    segment_tokens = None if args.segment_tokens == 0 else args.segment_tokens
+    parallel = _parallel_section(args)
+    backend = _scoring_backend(args)
+    world = parallel.world_size  # type: ignore[attr-defined]
+    if args.segment_tokens is None:  # streaming is one process's: a multi-process job splits the tile instead
+        segment_tokens = _SEGMENT_TOKENS if world == 1 else None
+    elif world > 1 and args.segment_tokens != 0:  # before the processes start: one line, not one per rank
+        raise InputError(f"--segment-tokens streams a tile in one process; this job runs {world} processes, each "
+                         "rank's share in one forward: pass --segment-tokens 0 (context parallelism splits the tile)")
+    else:
+        segment_tokens = None if args.segment_tokens == 0 else args.segment_tokens
     check_segment_tokens(segment_tokens)  # before the model loads
     store = GenomeStore.open(args.store)
     split = store.split(args.split)
     dtype = getattr(torch, _DTYPES[args.dtype])
-    model, vocab = load_eval_model(args.checkpoint, dtype=dtype, device=args.device)
     name = Path(args.checkpoint).resolve()
     name = name.parent.parent.name if name.suffix == ".ckpt" else (name.parent.name if name.name == "export" else name.name)
     cut = f"-cut{args.context_cut}" if args.context_cut is not None else ""
     out = Path(args.out) if args.out else Path("evaluations") / f"{name}-{args.split}-L{context}{cut}"
-    result = evaluate(
-        model, split, out, context, context_cut=args.context_cut, max_tiles=args.max_tiles,
-        first_bucket=args.first_bucket, write_tokens=not args.no_tokens, vocab=vocab,
-        label=args.label or f"{name}{' cut ' + str(args.context_cut) if args.context_cut is not None else ''}",
-        meta={"checkpoint": str(Path(args.checkpoint).resolve()), "store": str(store.path.resolve()), "split": args.split,
-              "dtype": _DTYPES[args.dtype], "device": args.device},
-        force=args.force, progress=None if not args.quiet else False,
-        segment_tokens=segment_tokens,
-    )
-    print(f"genolong evaluate: {result.meta['tokens']:,} tokens in {result.meta['tiles']} tiles of {context:,} -> {out}")
-    print(format_bucket_table(result.bucket_table()))
-    if result.meta.get("routing"):
-        print("\nMoE routing over the scored tiles:")
-        print(format_routing_table(result.meta["routing"]))
-    return 0
+
+    def work(group: object) -> int:
+        model, vocab = load_scoring_model(args.checkpoint, group, dtype=dtype, device=_scoring_device(args, group),  # type: ignore[arg-type]
+                                          kernel_backend=backend)
+        result = evaluate(
+            model, split, out, context, context_cut=args.context_cut, max_tiles=args.max_tiles,
+            first_bucket=args.first_bucket, write_tokens=not args.no_tokens, vocab=vocab,
+            label=args.label or f"{name}{' cut ' + str(args.context_cut) if args.context_cut is not None else ''}",
+            meta={"checkpoint": str(Path(args.checkpoint).resolve()), "store": str(store.path.resolve()), "split": args.split,
+                  "dtype": _DTYPES[args.dtype], "device": args.device},
+            force=args.force, progress=None if not args.quiet else False,
+            segment_tokens=segment_tokens, group=group,  # type: ignore[arg-type]
+        )
+        if result is None:  # not the writer
+            return 0
+        print(f"genolong evaluate: {result.meta['tokens']:,} tokens in {result.meta['tiles']} tiles of {context:,} -> {out}")
+        print(format_bucket_table(result.bucket_table()))
+        if result.meta.get("routing"):
+            print("\nMoE routing over the scored tiles:")
+            print(format_routing_table(result.meta["routing"]))
+        return 0
+
+    return launch(parallel, work)
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
@@ -154,35 +225,55 @@ def _cmd_check_logprobs(args: argparse.Namespace) -> int:
 
     from .data.store import GenomeStore
     from .errors import InputError
+    from .evaluation.distributed import launch, load_scoring_model
     from .evaluation.logprobs import check_logprobs
     from .evaluation.report import markdown_table
-    from .evaluation.score import load_eval_model
 
     out = Path(args.out) if args.out else Path("evaluations") / f"{Path(args.checkpoint).resolve().name}-logprob-gap-L{args.context}-{_DTYPES[args.dtype]}"
     if out.exists() and not args.force:
         raise InputError(f"{out} already exists; pass --force to replace it, or choose another --out")
+    parallel = _parallel_section(args)
+    backend = _scoring_backend(args)
     split = GenomeStore.open(args.store).split(args.split)
-    model, vocab = load_eval_model(args.checkpoint, dtype=getattr(torch, _DTYPES[args.dtype]), device=args.device)
-    gap = check_logprobs(model, split, args.context, max_tiles=args.max_tiles, first_bucket=args.first_bucket, vocab=vocab,
-                         progress=None if not args.quiet else False, label=f"{Path(args.checkpoint).name} {_DTYPES[args.dtype]}")
-    gap.save(out)
-    table = gap.table()
-    rows = [[str(r.bucket), f"{int(r.tokens):,}", f"{r.mean_abs_diff:.3g}", f"{r.max_abs_diff:.3g}"] for r in table.itertuples()]
-    print(f"genolong check-logprobs: training path vs step-by-step decode, {_DTYPES[args.dtype]}, {args.max_tiles} tile(s) of "
-          f"{args.context:,} -> {out}")
-    print(markdown_table(rows, ["preceding bases", "tokens", "mean |diff| (nats)", "max |diff| (nats)"]))
-    return 0
+
+    def work(group: object) -> int:
+        model, vocab = load_scoring_model(args.checkpoint, group, dtype=getattr(torch, _DTYPES[args.dtype]),  # type: ignore[arg-type]
+                                          device=_scoring_device(args, group), kernel_backend=backend)
+        gap = check_logprobs(model, split, args.context, max_tiles=args.max_tiles, first_bucket=args.first_bucket, vocab=vocab,
+                             progress=None if not args.quiet else False, label=f"{Path(args.checkpoint).name} {_DTYPES[args.dtype]}",
+                             group=group)  # type: ignore[arg-type]
+        if gap is None:  # not the writer
+            return 0
+        gap.save(out)
+        table = gap.table()
+        rows = [[str(r.bucket), f"{int(r.tokens):,}", f"{r.mean_abs_diff:.3g}", f"{r.max_abs_diff:.3g}"] for r in table.itertuples()]
+        print(f"genolong check-logprobs: training path vs step-by-step decode, {_DTYPES[args.dtype]}, {args.max_tiles} tile(s) of "
+              f"{args.context:,} -> {out}")
+        print(markdown_table(rows, ["preceding bases", "tokens", "mean |diff| (nats)", "max |diff| (nats)"]))
+        return 0
+
+    return launch(parallel, work)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from .config import load_recipe
-    from .parallel.plan import format_plan, plan
+    from .errors import InputError
+    from .parallel.plan import eval_plan, format_eval_plan, format_plan, plan
 
-    result = plan(load_recipe(args.recipe, args.set), gpus=args.gpus, gpu_mem_gib=args.gpu_mem, host_mem_gib=args.host_mem,
-                  gpus_per_node=args.gpus_per_node, moe_imbalance=args.moe_imbalance, kda_kernel=args.kda_kernel,
-                  dsa_kernel=args.dsa_kernel)
+    common = dict(gpus=args.gpus, gpu_mem_gib=args.gpu_mem, host_mem_gib=args.host_mem, gpus_per_node=args.gpus_per_node,
+                  moe_imbalance=args.moe_imbalance, kda_kernel=args.kda_kernel, dsa_kernel=args.dsa_kernel)
+    if args.evaluate:
+        result = eval_plan(load_recipe(args.recipe, args.set), context=args.context, dtype=args.dtype,
+                           segment_tokens=args.segment_tokens or None, **common)
+        print(json.dumps(result.to_dict(), indent=1) if args.json else format_eval_plan(result))
+        return 0
+    given = [flag for flag, value in (("--context", args.context), ("--segment-tokens", args.segment_tokens),
+                                      ("--dtype", args.dtype)) if value is not None]
+    if given:
+        raise InputError(f"{', '.join(given)} plan(s) an evaluation: add --evaluate (without it the plan is a training step's)")
+    result = plan(load_recipe(args.recipe, args.set), **common)
     print(json.dumps(result.to_dict(), indent=1) if args.json else format_plan(result))
     return 0
 
@@ -227,6 +318,19 @@ def _scoring_arguments(parser: argparse.ArgumentParser, out_default: str) -> Non
     parser.add_argument("--out", metavar="DIR", help=f"result directory (default: {out_default})")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--recipe", metavar="RECIPE",
+                        help="run on this recipe's parallel section (devices, num_nodes, accelerator, cp, dp_shard, "
+                             "dp_replicate, ep), as `genolong finetune RECIPE` does: Lightning starts parallel.devices "
+                             "processes per node, or joins those torchrun / SLURM started; the model is sharded over "
+                             "the mesh (FSDP2, context and expert parallelism) and loaded shard by shard. Default: one "
+                             "process")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a key of --recipe, or without it set the parallel section alone, e.g. "
+                             "--set parallel.devices=4 --set parallel.cp=2 (repeatable)")
+    parser.add_argument("--kernel-backend", choices=("auto", "torch", "fla", "triton"), default=None,
+                        help="the kernels the model runs, as in finetune: auto = genolong's Triton / fla-core GPU kernels "
+                             "on a GPU, the torch reference on a CPU (default: --recipe's model.overrides.kernel_backend, "
+                             "else the checkpoint's run recipe's, else auto); recorded in the results' metadata")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -279,7 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Predict a recipe's memory per GPU (parameters, gradients and AdamW state under FSDP sharding; saved "
             "and recomputed activations per layer type under the recipe's recompute, offload and context "
             "parallelism; MoE dispatch, DSA and cross-entropy buffers; workspace) and the pinned host memory "
-            "for offload per GPU and per node, with a verdict and the cheapest change that makes it fit."
+            "for offload per GPU and per node, with a verdict and the cheapest change that makes it fit. "
+            "With --evaluate: the memory per GPU to score the recipe's model at --context N (forward only, the "
+            "recipe's mesh and EP, the largest layer's forward working set, host memory for loading)."
         ),
     )
     pl.add_argument("recipe", metavar="RECIPE", help="YAML recipe (see recipes/)")
@@ -296,6 +402,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "kernel_backend runs; auto on a GPU recipe: fla)")
     pl.add_argument("--dsa-kernel", choices=["torch", "triton"], default=None,
                     help="whose DSA kernels' saved tensors to count (default: as --kda-kernel; auto on a GPU recipe: triton)")
+    pl.add_argument("--evaluate", action="store_true",
+                    help="plan scoring (genolong evaluate) instead of a training step: forward only, weights sharded "
+                         "over the recipe's mesh, CP splitting the tile, the largest layer's forward working set")
+    pl.add_argument("--context", type=int, metavar="N",
+                    help="with --evaluate: tokens per tile (default: the recipe's eval.context, else data.context)")
+    pl.add_argument("--segment-tokens", type=int, metavar="S",
+                    help="with --evaluate: stream each tile S tokens at a time, as evaluate --segment-tokens "
+                         "(each process holding the whole model: parallel.cp and dp_shard 1; 0: one forward; default: one forward)")
+    pl.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="with --evaluate: parameter dtype of the scoring (default: bfloat16 for a bf16-mixed recipe, "
+                         "else float32)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=_cmd_plan)
 
@@ -304,7 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="held-out loss per token and by preceding-context length (tables, block-bootstrap CIs)",
         description=(
             "Tile a held-out split into windows of --context tokens, score every base with the model and write "
-            "the per-token table (parquet), per-window and per-position sums and the bucket table."
+            "the per-token table (parquet), per-window and per-position sums and the bucket table. With --recipe "
+            "(or --set parallel.devices=N ...) it runs on several processes as finetune does: the model sharded "
+            "over the (dp_replicate, dp_shard, cp) mesh, tiles dealt to the data-parallel groups, each tile split "
+            "over a context-parallel group, rank 0 writing; a killed run resumes on the same layout."
         ),
     )
     _scoring_arguments(ev, out_default="evaluations/NAME-SPLIT-LCONTEXT[-cutC]")
@@ -315,10 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-tiles", type=int, metavar="N", help="score only the first N tiles (default: all)")
     ev.add_argument("--label", help="name of this run in tables and figures (default: from CHECKPOINT)")
     ev.add_argument("--no-tokens", action="store_true", help="do not write the per-token table (aggregates only)")
-    ev.add_argument("--segment-tokens", type=int, default=_SEGMENT_TOKENS, metavar="S",
+    ev.add_argument("--segment-tokens", type=int, default=None, metavar="S",
                     help="stream a tile longer than S tokens through the model S at a time, carrying the KDA states "
                          "and DSA caches (peak memory of one segment plus the caches; equal to the one-shot forward "
-                         "up to float rounding); 0: one forward per tile (default: %(default)s)")
+                         f"up to float rounding); 0: one forward per tile (default: {_SEGMENT_TOKENS} in one process; "
+                         "0 in several, where context parallelism splits the tile instead)")
     ev.set_defaults(func=_cmd_evaluate)
 
     prb = sub.add_parser(
@@ -392,7 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Score held-out tiles with the training path (chunked KDA, blockwise DSA top-k) and with the "
             "independent step-by-step decode path (recurrent KDA state, latent and index-key caches); report mean "
-            "and max |difference| by preceding-context bucket, as a table and a figure."
+            "and max |difference| by preceding-context bucket, as a table and a figure. With --recipe (or --set "
+            "parallel.*) the training path runs sharded and context-parallel, the decode path on the gathered model."
         ),
     )
     _scoring_arguments(chk, out_default="evaluations/NAME-logprob-gap-LCONTEXT-DTYPE")
@@ -437,6 +559,19 @@ def _setup_logging() -> None:
 
 #: the commands that run a model: their CPU runs keep freed memory (genolong.allocator)
 _MODEL_COMMANDS = frozenset({"finetune", "evaluate", "check-logprobs", "probe", "quickstart"})
+#: the commands that score a model, one process or several (``--recipe`` / ``--set parallel.*``)
+_SCORING_COMMANDS = frozenset({"evaluate", "check-logprobs", "probe"})
+
+
+def _shards_for_memory(args: argparse.Namespace) -> bool:
+    """A scoring command that runs on several processes (its ``--recipe`` / ``--set parallel.*``
+    layout): it shards the model to fit memory, so it keeps glibc's allocator. With the kept-freed
+    heap, FSDP2's gather / free of one block after another grows every rank's heap back to about the
+    whole model's footprint: 4 CPU ranks (cp 2 x dp_shard 2) peaked at 0.98x one process's RSS above
+    the imports, 0.48x with glibc's defaults (benchmarks/evaluate_memory.py)."""
+    if args.command not in _SCORING_COMMANDS or not hasattr(args, "set"):
+        return False
+    return int(getattr(_parallel_section(args), "world_size")) > 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -445,7 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _setup_logging()
     try:
-        if args.command in _MODEL_COMMANDS:
+        if args.command in _MODEL_COMMANDS and not _shards_for_memory(args):
             # before torch allocates anything: freed activations are reused, not faulted in anew
             # (genolong.allocator; GENOLONG_MALLOC=system opts out)
             keep_freed_memory()

@@ -26,7 +26,7 @@ from genolong.data.alphabet import BASE_MASK, N, SOFTMASK
 from genolong.data.windows import EvalTiles, context_cut_spans
 from genolong.errors import InputError
 from genolong.evaluation.results import EvalResult
-from genolong.evaluation.score import evaluate, load_eval_model, read_tokens, score_tile
+from genolong.evaluation.score import evaluate, load_eval_model, read_tokens, score_tile, scoring_kernel_backend
 from genolong.evaluation.stats import bucket_edges, compare
 from genolong.model import PRESETS, GenoLM
 from genolong.model.moe import record_routing
@@ -299,7 +299,12 @@ def test_compare_plot_and_check_logprobs_commands(tmp_path: Path, capsys: pytest
     assert main(["evaluate", str(tmp_path / "model"), "--context", "256", "--out", str(tmp_path / "full"), *common]) == 0
     assert main(["evaluate", str(tmp_path / "model"), "--context", "256", "--context-cut", "32",
                  "--out", str(tmp_path / "cut"), *common]) == 0
-    assert main(["evaluate", str(tmp_path / "model"), "--context", "128", "--out", str(tmp_path / "short"), *common]) == 0
+    assert main(["evaluate", str(tmp_path / "model"), "--context", "128", "--out", str(tmp_path / "short"),
+                 "--kernel-backend", "torch", *common]) == 0
+    # the kernels are chosen as finetune chooses them (auto: the torch reference on a CPU) and recorded
+    assert {k: EvalResult.load(tmp_path / "full").meta[k] for k in ("kernel_backend", "kernel_backend_resolved")} == {
+        "kernel_backend": "auto", "kernel_backend_resolved": "torch"}
+    assert EvalResult.load(tmp_path / "short").meta["kernel_backend"] == "torch"
     capsys.readouterr()
     assert main(["compare", str(tmp_path / "cut"), str(tmp_path / "full"), "--out", str(tmp_path / "cmp")]) == 0
     printed = capsys.readouterr().out
@@ -321,9 +326,24 @@ def test_compare_plot_and_check_logprobs_commands(tmp_path: Path, capsys: pytest
     gap = pd.read_csv(tmp_path / "gap" / "logprob_gap.csv").set_index("bucket")
     assert gap.loc["all", "tokens"] > 150 and gap.loc["all", "mean_abs_diff"] <= 1e-5
     assert (tmp_path / "gap" / "logprob_gap.png").is_file()
+    assert json.loads((tmp_path / "gap" / "logprob_gap.json").read_text())["meta"]["kernel_backend_resolved"] == "torch"
     assert main(["check-logprobs", str(tmp_path / "model"), "--store", str(sample_store), "--context", "192",
                  "--out", str(tmp_path / "gap")]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_scoring_kernel_backend_is_the_flag_then_the_run_recipe_then_auto(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "r"
+    torch.manual_seed(0)
+    GenoLM(PRESETS["tiny"]).save_pretrained(run / "export")
+    assert scoring_kernel_backend(run / "export") == "auto"  # no recipe beside it
+    assert load_eval_model(run / "export")[0].config.kernel_backend == "auto"
+    (run / "recipe.yaml").write_text("model:\n  overrides:\n    kernel_backend: torch\n")
+    assert scoring_kernel_backend(run / "export") == "torch"
+    assert scoring_kernel_backend(run) == "torch"
+    assert load_eval_model(run / "export")[0].config.kernel_backend == "torch"
+    assert scoring_kernel_backend(run / "export", "triton") == "triton"  # the flag wins
+    assert load_eval_model(run / "export", kernel_backend="auto")[0].config.kernel_backend == "auto"
 
 
 def test_an_interrupted_evaluation_resumes_only_for_the_same_weights(tiny: GenoLM, tmp_path: Path,
