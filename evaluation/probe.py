@@ -23,9 +23,12 @@ leave unexplained about the far context in general, small on natural DNA). Inter
 block bootstrap over tiles (:func:`~genolong.evaluation.stats.paired_bootstrap`; tokens inside a
 tile are dependent, both views resampled with the same tiles).
 
-Structure (for a multi-process run): :func:`probe_tile` is the per-tile work, a pure function of
-(model, tile tokens, :class:`ProbeSettings`) -> :class:`ProbeTileScores` (``[D]`` arrays);
-:func:`probe` is the loop (tiles, per-tile commits in ``.<out>.partial``, the result directory).
+Structure: :func:`probe_tile` is one process's per-tile work, a pure function of (model, tile
+tokens, :class:`ProbeSettings`) -> :class:`ProbeTileScores` (``[D]`` arrays); in a multi-process job
+(``evaluate``'s launches and mesh, :mod:`genolong.evaluation.distributed`) each rank computes its
+:func:`probe_share` of its data-parallel group's tile and the writer assembles them
+(:func:`assemble_probe_shares`); :func:`probe` is the loop (tiles dealt a round at a time, commits
+in ``.<out>.partial``, the result directory, written by one process).
 
 Result directory (format ``genolong-probe/1``): ``meta.json`` (settings, tiles, distances, the
 model signature, seconds), ``tiles.parquet`` (tile, contig, start, length, eval_tile: the index
@@ -59,10 +62,11 @@ from ..files import replace_dir, replace_file
 from ..model.loss import model_inputs, next_token_nll
 from ..model.stream import PrefillStream, check_segment_tokens
 from ..model.vocab import VocabMap
+from .distributed import ScoringGroup
 from .stats import block_bootstrap, paired_bootstrap
 
 __all__ = ["PROBE_FORMAT", "PROBE_COLUMNS", "ProbeSettings", "ProbeTileScores", "ProbeResult", "probe_distances",
-           "plant_repeat", "cut_view_span", "probe_views", "probe_tile", "probe"]
+           "plant_repeat", "cut_view_span", "probe_views", "probe_tile", "probe_share", "assemble_probe_shares", "probe"]
 
 log = logging.getLogger(__name__)
 
@@ -265,13 +269,63 @@ def probe_tile(model: torch.nn.Module, tokens: np.ndarray, settings: ProbeSettin
         :class:`ProbeTileScores` of ``[D]`` arrays.
     """
     full, cut = probe_views(model, tokens, settings, vocab, device)
-    full64, cut64 = full.double().numpy(), cut.double().numpy()
+    return _summed(full.double().numpy(), cut.double().numpy())
+
+
+def _summed(full64: np.ndarray, cut64: np.ndarray) -> ProbeTileScores:
+    """:class:`ProbeTileScores` of the copy's per-target NLL in both views (``[D, m]`` each, NaN:
+    not counted)."""
     counted = ~np.isnan(full64)
     # NaN marks an uncounted target (N, padding): a property of the target, the same in both views
     assert np.array_equal(counted, ~np.isnan(cut64)), "full and cut views count different targets"  # exact: masks
     return ProbeTileScores(tokens=counted.sum(axis=1).astype(np.int64),
                            full_nll=np.where(counted, full64, 0.0).sum(axis=1),
                            cut_nll=np.where(counted, cut64, 0.0).sum(axis=1))
+
+
+@torch.no_grad()
+def probe_share(model: torch.nn.Module, tokens: np.ndarray, settings: ProbeSettings, group: ScoringGroup,
+                multiple: int, vocab: VocabMap | None = None,
+                device: torch.device | str = "cpu") -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """This rank's share of one tile's probe in a multi-process job (the model sharded over
+    ``group``'s mesh, context parallelism installed when ``group.cp_size > 1``).
+
+    Every forward is collective (FSDP2 gathers, CP exchanges), so each view is one plain forward
+    through :func:`~genolong.evaluation.distributed.share_nll`, the planted tiles one at a time:
+    ``D`` full-length forwards for the full views (one process shares their prefix through a
+    :class:`~genolong.model.stream.PrefillStream`, which does not run under FSDP2 or CP) and the
+    ``D`` cut windows. :func:`assemble_probe_shares` puts a CP group's shares together on the
+    writer. Arguments as :func:`probe_views`; ``multiple``: the padded length's unit
+    (:func:`genolong.config.kernel_multiple` at the CP size).
+
+    Returns:
+        ``(full, cut)``: per distance, this CP rank's slice of the planted tile's (full) or the cut
+        window's (cut) per-target NLL (:func:`~genolong.evaluation.distributed.share_nll`).
+    """
+    from .distributed import share_nll
+
+    length = int(tokens.shape[0])
+    if length != settings.context:
+        raise InputError(f"the probe needs tiles of exactly {settings.context} bases, got {length}")
+    full, cut = [], []
+    for d in settings.distances:
+        planted = plant_repeat(tokens, d, settings.repeat_bases)
+        full.append(share_nll(model, planted, group, multiple, vocab, settings.chunk_size, device))
+        a, b = cut_view_span(length, d)
+        cut.append(share_nll(model, planted[a:b], group, multiple, vocab, settings.chunk_size, device))
+    return full, cut
+
+
+def assemble_probe_shares(shares: Sequence[tuple[list[np.ndarray], list[np.ndarray]]],
+                          settings: ProbeSettings) -> ProbeTileScores:
+    """One tile's :class:`ProbeTileScores` from its CP group's :func:`probe_share` results (in CP
+    rank order; one share in a group of one)."""
+    from .distributed import assemble_nll
+
+    m, length = settings.repeat_bases, settings.context
+    full = np.stack([assemble_nll([s[0][i] for s in shares], length)[-m:] for i in range(len(settings.distances))])
+    cut = np.stack([assemble_nll([s[1][i] for s in shares], d)[-m:] for i, d in enumerate(settings.distances)])
+    return _summed(full.astype(np.float64), cut.astype(np.float64))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -485,7 +539,8 @@ def probe(
     progress: bool | None = None,
     segment_tokens: int | None = None,
     figure: bool = True,
-) -> ProbeResult:
+    group: ScoringGroup | None = None,
+) -> ProbeResult | None:
     """Probe the first ``max_tiles`` full-length tiles of ``context`` bases of ``split``; write ``out``.
 
     Tiles are :class:`~genolong.data.windows.EvalTiles` of ``context`` (those ``evaluate`` scores),
@@ -509,16 +564,23 @@ def probe(
         progress: show a progress bar (default: on a terminal).
         segment_tokens: stream forwards this many tokens at a time (default None: one forward each).
         figure: draw ``probe.png`` / ``probe.pdf`` into the result (default True).
+        group: the multi-process job (:class:`~genolong.evaluation.distributed.ScoringGroup`; the
+            model sharded over its mesh): tiles are dealt to its data-parallel groups a round at a
+            time (:func:`probe_share` per rank), global rank 0 gathers, writes and commits after
+            every round; default None: one process (:func:`probe_tile`).
 
     Returns:
-        The result, as saved in ``out``.
+        The result, as saved in ``out`` (None on every rank but the writer).
 
     Raises:
         InputError: ``out`` exists (without ``force``), bad settings, or no tile of ``context`` bases.
     """
+    from ..config import kernel_multiple
     from ..model.lm import GenoLM
-    from .score import _progress, model_signature
+    from .distributed import broadcast_from_writer, gather_to_writer, tile_rounds
+    from .score import _progress, kernel_backend_meta, model_signature
 
+    group = group or ScoringGroup()
     out = Path(out)
     if out.exists() and not force:
         raise InputError(f"{out} already exists; pass --force to replace it, or choose another --out")
@@ -526,6 +588,9 @@ def probe(
         raise InputError(f"--max-tiles must be at least 1, got {max_tiles}")
     if not isinstance(model, GenoLM):
         raise InputError(f"the probe runs a genolong GenoLM; got {type(model).__name__}")
+    if group.distributed and segment_tokens is not None:
+        raise InputError("--segment-tokens streams in one process; a multi-process probe runs each view in one forward "
+                         "(context parallelism splits it): pass --segment-tokens 0")
     settings = ProbeSettings(context, repeat_bases, tuple(distances or ()), chunk_size, segment_tokens)
     tiles = EvalTiles(split, context)
     full_length = np.flatnonzero(tiles.tiles["length"].to_numpy() == context)
@@ -535,39 +600,59 @@ def probe(
     chosen = full_length if max_tiles is None else full_length[:max_tiles]
     run_settings = {
         "checkpoint": "(in memory)", "store": "(in memory)", "split": str(getattr(split, "name", "?")),
-        **dict(meta or {}), "model_signature": model_signature(model), **settings.to_dict(),
-        "tiles": int(chosen.size), "eval_tiles": chosen.tolist(),
+        **dict(meta or {}), "model_signature": model_signature(model), **kernel_backend_meta(model),
+        **settings.to_dict(), "tiles": int(chosen.size), "eval_tiles": chosen.tolist(),
+        # the full views are streamed in one process and plain forwards under CP / FSDP2: other roundings
+        "parallel": group.layout(),
     }
     work = out.with_name(f".{out.name}.partial")
     running = _Running(int(chosen.size), len(settings.distances))
     state = work / _STATE
-    if (work / _SETTINGS).is_file() and json.loads((work / _SETTINGS).read_text()) == run_settings and state.is_file():
-        running.load(state)
-        log.info("resuming the probe in %s at tile %d of %d", work, running.next_tile, chosen.size)
-    else:
-        if work.exists():
-            log.info("discarding an unfinished probe with other settings in %s", work)
-            shutil.rmtree(work)
-        work.mkdir(parents=True)
-        replace_file(work / _SETTINGS, lambda tmp: tmp.write_text(json.dumps(run_settings, indent=1)))
+    if group.is_writer:
+        if (work / _SETTINGS).is_file() and json.loads((work / _SETTINGS).read_text()) == run_settings and state.is_file():
+            running.load(state)
+            log.info("resuming the probe in %s at tile %d of %d", work, running.next_tile, chosen.size)
+        else:
+            if work.exists():
+                log.info("discarding an unfinished probe with other settings in %s", work)
+                shutil.rmtree(work)
+            work.mkdir(parents=True)
+            replace_file(work / _SETTINGS, lambda tmp: tmp.write_text(json.dumps(run_settings, indent=1)))
+    start = broadcast_from_writer(running.next_tile, group)
+    multiple = kernel_multiple(model.config, group.cp_size)
 
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    bar = _progress(int(chosen.size), running.next_tile, progress, f"probe {label or out.name}")
+    bar = _progress(int(chosen.size), start, progress, f"probe {label or out.name}") if group.is_writer else None
     try:
-        for i in range(running.next_tile, int(chosen.size)):
+        for round_ in tile_rounds(start, int(chosen.size), group.dp_size):
             began = time.perf_counter()
-            scores = probe_tile(model, tiles[int(chosen[i])].tokens, settings, vocab, device)
-            running.add(i, scores)
+            if not group.distributed:
+                running.add(round_[0], probe_tile(model, tiles[int(chosen[round_[0]])].tokens, settings, vocab, device))
+            else:
+                mine = round_[group.dp_rank] if group.dp_rank < len(round_) else None
+                # a rank without a tile in the last round runs the round's first one again (its forwards
+                # are collectives the others wait for) and the writer drops it
+                tokens = tiles[int(chosen[round_[0] if mine is None else mine])].tokens
+                shares = gather_to_writer((mine, group.cp_rank, probe_share(model, tokens, settings, group, multiple,
+                                                                            vocab, device)), group)
+                if shares is None:
+                    continue
+                for i in round_:
+                    running.add(i, assemble_probe_shares([s[2] for s in sorted((s for s in shares if s[0] == i),
+                                                                               key=lambda s: s[1])], settings))
+            # the round is committed at once: a kill leaves the state of the last whole round
             running.seconds += time.perf_counter() - began
             running.save(state)
             if bar is not None:
-                bar.update(1)
+                bar.update(len(round_))
     finally:
         model.train(was_training)
         if bar is not None:
             bar.close()
+    if not group.is_writer:
+        return None
 
     picked = tiles.tiles.iloc[chosen]
     # the probed bases: two probes with one fingerprint planted the same copies in the same tiles

@@ -180,34 +180,52 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
     from .data.store import GenomeStore
     from .errors import InputError
+    from .evaluation.distributed import launch, load_scoring_model
     from .evaluation.probe import ProbeSettings, probe
     from .evaluation.report import format_probe_table
-    from .evaluation.score import load_eval_model, recipe_context
+    from .evaluation.score import recipe_context
 
     context = args.context if args.context is not None else recipe_context(args.checkpoint)
     if context is None:
         raise InputError(f"give --context L: {args.checkpoint} is not a finetune run or checkpoint with a recipe to take it from")
     distances = _int_list(args.distances, "--distances") if args.distances else ()
-    segment_tokens = None if args.segment_tokens == 0 else args.segment_tokens
+    parallel = _parallel_section(args)
+    backend = _scoring_backend(args)
+    world = parallel.world_size  # type: ignore[attr-defined]
+    if args.segment_tokens is None:  # streaming is one process's (as in evaluate)
+        segment_tokens = _SEGMENT_TOKENS if world == 1 else None
+    elif world > 1 and args.segment_tokens != 0:
+        raise InputError(f"--segment-tokens streams in one process; this job runs {world} processes, each view in one "
+                         "forward: pass --segment-tokens 0 (context parallelism splits the tile)")
+    else:
+        segment_tokens = None if args.segment_tokens == 0 else args.segment_tokens
     ProbeSettings(context, args.repeat_bases, distances, segment_tokens=segment_tokens)  # bad settings: before the model loads
     store = GenomeStore.open(args.store)
     split = store.split(args.split)
     dtype = getattr(torch, _DTYPES[args.dtype])
-    model, vocab = load_eval_model(args.checkpoint, dtype=dtype, device=args.device)
     name = Path(args.checkpoint).resolve()
     name = name.parent.parent.name if name.suffix == ".ckpt" else (name.parent.name if name.name == "export" else name.name)
     out = Path(args.out) if args.out else Path("evaluations") / f"{name}-{args.split}-L{context}-probe{args.repeat_bases}"
-    result = probe(
-        model, split, out, context, repeat_bases=args.repeat_bases, distances=distances, max_tiles=args.max_tiles,
-        vocab=vocab, label=args.label or name,
-        meta={"checkpoint": str(Path(args.checkpoint).resolve()), "store": str(store.path.resolve()), "split": args.split,
-              "dtype": _DTYPES[args.dtype], "device": args.device},
-        force=args.force, progress=None if not args.quiet else False, segment_tokens=segment_tokens,
-    )
-    print(f"genolong probe: a {args.repeat_bases}-base copy planted d bases after its source in {result.meta['tiles']} "
-          f"tiles of {context:,} -> {out}; 95% paired block-bootstrap CIs over tiles")
-    print(format_probe_table(result.table()))
-    return 0
+
+    def work(group: object) -> int:
+        model, vocab = load_scoring_model(args.checkpoint, group, dtype=dtype, device=_scoring_device(args, group),  # type: ignore[arg-type]
+                                          kernel_backend=backend)
+        result = probe(
+            model, split, out, context, repeat_bases=args.repeat_bases, distances=distances, max_tiles=args.max_tiles,
+            vocab=vocab, label=args.label or name,
+            meta={"checkpoint": str(Path(args.checkpoint).resolve()), "store": str(store.path.resolve()), "split": args.split,
+                  "dtype": _DTYPES[args.dtype], "device": args.device},
+            force=args.force, progress=None if not args.quiet else False, segment_tokens=segment_tokens,
+            group=group,  # type: ignore[arg-type]
+        )
+        if result is None:  # not the writer
+            return 0
+        print(f"genolong probe: a {args.repeat_bases}-base copy planted d bases after its source in {result.meta['tiles']} "
+              f"tiles of {context:,} -> {out}; 95% paired block-bootstrap CIs over tiles")
+        print(format_probe_table(result.table()))
+        return 0
+
+    return launch(parallel, work)
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
@@ -304,15 +322,17 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _scoring_arguments(parser: argparse.ArgumentParser, out_default: str) -> None:
-    """The arguments ``evaluate`` and ``check-logprobs`` share: what to score, where, how."""
+def _scoring_arguments(parser: argparse.ArgumentParser, out_default: str, buckets: bool = True) -> None:
+    """The arguments ``evaluate``, ``check-logprobs`` and ``probe`` share: what to score, where, how
+    (``buckets``: with ``--first-bucket``)."""
     parser.add_argument("checkpoint", metavar="CHECKPOINT",
                         help="a model directory (config.json + safetensors, e.g. runs/NAME/export), a run directory "
                              "runs/NAME or a runs/NAME/checkpoints/step*.ckpt")
     parser.add_argument("--store", required=True, metavar="DIR", help="genome store (genolong prepare)")
     parser.add_argument("--split", default="eval", help="split to score (default: %(default)s)")
-    parser.add_argument("--first-bucket", type=int, default=1024, metavar="B",
-                        help="upper edge of the first context bucket; later ones double (default: %(default)s)")
+    if buckets:
+        parser.add_argument("--first-bucket", type=int, default=1024, metavar="B",
+                            help="upper edge of the first context bucket; later ones double (default: %(default)s)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter dtype (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")
     parser.add_argument("--out", metavar="DIR", help=f"result directory (default: {out_default})")
@@ -450,14 +470,10 @@ def build_parser() -> argparse.ArgumentParser:
             "before them, for d in powers of two up to the context, and score the copy twice on the same model: with "
             "the whole tile in view (the source d bases back included) and with the model restarted d - 1 bases "
             "before the copy's end (no base of the source in view). Prints and writes, per distance, both losses and "
-            "the drop (cut - full) with 95%% paired block-bootstrap CIs over tiles; a figure (PNG + PDF) and JSON."
+            "the drop (cut - full) with 95% paired block-bootstrap CIs over tiles; a figure (PNG + PDF) and JSON."
         ),
     )
-    prb.add_argument("checkpoint", metavar="CHECKPOINT",
-                     help="a model directory (config.json + safetensors, e.g. runs/NAME/export), a run directory "
-                          "runs/NAME or a runs/NAME/checkpoints/step*.ckpt")
-    prb.add_argument("--store", required=True, metavar="DIR", help="genome store (genolong prepare)")
-    prb.add_argument("--split", default="eval", help="split to probe (default: %(default)s)")
+    _scoring_arguments(prb, out_default="evaluations/NAME-SPLIT-LCONTEXT-probeM", buckets=False)
     prb.add_argument("--context", type=int, metavar="L",
                      help="tile length in bases (default: the run's eval context when CHECKPOINT is a run or .ckpt)")
     prb.add_argument("--repeat-bases", type=int, default=100, metavar="M", help="bases copied (default: %(default)s)")
@@ -465,14 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="distances from source to copy (default: the powers of two with M < d <= L - M)")
     prb.add_argument("--max-tiles", type=int, metavar="N", help="probe only the first N full-length tiles (default: all)")
     prb.add_argument("--label", help="name of this run in tables and figures (default: from CHECKPOINT)")
-    prb.add_argument("--segment-tokens", type=int, default=_SEGMENT_TOKENS, metavar="S",
+    prb.add_argument("--segment-tokens", type=int, default=None, metavar="S",
                      help="stream forwards longer than S tokens S at a time (as evaluate); 0: one forward each "
-                          "(default: %(default)s)")
-    prb.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter dtype (default: %(default)s)")
-    prb.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")
-    prb.add_argument("--out", metavar="DIR", help="result directory (default: evaluations/NAME-SPLIT-LCONTEXT-probeM)")
-    prb.add_argument("--force", action="store_true", help="replace an existing --out")
-    prb.add_argument("--quiet", action="store_true", help="no progress bar")
+                          f"(default: {_SEGMENT_TOKENS} in one process; 0 in several)")
     prb.set_defaults(func=_cmd_probe)
 
     cmp_ = sub.add_parser(

@@ -200,3 +200,22 @@ def test_a_multi_process_scoring_run_keeps_glibcs_allocator(tmp_path: Path) -> N
     assert not parse("--set", "parallel.cp=1")
     assert parse("--set", "parallel.devices=2", "--set", "parallel.cp=2")
     assert not _shards_for_memory(build_parser().parse_args(["finetune", "r.yaml"]))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_multi_process_probe_equals_one_process(sample_store: Path, tmp_path: Path) -> None:
+    # cp 2 x dp_shard 2 over 3 tiles: each tile split over a CP pair, the second round one tile for
+    # two dp groups (the idle group reruns it and is dropped); one process streams the full views
+    # through a PrefillStream, the ranks run plain forwards: equal up to float rounding
+    from genolong.evaluation.probe import ProbeResult
+
+    model = _model(tmp_path)
+    common = ["--store", str(sample_store), "--context", "256", "--repeat-bases", "16", "--max-tiles", "3", "--quiet"]
+    assert main(["probe", str(model), *common, "--out", str(tmp_path / "one")]) == 0
+    _run(["probe", str(model), *common, "--out", str(tmp_path / "four"), *_parallel(4, cp=2)])
+    one, four = ProbeResult.load(tmp_path / "one"), ProbeResult.load(tmp_path / "four")
+    assert list(four.distances) == [32, 64, 128] and four.meta["parallel"]["world"] == 4
+    assert (one.tile_tokens == four.tile_tokens).all()  # exact: counts
+    np.testing.assert_allclose(four.tile_full, one.tile_full, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(four.tile_cut, one.tile_cut, rtol=1e-5, atol=0)
