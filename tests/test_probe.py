@@ -173,7 +173,7 @@ def test_quickstart_report_probe_section(tiny: GenoLM, tmp_path: Path) -> None:
     assert (tmp_path / "fig" / "probe.png").read_bytes().startswith(b"\x89PNG")
     series = pd.read_csv(written["probe_series.csv"])
     assert list(series["run"]) == ["base", "base", "fine-tuned", "fine-tuned"]
-    assert "no distance with a supported drop on 1 tiles" in text or "recall supported" in text
+    assert "no distance with a drop interval above 0 on 1 tiles" in text or "drop interval above 0 at d =" in text
 
 
 def test_probe_sees_recall_at_trained_distances_and_none_beyond(tmp_path: Path) -> None:
