@@ -7,6 +7,9 @@ Installed as ``genolong.evaluation`` (see ``package-dir`` in pyproject.toml). Mo
 - ``stats``: context buckets, block bootstrap over tiles, paired :func:`compare`;
 - ``plots``: the figures of ``genolong plot``;
 - ``logprobs``: ``genolong check-logprobs`` (training path vs step-by-step decode);
+- ``probe``: ``genolong probe`` (planted-repeat recall by distance, full vs cut view);
+- ``distributed``: the multi-process scoring job (launch, mesh, sharded loading, tiles dealt to
+  the data-parallel groups, one writer) that ``evaluate``, ``check-logprobs`` and ``probe`` share;
 - ``report``: Markdown tables for the terminal and the quickstart's REPORT.md.
 """
 

@@ -40,7 +40,8 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
     from .quickstart import run_quickstart
 
     run_quickstart(out=Path(args.out), progress=None if not args.quiet else False, overrides=args.set,
-                   train=not args.prepare_only, control=args.control, eval_tiles=args.eval_tiles)
+                   train=not args.prepare_only, control=args.control, eval_tiles=args.eval_tiles,
+                   probe_tiles=args.probe_tiles)
     return 0
 
 
@@ -356,7 +357,7 @@ def _scoring_arguments(parser: argparse.ArgumentParser, out_default: str, bucket
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     from .data.prepare import DEFAULT_MIN_GAP, DEFAULT_SPLITS
-    from .quickstart import DEFAULT_EVAL_TILES
+    from .quickstart import DEFAULT_EVAL_TILES, DEFAULT_PROBE_TILES, PROBE_CONTEXT
 
     parser = argparse.ArgumentParser(prog="genolong", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--version", action="version", version=f"genolong {__version__}")
@@ -554,6 +555,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "training length; a few more minutes)")
     quick.add_argument("--eval-tiles", type=int, default=DEFAULT_EVAL_TILES, metavar="N",
                        help="held-out tiles scored per model (default: %(default)s)")
+    quick.add_argument("--probe-tiles", type=int, default=DEFAULT_PROBE_TILES, metavar="N",
+                       help=f"held-out tiles of {PROBE_CONTEXT:,} bases the planted-repeat probe (genolong probe) runs on "
+                            "per model; 0: no probe (default: %(default)s)")
     quick.set_defaults(func=_cmd_quickstart)
     return parser
 

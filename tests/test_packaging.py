@@ -13,6 +13,7 @@ import pytest
 import genolong.evaluation
 import genolong.kernels
 from genolong.cli import main
+from genolong.evaluation.probe import ProbeResult
 from genolong.evaluation.results import EvalResult
 from genolong.evaluation.stats import compare
 from genolong.quickstart import sample_fasta
@@ -83,14 +84,14 @@ def test_quickstart_command(tmp_path: Path) -> None:
     for _ in range(2):
         run = subprocess.run(
             [sys.executable, "-m", "genolong.cli", "quickstart", "--out", str(tmp_path / "qs"), "--quiet", "--control",
-             "--eval-tiles", "2", "--set", "train.max_steps=2", "--set", "train.warmup_steps=1",
+             "--eval-tiles", "2", "--probe-tiles", "1", "--set", "train.max_steps=2", "--set", "train.warmup_steps=1",
              "--set", "data.context=2048", "--set", "eval.every_n_steps=2", "--set", "checkpoint.every_n_steps=2"],
             capture_output=True, text=True,
         )
         assert run.returncode == 0, run.stderr[-3000:]
     assert "train: 6,179,943 tokens in 5 segments" in run.stdout
     assert "eval: 900,000 tokens in 2 segments" in run.stdout
-    assert "[8/8 |" in run.stdout and "genolong quickstart: done in" in run.stdout
+    assert "[9/9 |" in run.stdout and "genolong quickstart: done in" in run.stdout
     qs = tmp_path / "qs"
     assert (qs / "genome" / "manifest.json").is_file()
     for name in ("quickstart", "control"):
@@ -106,7 +107,8 @@ def test_quickstart_command(tmp_path: Path) -> None:
     for what in ("## Held-out loss by preceding context", "fine-tuned vs base", "full vs cut at 1,024",
                  "fine-tuned vs short-context control", "figures/position_loss.png", "figures/relative_change.png",
                  "training the attention layers only (2.1M of 9.3M parameters", "How much held-out DNA the intervals rest on: 2 tiles",
-                 "## MoE routing on the held-out tiles"):
+                 "## MoE routing on the held-out tiles", "## Long-range recall: planted repeats (genolong probe)",
+                 "figures/probe.png"):
         assert what in report, what
     # the routing table: the base's layers as its evaluation measured them
     for r in results["base"].meta["routing"]:
@@ -114,6 +116,8 @@ def test_quickstart_command(tmp_path: Path) -> None:
     table = compare(results["base"], results["tuned"])
     overall = table.set_index("bucket").loc["all"]
     assert f"{overall.b_nats:.4f}" in report and f"{overall.rel_pct:.2f}%" in report
-    for figure in ("position_loss", "buckets", "relative_change"):
+    for name in ("base", "tuned"):  # the probe, one tile per model
+        assert ProbeResult.load(qs / "probe" / name).meta["tiles"] == 1
+    for figure in ("position_loss", "buckets", "relative_change", "probe"):
         assert (qs / "figures" / f"{figure}.png").read_bytes().startswith(b"\x89PNG")
         assert (qs / "figures" / f"{figure}.pdf").read_bytes().startswith(b"%PDF")
