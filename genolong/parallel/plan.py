@@ -1311,10 +1311,14 @@ def _describe(cfg: ModelConfig, count: int) -> str:
             f"hidden {cfg.hidden_size}, mHC x {cfg.hc_mult}")
 
 
-def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None,
-               gpus_per_node: int, moe_imbalance: float | None, kda_kernel: str, dsa_kernel: str = "torch") -> Plan:
-    par, mem = recipe.parallel, recipe.memory
-    moe_imbalance, imbalance_source = recipe_moe_imbalance(recipe, moe_imbalance)
+def _mesh_sizes(par: Any, cfg: ModelConfig, gpus: int) -> tuple[int, int, int, int, int, int]:
+    """``(cp, dp_replicate, ep, dp_shard, dp_shard x cp, MoE layers)`` of the recipe's ``parallel``
+    section on ``gpus`` processes (``dp_shard`` is what is left of them), checked.
+
+    Raises:
+        InputError: ``gpus`` not divisible by ``cp x dp_replicate``, or ``ep`` not dividing
+            ``dp_shard x cp`` or the model's routed experts.
+    """
     cp, rep, ep = par.cp, par.dp_replicate, par.ep
     if gpus % (cp * rep):
         raise InputError(f"--gpus {gpus} is not divisible by parallel.cp x parallel.dp_replicate = {cp * rep}; "
@@ -1328,7 +1332,15 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
     moe_layers = sum(t == "sparse" for t in cfg.mlp_layer_types)
     if ep > 1 and (moe_layers == 0 or cfg.n_routed_experts % ep):
         raise InputError(f"parallel.ep = {ep} does not divide the model's n_routed_experts = {cfg.n_routed_experts}; "
-                         f"choose ep among its divisors")
+                         "choose ep among its divisors")
+    return cp, rep, ep, dp_shard, shard, moe_layers
+
+
+def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None,
+               gpus_per_node: int, moe_imbalance: float | None, kda_kernel: str, dsa_kernel: str = "torch") -> Plan:
+    par, mem = recipe.parallel, recipe.memory
+    moe_imbalance, imbalance_source = recipe_moe_imbalance(recipe, moe_imbalance)
+    cp, rep, ep, dp_shard, shard, moe_layers = _mesh_sizes(par, cfg, gpus)
     context = recipe.data.context
     if context % cp:
         raise InputError(f"data.context {context} is not divisible by parallel.cp {cp}")
@@ -1943,20 +1955,7 @@ def _eval_once(recipe: Recipe, cfg: ModelConfig, gpus: int, context: int, gpu_me
                segment_tokens: int | None) -> EvalPlan:
     par, mem = recipe.parallel, recipe.memory
     imbalance, imbalance_source = recipe_moe_imbalance(recipe, moe_imbalance)
-    cp, rep, ep = par.cp, par.dp_replicate, par.ep
-    if gpus % (cp * rep):
-        raise InputError(f"--gpus {gpus} is not divisible by parallel.cp x parallel.dp_replicate = {cp * rep}; "
-                         f"use a multiple of {cp * rep}")
-    dp_shard = gpus // (cp * rep)
-    shard = dp_shard * cp
-    if shard % ep:
-        raise InputError(f"parallel.ep = {ep} does not divide dp_shard x cp = {dp_shard} x {cp} = {shard} on {gpus} GPUs; "
-                         f"choose ep among the divisors of {shard}")
-    assert cfg.mlp_layer_types is not None and cfg.layer_types is not None
-    moe_layers = sum(t == "sparse" for t in cfg.mlp_layer_types)
-    if ep > 1 and (moe_layers == 0 or cfg.n_routed_experts % ep):
-        raise InputError(f"parallel.ep = {ep} does not divide the model's n_routed_experts = {cfg.n_routed_experts}; "
-                         "choose ep among its divisors")
+    cp, rep, ep, dp_shard, shard, moe_layers = _mesh_sizes(par, cfg, gpus)
     unit = kernel_multiple(cfg, cp)
     if context % unit:
         raise InputError(f"--context {context} is not a multiple of {unit} (cp {cp} x the KDA chunk / DSA pool); "
