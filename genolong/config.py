@@ -21,6 +21,11 @@ tie the window length to what the kernels need (KDA chunks of :data:`KDA_CHUNK` 
 pools of ``index_kpool`` tokens, per context-parallel shard), the mesh to the device count and the
 schedule to the step budget.
 
+Types, keys and bounds are pydantic v2 models (the sections are frozen pydantic dataclasses with
+strict scalars: no ``"8"`` -> 8, no ``1.0`` -> 1); its ``ValidationError`` becomes the one-line
+``InputError`` above. :func:`recipe_schema` gives their JSON Schema for editors (``genolong recipe
+schema``); the cross-field checks are plain functions run after validation.
+
 Paths: a relative path in a recipe (or in ``--set``) resolves against the **current directory**
 (the directory ``genolong`` runs in), not the recipe's directory, so ``store: genome`` in
 ``recipes/512k.yaml`` means ``./genome`` when run from the repository root. Loaded recipes hold
