@@ -218,7 +218,7 @@ def test_file_errors(tmp_path: Path) -> None:
         ({"train": {"max_steps": 10, "warmup_steps": 10}}, r"train\.warmup_steps = 10: must be less than train\.max_steps = 10"),
         ({"train": {"betas": [0.9, 1.0]}}, r"train\.betas = \[0\.9, 1\.0\]: each beta must be in \[0, 1\)"),
         ({"train": {"eps": 0}}, r"train\.eps = 0\.0: must be > 0"),
-        ({"train": {"grad_clip": -1}}, r"train\.grad_clip = -1\.0: must be >= 0"),
+        ({"train": {"grad_clip": -1}}, r"train\.grad_clip = -1: must be >= 0"),
         ({"train": {"accumulate_grad_batches": 0}}, r"train\.accumulate_grad_batches = 0: must be at least 1"),
         ({"train": {"max_consecutive_nonfinite": 0}}, r"train\.max_consecutive_nonfinite = 0: must be at least 1"),
         ({"memory": {"recompute": "selective"}}, r"memory\.recompute = 'selective' needs memory\.recompute_modules"),
