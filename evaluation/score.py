@@ -56,6 +56,7 @@ from ..model.moe import RoutingStats, moe_layers, record_routing
 from ..model.stream import check_segment_tokens
 from ..model.vocab import VocabMap
 from ..files import replace_dir, replace_file
+from ..integrity import check_weights
 from .distributed import (ScoringGroup, assemble_nll, broadcast_from_writer, gather_to_writer, padding_tile, share_nll,
                           tile_rounds)
 from .results import EvalResult
@@ -545,6 +546,7 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
         return model.eval(), vocab
     sharded = path.is_dir() and path.suffix == ".ckpt" and (path / _DCP_META).is_file()
     if (path.is_file() and path.suffix == ".ckpt") or sharded:
+        check_weights(path)  # a damaged file in one line, before torch reads it
         state = torch.load(path / _DCP_META if sharded else path, map_location="cpu", weights_only=True)
         recipe_data = state.get("genolong", {}).get("recipe")
         if recipe_data is None or (not sharded and "state_dict" not in state):
@@ -600,7 +602,9 @@ def run_recipe(checkpoint: str | os.PathLike[str]) -> Mapping[str, Any] | None:
 
     path = Path(checkpoint)
     if path.suffix == ".ckpt" and (path.is_file() or (path / _DCP_META).is_file()):
-        # mmap: only the recipe is read, not the weights and optimiser states
+        # mmap: only the recipe is read, not the weights and optimiser states (but first the whole
+        # checkpoint is checked: the loader reads it next, and a damaged one is named in one line)
+        check_weights(path)
         meta = path / _DCP_META if path.is_dir() else path
         data = torch.load(meta, map_location="cpu", weights_only=True, mmap=True).get("genolong", {}).get("recipe")
     else:
