@@ -22,7 +22,8 @@ checkpoint needs (nobody forges one), and runs at ~3 GB/s on one core where sha2
 N of M bytes"), then reads each file's own structure (the safetensors header and the byte ranges it
 promises, the zip directory of a torch file, the DCP ``.metadata`` and the byte ranges it names),
 then the checksums. A checkpoint without a manifest (written by an older genolong, or downloaded)
-is checked for structure only, with a note in the log. Every problem is a
+is checked for structure only, with a note in the log (a debug line for a model directory: a
+downloaded model has none). Every problem is a
 :class:`DamagedFileError` (an :class:`~genolong.errors.InputError`): one line naming the file and
 what is wrong.
 """
@@ -375,7 +376,10 @@ def check_weights(checkpoint: str | os.PathLike[str]) -> bool:
             raise DamagedFileError(file, f"{algorithm} checksum differs from the one written: the file changed after "
                                          "it was written (bit rot, a bad copy or an edit)")
     if manifest is None:
-        log.info("genolong: %s has no checksum manifest (written by an older genolong, or not by genolong); "
-                 "checked its structure only", path)
+        # a checkpoint is genolong's own (an older genolong's): say so; a model directory without
+        # one is usually downloaded, where no manifest is the rule (a debug line only)
+        log.log(logging.DEBUG if kind == "safetensors" else logging.INFO,
+                "genolong: %s has no checksum manifest (written by an older genolong, or not by genolong); "
+                "checked its structure only", path)
     _VERIFIED.add(signature)
     return manifest is not None
