@@ -530,7 +530,9 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
         (model in eval mode, VocabMap or None for the nucleotide vocabulary).
 
     Raises:
-        InputError: none of the above, or a checkpoint that does not fit its recipe.
+        InputError: none of the above, or a checkpoint that does not fit its recipe;
+            :class:`~genolong.integrity.DamagedFileError` (an InputError): a damaged file, named
+            with its problem (:func:`genolong.integrity.check_weights`).
     """
     from ..config import parse_recipe
 
@@ -597,7 +599,11 @@ def _load_sharded_weights(model: GenoLM, path: Path) -> None:
 def run_recipe(checkpoint: str | os.PathLike[str]) -> Mapping[str, Any] | None:
     """The resolved recipe (plain data) of the finetune run ``checkpoint`` belongs to: inside a
     ``step*.ckpt`` (file or sharded directory), or the ``recipe.yaml`` of a run directory or beside
-    its ``export/``; None when it is not part of a genolong finetune run."""
+    its ``export/``; None when it is not part of a genolong finetune run.
+
+    Raises:
+        DamagedFileError: a damaged ``step*.ckpt`` (:func:`genolong.integrity.check_weights`).
+    """
     import yaml
 
     path = Path(checkpoint)

@@ -19,9 +19,9 @@ checkpoint needs (nobody forges one), and runs at ~3 GB/s on one core where sha2
 ~0.7 GB/s (benchmarks/checkpoint_checksum.py; BENCHMARKS.md); readers accept either.
 
 **The checks.** :func:`check_weights` first compares sizes with the manifest (a precise "truncated:
-N of M bytes"), then reads each file's own structure (the safetensors header and the byte ranges it
-promises, the zip directory of a torch file, the DCP ``.metadata`` and the byte ranges it names),
-then the checksums. A checkpoint without a manifest (written by an older genolong, or downloaded)
+N of M bytes"), then the checksums (any changed byte), then reads each file's own structure (the
+safetensors header and the byte ranges it promises, the zip directory of a torch file, the DCP
+``.metadata`` and the byte ranges it names). A checkpoint without a manifest (written by an older genolong, or downloaded)
 is checked for structure only, with a note in the log (a debug line for a model directory: a
 downloaded model has none). Every problem is a
 :class:`DamagedFileError` (an :class:`~genolong.errors.InputError`): one line naming the file and
@@ -336,7 +336,7 @@ def _signature(path: Path) -> tuple[Any, ...]:
 def check_weights(checkpoint: str | os.PathLike[str]) -> bool:
     """Check a weights directory or checkpoint (file or DCP directory) before it is read.
 
-    Sizes against the manifest, the format's structure, then the checksums (see the module
+    Sizes against the manifest, then the checksums, then the format's structure (see the module
     docstring). A checkpoint that passed in this process, unchanged since, is not read again.
 
     Returns:
@@ -361,20 +361,19 @@ def check_weights(checkpoint: str | os.PathLike[str]) -> bool:
             raise DamagedFileError(file, _truncated(size, expected, "written (checksum manifest)"))
         if size > expected:
             raise DamagedFileError(file, f"{size:,} bytes where {expected:,} were written (checksum manifest)")
+    files = [_target(path, name) for name in listed]
+    for (name, entry), file, digest in zip(listed.items(), files, _checksums(files, algorithm)):
+        if digest != entry.get(algorithm):
+            raise DamagedFileError(file, f"{algorithm} checksum differs from the one written: the file changed after "
+                                         "it was written (bit rot, a bad copy or an edit)")
     kind = _kind(path)
     if kind == "dcp":
         check_dcp(path)
     elif kind == "torch":
         check_torch_zip(path, crc=manifest is None)
     else:
-        files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-        for file in files:
+        for file in [path] if path.is_file() else sorted(path.glob("*.safetensors")):
             check_safetensors(file)
-    files = [_target(path, name) for name in listed]
-    for (name, entry), file, digest in zip(listed.items(), files, _checksums(files, algorithm)):
-        if digest != entry.get(algorithm):
-            raise DamagedFileError(file, f"{algorithm} checksum differs from the one written: the file changed after "
-                                         "it was written (bit rot, a bad copy or an edit)")
     if manifest is None:
         # a checkpoint is genolong's own (an older genolong's): say so; a model directory without
         # one is usually downloaded, where no manifest is the rule (a debug line only)
