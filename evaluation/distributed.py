@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from ..data.alphabet import PAD, VOCAB_SIZE
 from ..errors import InputError
+from ..integrity import check_weights
 from ..model.loss import model_inputs, next_token_nll
 from ..model.vocab import VocabMap
 
@@ -313,6 +314,7 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
                              "process, or its run's export/ directory on several")
         raise InputError(f"{path} is not a checkpoint: give a directory with config.json + safetensors (a run's export/), "
                          "a run directory (runs/NAME) or a sharded runs/NAME/checkpoints/step*.ckpt directory")
+    check_weights(path)  # every rank: a damaged file in one line, before anything is read
     vocab = None
     if export:
         config = ModelConfig.from_pretrained(path)

@@ -56,6 +56,7 @@ from ..model.moe import RoutingStats, moe_layers, record_routing
 from ..model.stream import check_segment_tokens
 from ..model.vocab import VocabMap
 from ..files import replace_dir, replace_file
+from ..integrity import check_weights
 from .distributed import (ScoringGroup, assemble_nll, broadcast_from_writer, gather_to_writer, padding_tile, share_nll,
                           tile_rounds)
 from .results import EvalResult
@@ -529,7 +530,9 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
         (model in eval mode, VocabMap or None for the nucleotide vocabulary).
 
     Raises:
-        InputError: none of the above, or a checkpoint that does not fit its recipe.
+        InputError: none of the above, or a checkpoint that does not fit its recipe;
+            :class:`~genolong.integrity.DamagedFileError` (an InputError): a damaged file, named
+            with its problem (:func:`genolong.integrity.check_weights`).
     """
     from ..config import parse_recipe
 
@@ -545,6 +548,7 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
         return model.eval(), vocab
     sharded = path.is_dir() and path.suffix == ".ckpt" and (path / _DCP_META).is_file()
     if (path.is_file() and path.suffix == ".ckpt") or sharded:
+        check_weights(path)  # a damaged file in one line, before torch reads it
         state = torch.load(path / _DCP_META if sharded else path, map_location="cpu", weights_only=True)
         recipe_data = state.get("genolong", {}).get("recipe")
         if recipe_data is None or (not sharded and "state_dict" not in state):
@@ -595,12 +599,18 @@ def _load_sharded_weights(model: GenoLM, path: Path) -> None:
 def run_recipe(checkpoint: str | os.PathLike[str]) -> Mapping[str, Any] | None:
     """The resolved recipe (plain data) of the finetune run ``checkpoint`` belongs to: inside a
     ``step*.ckpt`` (file or sharded directory), or the ``recipe.yaml`` of a run directory or beside
-    its ``export/``; None when it is not part of a genolong finetune run."""
+    its ``export/``; None when it is not part of a genolong finetune run.
+
+    Raises:
+        DamagedFileError: a damaged ``step*.ckpt`` (:func:`genolong.integrity.check_weights`).
+    """
     import yaml
 
     path = Path(checkpoint)
     if path.suffix == ".ckpt" and (path.is_file() or (path / _DCP_META).is_file()):
-        # mmap: only the recipe is read, not the weights and optimiser states
+        # mmap: only the recipe is read, not the weights and optimiser states (but first the whole
+        # checkpoint is checked: the loader reads it next, and a damaged one is named in one line)
+        check_weights(path)
         meta = path / _DCP_META if path.is_dir() else path
         data = torch.load(meta, map_location="cpu", weights_only=True, mmap=True).get("genolong", {}).get("recipe")
     else:

@@ -172,7 +172,8 @@ def test_checkpoint_write_failure_keeps_the_previous_one(tmp_path: Path, monkeyp
     monkeypatch.setattr(torch_io, "_atomic_save", disk_full)
     with pytest.raises(OSError, match="No space left"):
         strategy.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "global_step": 4}, tmp_path / "step0000004.ckpt")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step0000002.ckpt"]
+    # the failed step-4 checkpoint left neither a file nor a checksum manifest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step0000002.ckpt", "step0000002.ckpt.checksums.json"]
     assert first.read_bytes() == before
     assert latest_checkpoint(tmp_path) == first
     assert torch.equal(torch.load(first, weights_only=True)["state_dict"]["w"], torch.ones(3))  # exact: read back

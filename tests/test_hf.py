@@ -111,7 +111,7 @@ def test_save_replaces_a_checkpoint_atomically(model: GenoLM, tmp_path: Path) ->
     with torch.no_grad():
         model.lm_head.weight.add_(1.0)
     model.save_pretrained(out)  # one file now: the old shards must be gone
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["checksums.json", "config.json", "model.safetensors"]
     _assert_same(model, GenoLM.from_pretrained(out))
     # a failure half-way leaves the previous checkpoint and no temporary directory
     with pytest.raises(FileNotFoundError):
@@ -138,7 +138,11 @@ def test_copy_files_travel(model: GenoLM, tmp_path: Path) -> None:
 # -- bad checkpoints -------------------------------------------------------------------------------
 @pytest.fixture()
 def sharded(model: GenoLM, tmp_path: Path) -> Path:
-    return model.save_pretrained(tmp_path / "ckpt", max_shard_bytes=50_000)
+    """A sharded checkpoint as downloaded: no genolong checksum manifest, so that the tests below
+    edit its shards and reach the loader's own checks (tests/test_damaged_files.py checks the manifest)."""
+    out = model.save_pretrained(tmp_path / "ckpt", max_shard_bytes=50_000)
+    (out / "checksums.json").unlink()
+    return out
 
 
 def test_missing_shard(sharded: Path) -> None:

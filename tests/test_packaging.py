@@ -96,7 +96,7 @@ def test_quickstart_command(tmp_path: Path) -> None:
     assert (qs / "genome" / "manifest.json").is_file()
     for name in ("quickstart", "control"):
         assert (qs / "runs" / name / "export" / "model.safetensors").is_file()
-        assert sorted(p.name for p in (qs / "runs" / name / "checkpoints").iterdir()) == ["step0000002.ckpt"]
+        assert sorted(p.name for p in (qs / "runs" / name / "checkpoints").iterdir()) == ["step0000002.ckpt", "step0000002.ckpt.checksums.json"]
     results = {name: EvalResult.load(qs / "eval" / name) for name in ("base", "tuned", "tuned-cut", "control")}
     assert len({r.fingerprint for r in results.values()}) == 1  # the same tokens everywhere
     assert results["tuned-cut"].context_cut == 1024 and results["tuned"].context_cut is None

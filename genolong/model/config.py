@@ -300,11 +300,17 @@ class ModelConfig:
         """
         path = Path(directory) / "config.json"
         try:
-            return cls.from_hf_dict(json.loads(path.read_text()))
+            data = json.loads(path.read_bytes())
         except FileNotFoundError:
             raise InputError(f"{path} does not exist; point to a checkpoint directory with a config.json") from None
-        except json.JSONDecodeError as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise InputError(f"{path} is not valid JSON ({exc}); fix or replace the file") from None
+        if not isinstance(data, dict):
+            raise InputError(f"{path} is not a model config (a JSON {type(data).__name__}, not an object); fix or replace the file")
+        try:
+            return cls.from_hf_dict(data)
+        except (KeyError, TypeError, AttributeError) as exc:  # a damaged value of the right JSON syntax
+            raise InputError(f"{path} is not a readable model config ({type(exc).__name__}: {exc}); fix or replace the file") from None
 
     def save_pretrained(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``directory/config.json`` (creating the directory); returns its path."""

@@ -43,6 +43,7 @@ from torch import nn
 
 from ..errors import InputError
 from ..files import unique_sibling
+from ..integrity import DamagedFileError, check_weights, write_manifest
 from .config import ModelConfig
 
 __all__ = ["CheckpointTensor", "checkpoint_layout", "load_checkpoint", "save_checkpoint"]
@@ -134,8 +135,11 @@ def _weight_map(directory: Path) -> dict[str, str]:
         return dict(weight_map)
     single = directory / SINGLE_FILE
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
-            return dict.fromkeys(f.keys(), SINGLE_FILE)
+        try:
+            with safe_open(single, framework="pt") as f:
+                return dict.fromkeys(f.keys(), SINGLE_FILE)
+        except Exception as exc:  # SafetensorError: a damage check_weights's structural check missed
+            raise DamagedFileError(single, f"safetensors cannot read it: {exc}") from None
     raise InputError(f"checkpoint {directory} has neither {INDEX_FILE} nor {SINGLE_FILE}; point to a GLM-5.3-Flash-format directory")
 
 
@@ -186,13 +190,17 @@ def load_checkpoint(model: nn.Module, directory: str | os.PathLike[str], dtype: 
     the model. Buffers keep their dtype.
 
     Raises:
-        InputError: missing shard or index, a tensor of the wrong shape (named), a tensor GenoLM has
-            no place for, a parameter the checkpoint lacks, the same tensor in two shards.
+        InputError: missing shard or index, a tensor of the wrong shape or kind of dtype (named), a
+            tensor GenoLM has no place for, a parameter the checkpoint lacks, the same tensor in
+            two shards; :class:`~genolong.integrity.DamagedFileError`: a damaged file (truncated,
+            not safetensors, changed since written: :func:`genolong.integrity.check_weights`).
     """
     directory = Path(directory)
     device = torch.device(device)
+    check_weights(directory)
     layout = {entry.name: entry for entry in checkpoint_layout(model)}
     shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    shapes_float = {name: t.is_floating_point() for name, t in model.state_dict(keep_vars=True).items()}
     weight_map = _weight_map(directory)
     prefix = _text_prefix(weight_map, directory)
     num_layers = model.config.num_hidden_layers
@@ -232,6 +240,14 @@ def load_checkpoint(model: nn.Module, directory: str | os.PathLike[str], dtype: 
                     raise InputError(
                         f"checkpoint {directory}: tensor {name} in {shard} has shape {list(shape)} but the model "
                         f"built from config.json expects {list(entry.shape)}; config.json does not match the weights"
+                    )
+                stored = source.get_dtype()
+                floating = stored.startswith(("F", "BF"))
+                if floating != shapes_float[entry.target]:
+                    raise InputError(
+                        f"checkpoint {directory}: tensor {name} in {shard} is stored as {stored} but the model expects "
+                        f"{'a floating' if shapes_float[entry.target] else 'an integer'} tensor; the checkpoint is damaged "
+                        "or not GLM-5.3-Flash"
                     )
                 if entry.target not in tensors:
                     tensors[entry.target] = _materialise(model, entry.target, dtype, device)
@@ -284,8 +300,9 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike[str], dtype: 
     vision weights are absent (transformers initialises them and says so). Shards are written one
     at a time: besides the model, memory holds at most one shard.
 
-    The directory is built beside ``directory`` and renamed into place when complete; an existing
-    checkpoint directory there is replaced.
+    The directory is built beside ``directory``, its checksum manifest ``checksums.json`` written
+    (:mod:`genolong.integrity`) and renamed into place when complete; an existing checkpoint
+    directory there is replaced.
 
     Args:
         model: the GenoLM to save.
@@ -339,6 +356,7 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike[str], dtype: 
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         for extra in copy_files:
             shutil.copy2(extra, tmp / Path(extra).name)
+        write_manifest(tmp)
         if out.exists():
             old = unique_sibling(out, "old")
             out.rename(old)

@@ -185,6 +185,9 @@ class GenoLM(nn.Module):
             InputError: unsupported architecture, missing shard, a tensor of the wrong shape
                 (named), missing or unexpected tensors.
         """
+        from ..integrity import check_weights
+
+        check_weights(directory)  # a damaged config.json or shard is named before anything is read
         config = config or ModelConfig.from_pretrained(directory)
         if kernel_backend is not None:
             config = config.replace(kernel_backend=kernel_backend)

@@ -10,7 +10,8 @@ Run directory layout (``runs/<name>/`` unless the recipe says otherwise)::
     logs/csv/metrics.csv   Lightning CSV logger;  logs/tensorboard/  TensorBoard event files
     export/                the final model in the GLM-5.3-Flash format (config.json + safetensors)
 
-``--resume`` continues from the newest checkpoint in ``checkpoints/``: the model, optimiser,
+``--resume`` continues from the newest intact checkpoint in ``checkpoints/`` (each is checked
+against the checksum manifest written with it; a damaged newer one is named on stderr): the model, optimiser,
 schedule, loop counters, MoE routing biases and the window stream, so the losses of the steps that
 follow equal those of an uninterrupted run (CPU, deterministic). Checkpoints load with
 ``weights_only=True``: nothing in them is unpickled as code.
@@ -29,6 +30,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,13 +52,14 @@ from ..data.datamodule import GenomeDataModule
 from ..data.store import GenomeStore
 from ..errors import InputError
 from ..files import fsync, fsync_tree
+from ..integrity import DamagedFileError, check_weights, remove_manifest, write_manifest
 from ..model.lm import GenoLM
 from ..model.vocab import VocabMap
 from ..parallel import parallelize
 from .callbacks import SaveRecipe, StepMetrics
 from .module import GenoLMModule, OptimSettings
 
-__all__ = ["AtomicModelParallelStrategy", "FinetuneResult", "RunPaths", "latest_checkpoint", "run"]
+__all__ = ["AtomicModelParallelStrategy", "FinetuneResult", "RunPaths", "intact_checkpoint", "latest_checkpoint", "run"]
 
 log = logging.getLogger("genolong")
 
@@ -66,9 +69,10 @@ _STEP_FILE = re.compile(r"^step(\d+)\.ckpt$")
 class AtomicModelParallelStrategy(ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` whose checkpoints appear whole or not at all.
 
-    Each checkpoint is written to ``<name>.tmp`` beside its final path, flushed to disk and
-    renamed into place; a failure (disk full, a kill) leaves the previous checkpoints as they were
-    and no partial file under a checkpoint name.
+    Each checkpoint is written to ``<name>.tmp`` beside its final path, its checksum manifest
+    written (:mod:`genolong.integrity`: inside a DCP directory, beside a file), flushed to disk
+    and renamed into place; a failure (disk full, a kill) leaves the previous checkpoints as they
+    were and no partial file under a checkpoint name.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any = None) -> None:
@@ -84,14 +88,27 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         try:
             super().save_checkpoint(checkpoint, tmp, storage_options)
             if self.is_global_zero:
+                # the data is complete: its checksums, then the checkpoint under its name (a file's
+                # manifest first, so that no checkpoint file is ever seen without its manifest)
+                write_manifest(tmp, final=path)
                 fsync_tree(tmp)
+                if path.is_dir():  # a resumed run saving again the step of a damaged DCP directory
+                    _remove(path)
                 os.replace(tmp, path)
                 fsync(path.parent)
         except BaseException:
             if self.is_global_zero:
                 _remove(tmp)
+                if not path.exists():
+                    remove_manifest(path)
             raise
         self.barrier("genolong_checkpoint")
+
+    def remove_checkpoint(self, filepath: str | os.PathLike[str]) -> None:
+        """Lightning's removal (``checkpoint.keep_last``), with the manifest beside a checkpoint file."""
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            remove_manifest(filepath)
 
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's loader for sharded (DTensor) models; for a plain, unsharded model (one
@@ -144,12 +161,62 @@ class RunPaths:
         return self.root / "export"
 
 
+def _checkpoints(directory: Path) -> list[Path]:
+    """The ``step*.ckpt`` in ``directory`` (temporary files ignored), newest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_FILE.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
 def latest_checkpoint(directory: Path) -> Path | None:
     """The newest complete ``step*.ckpt`` in ``directory`` (temporary files ignored), or None."""
-    if not directory.is_dir():
-        return None
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_FILE.match(p.name))]
-    return max(found)[1] if found else None
+    found = _checkpoints(directory)
+    return found[0] if found else None
+
+
+def _damage(checkpoint: Path, error: DamagedFileError) -> str:
+    """``error``'s problem, naming the file inside a checkpoint directory or the manifest beside it."""
+    if error.file == checkpoint:
+        return error.problem
+    inside = error.file.relative_to(checkpoint) if error.file.is_relative_to(checkpoint) else error.file.name
+    return f"{inside}: {error.problem}"
+
+
+def _launch_rank_zero() -> bool:
+    """Whether this process is rank 0 of its job (as launched: torchrun / SLURM / Lightning's
+    launcher set these before any process group exists)."""
+    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
+
+
+def intact_checkpoint(directory: Path) -> Path | None:
+    """The newest ``step*.ckpt`` in ``directory`` that passes its checks
+    (:func:`genolong.integrity.check_weights`: the checksum manifest, the file format), or None
+    when there is no checkpoint at all. Each newer damaged one is named in one line on stderr
+    (``step0000020.ckpt is damaged (truncated: ...); resuming from step0000010.ckpt``), by rank 0.
+
+    Raises:
+        InputError: there are checkpoints and none is intact (each named with its problem).
+    """
+    damaged: list[tuple[Path, DamagedFileError]] = []
+    for checkpoint in _checkpoints(directory):
+        try:
+            check_weights(checkpoint)
+        except DamagedFileError as error:
+            damaged.append((checkpoint, error))
+            continue
+        except FileNotFoundError:  # removed meanwhile (by rank 0 of a job, keeping the last ones)
+            continue
+        if _launch_rank_zero():
+            for bad, error in damaged:
+                print(f"genolong: {bad.name} is damaged ({_damage(bad, error)}); resuming from {checkpoint.name}",
+                      file=sys.stderr, flush=True)
+        return checkpoint
+    if damaged:
+        listed = "; ".join(f"{bad.name} ({_damage(bad, error)})" for bad, error in damaged)
+        raise InputError(f"--resume: no intact checkpoint in {directory}: {listed}; move them away and run without "
+                         "--resume to start again")
+    return None
 
 
 @dataclass(frozen=True)
@@ -275,7 +342,7 @@ def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
     vocab = recipe.vocab_map(config)
     _check_store(recipe)
     paths = RunPaths.of(recipe)
-    resume_from = latest_checkpoint(paths.checkpoints)
+    resume_from = intact_checkpoint(paths.checkpoints) if resume else latest_checkpoint(paths.checkpoints)
     if resume and resume_from is None:
         raise InputError(f"--resume: nothing to resume in {paths.checkpoints} (no step*.ckpt); run without --resume to start")
     if not resume and resume_from is not None:
@@ -318,6 +385,9 @@ def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
         dirpath=paths.checkpoints, filename="step{step:07d}", auto_insert_metric_name=False,
         every_n_train_steps=every, save_top_k=recipe.checkpoint.keep_last, monitor="step", mode="max",
         save_last=False, save_on_train_epoch_end=True,
+        # a step's checkpoint replaces one of the same name: the damaged newest one that --resume
+        # went past, not a "step0000020-v1.ckpt" beside it that the next --resume would not see
+        enable_version_counter=False,
     )
     # the recipe is written once the processes know their ranks (rank 0 writes, the others wait):
     # every rank of a job runs this function, on a cluster at the same instant
