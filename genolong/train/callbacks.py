@@ -183,10 +183,11 @@ class TrainingBar(ProgressBar):
     def _show(self, trainer: L.Trainer) -> None:
         if self._bar is None:
             return
-        self._bar.update(trainer.global_step - self._bar.n)
         shown = {"loss": "train/loss", "eval loss": "eval/loss"}
         metrics = trainer.progress_bar_metrics
+        # the losses first: update() draws the bar (when due), with the postfix as it stands
         self._bar.set_postfix({k: f"{float(metrics[m]):.4f}" for k, m in shown.items() if m in metrics}, refresh=False)
+        self._bar.update(trainer.global_step - self._bar.n)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._show(trainer)
