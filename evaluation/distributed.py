@@ -142,25 +142,33 @@ def launch(parallel: Any, function: Callable[[ScoringGroup], _T]) -> _T:
             ``num_nodes``, ``cp``, ``dp_shard``, ``dp_replicate``, ``ep``).
         function: the per-process work; its return value is returned on every rank.
 
+    What it prints: :func:`genolong.console.quiet_run` (Lightning's lines hidden unless
+    ``--verbose``; the ranks other than 0 print errors only).
+
     Raises:
         InputError: sizes that do not make a mesh (:func:`genolong.parallel.mesh.mesh_shape`).
     """
+    from ..console import quiet_run
     from ..parallel.mesh import build_mesh, mesh_shape
 
     world = parallel.world_size
     mesh_shape(parallel.cp, parallel.dp_shard, parallel.dp_replicate, world, ep=parallel.ep)  # errors before launching
     if world == 1:
-        return function(ScoringGroup())
+        with quiet_run():
+            return function(ScoringGroup())
     import lightning as L
     from lightning.fabric.strategies import ModelParallelStrategy
 
-    accelerator = "cuda" if parallel.accelerator == "gpu" else parallel.accelerator
-    strategy = ModelParallelStrategy(parallelize_fn=lambda model, mesh: model, data_parallel_size=parallel.dp_size,
-                                     tensor_parallel_size=parallel.cp)
-    fabric = L.Fabric(accelerator=accelerator, devices=parallel.devices, num_nodes=parallel.num_nodes, strategy=strategy)
-    fabric.launch()
-    mesh = build_mesh(parallel, world_size=dist.get_world_size(), device_type=fabric.device.type)
-    return function(ScoringGroup(mesh, parallel))
+    # entered once Lightning is imported, so that its own warnings are judged too: no
+    # "Initializing distributed" banner, and the ranks other than 0 print errors only
+    with quiet_run():
+        accelerator = "cuda" if parallel.accelerator == "gpu" else parallel.accelerator
+        strategy = ModelParallelStrategy(parallelize_fn=lambda model, mesh: model, data_parallel_size=parallel.dp_size,
+                                         tensor_parallel_size=parallel.cp)
+        fabric = L.Fabric(accelerator=accelerator, devices=parallel.devices, num_nodes=parallel.num_nodes, strategy=strategy)
+        fabric.launch()
+        mesh = build_mesh(parallel, world_size=dist.get_world_size(), device_type=fabric.device.type)
+        return function(ScoringGroup(mesh, parallel))
 
 
 def tile_rounds(start: int, n_tiles: int, dp: int) -> Iterator[list[int]]:

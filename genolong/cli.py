@@ -379,6 +379,12 @@ def _scoring_arguments(parser: argparse.ArgumentParser, out_default: str, bucket
                              "else the checkpoint's run recipe's, else auto); recorded in the results' metadata")
 
 
+def _verbose_argument(parser: argparse.ArgumentParser) -> None:
+    """``--verbose`` for the commands that run a model (genolong.console)."""
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show Lightning's and torch's own messages and warnings, from every process")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     from .data.prepare import DEFAULT_MIN_GAP, DEFAULT_SPLITS
@@ -420,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a recipe key, e.g. --set train.max_steps=20 (repeatable)")
     tune.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of this run")
+    _verbose_argument(tune)
     tune.set_defaults(func=_cmd_finetune)
 
     pl = sub.add_parser(
@@ -486,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "and DSA caches (peak memory of one segment plus the caches; equal to the one-shot forward "
                          f"up to float rounding); 0: one forward per tile (default: {_SEGMENT_TOKENS} in one process; "
                          "0 in several, where context parallelism splits the tile instead)")
+    _verbose_argument(ev)
     ev.set_defaults(func=_cmd_evaluate)
 
     prb = sub.add_parser(
@@ -510,6 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
     prb.add_argument("--segment-tokens", type=int, default=None, metavar="S",
                      help="stream forwards longer than S tokens S at a time (as evaluate); 0: one forward each "
                           f"(default: {_SEGMENT_TOKENS} in one process; 0 in several)")
+    _verbose_argument(prb)
     prb.set_defaults(func=_cmd_probe)
 
     cmp_ = sub.add_parser(
@@ -557,6 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
     _scoring_arguments(chk, out_default="evaluations/NAME-logprob-gap-LCONTEXT-DTYPE")
     chk.add_argument("--context", type=int, required=True, metavar="L", help="tile length in tokens")
     chk.add_argument("--max-tiles", type=int, default=1, metavar="N", help="tiles to check (default: %(default)s)")
+    _verbose_argument(chk)
     chk.set_defaults(func=_cmd_check_logprobs)
 
     quick = sub.add_parser(
@@ -583,6 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument("--probe-tiles", type=int, default=DEFAULT_PROBE_TILES, metavar="N",
                        help=f"held-out tiles of {PROBE_CONTEXT:,} bases the planted-repeat probe (genolong probe) runs on "
                             "per model; 0: no probe (default: %(default)s)")
+    _verbose_argument(quick)
     quick.set_defaults(func=_cmd_quickstart)
 
     rec = sub.add_parser("recipe", help="the recipe schema for editors, or a recipe as genolong reads it",
@@ -631,6 +642,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _setup_logging()
+    from .console import set_verbose
+
+    set_verbose(getattr(args, "verbose", False))
     try:
         if args.command in _MODEL_COMMANDS and not _shards_for_memory(args):
             # before torch allocates anything: freed activations are reused, not faulted in anew

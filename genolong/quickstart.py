@@ -142,7 +142,10 @@ def run_quickstart(out: Path = Path("genolong-quickstart"), progress: bool | Non
         lengths = split.segment_lengths
         print(f"{split.name}: {split.n_tokens:,} tokens in {len(lengths)} segments (longest {int(lengths.max()):,})")
     if train:
-        _story(out, store, overrides, progress, control, eval_tiles, stages, probe_tiles)
+        from .console import quiet_run
+
+        with quiet_run():  # genolong's lines and bars; Lightning's only with --verbose
+            _story(out, store, overrides, progress, control, eval_tiles, stages, probe_tiles)
     stages.finish()
     print(f"\ngenolong quickstart: done in {stages.elapsed()}")
     return store

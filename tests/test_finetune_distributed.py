@@ -72,6 +72,11 @@ def _finetune(recipe: Path, *args: str, torchrun: int = 0, audit: Path | None = 
     run = subprocess.run([*launcher, "-m", "genolong.cli", "finetune", str(recipe), *args], cwd=recipe.parent,
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
+    # rank 0 alone prints, and none of Lightning's banners (genolong.console)
+    name = yaml.safe_load(recipe.read_text())["name"]
+    assert run.stdout.count(f"genolong finetune: {name}:") == 1, run.stdout
+    printed = run.stdout + run.stderr
+    assert not [s for s in ("Initializing distributed", "distributed_backend", "GPU available", "Tip:") if s in printed], printed
     return run.stdout
 
 

@@ -23,17 +23,19 @@ take the last record of each step).
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ProgressBar
 
 from ..config import Recipe
 from ..memory.meter import ActivationMeter
 
-__all__ = ["SaveRecipe", "StepMetrics", "read_step_log"]
+__all__ = ["SaveRecipe", "StepMetrics", "TrainingBar", "read_step_log"]
 
 
 class SaveRecipe(L.Callback):
@@ -142,6 +144,68 @@ class StepMetrics(L.Callback):
         if self._handle is not None:
             self._handle.close()
             self._handle = None
+
+
+class TrainingBar(ProgressBar):
+    """The run's one progress bar (global rank 0, on stderr): optimiser steps out of
+    ``max_steps``, with the training loss and, once evaluated, the held-out loss.
+
+    Lightning's own bars count batches per epoch ("Epoch 0/-2" for a run bounded by steps) and open
+    a nested "Validation DataLoader" bar at every evaluation; here an evaluation only updates the
+    loss shown. Off a terminal (a log file) the bar is redrawn at most every 30 s: a few lines, not
+    one per step.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._enabled = True
+        self._bar: Any = None
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._enabled or not trainer.is_global_zero:
+            return
+        from tqdm.auto import tqdm
+
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        self._bar = tqdm(total=total, initial=trainer.global_step, desc="train", unit="step", file=sys.stderr,
+                         dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 30.0)
+
+    def _show(self, trainer: L.Trainer) -> None:
+        if self._bar is None:
+            return
+        shown = {"loss": "train/loss", "eval loss": "eval/loss"}
+        metrics = trainer.progress_bar_metrics
+        # the losses first: update() draws the bar (when due), with the postfix as it stands
+        self._bar.set_postfix({k: f"{float(metrics[m]):.4f}" for k, m in shown.items() if m in metrics}, refresh=False)
+        self._bar.update(trainer.global_step - self._bar.n)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._show(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._show(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._show(trainer)
+        self._close()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def _ep_bytes(pl_module: L.LightningModule) -> dict[str, int] | None:

@@ -47,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..config import Recipe
+from ..console import quiet_run
 from ..data.alphabet import STORE_ALPHABET
 from ..data.datamodule import GenomeDataModule
 from ..data.store import GenomeStore
@@ -56,7 +57,7 @@ from ..integrity import DamagedFileError, check_weights, remove_manifest, write_
 from ..model.lm import GenoLM
 from ..model.vocab import VocabMap
 from ..parallel import parallelize
-from .callbacks import SaveRecipe, StepMetrics
+from .callbacks import SaveRecipe, StepMetrics, TrainingBar
 from .module import GenoLMModule, OptimSettings
 
 __all__ = ["AtomicModelParallelStrategy", "FinetuneResult", "RunPaths", "intact_checkpoint", "latest_checkpoint", "run"]
@@ -303,6 +304,8 @@ def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback]) -> L.
         save_distributed_checkpoint=p.world_size > 1,
     )
     every = recipe.eval.every_n_steps
+    if recipe.logging.progress_bar:  # genolong's one bar, instead of Lightning's per-epoch and validation bars
+        callbacks = [*callbacks, TrainingBar()]
     return L.Trainer(
         accelerator=accelerator,
         devices=p.devices,
@@ -331,12 +334,19 @@ def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback]) -> L.
 
 
 def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
-    """Train ``recipe``; returns where things went.
+    """Train ``recipe``; returns where things went. Lightning's banners, tips and its own warnings
+    are hidden unless ``--verbose``, and the other ranks of a multi-process job print errors only
+    (:func:`genolong.console.quiet_run`).
 
     Raises:
         InputError: missing store/checkpoint, a store the model cannot read, ``resume`` with no
             checkpoint, or a fresh run over a directory that already has checkpoints.
     """
+    with quiet_run():
+        return _run(recipe, resume)
+
+
+def _run(recipe: Recipe, resume: bool) -> FinetuneResult:
     recipe.check_paths()
     config = recipe.model_config()
     vocab = recipe.vocab_map(config)
