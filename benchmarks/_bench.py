@@ -3,14 +3,14 @@ child's JSON line), this process's own peak RSS, the machine header of a result 
 atomic writing of that file.
 
 The scripts run as ``python benchmarks/NAME.py`` (this folder is then ``sys.path[0]``) and are also
-imported by the tests (``benchmarks.NAME`` or from their path); each one makes this folder
-importable with the two lines below, then imports from here::
+imported by the tests (``benchmarks.NAME``, or from their path); each one makes this folder
+importable, then imports from here::
 
-    if str(Path(__file__).resolve().parent) not in sys.path:  # run as a script it is sys.path[0] already
-        sys.path.append(str(Path(__file__).resolve().parent))
+    sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
     from _bench import environment, run_fresh, write_json  # noqa: E402
 
-Appending (not inserting) keeps the scripts' names from shadowing anything when a test imports one.
+Appending (not inserting in front) keeps the scripts' names from shadowing anything else when a test
+imports one.
 """
 
 from __future__ import annotations
@@ -83,8 +83,14 @@ class FreshRun:
         return self
 
     def last_json(self) -> Any:
-        """The last line of the output, parsed as JSON (the figures a worker child prints last)."""
-        return json.loads(self.output.strip().splitlines()[-1])
+        """The last line of the output that parses as JSON (the figures a worker child prints last;
+        stdout and stderr are one stream, so a warning may follow them). ``ValueError`` if none does."""
+        for line in reversed(self.output.strip().splitlines()):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+        raise ValueError(f"no JSON line in the output of {' '.join(self.cmd)}:\n{self.output[-3000:]}")
 
 
 # A child's ``ru_maxrss`` starts at the peak RSS of the process that spawned it: Linux carries the
