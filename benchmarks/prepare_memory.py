@@ -39,7 +39,6 @@ sys.path.insert(0, str(HERE))
 
 from make_synthetic_genome import generate  # noqa: E402
 from prepare_throughput import dir_bytes, genolong_cmd, machine, time_bin  # noqa: E402
-
 from _bench import environment, write_json  # noqa: E402
 
 DEFAULT_SCRATCH = Path("/tmp/genolong-bench")

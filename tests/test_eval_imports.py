@@ -19,8 +19,8 @@ PACKAGE = "genolong.evaluation"
 # Circles known when this test was written, left for later (issue 18's report names them): an
 # entry may be removed once its circle is gone (the test then holds the line), never added.
 KNOWN_CIRCLES = {
-    frozenset({"distributed", "score"}),  # distributed imports score's loader inside launch_scoring's child
-    frozenset({"plots", "probe"}),  # plots types ProbeResult; probe imports plots lazily (matplotlib)
+    frozenset({"distributed", "score"}),  # score imports distributed; distributed.load_scoring_model imports score
+    frozenset({"plots", "probe"}),  # plots types ProbeResult (TYPE_CHECKING); probe.probe imports plots in the function
 }
 
 
