@@ -31,8 +31,8 @@ from typing import Any
 
 from genolong.files import replace_file
 
-__all__ = ["Fresh", "FreshRun", "environment", "fresh_python", "mem_available_bytes", "peak_rss_bytes", "run_fresh", "utc_now", "wait_any",
-           "write_json"]
+__all__ = ["Fresh", "FreshRun", "environment", "fresh_python", "mem_available_bytes", "peak_rss_bytes", "run_fresh",
+           "utc_now", "wait_any", "write_json"]
 
 GiB = 2**30
 
@@ -113,11 +113,13 @@ os.write(fd, json.dumps({"returncode": os.waitstatus_to_exitcode(status), "wall_
 
 @dataclass
 class Fresh:
-    """A started child (see :func:`run_fresh`); :meth:`wait` or :func:`wait_any` ends it."""
+    """A started child (see :func:`run_fresh`); :meth:`wait` or :func:`wait_any` ends it. ``extra``:
+    what the caller keeps with it (e.g. which job it is)."""
 
     cmd: list[str]
     proc: subprocess.Popen
     t0: float
+    report_fd: int  # the read end of the launcher's report pipe
     log: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -144,7 +146,7 @@ class Fresh:
             raise
         finally:
             os.close(report_w)  # the launcher holds the write end now: EOF when it ends
-        return cls(cmd, proc, time.perf_counter(), Path(log) if log is not None else None, {**extra, "_report": report_r})
+        return cls(cmd, proc, time.perf_counter(), report_r, Path(log) if log is not None else None, extra)
 
     def wait(self) -> FreshRun:
         """Read its output to the end, reap it and return its figures."""
@@ -158,8 +160,7 @@ class Fresh:
     def _ended(self, status: int, usage: resource.struct_rusage, output: bytes = b"") -> FreshRun:
         wall = time.perf_counter() - self.t0
         self.proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
-        report_fd = self.extra.pop("_report")
-        with os.fdopen(report_fd, "rb") as handle:
+        with os.fdopen(self.report_fd, "rb") as handle:
             report = handle.read()
         if self.log is not None:
             output = self.log.read_bytes()
