@@ -39,10 +39,8 @@ Prints a table and writes JSON (default benchmarks/results/cp_step.json).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -56,6 +54,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "cp_step.json"
 #: the module whose collectives belong to each part
 SOURCES = {"genolong.kernels.kda.cp": "kda", "genolong.parallel.cp_dsa": "dsa"}
@@ -237,13 +237,12 @@ def main() -> None:
               f"{_mib(r['kda_payload_measured'])} | {_mib(r['kda_payload_formula'])} | {fmt_ratio(r['kda_ratio'])} | "
               f"{_mib(r['dsa_received_measured'])} | {_mib(r['dsa_received_formula'])} | {fmt_ratio(r['dsa_ratio'])} | "
               f"{_mib(r['gradient_allreduce_payload'])} |")
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps({"benchmark": "cp_step", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                                  "command": "OMP_NUM_THREADS=1 python benchmarks/cp_step.py " + " ".join(sys.argv[1:]),
-                                  "machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                                  "preset": "tiny", "conventions": {"kda": "payload handed to the collectives per rank",
-                                                                    "dsa": "bytes received from other ranks per rank"},
-                                  "rows": rows}, indent=1) + "\n")
+    write_json(a.json, {"benchmark": "cp_step", **environment("date"),
+                        "command": "OMP_NUM_THREADS=1 python benchmarks/cp_step.py " + " ".join(sys.argv[1:]),
+                        **environment("machine", "cpus", "torch"),
+                        "preset": "tiny", "conventions": {"kda": "payload handed to the collectives per rank",
+                                                          "dsa": "bytes received from other ranks per rank"},
+                        "rows": rows})
     print(f"wrote {a.json}")
 
 

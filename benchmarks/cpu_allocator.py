@@ -39,20 +39,18 @@ Prints a table and writes JSON (default benchmarks/results/cpu_allocator.json).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, run_fresh, write_json  # noqa: E402
 ROOT = HERE.parent
 DEFAULT_JSON = HERE / "results" / "cpu_allocator.json"
 JEMALLOC = [Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"), Path("/usr/lib/aarch64-linux-gnu/libjemalloc.so.2"),
@@ -76,17 +74,9 @@ def _run(cmd: list[str], env_changes: dict[str, str], cwd: Path) -> dict[str, fl
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GENOLONG_MALLOC", "GLIBC_TUNABLES"))}
     env.pop("LD_PRELOAD", None)
     env.update(env_changes)
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    assert proc.stdout is not None
-    output = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{output.decode(errors='replace')[-3000:]}")
-    return {"wall_s": wall, "user_s": usage.ru_utime, "system_s": usage.ru_stime,
-            "minor_faults": float(usage.ru_minflt), "peak_rss_bytes": float(usage.ru_maxrss * 1024)}
+    run = run_fresh(cmd, env=env, cwd=cwd).check()
+    return {"wall_s": run.wall_s, "user_s": run.user_s, "system_s": run.system_s,
+            "minor_faults": float(run.minor_faults), "peak_rss_bytes": float(run.peak_rss_bytes)}
 
 
 def _step_time(logs: Path) -> float:
@@ -153,12 +143,10 @@ def main() -> None:
             rows.append(_summarise(kind, length, rounds, runs))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    doc = {"benchmark": "cpu_allocator", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "machine": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-           "load_average_at_end": os.getloadavg(), "variants": variants, "steps": a.steps, "rows": rows}
+    doc = {"benchmark": "cpu_allocator", **environment("date", "machine", "cpus", "python", "load_average_at_end"),
+           "variants": variants, "steps": a.steps, "rows": rows}
     _print_table(doc)
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(doc, indent=1) + "\n")
+    write_json(a.json, doc)
     print(f"wrote {a.json}")
 
 

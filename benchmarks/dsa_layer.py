@@ -31,33 +31,28 @@ Prints a table and writes JSON (default benchmarks/results/dsa_layer.json).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, peak_rss_bytes, run_fresh, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "dsa_layer.json"
 WARMUP_T = 1024
 
 
 def worker(a: argparse.Namespace) -> dict:
     """One timed DSAMixer forward+backward at length ``a.T`` in this (fresh) process."""
-    import resource
-
     import torch
 
     from genolong.model import PRESETS, DSAMixer
     from genolong.model.config import INDEXED_ATTENTION
 
-    def peak() -> int:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
+    peak = peak_rss_bytes
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     config = PRESETS[a.preset]
@@ -104,8 +99,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(a)))
         return 0
 
-    import torch
-
     from genolong.model import PRESETS
 
     c = PRESETS[a.preset]
@@ -118,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         for T in lengths:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", f"--T={T}", f"--threads={a.threads}",
                    f"--preset={a.preset}"]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                print(f"T={T} FAILED: {r.stderr.strip()[-2000:]}", file=sys.stderr)
+            r = run_fresh(cmd)
+            if not r.ok:
+                print(f"T={T} FAILED: {r.output.strip()[-2000:]}", file=sys.stderr)
                 return 1
-            run = json.loads(r.stdout.strip().splitlines()[-1])
+            run = r.last_json()
             runs[T].append(run)
             print(f"  round {i + 1}: T={T:>6} fwd+bwd {run['total_s']:7.2f} s (cpu {run['cpu_s']:.2f}), "
                   f"peak delta {run['peak_delta_bytes'] / 2**20:.0f} MiB", flush=True)
@@ -155,18 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "benchmark": "dsa_layer",
         "command": "dsa_layer.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **environment("date"),
         "target": "peak memory linear in T",
         "config": {"preset": a.preset, "hf_config": c.to_hf_dict(), "batch": 1, "dtype": "float32",
                    "threads": a.threads, "repeats": a.repeats, "warmup_tokens": WARMUP_T},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "loadavg_at_end": os.getloadavg()},
+        "machine": environment("cpus", "platform", "python", "torch", "loadavg_at_end"),
         "rows": rows,
     }
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    tmp = a.json.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    os.replace(tmp, a.json)
+    write_json(a.json, out)
     print(f"wrote {a.json}")
     return 0
 

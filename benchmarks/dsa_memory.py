@@ -24,30 +24,25 @@ Prints a table and writes JSON (default benchmarks/results/dsa_memory.json).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, peak_rss_bytes, run_fresh, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "dsa_memory.json"
 
 
 def worker(a: argparse.Namespace) -> dict:
     """One DSA forward+backward at length a.T; returns timings and peak-RSS figures (bytes)."""
-    import resource
-
     import torch
 
     from genolong.kernels.dsa import indexer_topk, sparse_attention
 
-    def peak() -> int:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
+    peak = peak_rss_bytes
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     B, T = 1, a.T
@@ -108,11 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for T in lengths:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", f"--T={T}"] + common
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            print(f"{T:>7} FAILED: {r.stderr.strip()[-800:]}")
+        r = run_fresh(cmd)
+        if not r.ok:
+            print(f"{T:>7} FAILED: {r.output.strip()[-800:]}")
             return 1
-        row = json.loads(r.stdout.strip().splitlines()[-1])
+        row = r.last_json()
         row["bytes_per_T"] = row["dsa_peak_bytes"] / T
         # marginal bytes per added token since the previous length: constant if growth is linear
         prev = rows[-1] if rows else None
@@ -126,16 +121,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['attn_bwd_s']:>7.2f}", flush=True)
     out = {
         "benchmark": "dsa_memory",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "loadavg_at_end": os.getloadavg()},
+        **environment("date"),
+        "machine": environment("nproc", "platform", "python", "loadavg_at_end"),
         "config": {k: v for k, v in vars(a).items() if k not in ("worker", "T", "json")},
         "rows": rows,
     }
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    tmp = a.json.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(out, indent=2) + "\n")
-    os.replace(tmp, a.json)
+    write_json(a.json, out, indent=2)
     print(f"wrote {a.json}")
     return 0
 

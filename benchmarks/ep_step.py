@@ -32,10 +32,8 @@ Prints a table and writes JSON (default benchmarks/results/ep_step.json).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import platform
 import statistics
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -49,6 +47,8 @@ import torch.multiprocessing as mp
 from genolong.parallel.plan import ep_comm_bytes
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "ep_step.json"
 
 
@@ -151,10 +151,8 @@ def main() -> None:
             print(f"{ep:>3} {routing:>9} {step:>8.3f} {step / base[routing]:>7.2f} {max(c['forward'] for c in counted):>21,} "
                   f"{max(c['backward'] for c in counted):>11,} {max(c['splits'] for c in counted):>11,} "
                   f"{want['forward']:>12,} {str(match) if routing == 'balanced' else '-':>6} {imbalance:>13.2f}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"benchmark": "ep_step", "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-                                     "machine": platform.platform(), "torch": torch.__version__, "preset": "tiny",
-                                     "rows": rows}, indent=2) + "\n")
+    write_json(args.json, {"benchmark": "ep_step", **environment("date", "machine", "torch"), "preset": "tiny",
+                           "rows": rows}, indent=2)
     print(f"wrote {args.json}")
 
 

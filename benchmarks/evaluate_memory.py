@@ -27,12 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parent))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import peak_rss_bytes, run_fresh, write_json  # noqa: E402
 
 _RESULTS = Path(__file__).resolve().parent / "results" / "evaluate_memory.json"
 
@@ -52,7 +53,7 @@ def _child(out: Path, argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rank": rank, "peak_rss_bytes": peak_rss_bytes(),
         "seconds": time.perf_counter() - began}))
     return code
 
@@ -62,9 +63,9 @@ def _launch(out: Path, argv: list[str], nproc: int = 1, malloc: str | None = Non
     if malloc is not None:
         env["GENOLONG_MALLOC"] = malloc
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
-    run = subprocess.run([*launcher, __file__, "--child", str(out), "--", *argv], env=env, capture_output=True, text=True)
-    if run.returncode != 0:
-        raise SystemExit(f"child failed ({run.returncode}): {run.stderr[-3000:]}")
+    run = run_fresh([*launcher, __file__, "--child", str(out), "--", *argv], env=env)
+    if not run.ok:
+        raise SystemExit(f"child failed ({run.returncode}): {run.output[-3000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
@@ -131,10 +132,8 @@ def main() -> None:
               f"{r['seconds']:.0f} |")
     sums = [r["nll_sum"] for r in rows if r["nll_sum"] is not None]
     print(f"nll_sum of the runs: {', '.join(f'{x:.6f}' for x in sums)} (max relative spread {(max(sums) - min(sums)) / max(sums):.1e})")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"hidden": h, "parameters": params, "context": args.context, "tiles": args.tiles,
-                                    "rows": rows,
-                                    "command": " ".join(["python", "benchmarks/evaluate_memory.py", *sys.argv[1:]])}, indent=1))
+    write_json(args.out, {"hidden": h, "parameters": params, "context": args.context, "tiles": args.tiles, "rows": rows,
+                          "command": " ".join(["python", "benchmarks/evaluate_memory.py", *sys.argv[1:]])})
     print(f"-> {args.out}")
 
 

@@ -29,11 +29,9 @@ Prints a table and writes JSON (default benchmarks/results/evaluate_throughput.j
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +39,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "evaluate_throughput.json"
 
 
@@ -120,12 +120,10 @@ def main() -> None:
         print(f"| {r['context']:,} | {r['scored_tokens']:,} | {r['baseline_tokens_per_s']:,.0f} | {r['evaluate_tokens_per_s']:,.0f} | "
               f"{r['evaluate_over_baseline']:.3f}x | {r['cut_tokens_per_s']:,.0f} | {r['cut_over_baseline']:.3f}x | "
               f"{r['tokens_table_bytes_per_million'] / 2**20:.2f} | {r['aggregates_bytes'] / 1024:.0f} |")
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps({
-        "benchmark": "evaluate_throughput", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.platform(), "torch": torch.__version__, "threads": a.threads, "repeats": a.repeats,
-        "cut": a.cut, "rows": rows,
-    }, indent=1) + "\n")
+    write_json(a.json, {
+        "benchmark": "evaluate_throughput", **environment("date", "machine", "torch"), "threads": a.threads,
+        "repeats": a.repeats, "cut": a.cut, "rows": rows,
+    })
     print(f"wrote {a.json}")
 
 

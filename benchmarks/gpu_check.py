@@ -53,8 +53,6 @@ Prints a summary and writes JSON (default ``$OUT/gpu_check.json``, else
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import math
 import os
 import platform
@@ -69,6 +67,8 @@ import torch
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, write_json  # noqa: E402
 GiB = 2**30
 
 
@@ -94,11 +94,8 @@ class Check:
 
     def write(self) -> None:
         self.doc["elapsed_s"] = round(self.elapsed(), 2)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
         # strict JSON: a NaN or infinite figure (a diverged kernel) is written as a string
-        tmp.write_text(json.dumps(_finite(self.doc), indent=2, default=str, allow_nan=False) + "\n")
-        os.replace(tmp, self.path)
+        write_json(self.path, _finite(self.doc), indent=2, default=str, allow_nan=False)
 
     def guard(self, key: str, fn: Callable[[], None]) -> None:
         """Run ``fn``; an exception is recorded as ``errors[key]`` (type, message, last frames)."""
@@ -494,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     from genolong.kernels.kda.fla_backend import fla_version
 
     meta: dict[str, Any] = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **environment("date"),
         "command": " ".join([sys.executable, *sys.argv]),
         "small": a.small, "device": str(device),
         "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),

@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import glob
 import hashlib
 import importlib
@@ -83,6 +82,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, write_json  # noqa: E402
 ROOT = HERE.parent
 DEFAULT_JSON = HERE / "results" / "gpu_compile.json"
 
@@ -592,7 +593,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              r["dtype"], r["arch"], r["lengths"]))
     return {
         "benchmark": "gpu_compile",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **environment("date"),
         "triton": triton.__version__,
         "smem_limit": SMEM_LIMIT,
         "archs": [ARCHS[a] for a in archs],
@@ -673,10 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("gpu_compile.py compiles for GPUs: unset TRITON_INTERPRET (the interpreter replaces the kernels)")
     doc = run(args)
     print_table(doc)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.json.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
-    tmp.replace(args.json)
+    write_json(args.json, doc, allow_nan=False)
     print(f"wrote {args.json}")
     return 1 if (args.check and doc["failures"]) else 0
 

@@ -25,10 +25,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from genolong.kernels.kda import chunk_kda, recurrent_kda
+
+sys.path.append(str(Path(__file__).resolve().parent))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, write_json  # noqa: E402
 
 B, H, K, V = 1, 4, 64, 64
 
@@ -137,20 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "benchmark": "kda_cpu",
         "command": "kda_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **environment("time"),
         "shapes": {"B": B, "H": H, "K": K, "V": V, "dtype": "float32", "chunk_size": 64},
         "targets": {"vs_fla_naive_chunk": ">= 1.0x", "vs_recurrent_at_16k": ">= 20x"},
         "recurrent_extrapolated_from_tokens": args.recurrent_tokens or None,
         "results": rows,
         "flush_denormal": bool(flush),
-        "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "loadavg": os.getloadavg(),
-                    "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__},
+        "machine": environment("cpus", "threads", "loadavg", "platform", "python", "torch"),
     }
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    tmp.replace(path)
+    path = write_json(args.json, out)
     print(f"wrote {path}")
     return 0
 

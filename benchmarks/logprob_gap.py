@@ -26,10 +26,7 @@ Example::
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -40,6 +37,9 @@ from genolong.data.store import GenomeStore
 from genolong.evaluation.logprobs import check_logprobs
 from genolong.model import GenoLM, ModelConfig
 from genolong.quickstart import bundled_base, prepare_sample
+
+sys.path.append(str(Path(__file__).resolve().parent))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, write_json  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -118,19 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "benchmark": "logprob_gap",
         "command": "logprob_gap.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **environment("time"),
         "data": {"store": str(prepared.path), "split": "eval", "contigs": sorted(set(split.segments["contig"]))},
         "targets": {"float32_tiny_mean_abs_diff": "<= 1e-5 nats", "reference_vs_vllm": "0.04-0.07 (128k-1M)"},
         "results": runs,
         "total_seconds": time.perf_counter() - started,
-        "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "loadavg": os.getloadavg(),
-                    "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__},
+        "machine": environment("cpus", "threads", "loadavg", "platform", "python", "torch"),
     }
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    tmp.replace(path)
+    path = write_json(args.json, out)
     print(f"wrote {path} ({out['total_seconds']:.0f} s)")
     return 0
 

@@ -33,7 +33,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import struct
 import sys
@@ -43,6 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+sys.path.append(str(Path(__file__).resolve().parent))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import write_json  # noqa: E402
 
 # hg38 primary chromosome lengths (UCSC order; chrM left out).
 HG38_LENGTHS: dict[str, int] = {
@@ -573,8 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(summary, indent=2) + "\n")
+        write_json(a.json, summary, indent=2)
     return 0
 
 

@@ -46,10 +46,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime as dt
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -62,6 +59,8 @@ from genolong.model import PRESETS, GenoLM, ModelConfig
 from genolong.parallel import DEFAULT_SELECTIVE, parallelize
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, mem_available_bytes, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "memory.json"
 MODES = ("none", "selective", "full", "offload", "full+offload")
 GiB = 2**30
@@ -98,14 +97,6 @@ def _rss() -> int:
     with open(f"/proc/{os.getpid()}/status") as handle:
         for line in handle:
             if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _available() -> int:
-    with open("/proc/meminfo") as handle:
-        for line in handle:
-            if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -151,7 +142,7 @@ def run_lengths(a: argparse.Namespace, out: dict[str, Any]) -> None:
                     continue
                 if mode not in rows and mode in last:
                     t_prev, rise = last[mode]
-                    need, avail = rise * T / t_prev, _available()
+                    need, avail = rise * T / t_prev, mem_available_bytes()
                     if need > 0.7 * avail:
                         rows[mode] = {"skipped": f"needs ~{need / GiB:.1f} GiB (extrapolated), {avail / GiB:.1f} GiB available"}
                         print(f"T={T} {mode}: skipped, {rows[mode]['skipped']}", flush=True)
@@ -191,11 +182,8 @@ def run_flat(a: argparse.Namespace, out: dict[str, Any]) -> None:
 
 
 def write(a: argparse.Namespace, out: dict[str, Any]) -> None:
-    out["machine"]["loadavg_at_write"] = os.getloadavg()
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    tmp = a.json.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(out, indent=2) + "\n")
-    os.replace(tmp, a.json)
+    out["machine"].update(environment("loadavg_at_write"))
+    write_json(a.json, out, indent=2)
 
 
 def table(out: dict[str, Any]) -> str:
@@ -244,10 +232,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
     torch.set_num_threads(a.threads)
     out: dict[str, Any] = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **environment("date"),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "loadavg_at_start": os.getloadavg(), "mem_available_bytes": _available()},
+        "machine": environment("nproc", "platform", "python", "torch", "loadavg_at_start", "mem_available_bytes"),
         "config": {"preset": a.preset, "modes": a.modes, "repeats": a.repeats, "repeat_max_T": a.repeat_max_T,
                    "offload_min_bytes": a.offload_min_bytes, "selective_modules": list(DEFAULT_SELECTIVE),
                    "threads": a.threads, "flat_T": a.flat_T, "flat_layers": a.flat_layers, "batch": 1},

@@ -31,33 +31,28 @@ Prints a table and writes JSON (default benchmarks/results/model_scaling.json).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import functools
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, peak_rss_bytes, run_fresh, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "model_scaling.json"
 WARMUP_T = 1024
 
 
 def worker(a: argparse.Namespace) -> dict:
     """One timed training step of the preset at length ``a.T`` in this (fresh) process."""
-    import resource
-
     import torch
 
     from genolong.model import PRESETS, GenoLM
 
-    def peak() -> int:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
+    peak = peak_rss_bytes
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model = GenoLM(PRESETS[a.preset])
@@ -136,11 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             env = dict(os.environ)
             if a.malloc_mmap_threshold:
                 env["MALLOC_MMAP_THRESHOLD_"] = str(a.malloc_mmap_threshold)
-            r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            if r.returncode != 0:
-                print(f"T={T} FAILED: {r.stderr.strip()[-2000:]}", file=sys.stderr)
+            r = run_fresh(cmd, env=env)
+            if not r.ok:
+                print(f"T={T} FAILED: {r.output.strip()[-2000:]}", file=sys.stderr)
                 return 1
-            run = json.loads(r.stdout.strip().splitlines()[-1])
+            run = r.last_json()
             runs[T].append(run)
             print(f"  round {i + 1}: T={T:>6} step {run['step_s']:7.2f} s (fwd {run['fwd_s']:.2f}, bwd "
                   f"{run['bwd_s']:.2f}, cpu {run['cpu_s']:.2f}), peak {run['peak_bytes'] / 2**20:.0f} MiB", flush=True)
@@ -173,8 +168,6 @@ def _available_bytes() -> int | None:
 def _write(a: argparse.Namespace, argv: list[str] | None, runs: dict[int, list[dict]], skipped: dict[int, str],
            complete: bool) -> bool:
     """Summarise the runs so far, print the table when ``complete``, write the JSON; False if nothing ran."""
-    import torch
-
     lengths = [T for T in runs if runs[T]]
     if not lengths:
         print("no length ran", file=sys.stderr)
@@ -206,22 +199,18 @@ def _write(a: argparse.Namespace, argv: list[str] | None, runs: dict[int, list[d
     out = {
         "benchmark": "model_scaling",
         "command": "model_scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **environment("date"),
         "target": "step time growth <= 9x from 8k to 64k tokens",
         "growth": growth,
         "cpu_growth": cpu_growth,
         "config": {"preset": a.preset, "recompute": a.recompute, "malloc_mmap_threshold": a.malloc_mmap_threshold or None, "batch": 1, "dtype": "float32", "threads": a.threads, "repeats": a.repeats,
                    "warmup_tokens": WARMUP_T},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "loadavg_at_end": os.getloadavg()},
+        "machine": environment("cpus", "platform", "python", "torch", "loadavg_at_end"),
         "rows": rows,
         "skipped": {str(T): why for T, why in skipped.items()},
         "complete": complete,
     }
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    tmp = a.json.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    os.replace(tmp, a.json)
+    write_json(a.json, out)
     show(f"wrote {a.json}")
     return True
 

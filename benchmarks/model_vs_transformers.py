@@ -33,26 +33,19 @@ Prints a table and writes JSON (default benchmarks/results/model_vs_transformers
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, peak_rss_bytes, run_fresh, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "model_vs_transformers.json"
 WARMUP_T = 256
-
-
-def _peak_bytes() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _build(side: str, preset: str, state_path: str):
@@ -113,12 +106,12 @@ def worker(a: argparse.Namespace) -> dict:
     step = _build(a.worker, a.preset, a.state)
     gen = torch.Generator().manual_seed(1)
     step(torch.randint(1, 5, (1, WARMUP_T), generator=gen))
-    base = _peak_bytes()
+    base = peak_rss_bytes()
     ids = torch.randint(1, 5, (1, a.T), generator=torch.Generator().manual_seed(a.T))
     c0 = time.process_time()
     loss, fwd, bwd = step(ids)
     cpu = time.process_time() - c0
-    end = _peak_bytes()
+    end = peak_rss_bytes()
     return {"side": a.worker, "T": a.T, "loss": float(loss), "fwd_s": fwd, "bwd_s": bwd, "step_s": fwd + bwd, "cpu_s": cpu,
             "base_peak_bytes": base, "peak_bytes": end, "peak_delta_bytes": end - base,
             "threads": torch.get_num_threads()}
@@ -127,10 +120,10 @@ def worker(a: argparse.Namespace) -> dict:
 def _run_child(side: str, T: int, a: argparse.Namespace, state: str) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), f"--worker={side}", f"--T={T}", f"--state={state}",
            f"--threads={a.threads}", f"--preset={a.preset}"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"{side} at T={T} failed:\n{r.stderr.strip()[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    r = run_fresh(cmd)
+    if not r.ok:
+        raise RuntimeError(f"{side} at T={T} failed:\n{r.output.strip()[-3000:]}")
+    return r.last_json()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,20 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "benchmark": "model_vs_transformers",
         "command": "model_vs_transformers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **environment("date"),
         "targets": {"speedup": ">= 3x", "peak_memory": "ours lower"},
         "config": {"preset": a.preset, "hf_config": PRESETS[a.preset].to_hf_dict(), "batch": 1, "dtype": "float32",
                    "threads": a.threads, "repeats": a.repeats, "hf_repeats_above": a.hf_repeats_above,
                    "warmup_tokens": WARMUP_T, "loss": "mean next-token cross-entropy over full logits"},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "transformers": version("transformers"),
-                    "loadavg_at_end": os.getloadavg()},
+        "machine": {**environment("cpus", "platform", "python", "torch"), "transformers": version("transformers"),
+                    **environment("loadavg_at_end")},
         "rows": rows,
     }
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    tmp_json = a.json.with_suffix(".json.tmp")
-    tmp_json.write_text(json.dumps(out, indent=1) + "\n")
-    os.replace(tmp_json, a.json)
+    write_json(a.json, out)
     print(f"wrote {a.json}")
     return 0
 

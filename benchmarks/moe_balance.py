@@ -29,14 +29,14 @@ Prints a table and writes JSON (default benchmarks/results/moe_balance.json).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "moe_balance.json"
 CONFIGS: dict[str, dict[str, Any]] = {
     "baseline": {"routing_entropy": False, "balance_loss_weight": 0.0, "capacity_factor": None},
@@ -109,15 +109,11 @@ def main() -> None:
     print(f"\ntrainer's reduction + summaries of the statistics: {reduce_s * 1e3:.2f} ms per step "
           f"({reduce_s / best['all']:.2%} of the step)")
     out = {
-        "benchmark": "moe_balance", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+        "benchmark": "moe_balance", **environment("date", "machine", "python", "torch"),
         "preset": "small", "tokens": args.tokens, "rounds": args.rounds, "configs": CONFIGS, "rows": rows,
         "times_s": times, "trainer_reduce_s": reduce_s,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.json.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    tmp.replace(args.json)
+    write_json(args.json, out)
     print(f"\nwrote {args.json}")
 
 

@@ -21,13 +21,13 @@ Prints a table and writes JSON (default benchmarks/results/moe_collapse.json).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import platform
+import sys
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "moe_collapse.json"
 WINDOW = 256
 STEPS = 50
@@ -134,12 +134,9 @@ def main() -> None:
         picks = [worst[0]] + [worst[i - 1] for i in (10, 20, 30, 40, 50)]
         tail = sum(worst[-5:]) / 5
         print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in picks) + f" | {tail:.2f} |", flush=True)
-    out = {"benchmark": "moe_collapse", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "machine": platform.platform(), "torch": torch.__version__, "window": WINDOW, "steps": STEPS, "rows": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.json.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    tmp.replace(args.json)
+    out = {"benchmark": "moe_collapse", **environment("date", "machine", "torch"), "window": WINDOW, "steps": STEPS,
+           "rows": rows}
+    write_json(args.json, out)
     print(f"\nwrote {args.json}")
 
 

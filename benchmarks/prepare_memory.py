@@ -24,8 +24,6 @@ Prints a table and writes JSON (default benchmarks/results/prepare_memory.json).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
 import re
 import shutil
@@ -41,6 +39,7 @@ sys.path.insert(0, str(HERE))
 
 from make_synthetic_genome import generate  # noqa: E402
 from prepare_throughput import dir_bytes, genolong_cmd, machine, time_bin  # noqa: E402
+from _bench import environment, write_json  # noqa: E402
 
 DEFAULT_SCRATCH = Path("/tmp/genolong-bench")
 DEFAULT_JSON = HERE / "results" / "prepare_memory.json"
@@ -146,7 +145,7 @@ def synthetic(scratch: Path, chrom_mbp: float, eval_mbp: float, seed: int, fmt: 
         return path
     print(f"generating {path} ...", flush=True)
     info = generate(path, seed=seed, fmt=fmt, records=[("chr1", chrom_mbp), ("chr22", eval_mbp)])
-    summary.write_text(json.dumps(info, indent=2) + "\n")
+    write_json(summary, info, indent=2)
     return path
 
 
@@ -214,10 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"baseline = genolong prepare --help (imports only). Target: peak RSS < 1.5 GB ({TARGET_BYTES / 2**20:,.0f} MiB); "
           f"tree RSS/PSS polled every {a.interval:g} s.")
 
-    info["loadavg_at_end"] = os.getloadavg()
+    info.update(environment("loadavg_at_end"))
     doc = {
         "benchmark": "prepare_memory",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **environment("date"),
         "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
         "machine": info,
         "chrom_mbp": a.chrom_mbp,
@@ -226,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "baseline": base,
         "results": results,
     }
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(doc, indent=2) + "\n")
+    write_json(a.json, doc, indent=2)
     print(f"wrote {a.json}")
     return 0 if results and all(r["rc"] == 0 for r in results) else 1
 

@@ -26,9 +26,8 @@ Prints the probe table and writes JSON (default benchmarks/results/probe_planted
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import platform
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,8 @@ import pandas as pd
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "probe_planted.json"
 #: The small version tests/test_probe.py runs: 200 steps of 32 windows of 32 bases, repeats at
 #: distances up to 8, 4-base copies (probe distances 8: trained, 16: not).
@@ -160,13 +161,12 @@ def main() -> None:
     rows = [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()}
             for r in table.to_dict(orient="records")]
     record = {
-        "benchmark": "probe_planted", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "benchmark": "probe_planted", **environment("date"),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread(s)", "torch": torch.__version__,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "training_curve": curve, "probe_seconds": probe_seconds, "table": rows,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(record, indent=1, default=lambda v: v.item() if isinstance(v, np.generic) else str(v)) + "\n")
+    write_json(args.json, record, default=lambda v: v.item() if isinstance(v, np.generic) else str(v))
     print(f"written {args.json}")
 
 

@@ -28,14 +28,14 @@ Prints a table and writes JSON (default benchmarks/results/quickstart_heldout.js
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import platform
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, write_json  # noqa: E402
 ROOT = HERE.parent
 DEFAULT_JSON = HERE / "results" / "quickstart_heldout.json"
 CHR16 = ROOT / "tests" / "data" / "hg38_chr16_186964-397118.softmasked.fa.gz"
@@ -107,13 +107,9 @@ def main() -> None:
         worst = [max(x["load_max_over_mean"] for x in r["routing"][label]) for label in ("base", "fine-tuned")]
         print(f"| {r['set']} | {r['tiles']} | {r['bases']:,} | {r['base_nats']:.4f} | {r['tuned_nats']:.4f} | "
               f"{r['change_pct']:+.2f}% [{r['ci_lo_pct']:+.2f}, {r['ci_hi_pct']:+.2f}] | {worst[0]:.2f} / {worst[1]:.2f} |")
-    out = {"benchmark": "quickstart_heldout", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "machine": platform.platform(), "torch": torch.__version__, "base": str(base_dir), "tuned": str(tuned_dir),
-           "context": args.context, "rows": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.json.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    tmp.replace(args.json)
+    out = {"benchmark": "quickstart_heldout", **environment("date", "machine", "torch"), "base": str(base_dir),
+           "tuned": str(tuned_dir), "context": args.context, "rows": rows}
+    write_json(args.json, out)
     print(f"\nwrote {args.json}")
 
 

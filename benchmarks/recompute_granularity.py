@@ -38,17 +38,16 @@ every length.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, mem_available_bytes, run_fresh, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "recompute_granularity.json"
 CONFIGS = ("full", "chunked", "selective")
 GiB = 2**30
@@ -103,26 +102,11 @@ def _run_child_rusage(config: str, tokens: int, a: argparse.Namespace, live: boo
     cmd = [sys.executable, __file__, "--child", config, "--lengths", str(tokens), "--chunk-tokens", str(a.chunk_tokens),
            "--preset", a.preset, "--threads", str(a.threads), "--allocator", a.allocator] + (["--live"] if live else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    assert proc.stdout is not None
-    output = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{output.decode(errors='replace')[-3000:]}")
-    result = json.loads(output.decode().strip().splitlines()[-1])
-    result["wall_s"] = wall
-    result["peak_rss_bytes"] = usage.ru_maxrss * 1024
+    run = run_fresh(cmd, env=env).check()
+    result = run.last_json()
+    result["wall_s"] = run.wall_s
+    result["peak_rss_bytes"] = run.peak_rss_bytes
     return result
-
-
-def _available() -> int:
-    with open("/proc/meminfo") as handle:
-        for line in handle:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -182,8 +166,8 @@ def main() -> None:
         return
     configs = [c for c in a.configs.split(",") if c]
     doc: dict[str, Any] = {
-        "benchmark": "recompute_granularity", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv), "machine": platform.platform(), "cpus": os.cpu_count(),
+        "benchmark": "recompute_granularity", **environment("date"),
+        "command": " ".join(sys.argv), **environment("machine", "cpus"),
         "preset": a.preset, "chunk_tokens": a.chunk_tokens, "threads": a.threads, "allocator": a.allocator,
         "lengths": {},
     }
@@ -199,8 +183,8 @@ def main() -> None:
             if c in previous and c not in skipped:
                 t0, rss0 = previous[c]
                 need = rss0 * tokens / t0
-                if need > 0.7 * _available():
-                    skipped[c] = f"needs ~{need / GiB:.1f} GiB (extrapolated), {_available() / GiB:.1f} GiB available"
+                if need > 0.7 * mem_available_bytes():
+                    skipped[c] = f"needs ~{need / GiB:.1f} GiB (extrapolated), {mem_available_bytes() / GiB:.1f} GiB available"
         for round_ in range(rounds):
             order = configs if round_ % 2 == 0 else list(reversed(configs))
             for c in order:
@@ -226,9 +210,8 @@ def main() -> None:
             row["live_peak_vs_full"] = {c: v / live["full"] for c, v in live.items()}
         row["rounds"] = rounds
         doc["lengths"][str(tokens)] = row
-        doc["load_average_at_end"] = os.getloadavg()
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(doc, indent=1) + "\n")
+        doc.update(environment("load_average_at_end"))
+        write_json(a.json, doc)
     print()
     print(_table(doc))
     print(f"wrote {a.json}")

@@ -24,11 +24,8 @@ Prints a table and writes JSON (default benchmarks/results/stream_eval.json) aft
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +35,8 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import Fresh, environment, wait_any, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "stream_eval.json"
 DEFAULT_BASE = HERE.parent / "data" / "sample" / "base"
 GiB = 1 << 30
@@ -87,34 +86,21 @@ def _start(a: argparse.Namespace, tokens: int, segment_tokens: int, nll_out: str
     cmd = [sys.executable, __file__, "--child", "--store", a.store, "--base", str(a.base), "--tokens", str(tokens),
            "--segment", str(segment_tokens), "--threads", str(a.threads), "--nll-out", nll_out]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    return {"proc": proc, "t0": time.perf_counter(), "cmd": cmd, "log": log, "segment_tokens": segment_tokens}
+    return {"fresh": Fresh.start(cmd, env=env, log=log), "segment_tokens": segment_tokens}
 
 
 def _finish(jobs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Wait for the children, in the order they end; each one's figures plus its own peak RSS
     (``ru_maxrss``, ``os.wait4``) and wall time."""
-    by_pid = {job["proc"].pid: name for name, job in jobs.items()}
+    names = {id(job["fresh"]): name for name, job in jobs.items()}
     done = {}
-    while by_pid:
-        pid, status, usage = os.wait4(-1, 0)
-        if pid in by_pid:
-            name = by_pid.pop(pid)
-            done[name] = _result(jobs[name], status, usage, time.perf_counter() - jobs[name]["t0"])
+    for fresh, run in wait_any(job["fresh"] for job in jobs.values()):
+        name = names[id(fresh)]
+        result = run.check().last_json()  # a failed child (e.g. -9: the OOM killer) ends the benchmark
+        result.update(wall_s=run.wall_s, peak_rss_bytes=run.peak_rss_bytes,
+                      segment_tokens=jobs[name]["segment_tokens"] or None)
+        done[name] = result
     return done
-
-
-def _result(job: dict[str, Any], status: int, usage: Any, wall: float) -> dict[str, Any]:
-    """One ended child's JSON line plus its peak RSS and wall time (exits on a failed child)."""
-    output = job["log"].read_bytes()
-    code = os.waitstatus_to_exitcode(status)
-    if code != 0:  # a negative code is the signal that ended it (e.g. -9: killed, as the OOM killer does)
-        sys.exit(f"{' '.join(job['cmd'])} failed with exit code {code} after {wall:.0f} s, peak RSS "
-                 f"{usage.ru_maxrss * 1024 / GiB:.2f} GiB:\n{output.decode(errors='replace')[-3000:]}")
-    result = json.loads(output.decode().strip().splitlines()[-1])
-    result.update(wall_s=wall, peak_rss_bytes=usage.ru_maxrss * 1024, segment_tokens=job["segment_tokens"] or None)
-    return result
 
 
 def _table(doc: dict[str, Any]) -> str:
@@ -156,10 +142,10 @@ def main() -> None:
         child(a)
         return
     doc: dict[str, Any] = {
-        "benchmark": "stream_eval", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv), "machine": platform.platform(), "cpus": os.cpu_count(),
+        "benchmark": "stream_eval", **environment("date"),
+        "command": " ".join(sys.argv), **environment("machine", "cpus"),
         "base": str(a.base), "dtype": "float32", "threads": a.threads, "segment_tokens": a.segment_tokens,
-        "load_average_at_start": os.getloadavg(), "lengths": {},
+        **environment("load_average_at_start"), "lengths": {},
     }
     plan = [(int(t), True) for t in a.lengths.split(",") if t] + [(int(t), False) for t in a.stream_only.split(",") if t]
     segments = sorted(int(s) for s in a.segment_tokens.split(",") if s)
@@ -187,9 +173,8 @@ def main() -> None:
                 r = row[name]
                 print(f"T {tokens:>9,} {name:>14}: peak RSS {r['peak_rss_bytes'] / GiB:.2f} GiB, score {r['score_s']:.1f} s, "
                       f"mean NLL {r['mean_nll']:.6f}", flush=True)
-            doc["load_average_at_end"] = os.getloadavg()
-            a.json.parent.mkdir(parents=True, exist_ok=True)
-            a.json.write_text(json.dumps(doc, indent=1) + "\n")
+            doc.update(environment("load_average_at_end"))
+            write_json(a.json, doc)
     print(_table(doc))
     print(f"wrote {a.json}")
 

@@ -22,12 +22,9 @@ Prints a table and writes JSON (``--json``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +37,9 @@ from genolong.data.datamodule import TrainWindowDataset, collate_windows, window
 from genolong.data.store import GenomeStore
 from genolong.data.windows import TrainWindows
 from genolong.errors import GenolongError
+
+sys.path.append(str(Path(__file__).resolve().parent))  # benchmarks/_bench.py, also when a test imports this script
+from _bench import environment, write_json  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "window_reads.json"
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "window_reads",
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **environment("time"),
         "store": str(args.store),
         "split": args.split,
         "requested_length": args.length,
@@ -149,16 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         "target_windows_per_s": 50,
         "results": results,
         "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
+            **environment("cpus", "platform", "python"),
             "numpy": np.__version__,
             "torch": torch.__version__,
             "zarr": zarr.__version__,
         },
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json, report, indent=2)
     print(f"wrote {args.json}")
     return 0
 

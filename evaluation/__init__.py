@@ -4,7 +4,8 @@ Installed as ``genolong.evaluation`` (see ``package-dir`` in pyproject.toml). Mo
 
 - ``score``: ``genolong evaluate`` (per-token NLL, ``--context-cut``, resumable result directories);
 - ``results``: :class:`EvalResult`, the saved tables (per-tile x bucket and per-offset sums);
-- ``stats``: context buckets, block bootstrap over tiles, paired :func:`compare`;
+- ``bootstrap``: context buckets and the block bootstrap over tiles, on plain arrays;
+- ``stats``: paired :func:`compare` of two results (and the ``bootstrap`` names, re-exported);
 - ``plots``: the figures of ``genolong plot``;
 - ``logprobs``: ``genolong check-logprobs`` (training path vs step-by-step decode);
 - ``probe``: ``genolong probe`` (planted-repeat recall by distance, full vs cut view);

@@ -54,7 +54,7 @@ from ..files import replace_dir
 from .distributed import ScoringGroup, assemble_nll, gather_to_writer, share_nll, unsharded
 from .score import kernel_backend_meta
 from .plots import OKABE_ITO
-from .stats import bucket_edges, bucket_labels, format_bases
+from .bootstrap import bucket_edges, bucket_labels, format_bases
 
 __all__ = ["LogprobGap", "check_logprobs", "decode_target_logprobs", "gap_figure", "TABLE_COLUMNS", "FP32_MEAN_BOUND"]
 

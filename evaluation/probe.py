@@ -63,7 +63,7 @@ from ..model.loss import model_inputs, next_token_nll
 from ..model.stream import PrefillStream, check_segment_tokens
 from ..model.vocab import VocabMap
 from .distributed import ScoringGroup
-from .stats import block_bootstrap, paired_bootstrap
+from .bootstrap import block_bootstrap, paired_bootstrap
 
 __all__ = ["PROBE_FORMAT", "PROBE_COLUMNS", "ProbeSettings", "ProbeTileScores", "ProbeResult", "probe_distances",
            "plant_repeat", "cut_view_span", "probe_views", "probe_tile", "probe_share", "assemble_probe_shares", "probe"]

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import InputError
-from .stats import bucket_labels, bucket_table_from_arrays
+from .bootstrap import bucket_labels, bucket_table_from_arrays
 
 __all__ = ["FORMAT", "EvalResult"]
 
@@ -200,7 +200,7 @@ class EvalResult:
     # ------------------------------------------------------------------ tables
 
     def bucket_table(self, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
-        """Per-bucket and overall tokens, mean NLL and block-bootstrap CI (see ``stats.bucket_table_from_arrays``).
+        """Per-bucket and overall tokens, mean NLL and block-bootstrap CI (see ``bootstrap.bucket_table_from_arrays``).
 
         Columns: ``bucket, lo, hi, tokens, nats, ci_lo, ci_hi, bits, bits_ci_lo, bits_ci_hi``;
         the ``K`` buckets then ``"all"``.

@@ -60,7 +60,7 @@ from ..integrity import check_weights
 from .distributed import (ScoringGroup, assemble_nll, broadcast_from_writer, gather_to_writer, padding_tile, share_nll,
                           tile_rounds)
 from .results import EvalResult
-from .stats import bucket_edges
+from .bootstrap import bucket_edges
 
 __all__ = ["TOKEN_SCHEMA", "TileScores", "model_signature", "score_tile", "tile_nll", "tile_scores", "evaluate", "load_eval_model", "read_tokens", "recipe_context",
            "run_recipe", "scoring_kernel_backend", "kernel_backend_meta"]

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from genolong.errors import InputError
-from genolong.evaluation import stats
+from genolong.evaluation import bootstrap
 from genolong.evaluation.results import FORMAT, EvalResult
 from genolong.evaluation.stats import (
     BUCKET_COLUMNS,
@@ -108,7 +108,7 @@ def test_bucket_edges_and_labels() -> None:
 
 def test_resample_counts_are_the_bincount_of_the_indices(monkeypatch: pytest.MonkeyPatch) -> None:
     # small blocks so that several blocks of replicates are drawn
-    monkeypatch.setattr(stats, "_BLOCK_CELLS", 100)
+    monkeypatch.setattr(bootstrap, "_BLOCK_CELLS", 100)
     idx = np.concatenate(list(resample_indices(30, 50, seed=3)))
     counts = np.concatenate(list(resample_counts(30, 50, seed=3)))
     assert idx.shape == counts.shape == (50, 30)
@@ -122,7 +122,7 @@ def test_resample_counts_are_the_bincount_of_the_indices(monkeypatch: pytest.Mon
 
 @pytest.mark.parametrize("block_cells", [100, 1 << 21])
 def test_block_bootstrap_matches_brute_force(monkeypatch: pytest.MonkeyPatch, block_cells: int) -> None:
-    monkeypatch.setattr(stats, "_BLOCK_CELLS", block_cells)
+    monkeypatch.setattr(bootstrap, "_BLOCK_CELLS", block_cells)
     rng = np.random.default_rng(0)
     w, k, n_boot = 30, 3, 300
     tokens = rng.integers(0, 50, size=(w, k))
