@@ -37,6 +37,7 @@ import yaml
 
 from .data.prepare import PrepareResult, format_summary, prepare_genome
 from .data.store import GenomeStore
+from .defaults import DEFAULT_EVAL_TILES, DEFAULT_PROBE_TILES, PROBE_CONTEXT
 from .errors import GenolongError
 
 __all__ = ["SAMPLE_TRAIN", "SAMPLE_EVAL", "DEFAULT_EVAL_TILES", "DEFAULT_PROBE_TILES", "PROBE_CONTEXT", "bundled_base", "base_context", "quickstart_recipe",
@@ -44,14 +45,6 @@ __all__ = ["SAMPLE_TRAIN", "SAMPLE_EVAL", "DEFAULT_EVAL_TILES", "DEFAULT_PROBE_T
 
 SAMPLE_TRAIN = ("chr1", "chr3", "chr4", "chr5")
 SAMPLE_EVAL = ("chr22",)
-#: Held-out tiles the quickstart scores per model (8 x 8,192 = 65k bases; about 40 s per model on 2 cores).
-DEFAULT_EVAL_TILES = 8
-#: Held-out tiles the planted-repeat probe (``genolong probe``) runs on per model, and their length:
-#: distances 128 .. 2,048 around the base's 1,024-token training context. A probe tile costs
-#: ``L + 5 m + sum(d)`` = 8.5k tokens of forward, about one 8,192-token evaluation tile (measured
-#: 0.87x on the bundled base, noisy), so the stage adds about 8 evaluation tiles' time in all.
-DEFAULT_PROBE_TILES = 4
-PROBE_CONTEXT = 4096
 
 
 def sample_fasta() -> Path:

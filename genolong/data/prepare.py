@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import __version__
+from ..defaults import DEFAULT_MIN_GAP, DEFAULT_SPLITS
 from ..errors import InputError
 from ..files import fsync, fsync_tree
 from .alphabet import BASE_MASK, N, SOFTMASK, STORE_ALPHABET
@@ -51,8 +51,6 @@ from .store import (
 
 __all__ = ["DEFAULT_MIN_GAP", "DEFAULT_SPLITS", "PrepareResult", "prepare_genome", "format_summary"]
 
-DEFAULT_MIN_GAP = 1000
-DEFAULT_SPLITS: dict[str, tuple[str, ...]] = {"train": ("chr1", "chr2"), "eval": ("chr22",)}
 
 _TMP_MARK = ".genolong-tmp-"
 _OLD_MARK = ".genolong-old-"
@@ -569,6 +567,8 @@ def _build(
     files: dict[str, Any] = {}
     for split in requested:
         files.update(file_digests(tmp, f"{split}.zarr", writers[split].digests))
+    from .. import __version__  # read here, not at import: importlib.metadata slows every command's startup
+
     manifest = {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,

@@ -71,13 +71,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..config import KDA_CHUNK, Recipe, kernel_multiple, parse_recipe
 from ..errors import InputError
-from ..kernels.kda.cp import conv_halo_comm_bytes, cp_kda_comm_bytes
+from ..kernels.comm_bytes import conv_halo_payload, cp_dsa_comm_bytes, kda_state_payload
 from ..model.config import INDEXED_ATTENTION, LINEAR_ATTENTION, ModelConfig, parameter_count
-from .cp_dsa import cp_dsa_comm_bytes
 from .recompute import DEFAULT_SELECTIVE, MODULE_KINDS, RECOMPUTE_MODES
 
 __all__ = [
@@ -1120,7 +1117,7 @@ def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, 
     redo_kda = recompute in _BLOCK_RECOMPUTE or "kda" in kinds
     redo_dsa = recompute in _BLOCK_RECOMPUTE or "dsa" in kinds
     redo_moe = recompute in _BLOCK_RECOMPUTE or "moe" in kinds
-    compute = torch.float32 if dtype_bytes == 4 else torch.bfloat16
+    compute = dtype_bytes  # element bytes of the compute dtype: fp32 4, bf16 2
     rows: list[CommRow] = []
 
     def payload_row(name: str, layers: int, call: dict[str, int], redo: bool) -> CommRow:
@@ -1131,8 +1128,9 @@ def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, 
         return CommRow("kda", name, layers, PAYLOAD, fwd, rec, bwd, wire)
 
     heads, d = cfg.linear_num_heads, cfg.linear_head_dim
-    state = cp_kda_comm_bytes(batch, heads, d, d, cp, torch.float32)  # the mixer runs KDA on fp32 q, k, v
-    halo = conv_halo_comm_bytes(batch, 3 * heads * d, cfg.linear_conv_kernel_dim, cp, compute)
+    # the counts of cp_kda_comm_bytes / conv_halo_comm_bytes, from their torch-free arithmetic
+    state = kda_state_payload(batch, heads, d, d, cp, 4)  # the mixer runs KDA on fp32 q, k, v
+    halo = conv_halo_payload(batch, 3 * heads * d, cfg.linear_conv_kernel_dim, cp, compute)
     rows.append(payload_row("KDA state all-gather fwd / all-reduce bwd (cp_kda_comm_bytes)", n_kda, state, redo_kda))
     rows.append(payload_row("KDA short-conv halo (conv_halo_comm_bytes)", n_kda, halo, redo_kda))
     for name, layers, full in (("DSA latent + pooled index keys, full-indexer layers", n_full, True),
