@@ -39,6 +39,7 @@ from .data.prepare import PrepareResult, format_summary, prepare_genome
 from .data.store import GenomeStore
 from .defaults import DEFAULT_EVAL_TILES, DEFAULT_PROBE_TILES, PROBE_CONTEXT
 from .errors import GenolongError
+from .units import format_count
 
 __all__ = ["SAMPLE_TRAIN", "SAMPLE_EVAL", "DEFAULT_EVAL_TILES", "DEFAULT_PROBE_TILES", "PROBE_CONTEXT", "bundled_base", "base_context", "quickstart_recipe",
            "sample_fasta", "run_quickstart"]
@@ -304,7 +305,7 @@ def _trained_share(story: _Story) -> str:
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     names = {n.split(".")[2] if n.startswith("layers.") else n.split(".")[0] for n, p in model.named_parameters() if p.requires_grad}
     what = "the attention layers only" if names == {"self_attn"} else "the parameters not frozen"
-    return f"{what} ({trained / 1e6:.1f}M of {total / 1e6:.1f}M parameters; model.freeze)"
+    return f"{what} ({format_count(trained)} of {format_count(total)} parameters; model.freeze)"
 
 
 def _routing_section(results: dict[str, Any]) -> list[str]:

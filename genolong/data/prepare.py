@@ -33,6 +33,7 @@ import numpy as np
 from ..defaults import DEFAULT_MIN_GAP, DEFAULT_SPLITS
 from ..errors import InputError
 from ..files import fsync, fsync_tree
+from ..units import format_bytes
 from .alphabet import BASE_MASK, N, SOFTMASK, STORE_ALPHABET
 from .fasta import BLOCK_BYTES, RecordInfo, SequenceSource, open_source
 from .names import canonical_name
@@ -605,10 +606,10 @@ def format_summary(result: PrepareResult) -> str:
     header = ["split", "name", *columns, "seconds", "Mbp/s"]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(v).rjust(w) for v, w in zip(row, widths)) for row in [header, *rows]]
-    mb = result.input_bytes / 1e6
+    rate = result.input_bytes / max(result.seconds, 1e-9)
     lines += [
         "",
-        f"store {result.path}: {mb:,.1f} MB of input in {result.seconds:.2f} s ({mb / max(result.seconds, 1e-9):,.1f} MB/s); "
+        f"store {result.path}: {format_bytes(result.input_bytes)} of input in {result.seconds:.2f} s ({format_bytes(rate)}/s); "
         f"min_gap {result.manifest['min_gap']:,}",
     ]
     unused = result.manifest.get("unused_records", [])
