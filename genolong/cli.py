@@ -367,7 +367,8 @@ typical order:
   genolong evaluate runs/NAME --store STORE
                                        held-out loss by how much context each base had
   genolong compare A_DIR B_DIR         change in loss between two evaluations, with intervals
-  genolong plot A_DIR B_DIR --out FIGS figures from evaluations
+  genolong plot A_DIR B_DIR --out FIGURES
+                                       figures from evaluations
 
 Run `genolong COMMAND --help` for a command's options; recipes/ holds example recipes."""
 
