@@ -317,7 +317,7 @@ def run_input(inp: Input, repeats: int, scratch: Path, extra: list[str], keep: b
     print(f"   floor:   {floor_name}")
     print(f"   prepare: {' '.join(pcmd)}", flush=True)
     subprocess.run(["cat", str(inp.path)], stdout=subprocess.DEVNULL)  # page cache warm for both sides
-    floors, prepares, isal, rss, pairs, cpu = [], [], [], [], [], []
+    floors, prepares, isal, rss, pairs, cpu, floor_cpu = [], [], [], [], [], [], []
     errors = []
     for i in range(repeats):
         f = timed(fcmd)
@@ -325,12 +325,15 @@ def run_input(inp: Input, repeats: int, scratch: Path, extra: list[str], keep: b
             errors.append(f"floor rc={f['rc']}: {f['stderr'].strip()[-500:]}")
             break
         floors.append(f["seconds"])
+        if f["cpu_seconds"] is not None:
+            floor_cpu.append(f["cpu_seconds"])
         p = timed(pcmd, stdout=subprocess.PIPE)
         status = "ok" if p["rc"] == 0 else f"FAILED rc={p['rc']}"
         mem = "" if p["max_rss_kib"] is None else f", max RSS {p['max_rss_kib'] / 1024:.0f} MiB"
         if p["cpu_seconds"] is not None:
             mem += f", CPU {p['cpu_seconds']:.2f} s = {p['cpu_seconds'] / p['seconds']:.2f} cores"
-        print(f"   repeat {i + 1}: floor {f['seconds']:.2f} s, prepare {p['seconds']:.2f} s ({status}{mem})", flush=True)
+        fcpu = "" if f["cpu_seconds"] is None else f" (CPU {f['cpu_seconds']:.2f} s)"
+        print(f"   repeat {i + 1}: floor {f['seconds']:.2f} s{fcpu}, prepare {p['seconds']:.2f} s ({status}{mem})", flush=True)
         if p["rc"] != 0:
             errors.append(f"prepare rc={p['rc']}: {p['stderr'].strip()[-1500:]}")
             print("   " + p["stderr"].strip().replace("\n", "\n   ")[-1500:])
@@ -378,6 +381,10 @@ def run_input(inp: Input, repeats: int, scratch: Path, extra: list[str], keep: b
         "prepare_mbp_per_s": bases / 1e6 / pm if pm else None,
         "prepare_max_rss_mib": max(rss) / 1024 if rss else None,
         "prepare_cpu_seconds": cpu,
+        # CPU seconds (user + sys, all threads) of both sides: on a loaded shared machine their ratio
+        # is steadier than the wall-time one, though prepare's threads overlap on an idle machine
+        "floor_cpu_seconds": floor_cpu,
+        "ratio_cpu": (median(cpu) / median(floor_cpu)) if (cpu and floor_cpu) else None,
         "prepare_cores_used_median": median([c / w for c, w in zip(cpu, prepares)]),
         "store_bytes": store_bytes,
         "store_bits_per_base": 8 * store_bytes / bases if store_bytes and bases else None,
@@ -461,7 +468,7 @@ def machine() -> dict:
 def print_table(results: list[dict]) -> None:
     cols = [("input", 34, "s"), ("format", 9, "s"), ("Mbp", 7, ".1f"), ("MB", 7, ".1f"), ("floor s", 8, ".2f"),
             ("prep s", 8, ".2f"), ("ratio", 6, ".2f"), ("floor MB/s", 10, ".1f"), ("prep MB/s", 9, ".1f"),
-            ("prep Mbp/s", 10, ".1f"), ("RSS MiB", 8, ".0f"), ("isal s", 7, ".2f")]
+            ("prep Mbp/s", 10, ".1f"), ("RSS MiB", 8, ".0f"), ("isal s", 7, ".2f"), ("CPU ratio", 9, ".2f")]
 
     def cell(x, width: int, spec: str) -> str:
         if x is None:
@@ -474,13 +481,13 @@ def print_table(results: list[dict]) -> None:
     for r in results:
         vals = [r["label"][:34], r["format"] + ("+fai" if r["indexed"] else ""), r["requested_bases"] / 1e6,
                 r["file_bytes"] / 1e6, r["floor_median_s"], r["prepare_median_s"], r["ratio"], r["floor_mb_per_s"],
-                r["prepare_mb_per_s"], r["prepare_mbp_per_s"], r["prepare_max_rss_mib"], r["isal_read_median_s"]]
+                r["prepare_mb_per_s"], r["prepare_mbp_per_s"], r["prepare_max_rss_mib"], r["isal_read_median_s"], r.get("ratio_cpu")]
         print(" ".join(cell(v, w, spec) for v, (_, w, spec) in zip(vals, cols)))
         for e in r["errors"]:
             print(f"   ERROR: {e.splitlines()[-1] if e.splitlines() else e}")
     print("ratio = median(prepare) / median(floor); target <= 1.5. MB/s counts the input file's bytes, "
           "Mbp/s the requested chromosomes;\nRSS: prepare's peak (GNU time); isal s: python-isal reading the whole "
-          "gzip file (a stricter reference, not the floor).")
+          "gzip file (a stricter reference, not the floor);\nCPU ratio: median CPU seconds (user + sys, all threads) of prepare over the floor's.")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import __version__
 from .allocator import keep_freed_memory
 from .errors import GenolongError
 
@@ -385,41 +384,81 @@ def _verbose_argument(parser: argparse.ArgumentParser) -> None:
                         help="also show Lightning's and torch's own messages and warnings, from every process")
 
 
+#: ``genolong --help``: what the tool does, for a user (the module docstring is for developers)
+_DESCRIPTION = """\
+Fine-tune DNA language models at long context (up to a million bases) on human
+chromosomes, and measure what the longer context buys."""
+_EPILOG = """\
+typical order:
+  genolong quickstart                  the whole story on a bundled human sample, on a CPU (minutes)
+  genolong prepare GENOME.fa.gz --out STORE
+                                       encode chromosomes once into a genome store
+  genolong plan RECIPE.yaml            check that a training recipe fits your GPUs' memory
+  genolong finetune RECIPE.yaml        train; the model is saved under runs/NAME/
+  genolong evaluate runs/NAME --store STORE
+                                       held-out loss by how much context each base had
+  genolong compare A_DIR B_DIR         change in loss between two evaluations, with intervals
+  genolong plot A_DIR B_DIR --out FIGURES
+                                       figures from evaluations
+
+Run `genolong COMMAND --help` for a command's options; recipes/ holds example recipes."""
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: reads the installed version only when asked (importlib.metadata is slow to import)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, default: str = argparse.SUPPRESS,
+                 help: str | None = None) -> None:  # noqa: A002 - argparse's keyword
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        from . import __version__
+
+        print(f"genolong {__version__}")  # on stdout, as argparse's own version action prints
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
-    from .data.prepare import DEFAULT_MIN_GAP, DEFAULT_SPLITS
-    from .quickstart import DEFAULT_EVAL_TILES, DEFAULT_PROBE_TILES, PROBE_CONTEXT
+    # help defaults from genolong.defaults, never from the modules that use them: building the
+    # parser imports no numpy, zarr, torch or Lightning (tests/test_cli_startup.py)
+    from .defaults import DEFAULT_EVAL_TILES, DEFAULT_MIN_GAP, DEFAULT_PROBE_TILES, DEFAULT_SPLITS, PROBE_CONTEXT
 
-    parser = argparse.ArgumentParser(prog="genolong", description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--version", action="version", version=f"genolong {__version__}")
+    parser = argparse.ArgumentParser(prog="genolong", description=_DESCRIPTION, epilog=_EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action=_VersionAction, help="print genolong's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     prep = sub.add_parser(
         "prepare",
-        help="FASTA -> packed zarr genome store (train / held-out splits by chromosome)",
+        help="encode a genome (FASTA, GenBank, EMBL) into a store of training and held-out chromosomes",
         description=(
-            "Encode chromosomes of FASTA (plain, gzip, bgzip +/- .fai/.gzi), GenBank or EMBL files into a "
-            "genome store: one token per base, case kept, long N runs split chromosomes into segments."
+            "Encode chromosomes of FASTA (plain, gzip or bgzip, with or without .fai/.gzi indexes), GenBank or "
+            "EMBL files into a genome store, the input of finetune and evaluate: one token per base, "
+            "soft-masked (lower-case) bases kept as such, long runs of N dropped (they split a chromosome into "
+            "segments). Chromosomes not named in --train or --eval are skipped."
         ),
     )
     prep.add_argument("fasta", nargs="+", metavar="FASTA", help="input sequence file(s)")
     prep.add_argument("--out", required=True, metavar="DIR", help="store directory to create")
     prep.add_argument("--train", default=",".join(DEFAULT_SPLITS["train"]), metavar="NAMES",
-                      help="comma-separated train chromosomes, any naming convention (default: %(default)s)")
+                      help="comma-separated training chromosomes; chr1 and 1 name the same one (default: %(default)s)")
     prep.add_argument("--eval", default=",".join(DEFAULT_SPLITS["eval"]), metavar="NAMES",
                       help="comma-separated held-out chromosomes (default: %(default)s)")
     prep.add_argument("--min-gap", type=int, default=DEFAULT_MIN_GAP, metavar="N",
-                      help="N runs of at least N bases split a chromosome and are dropped (default: %(default)s)")
+                      help="runs of at least N unknown bases (N) split a chromosome and are dropped (default: %(default)s)")
     prep.add_argument("--force", action="store_true", help="replace an existing store at --out")
     prep.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     prep.set_defaults(func=_cmd_prepare)
 
     tune = sub.add_parser(
         "finetune",
-        help="train GenoLM on a genome store from a YAML recipe (Lightning)",
+        help="train the model on a genome store, as a YAML recipe says; results in runs/NAME/",
         description=(
-            "Fine-tune (or train from scratch) the GLM-5.3-Flash-architecture model on the windows of a genome "
-            "store, with the recipe's memory techniques; checkpoints, logs and the exported model go to runs/NAME/."
+            "Fine-tune (or train from scratch) the model (GLM-5.3-Flash architecture: linear attention, sparse "
+            "attention and mixture-of-experts layers) on windows of a genome store, with the recipe's memory "
+            "settings, on one or more CPUs or GPUs; checkpoints, logs and the exported model go to runs/NAME/."
         ),
     )
     tune.add_argument("recipe", metavar="RECIPE", help="YAML recipe (see recipes/)")
@@ -431,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser(
         "plan",
-        help="will a recipe fit? per-GPU device memory, pinned host memory, and the cheapest change that fits",
+        help="will a recipe fit? memory per GPU and host memory, and the cheapest change that makes it fit",
         description=(
             "Predict a recipe's memory per GPU (parameters, gradients and AdamW state under FSDP sharding; saved "
             "and recomputed activations per layer type under the recipe's recompute, offload and context "
@@ -471,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser(
         "evaluate",
-        help="held-out loss per token and by preceding-context length (tables, block-bootstrap CIs)",
+        help="held-out loss of a model, by how much preceding context each base had (tables, 95%% intervals)",
         description=(
             "Tile a held-out split into windows of --context tokens, score every base with the model and write "
             "the per-token table (parquet), per-window and per-position sums and the bucket table. With --recipe "
@@ -498,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     prb = sub.add_parser(
         "probe",
-        help="planted-repeat recall by distance: loss on a copied segment with its source in view and cut away",
+        help="does the model use far context? loss on a planted copy with its source in view and cut away",
         description=(
             "On held-out tiles of --context bases, overwrite the last --repeat-bases bases with the segment d bases "
             "before them, for d in powers of two up to the context, and score the copy twice on the same model: with "
@@ -523,10 +562,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     cmp_ = sub.add_parser(
         "compare",
-        help="change in held-out loss from result A to result B, per context bucket, with paired CIs",
+        help="change in held-out loss from evaluation A to evaluation B, per context length, with 95%% intervals",
         description=(
             "Compare two `genolong evaluate` results on the same tokens (base vs tuned, full vs --context-cut, "
-            "tuned vs control): per bucket and overall, B - A in nats and in percent with 95%% paired "
+            "tuned vs control): per context bucket and overall, B - A in nats and in percent with 95% paired "
             "block-bootstrap intervals over tiles."
         ),
     )
@@ -541,7 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
         "plot",
         help="figures from evaluate results: loss vs position, bucket means, relative change",
         description=(
-            "Draw per-position loss (log x, smoothed; runs overlaid), bucket means with 95%% CIs and the relative "
+            "Draw per-position loss (log x, smoothed; runs overlaid), bucket means with 95% intervals and the relative "
             "change of each run vs the first, from saved `genolong evaluate` tables only."
         ),
     )
@@ -555,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chk = sub.add_parser(
         "check-logprobs",
-        help="per-token log-probs of the training path vs the step-by-step decode path, by context bucket",
+        help="self-check: the model's log-probabilities from training-style and step-by-step scoring agree",
         description=(
             "Score held-out tiles with the training path (chunked KDA, blockwise DSA top-k) and with the "
             "independent step-by-step decode path (recurrent KDA state, latent and index-key caches); report mean "
@@ -571,7 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     quick = sub.add_parser(
         "quickstart",
-        help="the whole story on the bundled real human sample, on a CPU",
+        help="the whole story on a bundled sample of real human DNA, on a CPU (a few minutes)",
         description=(
             "Prepare the bundled human sample genome, evaluate the bundled short-context base model on held-out "
             "chr22, fine-tune it at long context (recipes/quickstart.yaml), evaluate it with full and with cut "

@@ -37,21 +37,15 @@ import yaml
 
 from .data.prepare import PrepareResult, format_summary, prepare_genome
 from .data.store import GenomeStore
+from .defaults import DEFAULT_EVAL_TILES, DEFAULT_PROBE_TILES, PROBE_CONTEXT
 from .errors import GenolongError
+from .units import format_count
 
 __all__ = ["SAMPLE_TRAIN", "SAMPLE_EVAL", "DEFAULT_EVAL_TILES", "DEFAULT_PROBE_TILES", "PROBE_CONTEXT", "bundled_base", "base_context", "quickstart_recipe",
            "sample_fasta", "run_quickstart"]
 
 SAMPLE_TRAIN = ("chr1", "chr3", "chr4", "chr5")
 SAMPLE_EVAL = ("chr22",)
-#: Held-out tiles the quickstart scores per model (8 x 8,192 = 65k bases; about 40 s per model on 2 cores).
-DEFAULT_EVAL_TILES = 8
-#: Held-out tiles the planted-repeat probe (``genolong probe``) runs on per model, and their length:
-#: distances 128 .. 2,048 around the base's 1,024-token training context. A probe tile costs
-#: ``L + 5 m + sum(d)`` = 8.5k tokens of forward, about one 8,192-token evaluation tile (measured
-#: 0.87x on the bundled base, noisy), so the stage adds about 8 evaluation tiles' time in all.
-DEFAULT_PROBE_TILES = 4
-PROBE_CONTEXT = 4096
 
 
 def sample_fasta() -> Path:
@@ -314,7 +308,7 @@ def _trained_share(story: _Story) -> str:
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     names = {n.split(".")[2] if n.startswith("layers.") else n.split(".")[0] for n, p in model.named_parameters() if p.requires_grad}
     what = "the attention layers only" if names == {"self_attn"} else "the parameters not frozen"
-    return f"{what} ({trained / 1e6:.1f}M of {total / 1e6:.1f}M parameters; model.freeze)"
+    return f"{what} ({format_count(trained)} of {format_count(total)} parameters; model.freeze)"
 
 
 def _routing_section(results: dict[str, Any]) -> list[str]:

@@ -30,9 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import __version__
+from ..defaults import DEFAULT_MIN_GAP, DEFAULT_SPLITS
 from ..errors import InputError
 from ..files import fsync, fsync_tree
+from ..units import format_bytes
 from .alphabet import BASE_MASK, N, SOFTMASK, STORE_ALPHABET
 from .fasta import BLOCK_BYTES, RecordInfo, SequenceSource, open_source
 from .names import canonical_name
@@ -51,8 +52,14 @@ from .store import (
 
 __all__ = ["DEFAULT_MIN_GAP", "DEFAULT_SPLITS", "PrepareResult", "prepare_genome", "format_summary"]
 
-DEFAULT_MIN_GAP = 1000
-DEFAULT_SPLITS: dict[str, tuple[str, ...]] = {"train": ("chr1", "chr2"), "eval": ("chr22",)}
+
+#: Tokens a split writer stages before handing them to the writer thread: a quarter shard (16 whole
+#: chunks), so that compression overlaps encoding even when a split is under one shard (64 Mi
+#: tokens; a 66 Mbp chromosome was encoded whole and only then compressed). zarr rewrites a shard
+#: file on each partial write (copying the chunks already in it, not recompressing them), and a
+#: shard is hashed once, when complete.
+FLUSH_TOKENS = SHARD_TOKENS // 4
+assert FLUSH_TOKENS % CHUNK_TOKENS == 0 and SHARD_TOKENS % FLUSH_TOKENS == 0
 
 _TMP_MARK = ".genolong-tmp-"
 _OLD_MARK = ".genolong-old-"
@@ -90,8 +97,9 @@ class _ContigStats:
 class _SplitWriter:
     """Appends one split's kept tokens to its zarr array and cuts segments at long N runs.
 
-    Tokens are staged in a shard-sized buffer; each full shard is written by the shared writer
-    thread while the caller keeps encoding into the other buffer.
+    Tokens are staged in a buffer of :data:`FLUSH_TOKENS`; each full buffer is written by the
+    shared writer thread while the caller keeps encoding into the other buffer. A shard is fsynced
+    and hashed once complete (the writer thread) or at :meth:`close` (the last, partial one).
     """
 
     def __init__(self, path: Path, min_gap: int, executor: concurrent.futures.Executor):
@@ -99,7 +107,7 @@ class _SplitWriter:
         self.min_gap = min_gap
         self.executor = executor
         self.group, self.array = create_split_group(path, contigs=[])
-        self.buffers = [np.empty(SHARD_TOKENS, dtype=np.uint8) for _ in range(2)]
+        self.buffers = [np.empty(FLUSH_TOKENS, dtype=np.uint8) for _ in range(2)]
         self.pending_write: list[concurrent.futures.Future[None] | None] = [None, None]
         self.active = 0
         self.fill = 0
@@ -123,19 +131,23 @@ class _SplitWriter:
         return self.flushed + self.fill
 
     def _write(self, data: np.ndarray, start: int) -> None:
-        """Write ``data`` at ``start`` (shard-aligned); then fsync and hash the shard files it
+        """Write ``data`` at ``start`` (chunk-aligned); then fsync and hash the shard files it
         completed, here on the writer thread rather than at the end on the main one."""
         end = start + data.size
         if self.array.shape[0] < end:
             self.array.resize((end,))
         self.array[start:end] = data
-        for shard in range(start // SHARD_TOKENS, -(-end // SHARD_TOKENS)):
-            path = self.path / "tokens" / "c" / str(shard)  # zarr v3 default chunk key encoding
-            if path.is_file():
-                fsync(path)
-                stat = path.stat()
-                rel = f"{self.path.name}/tokens/c/{shard}"
-                self.digests[rel] = (stat.st_size, stat.st_mtime_ns, sha256_file(path))
+        for shard in range(start // SHARD_TOKENS, end // SHARD_TOKENS):  # complete shards only: no later rewrite
+            self._digest(shard)
+
+    def _digest(self, shard: int) -> None:
+        """fsync shard file ``shard`` and record its size, mtime and SHA-256 for the manifest."""
+        path = self.path / "tokens" / "c" / str(shard)  # zarr v3 default chunk key encoding
+        if path.is_file():
+            fsync(path)
+            stat = path.stat()
+            rel = f"{self.path.name}/tokens/c/{shard}"
+            self.digests[rel] = (stat.st_size, stat.st_mtime_ns, sha256_file(path))
 
     def _flush(self) -> None:
         buf = self.buffers[self.active][: self.fill]
@@ -150,11 +162,11 @@ class _SplitWriter:
 
     def _append(self, tokens: np.ndarray) -> None:
         while tokens.size:
-            take = min(tokens.size, SHARD_TOKENS - self.fill)
+            take = min(tokens.size, FLUSH_TOKENS - self.fill)
             self.buffers[self.active][self.fill:self.fill + take] = tokens[:take]
             self.fill += take
             tokens = tokens[take:]
-            if self.fill == SHARD_TOKENS:
+            if self.fill == FLUSH_TOKENS:
                 self._flush()
 
     # -- segments --------------------------------------------------------------------------------
@@ -308,6 +320,8 @@ class _SplitWriter:
         self.pending_write = [None, None]
         if self.array.shape[0] != self.flushed:
             self.array.resize((self.flushed,))
+        if self.flushed % SHARD_TOKENS:  # the last shard is partial: the writer left it to be hashed here
+            self._digest(self.flushed // SHARD_TOKENS)
         names = list(dict.fromkeys(c.name for c in self.contigs))
         self.group.attrs.update({"contigs": names})
         write_segments(self.group, self.segments)
@@ -569,6 +583,8 @@ def _build(
     files: dict[str, Any] = {}
     for split in requested:
         files.update(file_digests(tmp, f"{split}.zarr", writers[split].digests))
+    from .. import __version__  # read here, not at import: importlib.metadata slows every command's startup
+
     manifest = {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
@@ -605,10 +621,10 @@ def format_summary(result: PrepareResult) -> str:
     header = ["split", "name", *columns, "seconds", "Mbp/s"]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(v).rjust(w) for v, w in zip(row, widths)) for row in [header, *rows]]
-    mb = result.input_bytes / 1e6
+    rate = result.input_bytes / max(result.seconds, 1e-9)
     lines += [
         "",
-        f"store {result.path}: {mb:,.1f} MB of input in {result.seconds:.2f} s ({mb / max(result.seconds, 1e-9):,.1f} MB/s); "
+        f"store {result.path}: {format_bytes(result.input_bytes)} of input in {result.seconds:.2f} s ({format_bytes(rate)}/s); "
         f"min_gap {result.manifest['min_gap']:,}",
     ]
     unused = result.manifest.get("unused_records", [])

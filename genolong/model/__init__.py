@@ -8,14 +8,36 @@
 - checkpoints in the GLM-5.3-Flash format (``hf``: :meth:`GenoLM.from_pretrained`,
   :meth:`GenoLM.save_pretrained`);
 - :class:`Decoder`, the step-by-step inference path (``decode``).
+
+The names below load their module on first use (module ``__getattr__``): the torch-free parts
+(``genolong.model.config``, ``genolong.model.vocab``) import without torch, which keeps
+``genolong plan`` and the recipe loader from paying torch's import time.
 """
 
 from __future__ import annotations
 
-from .config import PRESETS, ModelConfig, ParameterCount, layer_types_from_pattern, parameter_count
-from .decode import Decoder, DecodeState, decode_log_probs, sequence_log_probs
-from .dsa import DSAMixer
-from .kda import KDAMixer
-from .lm import GenoLM
+import importlib
+from typing import Any
 
 __all__ = ["PRESETS", "DSAMixer", "DecodeState", "Decoder", "GenoLM", "decode_log_probs", "sequence_log_probs", "KDAMixer", "ModelConfig", "ParameterCount", "layer_types_from_pattern", "parameter_count"]
+
+#: public name -> the submodule that defines it
+_LAZY = {
+    "PRESETS": "config", "ModelConfig": "config", "ParameterCount": "config", "layer_types_from_pattern": "config",
+    "parameter_count": "config",
+    "Decoder": "decode", "DecodeState": "decode", "decode_log_probs": "decode", "sequence_log_probs": "decode",
+    "DSAMixer": "dsa", "KDAMixer": "kda", "GenoLM": "lm",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load ``name``'s submodule on first use (see the module docstring)."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

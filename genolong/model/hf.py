@@ -44,6 +44,7 @@ from torch import nn
 from ..errors import InputError
 from ..files import unique_sibling
 from ..integrity import DamagedFileError, check_weights, write_manifest
+from ..units import format_bytes
 from .config import ModelConfig
 
 __all__ = ["CheckpointTensor", "checkpoint_layout", "load_checkpoint", "save_checkpoint"]
@@ -264,8 +265,8 @@ def load_checkpoint(model: nn.Module, directory: str | os.PathLike[str], dtype: 
             "the checkpoint is incomplete or config.json describes another model"
         )
     skip_text = ", ".join(f"{reason} ({n} tensors)" for reason, n in sorted(skipped.items()))
-    log.info("genolong: loaded %d tensors (%.1f MB) from %s%s", sum(len(v) for v in by_shard.values()),
-             loaded_bytes / 1e6, directory, f"; skipped {skip_text}" if skipped else "")
+    log.info("genolong: loaded %d tensors (%s) from %s%s", sum(len(v) for v in by_shard.values()),
+             format_bytes(loaded_bytes), directory, f"; skipped {skip_text}" if skipped else "")
 
 
 # -- writing ---------------------------------------------------------------------------------------

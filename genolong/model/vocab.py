@@ -12,11 +12,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..data.alphabet import BASE_MASK, BOS, EOS, PAD, VOCAB_SIZE
 from ..errors import InputError
+
+if TYPE_CHECKING:  # torch loads in to_model: the recipe loader imports this module without torch
+    import torch
 
 __all__ = ["VocabMap", "BASE_LETTERS"]
 
@@ -86,6 +88,8 @@ class VocabMap:
         Raises:
             InputError: if a token has no model id (e.g. padding without ``pad_token_id``).
         """
+        import torch
+
         table = torch.tensor(self.ids, dtype=torch.long, device=tokens.device)
         out = table[(tokens & BASE_MASK).long()]
         if bool((out < 0).any()):

@@ -4,21 +4,18 @@
 - :func:`apply_recompute`: none | selective (per module kind) | full activation recomputation;
 - :class:`ActivationOffloader` / :func:`apply_offload`: per-layer CPU activation offload with
   prefetch in backward.
+
+The names below load their module on first use (module ``__getattr__``), so that the torch-free
+parts (``genolong.parallel.plan``'s arithmetic, ``genolong.parallel.recompute``'s constants) import
+without torch.
 """
 
 from __future__ import annotations
 
-from .offload import ActivationOffloader, apply_offload, offloader_of
-from .parallelize import apply_moe_chunks, parallelize
-from .recompute import (
-    DEFAULT_SELECTIVE,
-    MODULE_KINDS,
-    RECOMPUTE_MODES,
-    apply_recompute,
-    is_recomputed,
-    recompute_module,
-    remove_recompute,
-)
+import importlib
+import sys
+import types
+from typing import Any
 
 __all__ = [
     "ActivationOffloader",
@@ -34,3 +31,45 @@ __all__ = [
     "recompute_module",
     "remove_recompute",
 ]
+
+#: public name -> the submodule that defines it
+_LAZY = {
+    "ActivationOffloader": "offload", "apply_offload": "offload", "offloader_of": "offload",
+    "apply_moe_chunks": "parallelize", "parallelize": "parallelize",
+    "DEFAULT_SELECTIVE": "recompute", "MODULE_KINDS": "recompute", "RECOMPUTE_MODES": "recompute",
+    "apply_recompute": "recompute", "is_recomputed": "recompute", "recompute_module": "recompute",
+    "remove_recompute": "recompute",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load ``name``'s submodule on first use (see the module docstring)."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """This package's module type: the name ``parallelize`` stays the function.
+
+    The submodule ``genolong.parallel.parallelize`` shares the function's name, and the import
+    system binds a submodule on its package when it first loads it. When the package imported
+    everything eagerly the function import came last and won; loading lazily, a first
+    ``import genolong.parallel.parallelize`` elsewhere would leave the *module* under
+    ``genolong.parallel.parallelize``. Ignoring that one binding keeps the function (read through
+    :func:`__getattr__`).
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "parallelize" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

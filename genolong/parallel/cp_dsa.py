@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
+from ..kernels.comm_bytes import cp_dsa_comm_bytes  # the arithmetic, torch-free (genolong plan)
 from ..model.config import ModelConfig
 from ..model.dsa import DSAKeys, DSAMixer, indexer_kl_count
 
@@ -218,26 +219,3 @@ def cp_dsa_forward(
         local = indexer_kl_count(res.indices, mixer.indexer.index_kpool, mixer.always_select_tail, start)
         mixer.last_indexer_kl = kl_share(mixer, res.kl, local, group)
     return res.out, (res.indices if mixer.returns_indices else None)
-
-
-def cp_dsa_comm_bytes(
-    config: ModelConfig, batch: int, t_local: int, cp: int, full_indexer: bool, dtype_bytes: int = 4
-) -> dict[str, int]:
-    """Bytes one rank receives through the collectives of one :func:`cp_dsa_forward` call.
-
-    Args:
-        config: the model config (``kv_lora_rank``, ``index_head_dim``, ``index_kpool``).
-        batch: ``B``; t_local: ``T_local``; cp: the CP group size ``W``.
-        full_indexer: the layer has its own indexer (its pooled keys travel too).
-        dtype_bytes: bytes per element of the model dtype (default 4, fp32).
-
-    Returns:
-        ``{"forward": n, "backward": n}`` with ``n = (W - 1) * B * T_local * (C + DI / P) * s``
-        (``DI / P`` only with ``full_indexer``): the all-gather of the latent and pooled keys, and
-        in backward the reduce-scatter of their gradient (gloo emulates it with scatters of the
-        same volume). The indexer KL's scalar all-reduce is not counted.
-    """
-    latent = t_local * config.kv_lora_rank
-    pooled = (t_local // config.index_kpool) * config.index_head_dim if full_indexer else 0
-    n = (cp - 1) * batch * (latent + pooled) * dtype_bytes
-    return {"forward": n, "backward": n}

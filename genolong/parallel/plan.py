@@ -71,13 +71,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..config import KDA_CHUNK, Recipe, kernel_multiple, parse_recipe
 from ..errors import InputError
-from ..kernels.kda.cp import conv_halo_comm_bytes, cp_kda_comm_bytes
+from ..kernels.comm_bytes import conv_halo_payload, cp_dsa_comm_bytes, kda_state_payload
 from ..model.config import INDEXED_ATTENTION, LINEAR_ATTENTION, ModelConfig, parameter_count
-from .cp_dsa import cp_dsa_comm_bytes
+from ..units import format_bytes, format_count
 from .recompute import DEFAULT_SELECTIVE, MODULE_KINDS, RECOMPUTE_MODES
 
 __all__ = [
@@ -1120,7 +1118,7 @@ def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, 
     redo_kda = recompute in _BLOCK_RECOMPUTE or "kda" in kinds
     redo_dsa = recompute in _BLOCK_RECOMPUTE or "dsa" in kinds
     redo_moe = recompute in _BLOCK_RECOMPUTE or "moe" in kinds
-    compute = torch.float32 if dtype_bytes == 4 else torch.bfloat16
+    compute = dtype_bytes  # element bytes of the compute dtype: fp32 4, bf16 2
     rows: list[CommRow] = []
 
     def payload_row(name: str, layers: int, call: dict[str, int], redo: bool) -> CommRow:
@@ -1131,8 +1129,9 @@ def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, 
         return CommRow("kda", name, layers, PAYLOAD, fwd, rec, bwd, wire)
 
     heads, d = cfg.linear_num_heads, cfg.linear_head_dim
-    state = cp_kda_comm_bytes(batch, heads, d, d, cp, torch.float32)  # the mixer runs KDA on fp32 q, k, v
-    halo = conv_halo_comm_bytes(batch, 3 * heads * d, cfg.linear_conv_kernel_dim, cp, compute)
+    # the counts of cp_kda_comm_bytes / conv_halo_comm_bytes, from their torch-free arithmetic
+    state = kda_state_payload(batch, heads, d, d, cp, 4)  # the mixer runs KDA on fp32 q, k, v
+    halo = conv_halo_payload(batch, 3 * heads * d, cfg.linear_conv_kernel_dim, cp, compute)
     rows.append(payload_row("KDA state all-gather fwd / all-reduce bwd (cp_kda_comm_bytes)", n_kda, state, redo_kda))
     rows.append(payload_row("KDA short-conv halo (conv_halo_comm_bytes)", n_kda, halo, redo_kda))
     for name, layers, full in (("DSA latent + pooled index keys, full-indexer layers", n_full, True),
@@ -1306,7 +1305,7 @@ def _check_positive(name: str, value: Any, kind: type = float, allow_none: bool 
 
 def _describe(cfg: ModelConfig, count: int) -> str:
     moe = sum(1 for t in (cfg.mlp_layer_types or ()) if t == "sparse")
-    return (f"{count / 1e9:.1f}B params, {cfg.num_hidden_layers} layers ({cfg.pattern.count('K')} KDA + "
+    return (f"{format_count(count)} params, {cfg.num_hidden_layers} layers ({cfg.pattern.count('K')} KDA + "
             f"{cfg.pattern.count('D')} DSA, {moe} MoE x {cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}), "
             f"hidden {cfg.hidden_size}, mHC x {cfg.hc_mult}")
 
@@ -1442,7 +1441,7 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
         + "; bf16 sizes assume bf16 compute with the layers' fp32 parts kept fp32",
         f"parameters, gradients and AdamW state fp32 (16 B/param) sharded over cp x dp_shard = {shard} ranks (FSDP2); "
         f"2 unsharded units in {'bf16' if bf16 else 'fp32'} + 1 unsharded fp32 gradient in flight (the largest unit: "
-        f"{unit / 1e9:.2f}B params)",
+        f"{format_count(unit)} params)",
         recompute_note,
         "offload: every saved tensor of at least offload_min_bytes goes to pinned host memory, one host copy per "
         "distinct view autograd saves; two layers are back on the device in backward (prefetch)" if mem.offload
@@ -1452,7 +1451,7 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
            f"FSDP unit over {shard // ep} ranks; the busiest rank's expert activations at {moe_imbalance:g} x, plus its own "
            "dispatch-send and combine-receive rows" if ep > 1 else ""),
         "DSA under CP all-gathers the whole sequence's kv latent and pooled index keys (and their gradients)",
-        f"workspace {WORKSPACE_BYTES / GIB:.0f} GiB + {FRAGMENTATION:.0%} fragmentation; the largest of MoE dispatch, "
+        f"workspace {format_bytes(WORKSPACE_BYTES)} + {FRAGMENTATION:.0%} fragmentation; the largest of MoE dispatch, "
         "DSA buffers and the cross-entropy chunk counts (they do not overlap)",
         "indexer KL on (the trainer computes it); batch_size sequences per rank"
         + "; mHC mixing weights (normalisation, Sinkhorn) rebuilt in backward, only pre kept (HyperConnection.recompute_weights)",
@@ -1640,17 +1639,9 @@ def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, hos
     return base
 
 
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / GIB:,.1f}"
-
-
-def _size(nbytes: float) -> str:
-    """Bytes as MiB below 1 GiB, else GiB (``0`` for nothing)."""
-    if nbytes == 0:
-        return "0"
-    if nbytes < GIB:
-        return f"{nbytes / (1 << 20):,.2f} MiB"
-    return f"{nbytes / GIB:,.1f} GiB"
+def _cell(nbytes: float) -> str:
+    """A table cell's bytes in the unit that fits (:func:`genolong.units.format_bytes`; ``0`` for nothing)."""
+    return format_bytes(nbytes, zero="0")
 
 
 def format_plan(plan: Plan) -> str:
@@ -1669,48 +1660,48 @@ def format_plan(plan: Plan) -> str:
         + f"; offload {'on' if p.offload else 'off'}; MoE chunk {p.moe_chunk_tokens or 'all'}; CE chunk {p.ce_chunk_tokens}",
         f"kernels: backend {p.kernel_backend!r} -> KDA {p.kda_kernel}, DSA {p.dsa_kernel}",
         "",
-        "| device memory per GPU | GiB |",
+        "| device memory per GPU | size |",
         "|---|---:|",
     ]
     for name, value in p.device.items():
         note = ""
         if name in TRANSIENTS:
             note = " (counted: largest transient)" if name == p.transient_peak else " (not counted: overlaps)"
-        lines.append(f"| {name}{note} | {_gib(value)} |")
-    lines.append(f"| **total (peak)** | **{_gib(p.device_total)}** of {_gib(p.gpu_mem)} |")
+        lines.append(f"| {name}{note} | {_cell(value)} |")
+    lines.append(f"| **total (peak)** | **{_cell(p.device_total)}** of {_cell(p.gpu_mem)} |")
     n = p.tokens_per_rank
-    lines += ["", "| activations by part, all layers | saved: KiB/token | saved: GiB | without recompute: KiB/token | GiB |",
+    lines += ["", "| activations by part, all layers | saved per token | saved | without recompute: per token | all |",
               "|---|---:|---:|---:|---:|"]
     if p.ep > 1:
         lines.insert(len(lines) - 2, "(moe: the busiest EP rank, its routed-expert rows at the imbalance)")
     kinds = sorted(set(p.activations_by_kind) | set(p.plain_by_kind), key=lambda k: -p.plain_by_kind.get(k, 0))
     for kind in kinds:
         saved, plain = p.activations_by_kind.get(kind, 0), p.plain_by_kind.get(kind, 0)
-        lines.append(f"| {kind} | {saved / n / 1024:,.1f} | {_gib(saved)} | {plain / n / 1024:,.1f} | {_gib(plain)} |")
+        lines.append(f"| {kind} | {_cell(saved / n)} | {_cell(saved)} | {_cell(plain / n)} | {_cell(plain)} |")
     lines += ["", f"| communication per rank per step (cp {p.comm.cp}, " + (f"ep {p.comm.ep}, " if p.comm.ep > 1 else "")
               + f"FSDP over {p.comm.shard_group}"
               + (f" x {p.comm.dp_replicate} replicas" if p.comm.dp_replicate > 1 else "")
               + ") | layers | counts | forward | recompute | backward | step | ring wire |",
               "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in p.comm.rows:
-        lines.append(f"| {r.name} | {r.layers} | {r.convention} | {_size(r.forward)} | {_size(r.recompute)} | "
-                     f"{_size(r.backward)} | {_size(r.total)} | {_size(r.wire)} |")
+        lines.append(f"| {r.name} | {r.layers} | {r.convention} | {_cell(r.forward)} | {_cell(r.recompute)} | "
+                     f"{_cell(r.backward)} | {_cell(r.total)} | {_cell(r.wire)} |")
     for part, label in (("kda", "KDA (CP)"), ("dsa", "DSA (CP)"), ("ep", "EP all-to-all"), ("fsdp", "FSDP")):
         if part == "ep" and p.comm.ep == 1:
             continue
-        lines.append(f"| **{label} total** | | | | | | **{_size(p.comm.part_total(part))}** | "
-                     f"**{_size(p.comm.part_wire(part))}** |")
-    host_budget = "" if p.host_mem is None else f" (budget {_gib(p.host_mem)} GiB per node)"
+        lines.append(f"| **{label} total** | | | | | | **{_cell(p.comm.part_total(part))}** | "
+                     f"**{_cell(p.comm.part_wire(part))}** |")
+    host_budget = "" if p.host_mem is None else f" (budget {format_bytes(p.host_mem)} per node)"
     lines += [
         "",
-        f"pinned host memory for offload: {_gib(p.host_per_gpu)} GiB per GPU, {_gib(p.host_per_node)} GiB per node{host_budget}",
+        f"pinned host memory for offload: {format_bytes(p.host_per_gpu)} per GPU, {format_bytes(p.host_per_node)} per node{host_budget}",
         f"verdict: {'FITS' if p.fits else 'DOES NOT FIT'} (device {'ok' if p.fits_device else 'over'}, host "
         f"{'ok' if p.fits_host else 'over'})",
     ]
     if not p.fits:
         if p.suggestion:
             lines.append(f"cheapest change that fits: {' '.join('--set ' + s if not s.startswith('--') else s for s in p.suggestion)}"
-                         f" -> {_gib(p.suggestion_total or 0)} GiB per GPU")
+                         f" -> {format_bytes(p.suggestion_total or 0)} per GPU")
         else:
             lines.append("no change tried fits (recompute, offload, expert parallelism, chunks, up to 8x CP, 4x GPUs): "
                          "use larger GPUs or a shorter context")
@@ -2036,7 +2027,7 @@ def _eval_once(recipe: Recipe, cfg: ModelConfig, gpus: int, context: int, gpu_me
         + ("; fla chunk_kda's forward temporaries (w, u, kg, v_new, chunk states h) added" if kda_kernel == "fla" else ""),
         f"weights in {dtype} sharded over cp x dp_shard = {shard} ranks (FSDP2"
         + (f"; ep {ep}: {cfg.n_routed_experts // ep} experts per rank, each MoE layer's experts a unit over {shard // ep}"
-           if ep > 1 else "") + f"); 2 unsharded units in flight (the largest: {largest / 1e9:.2f}B params)",
+           if ep > 1 else "") + f"); 2 unsharded units in flight (the largest: {format_count(largest)} params)",
         f"kernel_backend {cfg.kernel_backend!r} -> KDA {kda_kernel}, DSA {dsa_kernel}"
         + (" (auto counted as on a CUDA machine with Triton and fla-core)" if cfg.kernel_backend == "auto" and gpu else ""),
         (f"context parallelism: each of the {cp} ranks scores {tokens:,} tokens of the {context:,}-token tile; DSA "
@@ -2050,7 +2041,7 @@ def _eval_once(recipe: Recipe, cfg: ModelConfig, gpus: int, context: int, gpu_me
         ("loading: each rank reads only its slices (safetensors get_slice / dcp.load into the sharded model); host "
          "per GPU: the largest tensor's read buffer plus the rank's shard staged before the copy") if gpu else
         "CPU run: 'device' is the process's memory; loading streams the safetensors one tensor at a time",
-        (f"workspace {WORKSPACE_BYTES / GIB:.0f} GiB" if gpu else f"process {CPU_PROCESS_BYTES / GIB:.1f} GiB")
+        (f"workspace {format_bytes(WORKSPACE_BYTES)}" if gpu else f"process {format_bytes(CPU_PROCESS_BYTES)}")
         + f" + {FRAGMENTATION:.0%} fragmentation",
     ]
     return EvalPlan(
@@ -2178,21 +2169,21 @@ def format_eval_plan(plan: EvalPlan) -> str:
         + f"; {p.dtype}; MoE chunk {p.moe_chunk_tokens or 'all'}; forward only",
         f"kernels: backend {p.kernel_backend!r} -> KDA {p.kda_kernel}, DSA {p.dsa_kernel}",
         "",
-        f"| {'device memory per GPU' if p.accelerator != 'cpu' else 'memory per process (CPU)'} (evaluation) | GiB |",
+        f"| {'device memory per GPU' if p.accelerator != 'cpu' else 'memory per process (CPU)'} (evaluation) | size |",
         "|---|---:|",
     ]
-    lines += [f"| {name} | {_gib(value)} |" for name, value in p.device.items()]
-    lines.append(f"| **total (peak)** | **{_gib(p.device_total)}** of {_gib(p.gpu_mem)} |")
-    lines += ["", f"| forward working set: {p.peak_phase} | GiB |", "|---|---:|"]
+    lines += [f"| {name} | {_cell(value)} |" for name, value in p.device.items()]
+    lines.append(f"| **total (peak)** | **{_cell(p.device_total)}** of {_cell(p.gpu_mem)} |")
+    lines += ["", f"| forward working set: {p.peak_phase} | size |", "|---|---:|"]
     # (a '|' inside a tensor's name, e.g. q|k|v, would split the markdown row)
-    lines += [f"| {t.kind}: {t.name.replace('|', '/')} | {_gib(t.nbytes)} |" for t in sorted(p.working, key=lambda t: -t.nbytes)]
-    lines += ["", "| activation peak by phase (largest layer of each kind) | GiB |", "|---|---:|"]
-    lines += [f"| {name} | {_gib(value)} |" for name, value in sorted(p.phase_bytes.items(), key=lambda kv: -kv[1])]
-    budget = "" if p.host_mem is None else f" (budget {_gib(p.host_mem)} GiB per node)"
-    lines += ["", "| host memory per GPU (loading) | GiB |", "|---|---:|"]
-    lines += [f"| {name} | {_gib(value)} |" for name, value in p.host.items()]
+    lines += [f"| {t.kind}: {t.name.replace('|', '/')} | {_cell(t.nbytes)} |" for t in sorted(p.working, key=lambda t: -t.nbytes)]
+    lines += ["", "| activation peak by phase (largest layer of each kind) | size |", "|---|---:|"]
+    lines += [f"| {name} | {_cell(value)} |" for name, value in sorted(p.phase_bytes.items(), key=lambda kv: -kv[1])]
+    budget = "" if p.host_mem is None else f" (budget {format_bytes(p.host_mem)} per node)"
+    lines += ["", "| host memory per GPU (loading) | size |", "|---|---:|"]
+    lines += [f"| {name} | {_cell(value)} |" for name, value in p.host.items()]
     lines += [
-        f"| **total** | **{_gib(p.host_per_gpu)}** ({_gib(p.host_per_node)} per node{budget}) |",
+        f"| **total** | **{_cell(p.host_per_gpu)}** ({_cell(p.host_per_node)} per node{budget}) |",
         "",
         f"verdict: {'FITS' if p.fits else 'DOES NOT FIT'} (device {'ok' if p.fits_device else 'over'}, host "
         f"{'ok' if p.fits_host else 'over'})",
@@ -2200,7 +2191,7 @@ def format_eval_plan(plan: EvalPlan) -> str:
     if not p.fits:
         if p.suggestion:
             lines.append(f"first change that fits: {' '.join('--set ' + s if not s.startswith('--') else s for s in p.suggestion)}"
-                         f" -> {_gib(p.suggestion_total or 0)} GiB per GPU")
+                         f" -> {format_bytes(p.suggestion_total or 0)} per GPU")
         else:
             lines.append("no change tried fits (expert parallelism, MoE chunks, streaming, up to 8x CP, 4x GPUs): use larger GPUs, "
                          "more of them or a shorter context")

@@ -27,25 +27,22 @@ gradients equal those without recompute.
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Any
-
-import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
-from ..model.dsa import DSAMixer
-from ..model.kda import KDAMixer
-from ..model.layers import SwiGLU
 from ..model.config import INDEXED_ATTENTION, LINEAR_ATTENTION
-from ..model.lm import Block
-from ..model.mhc import HyperConnection
-from ..model.moe import MoE
-from .chunked_dsa import dsa_attention_half
-from .chunked_kda import kda_attention_half
-from .offload import _in_backward
+
+# torch and the model's modules load on first use, not at import: the recipe loader
+# (genolong.config) and ``genolong plan`` read this module's constants without paying torch's
+# import time (tests/test_cli_startup.py checks it)
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from ..model.lm import Block
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -67,20 +64,32 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full", "chunked")
 #: Tokens ``chunked`` rebuilds at a time by default (``memory.recompute_chunk_tokens``' default).
 DEFAULT_CHUNK_TOKENS = 16384
 
-#: Module kinds selective recompute can checkpoint inside each block: kind -> (attribute of the
-#: Block, module type). "attn" and "ffn" are shorthands for both mixers and both feed-forwards.
-_KIND_TARGETS: dict[str, tuple[tuple[str, type[nn.Module]], ...]] = {
-    "kda": (("self_attn", KDAMixer),),  # the KDA mixer: projections, short conv, chunked delta rule, gated norm
-    "dsa": (("self_attn", DSAMixer),),  # the DSA mixer: MLA projections, indexer top-k, sparse attention
-    "moe": (("mlp", MoE),),  # router, routed experts and shared expert
-    "mlp": (("mlp", SwiGLU),),  # the dense SwiGLU of the first layers
-    "hc": (("attn_hc", HyperConnection), ("ffn_hc", HyperConnection)),  # the two mHC weight computations
-}
-_KIND_TARGETS["attn"] = _KIND_TARGETS["kda"] + _KIND_TARGETS["dsa"]
-_KIND_TARGETS["ffn"] = _KIND_TARGETS["moe"] + _KIND_TARGETS["mlp"]
+#: The module kinds selective recompute knows (the keys of :func:`_kind_targets`, in its order).
+MODULE_KINDS: tuple[str, ...] = ("kda", "dsa", "moe", "mlp", "hc", "attn", "ffn")
 
-#: The module kinds selective recompute knows.
-MODULE_KINDS: tuple[str, ...] = tuple(_KIND_TARGETS)
+
+@functools.cache
+def _kind_targets() -> dict[str, tuple[tuple[str, type[nn.Module]], ...]]:
+    """Module kinds selective recompute can checkpoint inside each block: kind -> (attribute of
+    the Block, module type). "attn" and "ffn" are shorthands for both mixers and both
+    feed-forwards. Built on first use (it imports the model's torch modules)."""
+    from ..model.dsa import DSAMixer
+    from ..model.kda import KDAMixer
+    from ..model.layers import SwiGLU
+    from ..model.mhc import HyperConnection
+    from ..model.moe import MoE
+
+    targets: dict[str, tuple[tuple[str, type[nn.Module]], ...]] = {
+        "kda": (("self_attn", KDAMixer),),  # the KDA mixer: projections, short conv, chunked delta rule, gated norm
+        "dsa": (("self_attn", DSAMixer),),  # the DSA mixer: MLA projections, indexer top-k, sparse attention
+        "moe": (("mlp", MoE),),  # router, routed experts and shared expert
+        "mlp": (("mlp", SwiGLU),),  # the dense SwiGLU of the first layers
+        "hc": (("attn_hc", HyperConnection), ("ffn_hc", HyperConnection)),  # the two mHC weight computations
+    }
+    targets["attn"] = targets["kda"] + targets["dsa"]
+    targets["ffn"] = targets["moe"] + targets["mlp"]
+    assert tuple(targets) == MODULE_KINDS, "MODULE_KINDS must list the kinds of _kind_targets, in order"
+    return targets
 
 #: What ``selective`` checkpoints by default: both token mixers (on the small preset at 2k tokens
 #: the KDA mixers alone hold 41% of the saved bytes) and the hyper-connections (their weight
@@ -101,6 +110,9 @@ class _RecomputedForward:
         self.inner = inner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+        from torch.utils.checkpoint import checkpoint
+
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)  # inference: nothing is saved, nothing to recompute
         return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
@@ -138,7 +150,7 @@ def remove_recompute(model: nn.Module) -> int:
 #: [B, T, k] or None, chunk_tokens) -> (streams [B, T, m, H], indices [B, T, k] or None)``. It may
 #: checkpoint its segments itself (non-reentrant ``torch.utils.checkpoint``); it must give the
 #: values of ``Block.attention_half`` (bitwise, or to its own stated tolerance).
-AttentionHalf = Callable[[Block, torch.Tensor, "torch.Tensor | None", int], "tuple[torch.Tensor, torch.Tensor | None]"]
+AttentionHalf = Callable[["Block", "torch.Tensor", "torch.Tensor | None", int], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
 def whole_attention_half(block: Block, streams: torch.Tensor, prev_indices: torch.Tensor | None,
@@ -157,6 +169,8 @@ def segmented_kda_half(block: Block, streams: torch.Tensor, prev_indices: torch.
     """A KDA layer's attention half in checkpointed segments of ``chunk_tokens`` tokens carrying
     the KDA state and the short-conv tail (:func:`genolong.parallel.chunked_kda.kda_attention_half`;
     KDA layers take no ``prev_indices`` and return no indices). Shapes as :data:`AttentionHalf`."""
+    from .chunked_kda import kda_attention_half
+
     return kda_attention_half(block, streams, chunk_tokens), None
 
 
@@ -164,17 +178,37 @@ def segmented_kda_half(block: Block, streams: torch.Tensor, prev_indices: torch.
 #: call: KDA layers in token segments carrying the recurrent state
 #: (:func:`segmented_kda_half`), DSA layers in query segments over the slice's keys
 #: (:func:`genolong.parallel.chunked_dsa.dsa_attention_half`); :func:`whole_attention_half` is
-#: the unsegmented form (what ``full`` rebuilds) for comparison.
-ATTENTION_HALVES: dict[str, AttentionHalf] = {
-    LINEAR_ATTENTION: segmented_kda_half,
-    INDEXED_ATTENTION: dsa_attention_half,
-}
+#: the unsegmented form (what ``full`` rebuilds) for comparison. Built on first use (the DSA half
+#: imports torch): read it as ``recompute.ATTENTION_HALVES`` (module ``__getattr__``) or through
+#: :func:`_attention_halves`; both give the same dict, so a test may patch its items.
+ATTENTION_HALVES: dict[str, AttentionHalf]
+
+
+def _attention_halves() -> dict[str, AttentionHalf]:
+    """:data:`ATTENTION_HALVES`, built and bound in this module on the first call."""
+    halves = globals().get("ATTENTION_HALVES")
+    if halves is None:
+        from .chunked_dsa import dsa_attention_half
+
+        halves = {LINEAR_ATTENTION: segmented_kda_half, INDEXED_ATTENTION: dsa_attention_half}
+        globals()["ATTENTION_HALVES"] = halves
+    return halves
+
+
+def __getattr__(name: str) -> Any:
+    """``ATTENTION_HALVES`` on first use (see its comment)."""
+    if name == "ATTENTION_HALVES":
+        return _attention_halves()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _ffn_piece(block: Block, piece: torch.Tensor) -> torch.Tensor:
     """The feed-forward half on one token chunk ``[1, c, m, H]``; during backward's recomputation
     the MoE's ``last_routing`` keeps the whole forward's statistics (the chunk's would overwrite
     them)."""
+    from ..model.moe import MoE
+    from .offload import _in_backward
+
     if isinstance(block.mlp, MoE) and _in_backward():
         stats = block.mlp.last_routing
         try:
@@ -208,6 +242,11 @@ def chunked_ffn_half(block: Block, streams: torch.Tensor, chunk_tokens: int, *, 
     Returns:
         ``[B, T, m, H]``.
     """
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from ..model.moe import MoE
+
     b, t, m, h = streams.shape
     flat = streams.reshape(1, b * t, m, h)
     fn = _skip_piece if skip else partial(_ffn_piece, block)
@@ -267,15 +306,22 @@ class ChunkedBlockForward:
         self.chunk_tokens = chunk_tokens
 
     def __call__(self, streams: torch.Tensor, prev_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        import torch
+        from torch.utils.checkpoint import checkpoint
+
+        from ..model.lm import Block
+
         if not torch.is_grad_enabled():
             return Block.forward(self.block, streams, prev_indices)
         # the model has no randomness: no RNG state to stash per block
         return checkpoint(self._layer, streams, prev_indices, use_reentrant=False, preserve_rng_state=False)
 
     def _layer(self, streams: torch.Tensor, prev_indices: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from .offload import _in_backward
+
         block = self.block
         rebuilding = _in_backward()  # step 1 of backward (see the class docstring)
-        mid, indices = ATTENTION_HALVES[block.layer_type](block, streams, prev_indices, self.chunk_tokens)
+        mid, indices = _attention_halves()[block.layer_type](block, streams, prev_indices, self.chunk_tokens)
         return chunked_ffn_half(block, mid, self.chunk_tokens, skip=rebuilding), indices
 
 
@@ -291,7 +337,7 @@ def _check_kinds(modules: Iterable[str]) -> tuple[str, ...]:
         modules = (modules,)
     kinds = tuple(modules)
     for kind in kinds:
-        if kind not in _KIND_TARGETS:
+        if kind not in MODULE_KINDS:
             near = difflib.get_close_matches(str(kind), MODULE_KINDS, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise InputError(f"recompute module kind {kind!r} is unknown{hint}; choose from {', '.join(MODULE_KINDS)}")
@@ -332,6 +378,10 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules: Sequence[str]
         _check_chunk_tokens(chunk_tokens)
     if mode == "none":
         return []
+    from torch import nn
+
+    from ..model.lm import Block
+
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not all(isinstance(b, Block) for b in layers):
         raise InputError(f"apply_recompute needs a GenoLM (model.layers of Blocks); got {type(model).__name__}")
@@ -349,7 +399,7 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules: Sequence[str]
         kinds = kinds or DEFAULT_SELECTIVE
         for block in layers:
             for kind in kinds:
-                for attr, cls in _KIND_TARGETS[kind]:
+                for attr, cls in _kind_targets()[kind]:
                     module = getattr(block, attr)
                     if isinstance(module, cls) and all(module is not c for c in chosen):
                         chosen.append(module)

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..comm_bytes import conv_halo_payload, kda_state_payload  # the arithmetic, torch-free (genolong plan)
 from .chunk import chunk_kda
 from .recurrent import check_kda_inputs, compute_dtype
 
@@ -350,11 +351,7 @@ def cp_kda_comm_bytes(B: int, H: int, K: int, V: int, cp: int, dtype: torch.dtyp
         ``cp == 1``. With ring algorithms a rank sends ``(cp-1)`` times the forward payload and
         ``2 (cp-1)/cp`` times the backward payload over the wire.
     """
-    if cp == 1:
-        return {"forward": 0, "backward": 0}
-    e = torch.empty((), dtype=compute_dtype(dtype)).element_size()
-    state = B * H * K * (K + V) * e
-    return {"forward": state, "backward": cp * state}
+    return kda_state_payload(B, H, K, V, cp, torch.empty((), dtype=compute_dtype(dtype)).element_size())
 
 
 def conv_halo_comm_bytes(B: int, C: int, kernel: int, cp: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
@@ -364,7 +361,4 @@ def conv_halo_comm_bytes(B: int, C: int, kernel: int, cp: int, dtype: torch.dtyp
     element size of ``dtype`` (the 8 bytes are the slice length); 0 for ``cp == 1`` or
     ``kernel == 1``.
     """
-    if cp == 1 or kernel == 1:
-        return {"forward": 0, "backward": 0}
-    rows = B * (kernel - 1) * C * torch.empty((), dtype=dtype).element_size()
-    return {"forward": 8 + rows, "backward": cp * rows}
+    return conv_halo_payload(B, C, kernel, cp, torch.empty((), dtype=dtype).element_size())
