@@ -79,16 +79,20 @@ def test_cli_help_and_version(capsys) -> None:
 def test_quickstart_command(tmp_path: Path) -> None:
     """`genolong quickstart --control` as a user runs it (a subprocess), shortened to 2 steps at
     2,048 tokens and 2 held-out tiles: prepare, evaluate the base, fine-tune, evaluate full and cut,
-    train and evaluate the control, compare, plot, REPORT.md. Run twice: the second run replaces
-    the first (store, runs, results)."""
-    for _ in range(2):
-        run = subprocess.run(
-            [sys.executable, "-m", "genolong.cli", "quickstart", "--out", str(tmp_path / "qs"), "--quiet", "--control",
-             "--eval-tiles", "2", "--probe-tiles", "1", "--set", "train.max_steps=2", "--set", "train.warmup_steps=1",
-             "--set", "data.context=2048", "--set", "eval.every_n_steps=2", "--set", "checkpoint.every_n_steps=2"],
-            capture_output=True, text=True,
-        )
+    train and evaluate the control, compare, plot, REPORT.md. Run twice into the same directory:
+    first the cheapest run (1 step, 1 tile, no probe, no control), then the full one, which replaces
+    its store, runs and results (the first run's step-1 checkpoint must be gone)."""
+    common = [sys.executable, "-m", "genolong.cli", "quickstart", "--out", str(tmp_path / "qs"), "--quiet",
+              "--set", "train.warmup_steps=1", "--set", "data.context=2048"]
+    first = ["--eval-tiles", "1", "--probe-tiles", "0", "--set", "train.max_steps=1", "--set", "eval.every_n_steps=1",
+             "--set", "checkpoint.every_n_steps=1"]
+    second = ["--control", "--eval-tiles", "2", "--probe-tiles", "1", "--set", "train.max_steps=2",
+              "--set", "eval.every_n_steps=2", "--set", "checkpoint.every_n_steps=2"]
+    for extra in (first, second):
+        run = subprocess.run([*common, *extra], capture_output=True, text=True)
         assert run.returncode == 0, run.stderr[-3000:]
+        if extra is first:
+            assert sorted(p.name for p in (tmp_path / "qs" / "runs" / "quickstart" / "checkpoints").iterdir())[0] == "step0000001.ckpt"
     assert "train: 6,179,943 tokens in 5 segments" in run.stdout
     assert "eval: 900,000 tokens in 2 segments" in run.stdout
     assert "[9/9 |" in run.stdout and "genolong quickstart: done in" in run.stdout
