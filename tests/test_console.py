@@ -75,6 +75,11 @@ def _finetune(tmp_path: Path, store: Path, name: str, *args: str, **sections: di
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert main(["finetune", str(_tiny_recipe(tmp_path, store, name, **sections)), *args]) == 0
+    import torch.distributed as dist
+
+    # a one-process run ends the process group Lightning started for it: later code in this process
+    # must not take itself for one rank of a job (genolong.train.finetune.run)
+    assert not dist.is_initialized()
     return seen
 
 
@@ -140,8 +145,8 @@ def test_rank_zero_from_torch_distributed_once_initialised(monkeypatch: pytest.M
 
 
 def _launcher_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
-    """The launcher's variables ``env`` only, and no process group (an earlier in-process
-    finetune leaves its one-process group initialised)."""
+    """The launcher's variables ``env`` only, and no process group (whatever an earlier test of this
+    process left initialised)."""
     for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():

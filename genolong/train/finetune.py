@@ -342,8 +342,16 @@ def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
         InputError: missing store/checkpoint, a store the model cannot read, ``resume`` with no
             checkpoint, or a fresh run over a directory that already has checkpoints.
     """
-    with quiet_run():
-        return _run(recipe, resume)
+    had_group = dist.is_available() and dist.is_initialized()
+    try:
+        with quiet_run():
+            return _run(recipe, resume)
+    finally:
+        # Lightning's strategy starts a process group even for one process and never ends it: a
+        # one-process run called as a library (the quickstart, a notebook, the tests) would leave
+        # it behind, and later code would take the process for one rank of a distributed job
+        if not had_group and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+            dist.destroy_process_group()
 
 
 def _run(recipe: Recipe, resume: bool) -> FinetuneResult:
