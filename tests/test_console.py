@@ -5,6 +5,7 @@ multi-process job rank 0 alone."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -74,12 +75,14 @@ def _finetune(tmp_path: Path, store: Path, name: str, *args: str, **sections: di
     filters (recorded, with every other filter set to "always": what a user would see)."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
+        port = os.environ.get("MASTER_PORT")
         assert main(["finetune", str(_tiny_recipe(tmp_path, store, name, **sections)), *args]) == 0
     import torch.distributed as dist
 
-    # a one-process run ends the process group Lightning started for it: later code in this process
-    # must not take itself for one rank of a job (genolong.train.finetune.run)
-    assert not dist.is_initialized()
+    # a one-process run ends the process group Lightning started for it and restores the rendezvous
+    # variables: later code in this process must not take itself for one rank of a job, nor a child
+    # process inherit the port of a store (genolong.train.finetune.run)
+    assert not dist.is_initialized() and os.environ.get("MASTER_PORT") == port
     return seen
 
 

@@ -83,11 +83,11 @@ def test_quickstart_command(tmp_path: Path) -> None:
     first the cheapest run (1 step, 1 tile, no probe, no control), then the full one, which replaces
     its store, runs and results (the first run's step-1 checkpoint must be gone)."""
     common = [sys.executable, "-m", "genolong.cli", "quickstart", "--out", str(tmp_path / "qs"), "--quiet",
-              "--set", "train.warmup_steps=1", "--set", "data.context=2048"]
-    first = ["--eval-tiles", "1", "--probe-tiles", "0", "--set", "train.max_steps=1", "--set", "eval.every_n_steps=1",
-             "--set", "checkpoint.every_n_steps=1"]
+              "--set", "data.context=2048"]
+    first = ["--eval-tiles", "1", "--probe-tiles", "0", "--set", "train.max_steps=1", "--set", "train.warmup_steps=0",
+             "--set", "eval.every_n_steps=1", "--set", "checkpoint.every_n_steps=1"]
     second = ["--control", "--eval-tiles", "2", "--probe-tiles", "1", "--set", "train.max_steps=2",
-              "--set", "eval.every_n_steps=2", "--set", "checkpoint.every_n_steps=2"]
+              "--set", "train.warmup_steps=1", "--set", "eval.every_n_steps=2", "--set", "checkpoint.every_n_steps=2"]
     for extra in (first, second):
         run = subprocess.run([*common, *extra], capture_output=True, text=True)
         assert run.returncode == 0, run.stderr[-3000:]

@@ -95,7 +95,7 @@ def test_staged_writes_across_shards(sample_store: Path, tmp_path: Path, monkeyp
     for name in ("train", "eval"):
         sa, sb = a.split(name), b.split(name)
         assert sa.segments.equals(sb.segments)
-        assert np.array_equal(sa.tokens[:], sb.tokens[:])
+        assert np.array_equal(sa.tokens[:], sb.tokens[:])  # exact: integer token ids
 
 
 def test_softmask_kept_and_counted(tmp_path: Path) -> None:

@@ -333,6 +333,10 @@ def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback]) -> L.
     )
 
 
+#: the environment variables Lightning sets to start a process group (restored after a one-process run)
+_RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT")
+
+
 def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
     """Train ``recipe``; returns where things went. Lightning's banners, tips and its own warnings
     are hidden unless ``--verbose``, and the other ranks of a multi-process job print errors only
@@ -343,15 +347,23 @@ def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
             checkpoint, or a fresh run over a directory that already has checkpoints.
     """
     had_group = dist.is_available() and dist.is_initialized()
+    rendezvous = {name: os.environ.get(name) for name in _RENDEZVOUS_VARIABLES}
     try:
         with quiet_run():
             return _run(recipe, resume)
     finally:
-        # Lightning's strategy starts a process group even for one process and never ends it: a
-        # one-process run called as a library (the quickstart, a notebook, the tests) would leave
-        # it behind, and later code would take the process for one rank of a distributed job
+        # Lightning's strategy starts a process group even for one process, and sets MASTER_ADDR /
+        # MASTER_PORT, and never undoes either: a one-process run called as a library (the
+        # quickstart, a notebook, the tests) would leave a TCP store listening on that port, which
+        # every later child process inherits in its environment (EADDRINUSE), and later code would
+        # take this process for one rank of a distributed job
         if not had_group and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
             dist.destroy_process_group()
+            for name, value in rendezvous.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def _run(recipe: Recipe, resume: bool) -> FinetuneResult:
