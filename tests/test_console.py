@@ -75,14 +75,15 @@ def _finetune(tmp_path: Path, store: Path, name: str, *args: str, **sections: di
     filters (recorded, with every other filter set to "always": what a user would see)."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        port = os.environ.get("MASTER_PORT")
+        launcher = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")}
         assert main(["finetune", str(_tiny_recipe(tmp_path, store, name, **sections)), *args]) == 0
     import torch.distributed as dist
 
-    # a one-process run ends the process group Lightning started for it and restores the rendezvous
+    # a one-process run ends the process group Lightning started for it and restores the launcher's
     # variables: later code in this process must not take itself for one rank of a job, nor a child
-    # process inherit the port of a store (genolong.train.finetune.run)
-    assert not dist.is_initialized() and os.environ.get("MASTER_PORT") == port
+    # process inherit the port of a store or a LOCAL_RANK (genolong.train.finetune.run)
+    assert not dist.is_initialized()
+    assert {name: os.environ.get(name) for name in launcher} == launcher
     return seen
 
 

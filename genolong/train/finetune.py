@@ -333,8 +333,10 @@ def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback]) -> L.
     )
 
 
-#: the environment variables Lightning sets to start a process group (restored after a one-process run)
-_RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT")
+#: the environment variables Lightning's launcher sets in the process it runs in, even alone (restored
+#: after a one-process run: a child process that inherits LOCAL_RANK takes itself for a launched rank
+#: and starts no ranks of its own, so a later multi-process job waits for them forever)
+_RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
 def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
@@ -352,11 +354,12 @@ def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
         with quiet_run():
             return _run(recipe, resume)
     finally:
-        # Lightning's strategy starts a process group even for one process, and sets MASTER_ADDR /
-        # MASTER_PORT, and never undoes either: a one-process run called as a library (the
-        # quickstart, a notebook, the tests) would leave a TCP store listening on that port, which
-        # every later child process inherits in its environment (EADDRINUSE), and later code would
-        # take this process for one rank of a distributed job
+        # Lightning starts a process group even for one process and sets the launcher's variables
+        # (_RENDEZVOUS_VARIABLES), and never undoes either: a one-process run called as a library
+        # (the quickstart, a notebook, the tests) would leave a TCP store listening on MASTER_PORT,
+        # which every later child process inherits (EADDRINUSE), LOCAL_RANK, with which a later
+        # `genolong finetune` child starts no ranks of its own (a hang), and later code would take
+        # this process for one rank of a distributed job
         if not had_group and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
             dist.destroy_process_group()
             for name, value in rendezvous.items():
