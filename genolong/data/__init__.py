@@ -6,8 +6,7 @@ light submodule (``genolong.data.alphabet``, ``genolong.data.names``) does not i
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..lazy import lazy_exports
 
 __all__ = ["GenomeStore", "Split", "decode", "encode", "reverse_complement"]
 
@@ -15,14 +14,4 @@ __all__ = ["GenomeStore", "Split", "decode", "encode", "reverse_complement"]
 _LAZY = {"decode": "alphabet", "encode": "alphabet", "reverse_complement": "alphabet", "GenomeStore": "store", "Split": "store"}
 
 
-def __getattr__(name: str) -> Any:
-    """Load ``name``'s submodule on first use (see the module docstring)."""
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, __all__)  # see the module docstring

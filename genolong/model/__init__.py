@@ -16,8 +16,7 @@ The names below load their module on first use (module ``__getattr__``): the tor
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..lazy import lazy_exports
 
 __all__ = ["PRESETS", "DSAMixer", "DecodeState", "Decoder", "GenoLM", "decode_log_probs", "sequence_log_probs", "KDAMixer", "ModelConfig", "ParameterCount", "layer_types_from_pattern", "parameter_count"]
 
@@ -30,14 +29,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Load ``name``'s submodule on first use (see the module docstring)."""
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, __all__)  # see the module docstring

@@ -12,10 +12,11 @@ without torch.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import Any
+
+from ..lazy import lazy_exports
 
 __all__ = [
     "ActivationOffloader",
@@ -42,17 +43,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Load ``name``'s submodule on first use (see the module docstring)."""
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, __all__)  # see the module docstring
 
 
 class _Package(types.ModuleType):
