@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -696,6 +697,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"genolong {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # whoever read the output went away (`genolong plan RECIPE | head`): stop without a
+        # traceback, with the status a command killed by SIGPIPE has (as cat's), and point stdout
+        # at /dev/null so that the interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
 
 
 if __name__ == "__main__":

@@ -114,3 +114,15 @@ def test_runner_reports_what_a_command_loads(startup: dict[str, dict]) -> None:
     assert not startup["--help"]["pandas"]
     compare = next(v for k, v in startup.items() if k.startswith("compare ") and not k.endswith("--help"))
     assert compare["pandas"]
+
+
+def test_a_closed_pipe_ends_the_command_quietly() -> None:
+    """`genolong plan RECIPE | head`: the reader gone before the plan is printed gives no traceback,
+    and the status of a command killed by SIGPIPE (141), as cat's."""
+    proc = subprocess.Popen([sys.executable, "-m", "genolong.cli", "plan", str(REPO / "recipes" / "quickstart.yaml"), "--gpus", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/")
+    assert proc.stdout is not None
+    proc.stdout.close()  # before the command has written anything
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141, err.decode()[-2000:]
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err
