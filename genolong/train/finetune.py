@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..config import Recipe
-from ..console import quiet_run
+from ..console import is_rank_zero, quiet_run
 from ..data.alphabet import STORE_ALPHABET
 from ..data.datamodule import GenomeDataModule
 from ..data.store import GenomeStore
@@ -184,12 +184,6 @@ def _damage(checkpoint: Path, error: DamagedFileError) -> str:
     return f"{inside}: {error.problem}"
 
 
-def _launch_rank_zero() -> bool:
-    """Whether this process is rank 0 of its job (as launched: torchrun / SLURM / Lightning's
-    launcher set these before any process group exists)."""
-    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
-
-
 def intact_checkpoint(directory: Path) -> Path | None:
     """The newest ``step*.ckpt`` in ``directory`` that passes its checks
     (:func:`genolong.integrity.check_weights`: the checksum manifest, the file format), or None
@@ -208,7 +202,7 @@ def intact_checkpoint(directory: Path) -> Path | None:
             continue
         except FileNotFoundError:  # removed meanwhile (by rank 0 of a job, keeping the last ones)
             continue
-        if _launch_rank_zero():
+        if is_rank_zero():
             for bad, error in damaged:
                 print(f"genolong: {bad.name} is damaged ({_damage(bad, error)}); resuming from {checkpoint.name}",
                       file=sys.stderr, flush=True)
