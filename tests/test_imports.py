@@ -154,6 +154,30 @@ def import_graph(pyproject: Path = PYPROJECT) -> Graph:
             for name, tree in trees.items()}
 
 
+def dangling_imports(pyproject: Path = PYPROJECT) -> list[str]:
+    """The imports of an installed module that name an installed package's module (relative, or
+    absolute under a top-level package) but match none: ``"module: from .x import y"``. An import
+    the graph cannot resolve would be left out of it silently."""
+    dirs = package_dirs(pyproject)
+    files = module_files(dirs)
+    roots = tuple(p for p in dirs if p.rpartition(".")[0] not in dirs)
+
+    def inside(module: str) -> bool:
+        return any(module == r or module.startswith(r + ".") for r in roots)
+
+    found = []
+    for name, path in files.items():
+        package = name if name in dirs else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                found += [f"{name}: import {a.name}" for a in node.names if inside(a.name) and a.name not in files]
+            elif isinstance(node, ast.ImportFrom) and (node.level or inside(node.module or "")):
+                source = resolve(node, package)
+                found += [f"{name}: from {'.' * node.level}{node.module or ''} import {a.name}" for a in node.names
+                          if source not in files and f"{source}.{a.name}" not in files]
+    return found
+
+
 def circles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
     """The strongly connected components of more than one node, each sorted, in sorted order
     (Tarjan's algorithm)."""
@@ -284,12 +308,11 @@ def architecture_page(pyproject: Path = PYPROJECT) -> str:
         "",
         "Every installed module's imports, read from the source (every import counts, wherever it",
         "stands: module level, in a function, under `TYPE_CHECKING`), grouped into rooms: a room is",
-        "a package of `genolong` with its subpackages (`kernels/` is installed as `genolong.kernels`,",
-        "`evaluation/` as `genolong.evaluation`, `data/` as `genolong.bundled`). The top-level",
-        "modules make two rooms: those *above* import other rooms, those *below* import none and",
-        "every room may use them. An arrow `A --> B` means that a module of A imports a module of B.",
-        "Between modules there is no circle (the test asserts it); what each module imports is in",
-        "`tests/test_imports.py`'s `import_graph()`.",
+        "a second-level package with its subpackages, in the folder pyproject.toml's `package-dir`",
+        "gives it. The top-level modules make two rooms: those *above* import other rooms, those",
+        "*below* import none and every room may use them. An arrow `A --> B` means that a module",
+        "of A imports a module of B. Between modules there is no circle (the test asserts it); what",
+        "each module imports is in `tests/test_imports.py`'s `import_graph()`.",
         "",
         "## Rooms",
         "",
@@ -402,6 +425,17 @@ def test_a_name_exported_lazily_is_an_edge_to_the_module_that_defines_it(tmp_pat
     assert graph["pkg.model"] == {"pkg.lazy"} and graph["pkg.data"] == {"pkg.lazy"}  # strings, not imports
     assert graph["pkg.model.lm"] == {"pkg.data", "pkg.data.store"}
     assert circles(graph) == [["pkg.data.store", "pkg.model.lm"]]
+
+
+def test_an_import_the_graph_cannot_resolve_is_named(tmp_path: Path) -> None:
+    pyproject = _package(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "from .b import x\nimport pkg.c\nimport os\n",
+                                    "pkg/b.py": "from .gone import y\nfrom . import name\nfrom os import path\n"}, ["pkg"])
+    # ``from . import name``: a name of pkg's __init__ (resolved to it), not a missing module
+    assert dangling_imports(pyproject) == ["pkg.a: import pkg.c", "pkg.b: from .gone import y"]
+
+
+def test_every_import_of_an_installed_module_resolves() -> None:
+    assert dangling_imports() == []
 
 
 def test_package_dirs_follow_the_longest_mapping() -> None:
