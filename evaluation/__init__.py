@@ -3,12 +3,15 @@
 Installed as ``genolong.evaluation`` (see ``package-dir`` in pyproject.toml). Modules:
 
 - ``score``: ``genolong evaluate`` (per-token NLL, ``--context-cut``, resumable result directories);
+- ``checkpoint``: the checkpoint a scoring command runs (export, run directory or ``step*.ckpt``),
+  its run's recipe and kernel backend, loaded whole into one process;
 - ``results``: :class:`EvalResult`, the saved tables (per-tile x bucket and per-offset sums);
 - ``bootstrap``: context buckets and the block bootstrap over tiles, on plain arrays;
 - ``stats``: paired :func:`compare` of two results (and the ``bootstrap`` names, re-exported);
 - ``plots``: the figures of ``genolong plot``;
 - ``logprobs``: ``genolong check-logprobs`` (training path vs step-by-step decode);
 - ``probe``: ``genolong probe`` (planted-repeat recall by distance, full vs cut view);
+- ``probe_result``: :class:`ProbeResult`, the probe's saved tables (torch-free, for the figures);
 - ``distributed``: the multi-process scoring job (launch, mesh, sharded loading, tiles dealt to
   the data-parallel groups, one writer) that ``evaluate``, ``check-logprobs`` and ``probe`` share;
 - ``report``: Markdown tables for the terminal and the quickstart's REPORT.md.

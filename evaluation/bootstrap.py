@@ -2,7 +2,7 @@
 
 The numerical layer under :mod:`.results` (an :class:`EvalResult`'s bucket table) and :mod:`.stats`
 (the comparison of two results): it imports neither, so the evaluation modules import one way
-(``bootstrap`` <- ``results`` <- ``stats``; ``tests/test_eval_imports.py`` checks it). Every name here
+(``bootstrap`` <- ``results`` <- ``stats``; ``tests/test_imports.py`` checks it). Every name here
 is also importable from :mod:`genolong.evaluation.stats`, where it lived first.
 
 A token's bucket is fixed by its *offset*: the number of bases before it in its evaluation tile

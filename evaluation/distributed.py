@@ -42,6 +42,7 @@ from ..errors import InputError
 from ..integrity import check_weights
 from ..model.loss import model_inputs, next_token_nll
 from ..model.vocab import VocabMap
+from .checkpoint import _DCP_META, load_eval_model, scoring_kernel_backend
 
 __all__ = [
     "ScoringGroup", "assemble_nll", "broadcast_from_writer", "gather_to_writer", "launch", "load_scoring_model",
@@ -288,22 +289,20 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
                        kernel_backend: str | None = None) -> tuple[torch.nn.Module, VocabMap | None]:
     """The model to score with and its vocabulary map, on ``group``'s mesh.
 
-    One process: :func:`genolong.evaluation.score.load_eval_model` (the whole model). Several: the
+    One process: :func:`genolong.evaluation.checkpoint.load_eval_model` (the whole model). Several: the
     model is built on the meta device, sharded (:func:`shard_for_scoring`), allocated shard by
     shard on ``device`` and filled from the checkpoint without ever holding it whole: a sharded
     (DCP) checkpoint directory of a multi-process finetune by ``dcp.load`` into the DTensor state
     dict (resharded to this mesh, whatever mesh wrote it); an export directory (config.json +
     safetensors) by reading only this rank's slice of each tensor.
 
-    ``kernel_backend``: as :func:`~genolong.evaluation.score.load_eval_model` (default None: the
+    ``kernel_backend``: as :func:`~genolong.evaluation.checkpoint.load_eval_model` (default None: the
     run's recipe's, else ``auto``).
 
     Raises:
-        InputError: as :func:`~genolong.evaluation.score.load_eval_model`; a one-process ``.ckpt``
+        InputError: as :func:`~genolong.evaluation.checkpoint.load_eval_model`; a one-process ``.ckpt``
             file (a single pickle: evaluate its run's export/ directory instead, or in one process).
     """
-    from .score import _DCP_META, load_eval_model, scoring_kernel_backend
-
     if not group.distributed:
         return load_eval_model(checkpoint, dtype=dtype, device=device, kernel_backend=kernel_backend)
     kernel_backend = scoring_kernel_backend(checkpoint, kernel_backend)

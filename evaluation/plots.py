@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -25,11 +24,9 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 from ..errors import InputError
 from ..files import replace_file
+from .probe_result import ProbeResult
 from .results import EvalResult
 from .stats import check_comparable, compare, format_bases
-
-if TYPE_CHECKING:  # probe.py imports this module lazily; the type is for hints only
-    from .probe import ProbeResult
 
 __all__ = ["OKABE_ITO", "position_figure", "bucket_figure", "relative_change_figure", "plot_results", "probe_figure",
            "save_probe_figure"]

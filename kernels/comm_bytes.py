@@ -8,12 +8,18 @@ importing torch. The torch modules re-export or wrap them (element sizes from to
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ..model.config import ModelConfig
+from typing import Protocol
 
 __all__ = ["kda_state_payload", "conv_halo_payload", "cp_dsa_comm_bytes"]
+
+
+class DSAShape(Protocol):
+    """The DSA sizes :func:`cp_dsa_comm_bytes` reads (a :class:`genolong.model.config.ModelConfig`
+    has them; the kernels do not import the model)."""
+
+    kv_lora_rank: int
+    index_head_dim: int
+    index_kpool: int
 
 
 def kda_state_payload(B: int, H: int, K: int, V: int, cp: int, element_bytes: int) -> dict[str, int]:
@@ -47,7 +53,7 @@ def conv_halo_payload(B: int, C: int, kernel: int, cp: int, element_bytes: int) 
 
 
 def cp_dsa_comm_bytes(
-    config: ModelConfig, batch: int, t_local: int, cp: int, full_indexer: bool, dtype_bytes: int = 4
+    config: DSAShape, batch: int, t_local: int, cp: int, full_indexer: bool, dtype_bytes: int = 4
 ) -> dict[str, int]:
     """Bytes one rank receives through the collectives of one ``cp_dsa_forward`` call
     (:mod:`genolong.parallel.cp_dsa`).

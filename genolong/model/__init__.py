@@ -7,7 +7,8 @@
 
 - checkpoints in the GLM-5.3-Flash format (``hf``: :meth:`GenoLM.from_pretrained`,
   :meth:`GenoLM.save_pretrained`);
-- :class:`Decoder`, the step-by-step inference path (``decode``).
+- :class:`Decoder`, the step-by-step inference path (``decode``), and the chunked prefill
+  (``stream``); the KDA state both carry between calls is in ``cache``.
 
 The names below load their module on first use (module ``__getattr__``): the torch-free parts
 (``genolong.model.config``, ``genolong.model.vocab``) import without torch, which keeps

@@ -41,6 +41,7 @@ from ..errors import InputError
 from ..kernels.dsa import indexer_scores, kpool_keys
 from ..kernels.dsa.indexer import causal_topk
 from ..kernels.kda import recurrent_kda
+from .cache import KDAState, _grow, kda_init_state
 from .config import INDEXED_ATTENTION
 from .dsa import DSAIndexer, DSAMixer
 from .kda import KDAMixer, l2_normalize
@@ -52,20 +53,6 @@ __all__ = ["DSACache", "DecodeState", "Decoder", "KDAState", "decode_log_probs",
 # pools per scoring tile: kpool_topk's default block_size, so a step scores the same tiles as training
 _POOL_BLOCK = 256
 _MIN_CAPACITY = 256
-
-
-@dataclass
-class KDAState:
-    """Decoding state of one KDA layer.
-
-    Attributes:
-        recurrent: delta-rule state ``[B, heads, dk, dv]`` float32.
-        conv: the last ``linear_conv_kernel_dim - 1`` short-conv inputs ``[B, kernel - 1, 3 * heads * dk]``
-            float32, oldest first (zeros before the start of the sequence).
-    """
-
-    recurrent: torch.Tensor
-    conv: torch.Tensor
 
 
 @dataclass
@@ -110,28 +97,8 @@ class DecodeState:
         return (first.recurrent if isinstance(first, KDAState) else first.latent).shape[0]
 
 
-def _grow(buf: torch.Tensor, needed: int) -> torch.Tensor:
-    """``buf [B, capacity, ...]`` with at least ``needed`` rows (doubling, contents kept)."""
-    cap = buf.shape[1]
-    if needed <= cap:
-        return buf
-    new = buf.new_zeros(buf.shape[0], max(needed, 2 * cap), *buf.shape[2:])
-    new[:, :cap] = buf
-    return new
-
-
 # ---------------------------------------------------------------------------------------------------
 # KDA
-
-
-def kda_init_state(mixer: KDAMixer, batch_size: int, device: torch.device) -> KDAState:
-    """Zero state of ``mixer`` for ``batch_size`` sequences (the state before token 0)."""
-    h, d = mixer.num_heads, mixer.head_dim
-    kernel = mixer.conv1d.weight.shape[-1]
-    return KDAState(
-        recurrent=torch.zeros(batch_size, h, d, d, dtype=torch.float32, device=device),
-        conv=torch.zeros(batch_size, kernel - 1, 3 * h * d, dtype=torch.float32, device=device),
-    )
 
 
 def kda_step(mixer: KDAMixer, x: torch.Tensor, state: KDAState) -> torch.Tensor:

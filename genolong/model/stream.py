@@ -5,7 +5,7 @@ The one-shot forward materialises, per layer, tensors of the whole sequence (the
 dispatch), so its peak memory grows with ``T`` many times over. :class:`PrefillStream` runs the
 sequence ``S`` tokens at a time and carries between segments only what later tokens read:
 
-- KDA layers (:class:`~genolong.model.decode.KDAState`, the decode path's state): the delta-rule
+- KDA layers (:class:`~genolong.model.cache.KDAState`, the decode path's state): the delta-rule
   state ``[B, heads, dk, dv]`` fp32 and the short conv's last ``kernel - 1`` projected q|k|v rows;
   a segment runs the chunked form from them (:meth:`~genolong.model.kda.KDAMixer.forward_segment`,
   as ``memory.recompute: chunked`` does in :mod:`genolong.parallel.chunked_kda`).
@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
+from .cache import KDAState, _grow, kda_init_state
 from .config import INDEXED_ATTENTION
-from .decode import KDAState, _grow, kda_init_state
 from .dsa import DSAKeys, DSAMixer
 from .kda import KDAMixer
 from .loss import model_inputs, next_token_nll
