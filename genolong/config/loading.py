@@ -12,6 +12,7 @@ then the cross-field checks of ``recipe`` run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import typing
@@ -24,7 +25,7 @@ import yaml
 
 from ..errors import InputError
 from .messages import _Context, _describe, _expected, _field_help, _kind, _show, _suggest
-from .recipe import Recipe, _check, _recipe_adapter
+from .recipe import _SECTIONS, Recipe, _check, _recipe_adapter
 from .schema import _abspath, _Overrides
 
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -110,7 +111,7 @@ def parse_recipe(data: Mapping[str, Any], overrides: Sequence[str] = (), *, name
     if name is not None and "name" not in raw:
         raw["name"] = name
     # an empty section (every key commented out) reads as null: take it as {}
-    for section in ("model", "data", "train", "memory", "parallel", "eval", "checkpoint", "logging"):
+    for section in _SECTIONS:
         if section in raw and raw[section] is None:
             raw[section] = {}
     if isinstance(raw.get("model"), dict) and raw["model"].get("overrides", {}) is None:
@@ -159,23 +160,26 @@ _RecipeLoader.add_implicit_resolver(
 
 
 def _one_line(exc: Exception) -> str:
+    """An exception's message on one line (YAML errors span several)."""
     return " ".join(str(exc).split())
 
 
-_HINTS: dict[Any, dict[str, Any]] = {}
-
-
+@functools.cache
 def _hints(cls: Any) -> dict[str, Any]:
     """Field name -> type (``Annotated`` and ``Strict*`` stripped to the plain type), in order."""
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
+    return typing.get_type_hints(cls)
 
 
 def _field_types(tp: Any) -> dict[str, Any] | None:
     """The keys a mapping of type ``tp`` may hold (a section, the Recipe, model.overrides) with
     their types; None for a plain value."""
     return _hints(tp) if tp is _Overrides or dataclasses.is_dataclass(tp) else None
+
+
+def _unknown_key(prefix: str, name: str, tp: Any) -> str:
+    """``unknown key PREFIX.NAME; did you mean ...?`` for a key the mapping type ``tp`` does not hold."""
+    note = " (not a ModelConfig field)" if tp is _Overrides else ""
+    return f"unknown key {prefix}{name}{note}; {_suggest(name, list(_hints(tp)), prefix)}"
 
 
 def _input_error(error: Mapping[str, Any], raw: Mapping[str, Any], ctx: _Context) -> InputError:
@@ -198,8 +202,7 @@ def _input_error(error: Mapping[str, Any], raw: Mapping[str, Any], ctx: _Context
         return ctx.error(key, error["msg"])
     if kind in ("unexpected_keyword_argument", "extra_forbidden", "invalid_key"):
         prefix, name = (key + "." if key else ""), str(rest[0])
-        note = " (not a ModelConfig field)" if tp is _Overrides else ""
-        return ctx.error(prefix + name, f"unknown key {prefix}{name}{note}; {_suggest(name, list(_hints(tp)), prefix)}")
+        return ctx.error(prefix + name, _unknown_key(prefix, name, tp))
     if kind == "missing" and not rest:
         while dataclasses.is_dataclass(tp):  # a whole section left out: name its first required key
             parent = tp
@@ -241,10 +244,10 @@ def _rank(loc: tuple[Any, ...]) -> tuple[int, ...]:
 
 def _finish(recipe: Recipe) -> Recipe:
     """Fill the name-dependent defaults (run directories under ``runs/<name>/``)."""
-    if recipe.checkpoint.dir is None:
-        recipe = dataclasses.replace(recipe, checkpoint=dataclasses.replace(recipe.checkpoint, dir=_abspath(f"runs/{recipe.name}/checkpoints")))
-    if recipe.logging.dir is None:
-        recipe = dataclasses.replace(recipe, logging=dataclasses.replace(recipe.logging, dir=_abspath(f"runs/{recipe.name}/logs")))
+    for section, folder in (("checkpoint", "checkpoints"), ("logging", "logs")):
+        part = getattr(recipe, section)
+        if part.dir is None:
+            recipe = dataclasses.replace(recipe, **{section: dataclasses.replace(part, dir=_abspath(f"runs/{recipe.name}/{folder}"))})
     return recipe
 
 
@@ -263,12 +266,12 @@ def _check_set_key(key: str, item: str) -> None:
                 return  # one base id: model.vocab_map.A=5 (the validator checks the name)
             raise InputError(f"--set {item!r}: {prefix[:-1]} is a single value, it has no key {part!r}; set {prefix[:-1]} itself")
         if part not in fields:
-            note = " (not a ModelConfig field)" if tp is _Overrides else ""
-            raise InputError(f"--set {item!r}: unknown key {prefix}{part}{note}; {_suggest(part, list(fields), prefix)}")
+            raise InputError(f"--set {item!r}: {_unknown_key(prefix, part, tp)}")
         tp = fields[part]
 
 
 def _assign(raw: dict[str, Any], key: str, value: Any, item: str) -> None:
+    """Set dotted ``key`` to ``value`` in ``raw``, making the mappings on the way (``item``: the ``--set`` text, for errors)."""
     parts = key.split(".")
     node = raw
     for depth, part in enumerate(parts[:-1]):
@@ -283,6 +286,7 @@ def _assign(raw: dict[str, Any], key: str, value: Any, item: str) -> None:
 
 
 def _deep_copy(value: Any) -> Any:
+    """A copy of parsed YAML (mappings as dicts, tuples as lists) that ``--set`` may change."""
     if isinstance(value, Mapping):
         return {k: _deep_copy(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -291,6 +295,7 @@ def _deep_copy(value: Any) -> Any:
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{dotted key: value}`` of a :meth:`Recipe.to_dict` (``model.overrides`` and ``model.vocab_map`` count as one key)."""
     out: dict[str, Any] = {}
     for key, value in data.items():
         if isinstance(value, Mapping) and value and key not in ("overrides", "vocab_map"):

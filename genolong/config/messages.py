@@ -53,6 +53,7 @@ class _Context:
 
 
 def _suggest(key: str, valid: Sequence[str], prefix: str) -> str:
+    """``did you mean PREFIX.KEY?`` for the nearest of ``valid``, else the list of valid keys."""
     close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
     if close:
         return f"did you mean {prefix}{close[0]}?"
@@ -60,6 +61,7 @@ def _suggest(key: str, valid: Sequence[str], prefix: str) -> str:
 
 
 def _suggest_value(value: str, valid: list[str]) -> str:
+    """``did you mean 'VALUE'?`` for the nearest of ``valid``, else the list of choices."""
     close = difflib.get_close_matches(value, valid, n=1, cutoff=0.5)
     return f"did you mean {close[0]!r}?" if close else f"choose one of {', '.join(map(repr, valid))}"
 
@@ -79,10 +81,12 @@ def _attribute_docs(cls: type) -> dict[str, str]:
 
 
 def _field_help(cls: type, name: str) -> str:
+    """The first sentence of field ``name``'s ``Attributes:`` entry in ``cls``'s docstring (the name if none)."""
     return _attribute_docs(cls).get(name, name).split(". ")[0].rstrip(".")
 
 
 def _describe(tp: Any) -> str:
+    """A type as a user reads it: ``an integer``, ``one of 'a', 'b'``, ``a list of 2 numbers``."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     plain = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Path: "a path", type(None): "null"}
     if tp in plain:
@@ -97,6 +101,7 @@ def _describe(tp: Any) -> str:
 
 
 def _plural(tp: Any) -> str:
+    """``integers``, ``numbers``, ... for the items of a list type."""
     return {int: "integers", float: "numbers", str: "strings", bool: "booleans"}.get(tp, _describe(tp))
 
 
@@ -132,17 +137,20 @@ def _show(value: Any) -> str:
 
 
 def _kind(value: Any) -> str:
+    """What YAML made of a value: ``null``, ``a boolean``, ``an integer``, ``a list``, ..."""
     kinds = ((type(None), "null"), (bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
              ((list, tuple), "a list"), (Mapping, "a mapping"))
     return next((name for types_, name in kinds if isinstance(value, types_)), type(value).__name__)
 
 
 def _short(value: Any) -> str:
+    """``repr`` of a value (tuples as lists), cut to under 60 characters."""
     text = repr(list(value) if isinstance(value, tuple) else value)
     return text if len(text) < 60 else text[:57] + "..."
 
 
 def _plain(value: Any) -> Any:
+    """A value as YAML-safe builtins: dataclasses as dicts, paths as strings, tuples as lists."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, Path):

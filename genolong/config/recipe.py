@@ -15,6 +15,7 @@ import functools
 import inspect
 import os
 import re
+import typing
 from dataclasses import field
 from pathlib import Path
 from typing import Any
@@ -170,7 +171,8 @@ def _recipe_adapter() -> pydantic.TypeAdapter[Recipe]:
     return pydantic.TypeAdapter(Recipe)
 
 
-_SECTIONS = (ModelSection, DataSection, TrainSection, MemorySection, ParallelSection, EvalSection, CheckpointSection, LoggingSection)
+#: The Recipe's sections by key, in file order (adding a section to the Recipe adds it here).
+_SECTIONS: dict[str, type] = {name: tp for name, tp in typing.get_type_hints(Recipe).items() if dataclasses.is_dataclass(tp)}
 
 
 def recipe_schema() -> dict[str, Any]:
@@ -184,7 +186,7 @@ def recipe_schema() -> dict[str, Any]:
     """
     schema = _recipe_adapter().json_schema()
     schema["required"].remove("name")  # the file's stem by default
-    for cls in (Recipe, *_SECTIONS):
+    for cls in (Recipe, *_SECTIONS.values()):
         node = schema if cls is Recipe else schema["$defs"][cls.__name__]
         node["description"] = " ".join(inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0].split())
         docs = _attribute_docs(cls)

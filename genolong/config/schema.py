@@ -67,14 +67,15 @@ _MODEL_OVERRIDE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) i
 #: The section classes: frozen, keyword-only (so the Recipe can list its fields in file order)
 #: pydantic dataclasses; an unknown key, inf or nan is an error.
 _section = pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=ConfigDict(extra="forbid", allow_inf_nan=False, defer_build=True))
-# bounds a value must keep (in the JSON Schema too); the checks with a story are in _check
+# bounds a value must keep (in the JSON Schema too); the checks with a story are in recipe._check
 _Count = Annotated[StrictInt, pydantic.Field(ge=1)]
 _NonNegInt = Annotated[StrictInt, pydantic.Field(ge=0)]
 _NonNegFloat = Annotated[StrictFloat, pydantic.Field(ge=0)]
 
 
 def _abspath(value: Any) -> Any:
-    # relative to the current directory (see genolong.config's docstring), kept absolute
+    """A path value (``str`` or ``os.PathLike``) made absolute against the current directory (see
+    genolong.config's docstring); an empty one is an error."""
     if isinstance(value, os.PathLike) or (isinstance(value, str) and value.strip()):
         return Path(os.path.abspath(os.path.expanduser(os.fspath(value))))
     raise _recipe_error("must be a path (a non-empty string)")
