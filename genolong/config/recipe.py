@@ -4,8 +4,9 @@ every check a recipe passes after pydantic has validated its types.
 The checks are plain functions (:func:`_check`: each value that needs a story, the parallel mesh
 against the device count, the schedule against the step budget; :func:`_resolve_model` and the
 ``_check_*`` functions under it: the window lengths, expert parallelism and recompute segments
-against the model's architecture). They live beside the class because :meth:`Recipe.model_config`
-runs the model checks again once a checkpoint is on disk.
+against the model's architecture). They live beside the class: :meth:`Recipe.model_config` runs
+the model checks (again, once a checkpoint is on disk) and the checks read a Recipe, so in two
+modules each would import the other.
 """
 
 from __future__ import annotations
