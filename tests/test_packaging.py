@@ -54,6 +54,7 @@ def test_wheel_contents(tmp_path: Path) -> None:
         "genolong/kernels/__init__.py",
         "genolong/evaluation/__init__.py",
         "genolong/data/prepare.py",
+        "genolong/config/schema.py",
         "genolong/bundled/sample/sample.fa.gz",
         "genolong/bundled/sample/sample.fa.gz.fai",
         "genolong/bundled/sample/sample.fa.gz.gzi",
