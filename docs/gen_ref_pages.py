@@ -6,7 +6,7 @@ that ``docs/hooks.py`` laid out under ``build/docs-api/site-packages/`` (every d
 declared package such as ``genolong.plan``, gets its page without an edit here.
 
 Writes (virtual files, under ``reference/`` of the built site): ``index.md`` (every module with the
-first line of its docstring), one ``<package path>/<module>.md`` per module and
+first paragraph of its docstring), one ``<package path>/<module>.md`` per module and
 ``<package path>/index.md`` per package, each a ``::: dotted.name`` block, and ``SUMMARY.md``, the
 navigation that mkdocs-literate-nav reads.
 """
@@ -14,6 +14,7 @@ navigation that mkdocs-literate-nav reads.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import mkdocs_gen_files
@@ -32,10 +33,21 @@ def installed_modules(tree: Path, top: str = "genolong") -> dict[str, tuple[Path
     return dict(sorted(found.items()))
 
 
-def first_line(source: Path) -> str:
-    """The first line of a module's docstring ('' when it has none)."""
+def summary(source: Path) -> str:
+    """The first paragraph of a module's docstring on one line ('' when it has none), its Sphinx
+    roles as code (``:class:`~a.B``` -> ```B```) and ``|`` escaped for a table cell."""
     doc = ast.get_docstring(ast.parse(source.read_text()))
-    return doc.strip().splitlines()[0] if doc else ""
+    if not doc:
+        return ""
+    text = " ".join(doc.strip().split("\n\n", 1)[0].split())
+    return re.sub(r":[a-z]+:`([^`]+)`", _role_as_code, text).replace("|", "\\|")
+
+
+def _role_as_code(match: re.Match[str]) -> str:
+    """A Sphinx role as the code span Sphinx would show: ``~`` keeps the last part of the name,
+    ``title <target>`` the title."""
+    target = match.group(1).split("<", 1)[0].strip()
+    return f"`{target[1:].rsplit('.', 1)[-1] if target.startswith('~') else target}`"
 
 
 def page(name: str, is_package: bool) -> Path:
@@ -53,8 +65,7 @@ def main() -> None:
         nav[tuple(name.split("."))] = path.as_posix()
         with mkdocs_gen_files.open(Path("reference") / path, "w") as out:
             out.write(f"::: {name}\n")
-        summary = first_line(source).replace("|", "\\|")
-        rows.append(f"| [`{name}`]({path.as_posix()}) | {summary} |")
+        rows.append(f"| [`{name}`]({path.as_posix()}) | {summary(source)} |")
     with mkdocs_gen_files.open("reference/index.md", "w") as out:
         out.write("# API reference\n\n"
                   "Every module genolong installs, generated from its docstrings at build time. "
