@@ -96,8 +96,8 @@ class TrainWindowDataset(IterableDataset):
             stream (train with ``max_steps``). Epochs are consecutive blocks of the rank's stream,
             so a run resumed mid-epoch finishes that epoch's block.
 
-    Yields:
-        dicts from :func:`window_to_item` (collate them with :func:`collate_windows`).
+    Iterating it yields dicts from :func:`window_to_item` (collate them with
+    :func:`collate_windows`).
     """
 
     def __init__(self, windows: TrainWindows, batch_size: int = 1, windows_per_epoch: int | None = None):

@@ -17,6 +17,8 @@ order-preserving image of the float32 score and whose low 32 bits are ``2**32 - 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -129,7 +131,7 @@ def _sparse_candidates(s: torch.Tensor, thr: torch.Tensor, k0: int, topk: int) -
 
 
 def causal_topk(
-    score_fn,
+    score_fn: Callable[[int, int, int, int], torch.Tensor],
     limit: torch.Tensor,
     num_keys: int,
     topk: int,

@@ -1,0 +1,131 @@
+"""The README stays a short front page, and the README's and the docs' links lead somewhere.
+
+The README is what a newcomer reads first (and PyPI shows): under 12 KB, its first screen says
+what genolong is and shows the quickstart figure and the command table, its two set-up commands
+are there as written, and CI (``.ci/run``) runs its test command verbatim and builds the docs
+strictly. Every relative link in
+README.md and docs/*.md names a file of the repository (``mkdocs build --strict`` checks the
+anchors and the API reference's cross-references; this needs no docs extra).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from .helpers import ROOT
+
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+#: "under 12 KB", in bytes as stored
+MAX_README_BYTES = 12_000
+#: a screen of a terminal or of a repository page
+FIRST_SCREEN_LINES = 30
+SETUP_COMMANDS = (
+    "pip install -q torch==2.13.0 -e . && genolong quickstart",
+    "pip install -q -e '.[test]' && python -m pytest -q",
+)
+FIGURE = "docs/quickstart-relative-change.png"
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1\s*$", re.MULTILINE | re.DOTALL)
+_CODE_SPAN = re.compile(r"(`+).+?\1", re.DOTALL)
+_INLINE_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_REFERENCE_DEFINITION = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+\"[^\"]*\")?\s*$", re.MULTILINE)
+_SNIPPET = re.compile(r"^--8<--\s+\"([^\"]+)\"\s*$", re.MULTILINE)
+
+
+def relative_links(markdown: str) -> list[str]:
+    """The relative link targets of ``markdown`` (inline links, images, reference definitions),
+    each without its ``#anchor``; code blocks and code spans hold no links, and URLs with a scheme
+    (``https:``, ``mailto:``) and same-page anchors are not relative."""
+    text = _CODE_SPAN.sub("", _FENCE.sub("", markdown))
+    targets = _INLINE_LINK.findall(text) + _REFERENCE_DEFINITION.findall(text)
+    found = []
+    for target in targets:
+        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target) or target.startswith("#"):
+            continue
+        found.append(target.split("#", 1)[0])
+    return found
+
+
+def broken_links(path: Path) -> list[str]:
+    """Relative links of the Markdown file ``path`` whose target is not a file or directory
+    (resolved against the file's directory), and included snippets (``--8<-- "FILE:..."``,
+    resolved against the repository root as mkdocs.yml's ``base_path`` says) that do not exist."""
+    text = path.read_text()
+    broken = [t for t in relative_links(text) if not (path.parent / t).exists()]
+    included = [s.split(":", 1)[0] for s in _SNIPPET.findall(text)]
+    broken += [name for name in included if not (ROOT / name).is_file()]
+    return broken
+
+
+def setup_block(readme: str) -> list[str]:
+    """The lines of the first code block under the README's ``## Set up`` heading."""
+    section = readme.split("\n## Set up", 1)[1]
+    block = re.search(r"^```[a-z]*\n(.*?)^```", section, re.MULTILINE | re.DOTALL)
+    assert block is not None, "no code block under ## Set up"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_readme_is_under_12_kb() -> None:
+    size = len(README.read_bytes())
+    assert size < MAX_README_BYTES, f"README.md is {size:,} bytes; move detail to docs/ (limit {MAX_README_BYTES:,})"
+
+
+def test_first_screen_says_what_it_is_and_shows_the_figure_and_the_command_table() -> None:
+    first = README.read_text().splitlines()[:FIRST_SCREEN_LINES]
+    paragraphs = [p for p in "\n".join(first).split("\n\n") if p.strip()]
+    assert paragraphs[0] == "# genolong"
+    opening = " ".join(paragraphs[1].split())  # what it is, in the first lines under the title
+    assert "DNA language models" in opening and "context" in opening, opening
+    figures = [line for line in first if line.startswith("![") and f"]({FIGURE})" in line]
+    assert len(figures) == 1, f"the first screen shows {FIGURE} once"
+    assert (ROOT / FIGURE).read_bytes().startswith(b"\x89PNG")
+    caption = first[first.index(figures[0]) + 2]
+    assert caption.startswith("*From `genolong quickstart`"), "the figure keeps its caption"
+    assert "| command | what it does |" in first
+    rows = {line.split("|")[1].strip() for line in first if line.startswith("| `genolong")}
+    for command in ("quickstart", "prepare", "plan", "finetune", "evaluate", "compare", "probe",
+                    "check-logprobs", "recipe schema"):
+        assert any(row.startswith(f"`genolong {command}") for row in rows), f"no row for genolong {command}"
+
+
+def test_the_two_set_up_commands_and_ci_runs_the_test_command_verbatim() -> None:
+    lines = setup_block(README.read_text())
+    assert tuple(lines) == SETUP_COMMANDS
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    runs = [line for line in ci if line and not line.startswith("#")]
+    assert lines[1] in runs, ".ci/run must run the README's test command as written"
+
+
+def test_ci_builds_the_docs_strictly() -> None:
+    """``.ci/run`` installs the docs extra and runs ``mkdocs build --strict``, never with
+    ``--quiet``: mkdocs then drops its warnings before strict mode counts them (a broken link
+    passed)."""
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    runs = [line for line in ci if line and not line.startswith("#")]
+    assert "pip install -q -e '.[docs]'" in runs
+    builds = [line for line in runs if "mkdocs build" in line]
+    assert len(builds) == 1 and "--strict" in builds[0].split(), builds
+    assert not {"--quiet", "-q"} & set(builds[0].split()), builds[0]
+
+
+@pytest.mark.parametrize("path", [README, *sorted(DOCS.glob("*.md"))], ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_point_at_files(path: Path) -> None:
+    assert broken_links(path) == []
+
+
+def test_link_finder_sees_links_and_ignores_code(tmp_path: Path) -> None:
+    """The link checks above can fail: the finder reports a missing target and skips what is not
+    a link."""
+    (tmp_path / "here.md").write_text("x")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "[ok](here.md#anchor) ![figure](missing.png) [ext](https://example.org/x.md) [top](#top)\n"
+        "`[in code](nowhere.md)`\n\n```\n[in a block](nowhere.md)\n```\n\n"
+        "[ref]: gone.md\n--8<-- \"no-such-file.md:3:\"\n"
+    )
+    assert relative_links(page.read_text()) == ["here.md", "missing.png", "gone.md"]
+    assert broken_links(page) == ["missing.png", "gone.md", "no-such-file.md"]
