@@ -13,7 +13,7 @@ of ``genolong.kernels.kda.cp`` (state fold and short-conv halo), the DSA collect
 ``genolong.parallel.cp_dsa`` (latent + pooled-key all-gather; its backward on gloo is one
 ``scatter`` per source rank) and this script's gradient all-reduce. Each rank's count of one step
 (the last) is compared with the planner's formula for the same step,
-:func:`genolong.parallel.plan.comm_estimate` (which sums the per-call formulas
+:func:`genolong.plan.comm_estimate` (which sums the per-call formulas
 ``cp_kda_comm_bytes``, ``conv_halo_comm_bytes`` and ``cp_dsa_comm_bytes`` over the layers), each in
 its own convention:
 
@@ -179,7 +179,7 @@ def main() -> None:
 
     from genolong.config import kernel_multiple
     from genolong.model import PRESETS
-    from genolong.parallel.plan import comm_estimate
+    from genolong.plan import comm_estimate
 
     config = PRESETS["tiny"]
     lengths = [int(x) for x in a.tokens.split(",")]

@@ -279,7 +279,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from .config import load_recipe
     from .errors import InputError
-    from .parallel.plan import eval_plan, format_eval_plan, format_plan, plan
+    from .plan import eval_plan, format_eval_plan, format_plan, plan
 
     common = dict(gpus=args.gpus, gpu_mem_gib=args.gpu_mem, host_mem_gib=args.host_mem, gpus_per_node=args.gpus_per_node,
                   moe_imbalance=args.moe_imbalance, kda_kernel=args.kda_kernel, dsa_kernel=args.dsa_kernel)

@@ -31,7 +31,7 @@ from genolong.parallel import parallelize
 from genolong.parallel.expert import apply_expert_parallel, ep_comm_counter
 from genolong.parallel.offload import ActivationOffloader
 from genolong.parallel.mesh import build_mesh, cp_rank, cp_size, dp_rank, ep_size, expert_mesh, mesh_shape
-from genolong.parallel.plan import ep_comm_bytes
+from genolong.plan import ep_comm_bytes
 from genolong.train.module import clip_grad_norm_by_mesh
 
 from .helpers import run_ranks
@@ -66,7 +66,7 @@ def _reference(case: dict, dtype: torch.dtype) -> dict:
 
 
 def _balanced_bytes(ep: int, chunks: int, c: int) -> dict[str, int]:
-    """The planner's formula (:func:`genolong.parallel.plan.ep_comm_bytes`, summed over the
+    """The planner's formula (:func:`genolong.plan.ep_comm_bytes`, summed over the
     model's MoE layers) for one MoE layer: dispatch and combine ``(ep - 1) / ep * c * k * H * a``
     per chunk, backward the two again, ``E/ep`` int64 counts to each other rank per dispatch."""
     n_moe = sum(t == "sparse" for t in _CONFIG.mlp_layer_types)

@@ -6,7 +6,7 @@
   prefetch in backward.
 
 The names below load their module on first use (module ``__getattr__``), so that the torch-free
-parts (``genolong.parallel.plan``'s arithmetic, ``genolong.parallel.recompute``'s constants) import
+parts (``genolong.parallel.recompute``'s constants, which the planner ``genolong.plan`` reads) import
 without torch.
 """
 
