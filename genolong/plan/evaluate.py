@@ -358,7 +358,7 @@ def _eval_once(recipe: Recipe, cfg: ModelConfig, gpus: int, context: int, gpu_me
         "forward only (torch.no_grad): no gradients, no optimizer state, nothing saved for backward; "
         "the peak is the largest half-block's working set: its saved tensors as training would keep them "
         "(the planner's per-tensor inventory, an upper bound: without grad the layer frees them as it goes; "
-        "measured on tiny/small, CPU, fp32, one-shot and streamed: the no_grad peak is 0.46-0.82x of it, tests/test_plan.py)"
+        "measured on tiny/small, CPU, fp32, one-shot and streamed: the no_grad peak is 0.46-0.82x of it, tests/test_plan_evaluate.py)"
         + ("; fla chunk_kda's forward temporaries (w, u, kg, v_new, chunk states h) added" if kda_kernel == "fla" else ""),
         f"weights in {dtype} sharded over cp x dp_shard = {shard} ranks (FSDP2"
         + (f"; ep {ep}: {cfg.n_routed_experts // ep} experts per rank, each MoE layer's experts a unit over {shard // ep}"
