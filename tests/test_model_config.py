@@ -120,6 +120,7 @@ def test_patterns_and_replace() -> None:
         ({"model_type": "glm5_next_text", "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3}, "one per layer"),
         ({"model_type": "glm5_next_text", "num_hidden_layers": 4, "indexer_types": ["shared"] * 4}, "directly follow a full one"),
         ({"model_type": "glm5_next_text", "num_hidden_layers": 8, "indexer_types": ["full"] * 7 + ["shared"]}, "layer 6 is not a DSA"),
+        ({"model_type": "glm5_next_text", "n_group": 0}, "n_group must be at least 1"),
     ],
 )
 def test_bad_configs_are_refused(changes: dict, message: str) -> None:

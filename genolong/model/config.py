@@ -196,6 +196,9 @@ class ModelConfig:
             raise InputError(f"qk_rope_head_dim must be 0 (GLM-5.3-Flash DSA layers are NoPE), got {self.qk_rope_head_dim}")
         if self.index_kpool < 1 or self.index_topk % self.index_kpool:
             raise InputError(f"index_topk ({self.index_topk}) must be a positive multiple of index_kpool ({self.index_kpool})")
+        if self.n_group < 1:
+            # checked first: n_routed_experts % 0 below would end in a ZeroDivisionError
+            raise InputError(f"n_group must be at least 1 (one expert group is no grouping), got {self.n_group}")
         if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
             raise InputError(
                 f"n_routed_experts ({self.n_routed_experts}) must divide into n_group ({self.n_group}) groups "
