@@ -10,12 +10,21 @@ What is compiled is *captured*, not restated. The ``triton`` backend's wrappers 
 ``_triton_op(module, function)`` routes of ``kernels/backends.py``) run forward and, through
 autograd, backward on ``meta`` tensors of the real geometry and context length (a ``meta`` tensor
 has shape, dtype and strides but no storage, so a [1, 1M, 64, 512] query costs nothing). Every
-``kernel[grid](...)`` launch is intercepted (``JITFunction.run``; ``Autotuner.run`` expands into
-one launch per config) and bound by Triton's own binder for the target, exactly as a launch on that
-GPU would be: the signature (``*bf16``, ``i32`` or ``i64`` by the integer's actual value at that
-length, ``constexpr``), the specialisation attributes (16-divisibility) and the options the wrapper
-chose (``num_warps``, ``num_stages``). Nothing of the wrappers' block-size logic is duplicated
-here, so a changed or new kernel is picked up as it is launched.
+``kernel[grid](...)`` launch goes through Triton's own ``JITFunction.run``, which binds it for the
+target exactly as a launch on that GPU would be (Triton's active driver is a stand-in that reports
+the target and loads no CUDA driver), and is recorded by Triton's JIT cache hook, which then skips
+the compile and the launch (``Autotuner.run`` expands into one launch per config): the signature
+(``*bf16``, ``i32`` or ``i64`` by the integer's actual value at that length, ``constexpr``), the
+specialisation attributes (16-divisibility) and the options the wrapper chose (``num_warps``,
+``num_stages``). Nothing of the wrappers' block-size logic is duplicated here, so a changed or new
+kernel is picked up as it is launched.
+
+Triton releases: this runs on every release from 3.3.0 to 3.9.0; genolong's kernels pass its checks
+from 3.7 on, which is pyproject.toml's lower bound (BENCHMARKS.md, "Triton, fla-core and
+transformers versions checked"). The few things this needs that are not Triton's public API (where
+the cache hook and the active driver live, the ptxas command line) moved between releases; the
+functions of the "Triton versions" section handle each release explicitly, older ones included, so
+that it can say what fails on them.
 
 Shapes (the absorbed DSA layer of ``genolong/model/dsa.py``: ``sparse_attention(q, latent,
 latent, ...)``, ``v is k``), from ``genolong.model.config.PRESETS``:
@@ -170,6 +179,146 @@ def routed_wrappers() -> list[tuple[str, str]]:
     return re.findall(r'_triton_op\("(\w+)",\s*"(\w+)"\)', body)
 
 
+# ----------------------------------------------------------------------------- Triton versions
+
+# Everything this needs of Triton that is not public API moved between releases (3.3.0 to 3.9.0 each
+# checked: BENCHMARKS.md, "Triton, fla-core and transformers versions checked"); each piece below
+# says where it lives in which release.
+
+
+def triton_version() -> tuple[int, int]:
+    """``(major, minor)`` of the installed Triton (``"3.7.1"`` -> ``(3, 7)``)."""
+    import triton
+
+    major, minor = re.match(r"(\d+)\.(\d+)", triton.__version__).groups()  # type: ignore[union-attr]
+    return int(major), int(minor)
+
+
+@contextlib.contextmanager
+def jit_cache_hook(hook: Callable[..., bool]) -> Iterator[None]:
+    """Install ``hook`` as Triton's JIT cache hook for the block, and put the previous one back.
+
+    ``JITFunction.run`` calls it before compiling a launch it has not compiled, with keywords ``key``,
+    ``repr``, ``fn`` (``fn.jit_function``: the kernel), ``compile`` (the bound ``signature``,
+    ``constants``, ``configs=[attrs]`` and ``specialization_data``: the compile's inputs as JSON) and
+    more; when it returns true, ``run`` returns None without compiling or launching. Triton 3.3: the
+    class attribute ``JITFunction.cache_hook``; 3.4 on: ``triton.knobs.runtime.jit_cache_hook``.
+    """
+    if triton_version() < (3, 4):
+        from triton.runtime.jit import JITFunction as owner
+        name = "cache_hook"
+    else:
+        from triton import knobs
+        owner, name = knobs.runtime, "jit_cache_hook"
+    saved = getattr(owner, name)
+    setattr(owner, name, hook)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+class TargetDriver:
+    """What ``JITFunction.run`` asks of ``triton.runtime.driver.active`` before it compiles (the
+    device, its stream, its target), answered for a GPU of compute capability ``arch`` that is not
+    there: no CUDA driver is loaded. Its device is a name of its own, so that Triton's per-device
+    binder caches never mix it with a real GPU's."""
+
+    def __init__(self, arch: int) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.arch = arch
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self) -> str:
+        """The stand-in device's name (``"genolong-gpu-compile-sm90"``)."""
+        return f"genolong-gpu-compile-sm{self.arch}"
+
+    def get_current_stream(self, device: Any = None) -> int:
+        """A null stream: nothing is launched."""
+        return 0
+
+    def get_current_target(self) -> Any:
+        """``GPUTarget("cuda", arch, 32)``."""
+        return self.target
+
+
+@contextlib.contextmanager
+def active_target(arch: int) -> Iterator[None]:
+    """Make :class:`TargetDriver` (``arch``) Triton's active driver for the block, then put back the
+    one that was set, without creating Triton's default driver (which needs a GPU). Triton 3.3-3.4
+    keep the active driver in the attribute ``active`` of ``triton.runtime.driver.driver`` (a lazy
+    proxy), 3.5 on in ``_active`` (None until first use)."""
+    from triton.runtime.driver import driver
+
+    saved = vars(driver)["active" if triton_version() < (3, 5) else "_active"]
+    driver.set_active(TargetDriver(arch))  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        driver.set_active(saved)
+
+
+def options_from_specialization(specialization_data: str) -> dict[str, Any]:
+    """The launch's full compile options (``options.__dict__``) from the cache hook's
+    ``specialization_data`` (JSON), with JSON's lists turned back into tuples, as Triton's own
+    ``JITFunction.preload`` reads them (3.3 on)."""
+    options = json.loads(specialization_data)["options"]
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+
+
+def ptxas_command(arch: int, options: dict[str, Any], ptx: Path, cubin: Path) -> list[str]:
+    """The ``ptxas -v`` command line Triton's CUDA backend runs on a kernel's PTX, for the installed
+    release: its ptxas (3.3: ``get_ptxas(arch)`` returns ``(path, version)``; 3.4-3.5: ``get_ptxas()``
+    with no argument returns a tool with ``.path``; 3.6 on: ``get_ptxas(arch).path``, ``ptxas-blackwell``
+    for sm_100) and its flags (``-lineinfo``; ``--fmad=false`` when ``enable_fp_fusion`` is off; the
+    options' ``ptx_options``, 3.4 on; ``--regAllocOptLevel=2``, 3.7 on)."""
+    from triton.backends.nvidia import compiler as nv
+
+    version = triton_version()
+    if version < (3, 4):
+        exe = nv.get_ptxas(arch)[0]
+    elif version < (3, 6):
+        exe = nv.get_ptxas().path
+    else:
+        exe = nv.get_ptxas(arch).path
+    fmad = [] if options.get("enable_fp_fusion", True) else ["--fmad=false"]
+    extra = options["ptx_options"].split(" ") if version >= (3, 4) and options.get("ptx_options") else []
+    reg_alloc = ["--regAllocOptLevel=2"] if version >= (3, 7) else []
+    return [exe, "-lineinfo", *fmad, "-v", *reg_alloc, *extra, f"--gpu-name={nv.sm_arch_from_capability(arch)}",
+            str(ptx), "-o", str(cubin)]
+
+
+def triton_cache_dir() -> Path:
+    """Triton's cache directory (``TRITON_CACHE_DIR``, default ``~/.triton/cache``): 3.3
+    ``triton.runtime.cache.default_cache_dir()`` under the variable, 3.4 on ``triton.knobs.cache.dir``."""
+    if triton_version() < (3, 4):
+        from triton.runtime.cache import default_cache_dir
+
+        return Path(os.getenv("TRITON_CACHE_DIR", "").strip() or default_cache_dir())
+    from triton import knobs
+
+    return Path(knobs.cache.dir)
+
+
+@contextlib.contextmanager
+def ptxas_log_on_stdout() -> Iterator[bool]:
+    """Have Triton print the log of its own ``ptxas -v`` run (``knobs.nvidia.dump_ptxas_log``, 3.5
+    on) for the block; yields whether it does (3.3-3.4 keep no log: the stats come from a ptxas run
+    of ours, :func:`ptxas_command`)."""
+    if triton_version() < (3, 5):
+        yield False
+        return
+    from triton import knobs
+
+    saved = knobs.nvidia.dump_ptxas_log
+    knobs.nvidia.dump_ptxas_log = True
+    try:
+        yield True
+    finally:
+        knobs.nvidia.dump_ptxas_log = saved
+
+
 # ----------------------------------------------------------------------------- capture
 
 
@@ -187,6 +336,7 @@ class Launch:
     options: dict[str, Any]
 
     def key(self) -> str:
+        """A digest of everything the compile depends on: launches with the same key compile once."""
         blob = repr((self.module, self.kernel, self.arch, sorted(self.signature.items()),
                      sorted((k, repr(v)) for k, v in self.constexprs.items()),
                      sorted((k, repr(v)) for k, v in self.attrs.items()),
@@ -196,39 +346,27 @@ class Launch:
 
 @dataclass
 class _Capture:
-    archs: tuple[int, ...]
+    arch: int
     phase: str = "fwd"
     launches: list[Launch] = field(default_factory=list)
 
 
 @contextlib.contextmanager
-def capturing(archs: tuple[int, ...]) -> Iterator[_Capture]:
-    """Intercept every Triton launch: bind it for each target in ``archs`` and record it; nothing
-    runs. ``Autotuner.run`` becomes one launch per config."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton import knobs
+def capturing(arch: int) -> Iterator[_Capture]:
+    """Record every Triton launch in the block as bound for a GPU of capability ``arch``; nothing
+    compiles or runs. Triton's own ``JITFunction.run`` binds each launch (against
+    :class:`TargetDriver`), and its JIT cache hook (:func:`jit_cache_hook`) records what it would
+    compile and stops it there. ``Autotuner.run`` becomes one launch per config."""
     from triton.runtime.autotuner import Autotuner
-    from triton.runtime.jit import JITFunction, create_function_from_signature
 
-    cap = _Capture(archs)
-    backends = {a: make_backend(GPUTarget("cuda", a, 32)) for a in archs}
-    binders: dict[tuple[int, int], Callable] = {}
+    cap = _Capture(arch)
 
-    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
-        # as JITFunction.run up to the compile (triton 3.x), for each target instead of the device's
-        kwargs["debug"] = kwargs.get("debug", self.debug) or knobs.runtime.debug
-        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
-        for arch, backend in backends.items():
-            bkey = (id(self), arch)
-            if bkey not in binders:
-                binders[bkey] = create_function_from_signature(self.signature, self.params, backend)
-            bound, spec, options = binders[bkey](*args, **kwargs)
-            options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, spec, options)
-            cap.launches.append(Launch(self.fn.__module__, self.fn.__name__, cap.phase, arch, signature,
-                                       constexprs, attrs, dict(options.__dict__)))
-        return None
+    def record(*, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
+        kernel = fn.jit_function.fn
+        cap.launches.append(Launch(kernel.__module__, kernel.__name__, cap.phase, arch, dict(compile["signature"]),
+                                   dict(compile["constants"]), dict(compile["configs"][0]),
+                                   options_from_specialization(compile["specialization_data"])))
+        return True  # skip the compile and the launch
 
     def autotune_run(self: Any, *args: Any, **kwargs: Any) -> None:
         phase = cap.phase
@@ -237,12 +375,13 @@ def capturing(archs: tuple[int, ...]) -> Iterator[_Capture]:
             self.fn.run(*args, **{**kwargs, **config.all_kwargs()})
         cap.phase = phase
 
-    saved = (JITFunction.run, Autotuner.run)
-    JITFunction.run, Autotuner.run = run, autotune_run  # type: ignore[method-assign]
+    saved = Autotuner.run
+    Autotuner.run = autotune_run  # type: ignore[method-assign]
     try:
-        yield cap
+        with active_target(arch), jit_cache_hook(record):
+            yield cap
     finally:
-        JITFunction.run, Autotuner.run = saved  # type: ignore[method-assign]
+        Autotuner.run = saved  # type: ignore[method-assign]
 
 
 def _dtypes(variant: str) -> dict[str, Any]:
@@ -384,7 +523,7 @@ def capture_jobs(shapes: list[str], dtypes: list[str], archs: tuple[int, ...],
     for arch in archs:
         # one capture per target, the device reporting that target's capability, so that a wrapper
         # that picks its tiles per architecture is captured with the choice it makes there
-        with capturing((arch,)) as cap, _capability(torch, arch):
+        with capturing(arch) as cap, _capability(torch, arch):
             for shape in shapes:
                 g = geometry(shape)
                 for variant in dtypes:
@@ -417,13 +556,15 @@ def _parse_ptxas(log: str) -> dict[str, Any] | None:
             "source": "ptxas -v"}
 
 
-def _ptxas_stats(ptx: str, arch: int, cache_dir: Path, log: str) -> dict[str, Any]:
+def _ptxas_stats(ptx: str, arch: int, options: dict[str, Any], cache_dir: Path, log: str) -> dict[str, Any]:
     """Registers and spills per thread from the wheel's ``ptxas -v``: the log of Triton's own
-    ptxas run when it compiled (``log``, Triton passes ``-v``), else a cached earlier result for
-    this PTX, else a fresh ``ptxas -v`` with Triton's flags. Results are cached by the PTX's hash."""
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    ptxas run when it compiled (``log``, Triton passes ``-v``; empty on a Triton cache hit, and always
+    before 3.5), else a cached earlier result for this PTX, else a fresh ``ptxas -v`` with Triton's
+    command line (:func:`ptxas_command`). Results are cached by the hash of the PTX and the Triton
+    release (each release ships its own ptxas and flags)."""
+    import triton
 
-    key = hashlib.sha256(f"{arch}\n{ptx}".encode()).hexdigest()
+    key = hashlib.sha256(f"{triton.__version__}\n{arch}\n{ptx}".encode()).hexdigest()
     path = cache_dir / f"{key}.json"
     stats = _parse_ptxas(log)
     if stats is None and path.exists():
@@ -432,8 +573,7 @@ def _ptxas_stats(ptx: str, arch: int, cache_dir: Path, log: str) -> dict[str, An
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / "k.ptx"
             src.write_text(ptx)
-            cmd = [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
-                   f"--gpu-name={sm_arch_from_capability(arch)}", str(src), "-o", str(Path(tmp) / "k.cubin")]
+            cmd = ptxas_command(arch, options, src, Path(tmp) / "k.cubin")
             stats = _parse_ptxas(subprocess.run(cmd, capture_output=True, text=True, check=True).stderr)
         assert stats is not None, "ptxas -v printed no register count"
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -455,9 +595,8 @@ def compile_job(launch: Launch) -> dict[str, Any]:
         fn = getattr(importlib.import_module(launch.module), launch.kernel)
         src = ASTSource(fn, launch.signature, launch.constexprs, launch.attrs)
         # Triton runs ptxas with -v; keep its log (printed to stdout) instead of running ptxas again
-        triton.knobs.nvidia.dump_ptxas_log = True
         log = io.StringIO()
-        with contextlib.redirect_stdout(log):
+        with ptxas_log_on_stdout(), contextlib.redirect_stdout(log):
             ck = triton.compile(src, target=GPUTarget("cuda", launch.arch, 32), options=launch.options)
     except Exception as exc:  # a compile error: the table reports it, the check fails on it
         lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
@@ -476,7 +615,7 @@ def compile_job(launch: Launch) -> dict[str, Any]:
     out["dot_types"] = sorted({f"{a}x{b}" + (f"/{prec or 'ieee'}" if a == b == "f32" else "") for _, prec, a, b in dots})
     out["dots_fp32_ieee"] = sum(1 for _, prec, a, b in dots if a == b == "f32" and prec in ("", "ieee"))
     out["tensor_core_ops"] = {name: len(p.findall(ptx)) for name, p in _TC_PATTERNS.items() if p.search(ptx)}
-    out.update(_ptxas_stats(ptx, launch.arch, Path(triton.knobs.cache.dir) / "genolong_ptxas", log.getvalue()))
+    out.update(_ptxas_stats(ptx, launch.arch, launch.options, triton_cache_dir() / "genolong_ptxas", log.getvalue()))
     out["compile_s"] = round(time.perf_counter() - t0, 2)
     return out
 

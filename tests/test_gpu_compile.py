@@ -66,6 +66,64 @@ def test_every_kernel_compiles_for_sm90_and_sm100_within_limits(tmp_path: Path) 
     assert not failures, f"{len(failures)} of {len(rows)} kernel builds fail:\n" + "\n".join(failures)
 
 
+# Run in a child without TRITON_INTERPRET (under the interpreter, @triton.jit makes no JITFunction):
+# capture one small launch of the installed Triton, check that the harness put Triton's driver and
+# JIT cache hook back, compile it for sm_90 in a fresh Triton cache (so Triton runs ptxas itself), and
+# run the harness's own ptxas command on the same PTX.
+_ONE_KERNEL = """
+import json, sys, tempfile
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import gpu_compile as gc
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.driver import driver
+
+def hook_now():
+    if gc.triton_version() < (3, 4):
+        return triton.runtime.jit.JITFunction.cache_hook
+    return triton.knobs.runtime.jit_cache_hook
+
+before = (dict(vars(driver)), hook_now())
+jobs, _ = gc.capture_jobs(["1b"], ["bf16"], (90,), [(1024, 1)])
+launch = next(j.launch for j in jobs if j.launch.kernel == "_kpool_fwd_kernel")
+row = gc.compile_job(launch)
+fn = getattr(__import__(launch.module, fromlist=["x"]), launch.kernel)
+ck = triton.compile(ASTSource(fn, launch.signature, launch.constexprs, launch.attrs),
+                    target=GPUTarget("cuda", 90, 32), options=launch.options)
+ours = gc._ptxas_stats(ck.asm["ptx"], 90, launch.options, Path(tempfile.mkdtemp()), "")
+print(json.dumps({"restored": before == (dict(vars(driver)), hook_now()), "launch": {
+    "arch": launch.arch, "signature": launch.signature, "options": {k: repr(v) for k, v in launch.options.items()}},
+    "row": row, "ours": ours, "triton": triton.__version__}))
+"""
+
+
+@pytest.mark.slow
+def test_one_launch_is_captured_and_compiled_on_the_installed_triton(tmp_path: Path) -> None:
+    """The version-specific parts (:func:`capturing`'s driver and cache hook, the options read back,
+    the ptxas command line, Triton's cache directory) on the installed Triton: the ``1b`` K-pool
+    forward at 1,024 tokens is bound for sm_90 with bf16 pointers and the wrapper's ``num_warps``,
+    the driver and hook are put back, it compiles, and the harness's ``ptxas -v`` of its PTX gives
+    the registers and spills that Triton's own ptxas run gave (3.5 on: Triton's log; 3.3-3.4 keep
+    none, so both come from the harness's command)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    proc = subprocess.run([sys.executable, "-c", _ONE_KERNEL, str(SCRIPT.parent)], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["restored"], doc
+    launch, row, ours = doc["launch"], doc["row"], doc["ours"]
+    assert launch["arch"] == 90
+    assert {"*bf16", "constexpr"} <= set(launch["signature"].values()), launch["signature"]
+    assert launch["options"]["num_warps"] == "4" and launch["options"]["num_stages"] == "3", launch["options"]
+    assert row["status"] == "ok", row
+    assert isinstance(row["registers"], int) and row["registers"] > 0, row
+    assert (ours["registers"], ours["spill_stores"], ours["spill_loads"]) == (
+        row["registers"], row["spill_stores"], row["spill_loads"]), (doc["triton"], ours, row)
+
+
 def test_the_checks_catch_each_kind_of_failure() -> None:
     """``problems`` flags a compile error, shared memory over the limit, spills over the budget and
     fp32 IEEE dots (or no tensor-core instruction) with 16-bit inputs; a clean row passes."""
