@@ -222,6 +222,16 @@ def _check(recipe: Recipe, ctx: _Context) -> None:
                         "set model.checkpoint or give the ids as a mapping {A: id, ...}")
     for i, pattern in enumerate(m.freeze):
         need(bool(pattern.strip()), "model.freeze", f"model.freeze item {i} is empty; give a parameter-name glob such as 'layers.*.mlp.*'")
+    if m.lora is not None:
+        need(not m.freeze, ("model.freeze", "model.lora"),
+             "model.freeze with model.lora: under LoRA every base weight is frozen already; drop model.freeze "
+             "(name modules to train in full in model.lora.modules_to_save)")
+        need(bool(m.lora.targets) or m.lora.routed_experts, "model.lora.targets",
+             "model.lora.targets is empty; give module-name globs such as 'layers.*.self_attn.*'")
+        for key, patterns in (("targets", m.lora.targets), ("modules_to_save", m.lora.modules_to_save)):
+            for i, pattern in enumerate(patterns):
+                need(bool(pattern.strip()), f"model.lora.{key}",
+                     f"model.lora.{key} item {i} is empty; give a module-name glob such as 'layers.*.self_attn.*'")
 
     d = recipe.data
     need(0.0 <= d.rc_prob <= 1.0, "data.rc_prob", f"data.rc_prob = {d.rc_prob}: a probability must be in [0, 1] (0 turns reverse complement off)")

@@ -139,6 +139,42 @@ _VocabMap = Annotated[str | dict[str, int], PlainValidator(_vocab_map), WithJson
 
 
 @_section
+class LoraSection:
+    """Low-rank adapters (LoRA, Hu et al. 2021) on the base model's linear layers, in the PEFT format.
+
+    Every matched ``nn.Linear`` of shape ``[out, in]`` gets ``lora_A [rank, in]`` (Kaiming-uniform,
+    as PEFT) and ``lora_B [out, rank]`` (zeros), and computes ``base(x) + (alpha / rank) *
+    lora_B(lora_A(dropout(x)))``; at step 0 the model is the base model exactly. Under LoRA every
+    base weight is frozen (``model.freeze`` is then redundant and refused), the MoE routing biases
+    included (they are base state, and the adapter file must describe the whole change); only the
+    adapters and ``modules_to_save`` train. A run writes ``runs/NAME/adapter/``
+    (``adapter_config.json``, ``adapter_model.safetensors``, as ``peft`` writes them for
+    transformers' ``glm5_next``) and the merged model in ``runs/NAME/export/``.
+
+    Attributes:
+        rank: the adapters' rank ``r``. Default 16.
+        alpha: the scaling numerator: updates are scaled by ``alpha / rank``. Default 32.0.
+        dropout: dropout on the adapters' input during training, in [0, 1). Default 0.0.
+        targets: ``fnmatch`` globs over GenoLM module names; every matched ``nn.Linear`` gets an
+            adapter, e.g. ``["layers.*.self_attn.*"]`` (KDA and DSA projections, the DSA
+            indexer's included) or ``["layers.*.mlp.shared_experts.*"]``; a glob that matches no
+            linear layer is an error. Required.
+        routed_experts: also give every routed expert of every MoE layer its own adapters on
+            ``gate_up_proj`` and ``down_proj`` (batched per expert; ``rank`` each). Default False.
+        modules_to_save: ``fnmatch`` globs over module names trained in full beside the adapters
+            and stored in the adapter file (PEFT's ``modules_to_save``), e.g. ``["norm"]``.
+            Default ``()``.
+    """
+
+    rank: _Count = 16
+    alpha: Annotated[StrictFloat, pydantic.Field(gt=0)] = 32.0
+    dropout: Annotated[StrictFloat, pydantic.Field(ge=0, lt=1)] = 0.0
+    targets: tuple[StrictStr, ...]
+    routed_experts: StrictBool = False
+    modules_to_save: tuple[StrictStr, ...] = ()
+
+
+@_section
 class ModelSection:
     """What to train.
 
@@ -160,6 +196,8 @@ class ModelSection:
             "layers.*.mlp.*"]``; matching parameters are not trained. Default ``()``.
         softmask_weight: loss weight of soft-masked (lowercase, repeat) target bases; Evo 2 uses
             0.1. Default 1.0.
+        lora: low-rank adapters (:class:`LoraSection`), or None (train the unfrozen parameters in
+            full rank). Default None.
     """
 
     preset: StrictStr | None = None
@@ -168,6 +206,7 @@ class ModelSection:
     vocab_map: _VocabMap = "auto"
     freeze: tuple[StrictStr, ...] = ()
     softmask_weight: _NonNegFloat = 1.0
+    lora: LoraSection | None = None
 
 
 @_section
