@@ -8,6 +8,13 @@ TensorBoard) and to ``steps.jsonl`` in the run directory:
 - ``memory/saved_activation_bytes`` (peak device-resident saved activations),
   ``memory/offloaded_activation_bytes`` (peak in the host pool), ``memory/peak_bytes`` (CUDA
   ``max_memory_allocated`` on GPU, the process peak RSS on CPU);
+- what the run holds, this process's local bytes (DTensor local shards under FSDP2 and expert
+  parallelism; :func:`held_bytes`): ``memory/parameter_bytes`` (= ``..._trained_...`` +
+  ``..._frozen_...``), ``memory/trained_parameter_bytes``, ``memory/frozen_parameter_bytes``,
+  ``memory/gradient_bytes`` (the gradients present at the end of the batch),
+  ``memory/optimizer_bytes`` (every tensor of the optimisers' state: AdamW's ``exp_avg``,
+  ``exp_avg_sq`` and ``step``; 0 before the first step), and the element counts of the whole
+  model ``params/trained`` and ``params/frozen`` (global, not per rank);
 - with expert parallelism, ``perf/ep_alltoall_bytes_forward``, ``..._recompute``,
   ``..._backward`` and ``..._splits``: the bytes this process's expert-parallel all-to-alls sent
   to other ranks during the batch (:class:`genolong.parallel.expert.AllToAllCounter`; rank 0's
@@ -25,17 +32,62 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ProgressBar
+from torch.distributed.tensor import DTensor
 
 from ..config import Recipe
 from ..memory.meter import ActivationMeter
 
-__all__ = ["SaveRecipe", "StepMetrics", "TrainingBar", "read_step_log"]
+__all__ = ["SaveRecipe", "StepMetrics", "TrainingBar", "held_bytes", "read_step_log"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a plain tensor itself)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    local = _local(t)
+    return local.numel() * local.element_size()
+
+
+def held_bytes(model: torch.nn.Module | None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> dict[str, float]:
+    """What a training process holds for its parameters, gradients and optimiser state.
+
+    Args:
+        model: the (possibly parallelized) model; None gives zeros.
+        optimizers: the run's optimisers (their ``state`` tensors are counted).
+
+    Returns:
+        ``memory/parameter_bytes``, ``memory/trained_parameter_bytes`` (``requires_grad``),
+        ``memory/frozen_parameter_bytes``, ``memory/gradient_bytes`` (the ``.grad`` tensors
+        present now), ``memory/optimizer_bytes`` (every tensor in the optimisers' per-parameter
+        state: AdamW's two moments at the parameter's dtype and its 0-d fp32 ``step``), all this
+        process's local bytes (a DTensor's local shard), and ``params/trained`` and
+        ``params/frozen``, element counts of the whole model (a DTensor's global size). Buffers
+        (the MoE routing biases) are not parameters and not counted.
+    """
+    out = dict.fromkeys(("memory/parameter_bytes", "memory/trained_parameter_bytes", "memory/frozen_parameter_bytes",
+                         "memory/gradient_bytes", "memory/optimizer_bytes", "params/trained", "params/frozen"), 0.0)
+    if model is None:
+        return out
+    for param in model.parameters():
+        kind = "trained" if param.requires_grad else "frozen"
+        out[f"memory/{kind}_parameter_bytes"] += _nbytes(param)
+        out[f"params/{kind}"] += param.numel()
+        if param.grad is not None:
+            out["memory/gradient_bytes"] += _nbytes(param.grad)
+    out["memory/parameter_bytes"] = out["memory/trained_parameter_bytes"] + out["memory/frozen_parameter_bytes"]
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            out["memory/optimizer_bytes"] += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return out
 
 
 class SaveRecipe(L.Callback):
@@ -115,6 +167,7 @@ class StepMetrics(L.Callback):
         if memory:
             metrics["memory/saved_activation_bytes"] = float(memory["peak_resident_bytes"])
             metrics["memory/offloaded_activation_bytes"] = float(memory["peak_offloaded_bytes"])
+        metrics.update(held_bytes(getattr(pl_module, "model", None), trainer.optimizers))
         for kind, count in (_ep_bytes(pl_module) or {}).items():
             if kind != "dispatches":
                 metrics[f"perf/ep_alltoall_bytes_{kind}"] = float(count)
@@ -122,7 +175,7 @@ class StepMetrics(L.Callback):
         if self._handle is not None:
             record: dict[str, Any] = {"step": trainer.global_step, "batch": batch_idx, "window_tokens": tokens}
             for key, value in {**trainer.callback_metrics, **metrics}.items():
-                if key.startswith(("train/", "perf/", "memory/", "moe/")):
+                if key.startswith(("train/", "perf/", "memory/", "params/", "moe/")):
                     record[key] = float(value)
             self._handle.write(json.dumps(record) + "\n")
             self._handle.flush()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from ..data.alphabet import PAD
 from ..data.windows import context_cut_spans, context_parallel_bounds
+from ..config.schema import LoraSection
 from ..errors import GenolongError, InputError
 from ..model.dsa import DSAMixer
 from ..model.lm import GenoLM
@@ -39,8 +41,9 @@ from ..model.vocab import VocabMap
 from ..parallel.expert import ep_comm_counter
 from ..parallel.mesh import ParallelSizes, build_mesh, cp_rank, cp_size, dp_size, ep_size
 
-__all__ = ["BIAS_UPDATES", "GenoLMModule", "NonFiniteLossError", "OptimSettings", "WarmupCosine", "clip_grad_norm_by_mesh",
-           "cut_windows", "freeze_parameters", "routing_bias_step"]
+__all__ = ["BIAS_UPDATES", "KEEP_FP32", "GenoLMModule", "NonFiniteLossError", "OptimSettings", "WarmupCosine",
+           "cast_frozen_parameters", "clip_grad_norm_by_mesh", "cut_windows", "freeze_parameters", "low_precision_parameters",
+           "routing_bias_step"]
 
 log = logging.getLogger("genolong")
 
@@ -121,6 +124,69 @@ def freeze_parameters(model: torch.nn.Module, patterns: Sequence[str]) -> int:
             param.requires_grad_(False)
             frozen += param.numel()
     return frozen
+
+
+#: GenoLM parameters that stay fp32 in every run, frozen or not: the tensors transformers keeps in fp32
+#: (:data:`genolong.model.hf.FP32_TENSORS`, here in GenoLM's names: the router, the KDA short
+#: convolution, ``dt_bias``, ``A_log``, the mHC ``base`` and ``scale``); the router's
+#: ``e_score_correction_bias`` is a buffer and never cast. None of them is an ``nn.Linear`` or a
+#: routed expert matrix, so :func:`low_precision_parameters` would not pick them anyway: the list
+#: guards the rule against a future layer that wraps one of them in a linear module.
+KEEP_FP32 = re.compile(r"(^|\.)(mlp\.gate\.weight|conv1d\.weight|dt_bias|A_log|(attn|ffn)_hc\.(base|scale))$")
+
+
+def low_precision_parameters(model: torch.nn.Module) -> list[str]:
+    """The parameters of ``model`` that a frozen run may hold in a low-precision dtype, by name.
+
+    The rule: the weight and bias of every ``nn.Linear`` (LoRA's wrapped base layers included) and
+    the routed experts' ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``, but none that
+    matches :data:`KEEP_FP32` and none that another kind of module also holds (a head tied to the
+    embedding). Every use of these is a matmul (``F.linear``, ``einsum`` over ``kv_b_proj``'s
+    weight, the LM head's ``rows @ W.T``) that autocast runs in bf16 in a ``bf16-mixed`` run
+    anyway: a bf16 copy stored once is the copy autocast makes from the fp32 master at every
+    step, so the forward is bitwise unchanged. Everything else stays fp32 because bf16 storage
+    would change the math: the embedding (a lookup: a bf16 table would put the residual stream in
+    bf16), the norm and mHC weights, the KDA gate parameters, the DSA indexer's pooling
+    parameters and the router, which the model reads in fp32 arithmetic (``.float()``, fp32
+    promotion). At GLM-5.3-Flash scale the rule covers all but ~0.7B of the 313B parameters
+    (the embedding, 0.63B, is most of the rest).
+    """
+    from ..model.moe import Experts
+
+    keep: set[int] = set()
+    cast: dict[int, str] = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            names = ("weight", "bias")
+        elif isinstance(module, Experts):
+            names = ("gate_up_proj", "down_proj")
+        else:
+            names = ()
+        for name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            if name in names and not KEEP_FP32.search(full):
+                cast.setdefault(id(param), full)
+            else:
+                keep.add(id(param))
+    return [name for key, name in cast.items() if key not in keep]
+
+
+def cast_frozen_parameters(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Store every frozen (``requires_grad=False``) parameter that :func:`low_precision_parameters`
+    allows in ``dtype``, in place (the ``nn.Parameter`` objects stay, their data is replaced):
+    a frozen weight then costs only its storage, with no fp32 master, no gradient and no
+    optimiser state. Trained parameters are untouched. Returns how many elements were cast.
+
+    Call it before FSDP2 shards the model (it then shards and gathers the frozen weights in
+    ``dtype``) and only in a ``bf16-mixed`` run: in ``32-true`` the weights are read in fp32.
+    """
+    allowed = set(low_precision_parameters(model))
+    cast = 0
+    for name, param in model.named_parameters():
+        if name in allowed and not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+            cast += param.numel()
+    return cast
 
 
 def cut_windows(tokens: torch.Tensor, cut: int) -> torch.Tensor:
@@ -215,6 +281,15 @@ class GenoLMModule(L.LightningModule):
             are dropped (``MoE.capacity_factor``; default None: no capacity).
         moe_collapse_steps: warn (once per run) when some experts of a layer got no token, or one
             expert took over half the tokens, for this many steps in a row (default 20).
+        lora: low-rank adapters (the recipe's ``model.lora``,
+            :class:`~genolong.config.schema.LoraSection`), applied by
+            :func:`genolong.model.lora.apply_lora` before ``parallelize``: every base weight is
+            frozen, only the adapters (and ``modules_to_save``) train, and the MoE routing-bias
+            update is off (the biases are base state; the adapter must describe the whole
+            change). Default None: no adapters.
+        frozen_dtype: store the frozen parameters (``freeze``, or the base under ``lora``) in this
+            dtype (:func:`cast_frozen_parameters`), e.g. ``torch.bfloat16`` in a ``bf16-mixed``
+            run; default None: every parameter stays as built (``32-true``).
 
     Batches are the data module's: ``tokens`` torch.long ``[B, T]`` (store tokens, case kept).
     Logged every step: ``train/loss`` (nats per counted base), ``train/bits_per_base``,
@@ -247,6 +322,8 @@ class GenoLMModule(L.LightningModule):
         context_cut: int | None = None,
         moe_capacity_factor: float | None = None,
         moe_collapse_steps: int = 20,
+        lora: LoraSection | None = None,
+        frozen_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         if optim.moe_bias_update not in BIAS_UPDATES:
@@ -263,6 +340,11 @@ class GenoLMModule(L.LightningModule):
         self.ce_chunk_tokens = ce_chunk_tokens
         self.vocab = vocab
         self.freeze = tuple(freeze)
+        if lora is not None and self.freeze:
+            raise InputError("model.freeze beside model.lora: LoRA freezes every base weight itself; drop model.freeze")
+        self.lora = lora
+        self.frozen_dtype = frozen_dtype
+        self.lora_modules: list[str] = []  # the module names apply_lora wrapped
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
         self.indexer_kl_weight = indexer_kl_weight
         self.extra_checkpoint_state = dict(extra_checkpoint_state or {})
@@ -285,8 +367,19 @@ class GenoLMModule(L.LightningModule):
         if self.model is not None:
             return
         model = self.build_model()
+        if self.lora is not None:
+            from ..model.lora import apply_lora
+
+            self.lora_modules = apply_lora(model, self.lora)
+            if self.optim.moe_bias_rate > 0 and moe_layers(model) and self.global_rank == 0:
+                log.info("genolong: the MoE routing-bias update (train.moe_bias_update_rate %g) is off under model.lora: "
+                         "the routing biases are base state, and the adapter must describe the whole change",
+                         self.optim.moe_bias_rate)
         if self.freeze:
             freeze_parameters(model, self.freeze)
+        if self.frozen_dtype is not None:
+            # before parallelize: FSDP2 then shards and gathers the frozen weights in this dtype
+            cast_frozen_parameters(model, self.frozen_dtype)
         self.indexers = [m for m in model.modules() if isinstance(m, DSAMixer) and m.indexer is not None]
         moes = moe_layers(model)
         self.moes, self.moe_layers = [m for _, _, m in moes], [index for _, index, _ in moes]
@@ -514,7 +607,7 @@ class GenoLMModule(L.LightningModule):
         over-loaded ones' (:func:`routing_bias_step` with ``optim.moe_bias_rate`` and
         ``optim.moe_bias_update``). Done with the optimiser step (before Lightning's checkpoint
         callbacks run), from the last forward's expert loads."""
-        if self.optim.moe_bias_rate <= 0:
+        if self.optim.moe_bias_rate <= 0 or self.lora is not None:
             return
         for module, stats in zip(self.moes, self._step_routing):
             bias = module.gate.e_score_correction_bias

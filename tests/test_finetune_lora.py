@@ -1,0 +1,136 @@
+"""Frozen weights and LoRA in training, one process: frozen parameters cost only their storage
+(bf16 in a bf16-mixed run, no gradient, no optimiser state) and leave the loss and the trained
+gradients as they were; LoRA runs (tiny preset, short windows) start at the base's loss, change
+only the adapters, write adapter/ and export/, and compose with recompute, offload and resume."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from genolong.model import PRESETS, GenoLM
+from genolong.model.moe import Experts
+from genolong.train import GenoLMModule, OptimSettings
+from genolong.train.callbacks import held_bytes
+from genolong.train.module import cast_frozen_parameters, low_precision_parameters
+
+from .helpers import assert_bitwise_equal
+
+# bitwise comparisons of losses and gradients: one torch thread (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# tiny's geometry cut to three layers (KDA + dense, DSA + MoE, DSA + MoE, the indexer included):
+# every kind of block, at a quarter of the cost
+_CONFIG = PRESETS["tiny"].replace(num_hidden_layers=3, pattern="KDD", mlp_layer_types=("dense", "sparse", "sparse"))
+# everything but layer 1 (a DSA block with its MoE, router and indexer)
+_ALL_BUT_LAYER_1 = ("embed_tokens.*", "lm_head.*", "norm.*", "layers.0.*", "layers.2.*")
+
+
+def _module(freeze: Sequence[str] = (), frozen_dtype: torch.dtype | None = None, **kwargs) -> GenoLMModule:
+    """A configured module over the 3-layer model, the same weights every time (seed 0)."""
+    def build() -> GenoLM:
+        torch.manual_seed(0)
+        return GenoLM(_CONFIG)
+
+    module = GenoLMModule(build, OptimSettings(max_steps=10), freeze=freeze, frozen_dtype=frozen_dtype, **kwargs)
+    module.configure_model()
+    return module
+
+
+def _tokens(length: int = 96) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(1, 5, (1, length), generator=generator)
+
+
+def _loss_and_grads(module: GenoLMModule, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The training loss (NLL mean + indexer KL) of one batch and the gradients it gives."""
+    with pytest.warns(UserWarning, match="self.log"):  # no trainer: Lightning warns that nothing is logged
+        loss = module.training_step({"tokens": tokens}, 0)
+    assert loss is not None
+    loss.backward()
+    assert module.model is not None
+    return loss.detach(), {n: p.grad for n, p in module.model.named_parameters() if p.grad is not None}
+
+
+def test_freezing_all_but_one_block_keeps_the_loss_and_its_gradients() -> None:
+    """Issue 26's exactness check: every parameter frozen but layer 1's; the loss and layer 1's
+    gradients equal those of full training (fp32, CPU), and nothing else gets a gradient."""
+    tokens = _tokens()
+    full, full_grads = _loss_and_grads(_module(), tokens)
+    frozen_module = _module(freeze=_ALL_BUT_LAYER_1)
+    frozen, grads = _loss_and_grads(frozen_module, tokens)
+    assert_bitwise_equal(frozen, full, "loss with all but layer 1 frozen")
+    assert frozen_module.model is not None
+    trained = {n for n, p in frozen_module.model.named_parameters() if p.requires_grad}
+    assert trained and all(n.startswith("layers.1.") for n in trained)
+    assert set(grads) == trained  # the frozen parameters got no gradient at all
+    # the same backward ops over the same values: bitwise (one thread)
+    assert_bitwise_equal(grads, {n: full_grads[n] for n in trained}, "layer 1's gradients")
+
+
+def test_low_precision_rule() -> None:
+    """Which parameters a frozen bf16-mixed run may hold in bf16: linear and expert matrices, not
+    the embedding, norms, router, convolution, KDA gate, mHC or indexer pooling parameters."""
+    model = GenoLM(_CONFIG)
+    low = set(low_precision_parameters(model))
+    linear = {f"{m}.{n}" for m, mod in model.named_modules() if isinstance(mod, (torch.nn.Linear, Experts))
+              for n, _ in mod.named_parameters(recurse=False)}
+    assert low == linear
+    for name in ("layers.0.self_attn.q_proj.weight", "layers.1.mlp.experts.gate_up_proj", "layers.1.mlp.experts.down_proj",
+                 "layers.1.self_attn.kv_b_proj.weight", "lm_head.weight", "layers.1.mlp.shared_experts.down_proj.weight"):
+        assert name in low, name
+    for name in ("embed_tokens.weight", "norm.weight", "layers.1.mlp.gate.weight", "layers.0.self_attn.conv1d.weight",
+                 "layers.0.self_attn.forget_gate.A_log", "layers.0.self_attn.forget_gate.dt_bias", "layers.0.attn_hc.base",
+                 "layers.0.attn_hc.scale", "layers.0.attn_hc.fn", "layers.1.self_attn.indexer.index_kpool_compress_gate",
+                 "layers.0.input_layernorm.weight"):
+        assert name not in low, name
+
+
+def test_frozen_bf16_storage_leaves_the_autocast_step_unchanged() -> None:
+    """In a bf16-mixed step (autocast) the frozen weights stored in bf16 give the same loss and
+    trained gradients, bit for bit, as fp32 masters that autocast casts; frozen parameters are
+    bf16 where the rule allows, trained ones fp32, and :func:`held_bytes` counts that."""
+    freeze = ("embed_tokens.*", "lm_head.*", "norm.*", "layers.*.mlp.*", "layers.*.attn_hc.*", "layers.*.ffn_hc.*",
+              "layers.*.input_layernorm.*", "layers.*.post_attention_layernorm.*")  # the quickstart's: attention trains
+    tokens = _tokens()
+    master = _module(freeze=freeze)
+    stored = _module(freeze=freeze, frozen_dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_master, grads_master = _loss_and_grads(master, tokens)
+        loss_stored, grads_stored = _loss_and_grads(stored, tokens)
+    assert_bitwise_equal(loss_stored, loss_master, "bf16-mixed loss with bf16 frozen weights")
+    assert_bitwise_equal(grads_stored, grads_master, "bf16-mixed trained gradients with bf16 frozen weights")
+    assert stored.model is not None and master.model is not None
+    low = set(low_precision_parameters(stored.model))
+    expected = {"trained": 0, "frozen": 0, "trained_n": 0, "frozen_n": 0}
+    for name, param in stored.model.named_parameters():
+        if param.requires_grad:
+            assert param.dtype == torch.float32, name
+            expected["trained"] += 4 * param.numel()
+            expected["trained_n"] += param.numel()
+        else:
+            assert param.dtype == (torch.bfloat16 if name in low else torch.float32), name
+            expected["frozen"] += (2 if name in low else 4) * param.numel()
+            expected["frozen_n"] += param.numel()
+    params = dict(stored.model.named_parameters())
+    assert params["layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16  # frozen, a matmul's: bf16
+    assert params["layers.0.self_attn.q_proj.weight"].dtype == torch.float32  # trained: fp32
+    assert params["embed_tokens.weight"].dtype == torch.float32  # frozen, a lookup: fp32
+    held = held_bytes(stored.model)
+    assert held["memory/trained_parameter_bytes"] == expected["trained"] == held["memory/gradient_bytes"]
+    assert held["memory/frozen_parameter_bytes"] == expected["frozen"]
+    assert held["memory/parameter_bytes"] == expected["trained"] + expected["frozen"]
+    assert held["params/trained"] == expected["trained_n"] and held["params/frozen"] == expected["frozen_n"]
+    assert held["memory/optimizer_bytes"] == 0
+    # the same model held in fp32: the frozen bytes are larger by 2 per cast element
+    cast = sum(p.numel() for n, p in master.model.named_parameters() if n in low and not p.requires_grad)
+    assert held_bytes(master.model)["memory/frozen_parameter_bytes"] == expected["frozen"] + 2 * cast
+    # the optimiser holds the trained parameters only: AdamW's two fp32 moments and a 0-d step each
+    optimizer = torch.optim.AdamW([p for p in stored.model.parameters() if p.requires_grad])
+    optimizer.step()
+    n_trained = sum(1 for p in stored.model.parameters() if p.requires_grad)
+    assert held_bytes(stored.model, [optimizer])["memory/optimizer_bytes"] == 2 * expected["trained"] + 4 * n_trained
+    # trained parameters are never cast, and a second cast changes nothing
+    assert cast_frozen_parameters(stored.model, torch.bfloat16) == 0
