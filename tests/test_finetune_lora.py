@@ -6,14 +6,20 @@ only the adapters, write adapter/ and export/, and compose with recompute, offlo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
 
+from genolong.config.schema import LoraSection
+from genolong.kernels.testing import rms_ratio
 from genolong.model import PRESETS, GenoLM
+from genolong.model.lora import adapter_parameters, has_lora, lora_modules
 from genolong.model.moe import Experts
+from genolong.parallel import parallelize
 from genolong.train import GenoLMModule, OptimSettings
 from genolong.train.callbacks import held_bytes
+from genolong.train.finetune import _full_model, _merged_export
 from genolong.train.module import cast_frozen_parameters, low_precision_parameters
 
 from .helpers import assert_bitwise_equal
@@ -134,3 +140,89 @@ def test_frozen_bf16_storage_leaves_the_autocast_step_unchanged() -> None:
     assert held_bytes(stored.model, [optimizer])["memory/optimizer_bytes"] == 2 * expected["trained"] + 4 * n_trained
     # trained parameters are never cast, and a second cast changes nothing
     assert cast_frozen_parameters(stored.model, torch.bfloat16) == 0
+
+
+# -- LoRA: the module -------------------------------------------------------------------------------
+_LORA = LoraSection(targets=("layers.*.self_attn.*",), rank=4, alpha=8.0)
+
+
+def _lora_module(**techniques: Any) -> GenoLMModule:
+    """The 3-layer model with adapters on every attention linear, B made non-zero (as after some
+    training: with B = 0 no gradient reaches A, and recompute would be checked on half of them)."""
+    module = _module(lora=_LORA, parallelize=(lambda model, mesh: parallelize(model, **techniques)) if techniques else None)
+    assert module.model is not None
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for lora in lora_modules(module.model).values():
+            lora.lora_B.weight.copy_(0.01 * torch.randn(lora.lora_B.weight.shape, generator=generator))
+    return module
+
+
+def test_lora_step_zero_is_the_base() -> None:
+    """Adapters with B = 0 (as initialised): the loss equals the base model's bitwise, only the
+    adapters are trainable, and with B = 0 only the B matrices get a (non-zero) gradient."""
+    tokens = _tokens()
+    base, _ = _loss_and_grads(_module(), tokens)
+    module = _module(lora=_LORA)
+    loss, grads = _loss_and_grads(module, tokens)
+    assert_bitwise_equal(loss, base, "the step-0 loss of a LoRA model")
+    assert module.model is not None
+    adapters = set(adapter_parameters(module.model))
+    assert {n for n, p in module.model.named_parameters() if p.requires_grad} == adapters
+    assert set(module.lora_modules) == set(lora_modules(module.model)) and module.lora_modules
+    assert set(grads) <= adapters
+    assert all(float(g.abs().max()) > 0 for n, g in grads.items() if ".lora_B." in n)
+    assert all(float(g.abs().max()) == 0 for n, g in grads.items() if ".lora_A." in n)  # exact: B = 0 in the chain rule
+
+
+_TECHNIQUES: dict[str, dict[str, Any]] = {
+    "selective": {"recompute": "selective", "recompute_modules": ("kda", "dsa")},
+    "selective-attn": {"recompute": "selective"},
+    "full": {"recompute": "full"},
+    "offload": {"offload": True, "offload_min_bytes": 0},
+    "full+offload": {"recompute": "full", "offload": True, "offload_min_bytes": 0},
+}
+
+
+def test_lora_under_every_recompute_mode_and_offload() -> None:
+    """With adapters on every attention linear: selective, full, offload give the loss and the
+    adapter gradients of no recompute bitwise (tests/test_memory.py's exact techniques);
+    ``chunked`` (segmented attention halves, in 128-token chunks of 192 tokens) within fp32
+    rounding, the bound of tests/test_recompute_chunked.py."""
+    tokens = _tokens(192)
+    none, none_grads = _loss_and_grads(_lora_module(), tokens)
+    assert len(none_grads) == 2 * len(lora_modules(_lora_module().model))  # type: ignore[arg-type]
+    for name, techniques in _TECHNIQUES.items():
+        loss, grads = _loss_and_grads(_lora_module(**techniques), tokens)
+        assert_bitwise_equal(loss, none, f"LoRA loss under {name}")
+        assert_bitwise_equal(grads, none_grads, f"LoRA gradients under {name}")
+    loss, grads = _loss_and_grads(_lora_module(recompute="chunked", recompute_chunk_tokens=128), tokens)
+    wide_module = _lora_module()
+    assert wide_module.model is not None
+    wide_module.model.double()
+    _, wide = _loss_and_grads(wide_module, tokens)
+    # the segmented halves change the float summation order (tests/test_recompute_chunked.py)
+    torch.testing.assert_close(loss, none, rtol=1e-6, atol=0.0)
+    assert grads.keys() == none_grads.keys()
+    for n, g in none_grads.items():
+        error, rounding = rms_ratio(g, grads[n]), rms_ratio(wide[n], g)
+        assert error < max(2e-6, 2 * rounding), (n, error, rounding)
+
+
+def test_merged_export_keeps_the_update_of_a_bf16_base() -> None:
+    """A bf16-mixed LoRA run holds the adapted base weights in bf16: the export merges in fp32
+    (a bf16 sum would round the small update away)."""
+    module = _lora_module()
+    assert module.model is not None
+    cast_frozen_parameters(module.model, torch.bfloat16)
+    lora = lora_modules(module.model)["layers.1.self_attn.kv_b_proj"]
+    assert lora.base.weight.dtype == torch.bfloat16 and lora.lora_A.weight.dtype == torch.float32
+    expected = lora.base.weight.double() + lora.scaling * (lora.lora_B.weight.double() @ lora.lora_A.weight.double())
+    copy = _full_model(module.model, _LORA)
+    assert copy is not None
+    merged = _merged_export(copy)
+    weight = dict(merged.named_parameters())["layers.1.self_attn.kv_b_proj.weight"]
+    assert weight.dtype == torch.float32 and not has_lora(merged)
+    torch.testing.assert_close(weight.double(), expected, rtol=1e-6, atol=1e-7)  # fp32 rounding of the sum
+    # the live model is untouched: still adapted, its base still the bf16 one
+    assert lora_modules(module.model)["layers.1.self_attn.kv_b_proj"] is lora and lora.base.weight.dtype == torch.bfloat16

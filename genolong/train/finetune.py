@@ -8,13 +8,22 @@ Run directory layout (``runs/<name>/`` unless the recipe says otherwise)::
                            in a multi-process run each is a directory of shards (DCP + meta.pt)
     logs/steps.jsonl       one record per training batch (flushed as written) and per evaluation
     logs/csv/metrics.csv   Lightning CSV logger;  logs/tensorboard/  TensorBoard event files
-    export/                the final model in the GLM-5.3-Flash format (config.json + safetensors)
+    adapter/               with ``model.lora``: the trained adapters in the PEFT format
+                           (adapter_config.json + adapter_model.safetensors)
+    export/                the final model in the GLM-5.3-Flash format (config.json + safetensors);
+                           with ``model.lora`` the adapters merged into the base weights
 
 ``--resume`` continues from the newest intact checkpoint in ``checkpoints/`` (each is checked
 against the checksum manifest written with it; a damaged newer one is named on stderr): the model, optimiser,
 schedule, loop counters, MoE routing biases and the window stream, so the losses of the steps that
 follow equal those of an uninterrupted run (CPU, deterministic). Checkpoints load with
-``weights_only=True``: nothing in them is unpickled as code.
+``weights_only=True``: nothing in them is unpickled as code. They hold the whole model (frozen
+base weights and adapters too), so a resume needs nothing but the checkpoint.
+
+In a ``bf16-mixed`` run the frozen parameters (``model.freeze``, or every base weight under
+``model.lora``) are stored in bf16 where that leaves the forward unchanged
+(:func:`genolong.train.module.cast_frozen_parameters`): checkpoints and the export hold them in
+bf16, everything trained in fp32.
 
 Processes: ``parallel.devices x parallel.num_nodes``, started by Lightning, or by torchrun / SLURM
 (Lightning joins them); the module builds the ``(dp_replicate, dp_shard, cp)`` mesh and applies
@@ -47,6 +56,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..config import Recipe
+from ..config.schema import LoraSection
 from ..console import is_rank_zero, quiet_run
 from ..data.alphabet import STORE_ALPHABET
 from ..data.datamodule import GenomeDataModule
@@ -161,6 +171,10 @@ class RunPaths:
     def export(self) -> Path:
         return self.root / "export"
 
+    @property
+    def adapter(self) -> Path:
+        return self.root / "adapter"
+
 
 def _checkpoints(directory: Path) -> list[Path]:
     """The ``step*.ckpt`` in ``directory`` (temporary files ignored), newest first."""
@@ -223,6 +237,7 @@ class FinetuneResult:
     resumed_from: Path | None
     export: Path | None
     is_global_zero: bool = True  # False on the other processes of a multi-process job
+    adapter: Path | None = None  # runs/NAME/adapter/ of a model.lora run (rank 0)
 
 
 def _check_store(recipe: Recipe) -> None:
@@ -247,12 +262,14 @@ def _check_store(recipe: Recipe) -> None:
 
 
 def _build_model(recipe: Recipe) -> GenoLM:
-    """The plain model: the checkpoint's weights, or the preset's fresh ones (seeded)."""
+    """The plain model: the checkpoint's weights, or the preset's fresh ones (seeded). The seed is
+    set in both cases: the LoRA adapters initialised next (``apply_lora``, in the module's
+    ``configure_model``) are then the same in every run of the recipe and on every rank."""
     config = recipe.model_config()
     chunk = recipe.memory.moe_chunk_tokens
+    torch.manual_seed(recipe.seed)
     if recipe.model.checkpoint is not None:
         return GenoLM.from_pretrained(recipe.model.checkpoint, moe_chunk_tokens=chunk, config=config)
-    torch.manual_seed(recipe.seed)
     return GenoLM(config, moe_chunk_tokens=chunk)
 
 
@@ -269,18 +286,45 @@ def _parallelize(recipe: Recipe, model: GenoLM, mesh: DeviceMesh | None) -> Geno
     return model
 
 
-def _full_model(model: GenoLM) -> GenoLM | None:
-    """``model`` itself when it is not sharded; for an FSDP2 model, a plain copy with the full
-    parameters on rank 0 (None on the other ranks; every rank must call this)."""
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
+def _full_model(model: GenoLM, lora: LoraSection | None = None) -> GenoLM | None:
+    """The whole model on rank 0 (None on the other ranks; every rank must call this: gathering a
+    sharded model is a collective).
+
+    Without ``lora``: ``model`` itself when it is not sharded; for an FSDP2 model, a plain copy
+    with the full parameters. With ``lora`` (the section ``model`` was adapted with): always a
+    plain copy, with the same adapters, that shares no storage with ``model``, so that merging it
+    leaves the live model as it was.
+    """
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    if not sharded and lora is None:
         return model
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:
-        return None
+    if sharded:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() != 0:
+            return None
+    else:
+        state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     with torch.device("meta"):
         plain = GenoLM(model.config)
+        if lora is not None:
+            from ..model.lora import apply_lora
+
+            apply_lora(plain, lora)
     plain.load_state_dict(state, assign=True)
     return plain
+
+
+def _merged_export(model: GenoLM) -> GenoLM:
+    """``model`` (a plain copy with adapters, from :func:`_full_model`) with its adapters merged,
+    in place. The adapted base weights are taken to fp32 first: a frozen bf16 base (a
+    ``bf16-mixed`` run) would otherwise round the adapters' update away."""
+    from ..model.lora import lora_modules, merge_lora
+
+    for module in lora_modules(model).values():
+        for param in module.base.parameters():
+            if param.is_floating_point() and param.dtype != torch.float32:
+                param.data = param.data.float()
+    return merge_lora(model)
 
 
 def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback]) -> L.Trainer:
@@ -393,6 +437,8 @@ def _run(recipe: Recipe, resume: bool) -> FinetuneResult:
         ce_chunk_tokens=m.ce_chunk_tokens,
         vocab=None if vocab == VocabMap.identity() else vocab,
         freeze=recipe.model.freeze,
+        lora=recipe.model.lora,
+        frozen_dtype=torch.bfloat16 if recipe.train.precision == "bf16-mixed" else None,
         max_consecutive_nonfinite=recipe.train.max_consecutive_nonfinite,
         indexer_kl_weight=recipe.train.indexer_kl_weight,
         extra_checkpoint_state={"recipe": recipe.to_dict()},
@@ -423,16 +469,25 @@ def _run(recipe: Recipe, resume: bool) -> FinetuneResult:
     warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting", category=UserWarning)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from if resume else None, weights_only=True)
 
-    export = None
-    if recipe.checkpoint.export_safetensors:
+    export = adapter = None
+    lora = recipe.model.lora
+    if recipe.checkpoint.export_safetensors or lora is not None:
         assert module.model is not None
-        model = _full_model(module.model)  # collective when sharded: every rank takes part
+        model = _full_model(module.model, lora)  # collective when sharded: every rank takes part
         if trainer.is_global_zero:
             assert model is not None
             source = recipe.model.checkpoint
-            extras = [p for p in (source.glob("tokenizer*") if source else []) if p.is_file()]
-            export = model.save_pretrained(paths.export, copy_files=extras)
+            if lora is not None:
+                from ..model.lora import save_adapter
+
+                # the adapters first, from the unmerged copy
+                adapter = save_adapter(model, paths.adapter, base_model_name_or_path=str(source) if source else None)
+                if recipe.checkpoint.export_safetensors:
+                    model = _merged_export(model)
+            if recipe.checkpoint.export_safetensors:
+                extras = [p for p in (source.glob("tokenizer*") if source else []) if p.is_file()]
+                export = model.save_pretrained(paths.export, copy_files=extras)
         # so that the export is there when run() returns on any rank
         trainer.strategy.barrier("genolong_export")
     return FinetuneResult(paths=paths, global_step=trainer.global_step, resumed_from=resume_from if resume else None, export=export,
-                          is_global_zero=trainer.is_global_zero)
+                          is_global_zero=trainer.is_global_zero, adapter=adapter)
