@@ -5,21 +5,27 @@ only the adapters, write adapter/ and export/, and compose with recompute, offlo
 
 from __future__ import annotations
 
+import fnmatch
+import shutil
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
+
+from genolong.config import load_recipe
 
 from genolong.config.schema import LoraSection
 from genolong.kernels.testing import rms_ratio
 from genolong.model import PRESETS, GenoLM
-from genolong.model.lora import adapter_parameters, has_lora, lora_modules
+from genolong.model.lora import adapter_parameters, apply_lora, has_lora, load_adapter, lora_modules
 from genolong.model.moe import Experts
 from genolong.parallel import parallelize
-from genolong.train import GenoLMModule, OptimSettings
+from genolong.train import GenoLMModule, OptimSettings, read_step_log
 from genolong.train.callbacks import held_bytes
-from genolong.train.finetune import _full_model, _merged_export
+from genolong.train.finetune import FinetuneResult, _full_model, _merged_export, run
 from genolong.train.module import cast_frozen_parameters, low_precision_parameters
 
 from .helpers import assert_bitwise_equal
@@ -226,3 +232,173 @@ def test_merged_export_keeps_the_update_of_a_bf16_base() -> None:
     torch.testing.assert_close(weight.double(), expected, rtol=1e-6, atol=1e-7)  # fp32 rounding of the sum
     # the live model is untouched: still adapted, its base still the bf16 one
     assert lora_modules(module.model)["layers.1.self_attn.kv_b_proj"] is lora and lora.base.weight.dtype == torch.bfloat16
+
+
+# -- LoRA: whole runs (Lightning, in this process) -------------------------------------------------
+_STEPS = 4
+
+
+def _recipe(path: Path, store: Path, root: Path, **sections: dict[str, Any]) -> Path:
+    """A tiny LoRA recipe on the sample store: 64-token windows, 4 steps, a checkpoint every 2
+    steps (both kept), outputs under ``root``; ``sections`` update it."""
+    recipe: dict[str, Any] = {
+        "name": root.name, "seed": 3,
+        "model": {"preset": "tiny", "lora": {"targets": ["layers.*.self_attn.*"], "rank": 4, "alpha": 8.0}},
+        "data": {"store": str(store), "context": 64},
+        "train": {"max_steps": _STEPS, "lr": 2.0e-3, "warmup_steps": 0, "moe_bias_update_rate": 0.01},
+        "eval": {"every_n_steps": 0},
+        "checkpoint": {"dir": str(root / "checkpoints"), "every_n_steps": 2, "keep_last": 2},
+        "logging": {"dir": str(root / "logs"), "progress_bar": False, "tensorboard": False, "csv": False},
+        "parallel": {"accelerator": "cpu"},
+    }
+    for section, values in sections.items():
+        recipe[section] = {**recipe.get(section, {}), **values}
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def _run(recipe: Path | Any, resume: bool = False) -> FinetuneResult:
+    """``genolong finetune`` in this process on one torch thread: Lightning's launcher sets
+    ``torch.set_num_threads(cores)`` (and OMP_NUM_THREADS) unless OMP_NUM_THREADS is set, and the
+    runs' losses are compared bit for bit."""
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        try:
+            return run(load_recipe(recipe) if isinstance(recipe, Path) else recipe, resume=resume)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def _fresh(seed: int = 3, lora: LoraSection | None = None) -> GenoLM:
+    """The model a run of the recipe starts from (finetune's _build_model, then apply_lora)."""
+    torch.manual_seed(seed)
+    model = GenoLM(PRESETS["tiny"], moe_chunk_tokens=4096)
+    if lora is not None:
+        apply_lora(model, lora)
+    return model
+
+
+@pytest.fixture(scope="module")
+def lora_run(sample_store: Path, tmp_path_factory: pytest.TempPathFactory, one_thread: None) -> tuple[Path, Path]:
+    """A 4-step LoRA run: (its recipe, its root runs/lora/)."""
+    base = tmp_path_factory.mktemp("lora_run")
+    root = base / "runs" / "lora"
+    recipe = _recipe(base / "lora.yaml", sample_store, root)
+    result = _run(recipe)
+    assert result.global_step == _STEPS and result.adapter == root / "adapter" and result.export == root / "export"
+    return recipe, root
+
+
+def test_lora_run_trains_the_adapters_only(lora_run: tuple[Path, Path]) -> None:
+    """After training, every base tensor (the routing biases included: their update is off under
+    LoRA) equals the starting model's bitwise, and every adapter moved."""
+    _, root = lora_run
+    state = torch.load(root / "checkpoints" / f"step{_STEPS:07d}.ckpt", weights_only=True)["state_dict"]
+    state = {name.removeprefix("model."): tensor for name, tensor in state.items()}
+    model = _fresh(lora=LoraSection(targets=("layers.*.self_attn.*",), rank=4, alpha=8.0))
+    start = model.state_dict()
+    assert state.keys() == start.keys()
+    base = [n for n in start if ".lora_" not in n]
+    adapters = [n for n in start if ".lora_" in n]
+    assert any("e_score_correction_bias" in n for n in base) and len(adapters) == 2 * len(lora_modules(model)) > 0
+    assert_bitwise_equal({n: state[n] for n in base}, {n: start[n] for n in base}, "base tensors after LoRA training")
+    unchanged = [n for n in adapters if torch.equal(state[n], start[n])]
+    assert not unchanged, f"adapters that did not train: {unchanged}"
+
+
+def test_lora_run_writes_the_adapter_and_the_merged_export(lora_run: tuple[Path, Path]) -> None:
+    """adapter/ in the PEFT layout and export/ a plain model: the export, loaded as a plain GenoLM,
+    gives the logits of the base with the adapter loaded (to fp32 rounding: the merged weight
+    W + s B A is rounded once where the adapter model adds two products), and the adapter holds
+    the last checkpoint's adapters exactly."""
+    _, root = lora_run
+    assert sorted(p.name for p in (root / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    merged = GenoLM.from_pretrained(root / "export")
+    assert not has_lora(merged)
+    adapted = _fresh()
+    section = load_adapter(adapted, root / "adapter")
+    assert section.rank == 4 and section.alpha == 8.0
+    state = torch.load(root / "checkpoints" / f"step{_STEPS:07d}.ckpt", weights_only=True)["state_dict"]
+    for name, param in adapter_parameters(adapted).items():
+        assert torch.equal(param, state[f"model.{name}"]), name  # exact: the same tensors
+    tokens = _tokens(128)
+    with torch.no_grad():
+        want, got = adapted(tokens), merged(tokens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 rounding of the merge (see docstring)
+    assert not torch.equal(want, _fresh()(tokens).detach())  # and the adapters changed the model
+
+
+def test_lora_resume_past_a_damaged_checkpoint_is_exact(lora_run: tuple[Path, Path], sample_store: Path,
+                                                        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run stopped after its step-4 checkpoint was damaged (truncated): --resume says so, goes
+    back to step 2, and steps 3 and 4 repeat the uninterrupted run's losses bit for bit, ending
+    at the same adapters (the kill itself: tests/test_finetune.py's SIGKILL test; the checkpoint
+    holds the whole model, as without LoRA)."""
+    _, straight = lora_run
+    root = tmp_path / "runs" / "lora"
+    shutil.copytree(straight / "checkpoints", root / "checkpoints")
+    newest = root / "checkpoints" / f"step{_STEPS:07d}.ckpt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    recipe = load_recipe(_recipe(tmp_path / "lora.yaml", sample_store, root))
+    capsys.readouterr()
+    result = _run(recipe, resume=True)
+    assert f"step{_STEPS:07d}.ckpt is damaged (truncated" in capsys.readouterr().err
+    assert result.resumed_from == root / "checkpoints" / "step0000002.ckpt" and result.global_step == _STEPS
+    a, b = read_step_log(straight / "logs" / "steps.jsonl"), read_step_log(root / "logs" / "steps.jsonl")
+    assert sorted(b) == [3, 4]
+    for step in (3, 4):  # one thread, the same arithmetic: bitwise
+        assert b[step]["train/loss"] == a[step]["train/loss"], (step, a[step]["train/loss"], b[step]["train/loss"])
+    want, got = _fresh(), _fresh()
+    load_adapter(want, straight / "adapter")
+    load_adapter(got, root / "adapter")
+    assert_bitwise_equal(adapter_parameters(got), adapter_parameters(want), "adapters of the resumed run")
+
+
+def test_lora_run_logs_what_it_holds(lora_run: tuple[Path, Path]) -> None:
+    """The logged parameter, gradient and optimiser bytes of a LoRA run: what its checkpoint
+    holds (counted from the checkpoint's tensors, not by the logging code)."""
+    _, root = lora_run
+    checkpoint = torch.load(root / "checkpoints" / f"step{_STEPS:07d}.ckpt", weights_only=True)
+    state = {n.removeprefix("model."): t for n, t in checkpoint["state_dict"].items()}
+    params = dict(_fresh(lora=LoraSection(targets=("layers.*.self_attn.*",), rank=4, alpha=8.0)).named_parameters())
+    trained = [n for n in params if ".lora_" in n]
+    nbytes = {kind: sum(state[n].numel() * state[n].element_size() for n in names)
+              for kind, names in (("trained", trained), ("frozen", [n for n in params if n not in trained]))}
+    moments = [t for s in checkpoint["optimizer_states"][0]["state"].values() for t in s.values()]
+    record = read_step_log(root / "logs" / "steps.jsonl")[_STEPS]
+    assert record["memory/trained_parameter_bytes"] == nbytes["trained"] == record["memory/gradient_bytes"]
+    assert record["memory/frozen_parameter_bytes"] == nbytes["frozen"]
+    assert record["memory/parameter_bytes"] == nbytes["trained"] + nbytes["frozen"]
+    assert record["memory/optimizer_bytes"] == sum(t.numel() * t.element_size() for t in moments) == 2 * nbytes["trained"] + 4 * len(trained)
+    assert record["params/trained"] == sum(params[n].numel() for n in trained)
+    assert record["params/frozen"] == sum(p.numel() for n, p in params.items() if n not in trained) == 507332  # the tiny base
+
+
+def test_bf16_mixed_freeze_run_holds_frozen_weights_in_bf16(sample_store: Path, tmp_path: Path) -> None:
+    """A bf16-mixed run with model.freeze: its checkpoint holds the frozen linear and expert
+    matrices in bf16 and everything trained in fp32, and the logged bytes are the checkpoint's."""
+    root = tmp_path / "runs" / "bf16"
+    freeze = ["embed_tokens.*", "layers.*.mlp.*"]
+    recipe = _recipe(tmp_path / "bf16.yaml", sample_store, root, model={"lora": None, "freeze": freeze},
+                     train={"max_steps": 2, "precision": "bf16-mixed"},
+                     checkpoint={"every_n_steps": 2, "export_safetensors": False})
+    _run(recipe)
+    checkpoint = torch.load(root / "checkpoints" / "step0000002.ckpt", weights_only=True)
+    state = {n.removeprefix("model."): t for n, t in checkpoint["state_dict"].items()}
+    fresh = _fresh()
+    low = set(low_precision_parameters(fresh))
+    frozen = {n for n, _ in fresh.named_parameters() if any(fnmatch.fnmatchcase(n, g) for g in freeze)}
+    trained = {n for n, _ in fresh.named_parameters()} - frozen
+    for name in frozen:
+        assert state[name].dtype == (torch.bfloat16 if name in low else torch.float32), name
+    assert all(state[n].dtype == torch.float32 for n in trained)
+    assert state["layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16 and state["embed_tokens.weight"].dtype == torch.float32
+    record = read_step_log(root / "logs" / "steps.jsonl")[2]
+    nbytes = {kind: sum(state[n].numel() * state[n].element_size() for n in names) for kind, names in (("trained", trained), ("frozen", frozen))}
+    assert record["memory/trained_parameter_bytes"] == nbytes["trained"] == record["memory/gradient_bytes"]
+    assert record["memory/frozen_parameter_bytes"] == nbytes["frozen"]
+    moments = [t for s in checkpoint["optimizer_states"][0]["state"].values() for t in s.values()]
+    assert record["memory/optimizer_bytes"] == sum(t.numel() * t.element_size() for t in moments) == 2 * nbytes["trained"] + 4 * len(trained)
+    assert record["params/frozen"] == sum(state[n].numel() for n in frozen)
