@@ -8,7 +8,9 @@
 - checkpoints in the GLM-5.3-Flash format (``hf``: :meth:`GenoLM.from_pretrained`,
   :meth:`GenoLM.save_pretrained`);
 - :class:`Decoder`, the step-by-step inference path (``decode``), and the chunked prefill
-  (``stream``); the KDA state both carry between calls is in ``cache``.
+  (``stream``); the KDA state both carry between calls is in ``cache``;
+- low-rank adapters in the PEFT format (``lora``: :func:`apply_lora`, :func:`load_adapter`,
+  :func:`save_adapter`, :func:`merge_lora`).
 
 The names below load their module on first use (module ``__getattr__``): the torch-free parts
 (``genolong.model.config``, ``genolong.model.vocab``) import without torch, which keeps
@@ -19,7 +21,8 @@ from __future__ import annotations
 
 from ..lazy import lazy_exports
 
-__all__ = ["PRESETS", "DSAMixer", "DecodeState", "Decoder", "GenoLM", "decode_log_probs", "sequence_log_probs", "KDAMixer", "ModelConfig", "ParameterCount", "layer_types_from_pattern", "parameter_count"]
+__all__ = ["PRESETS", "DSAMixer", "DecodeState", "Decoder", "GenoLM", "decode_log_probs", "sequence_log_probs", "KDAMixer", "ModelConfig", "ParameterCount", "layer_types_from_pattern", "parameter_count",
+           "apply_lora", "load_adapter", "merge_lora", "save_adapter"]
 
 #: public name -> the submodule that defines it
 _LAZY = {
@@ -27,6 +30,7 @@ _LAZY = {
     "parameter_count": "config",
     "Decoder": "decode", "DecodeState": "decode", "decode_log_probs": "decode", "sequence_log_probs": "decode",
     "DSAMixer": "dsa", "KDAMixer": "kda", "GenoLM": "lm",
+    "apply_lora": "lora", "load_adapter": "lora", "merge_lora": "lora", "save_adapter": "lora",
 }
 
 

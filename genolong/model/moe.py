@@ -39,6 +39,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .layers import SwiGLU, clamped_swiglu
+from .lora import experts_forward_weight
 
 __all__ = ["Router", "Experts", "MoE", "RoutingStats", "RoutingTally", "capacity_keep", "moe_layers", "record_routing"]
 
@@ -218,7 +219,9 @@ class RoutingTally:
 class Experts(nn.Module):
     """Routed experts stored as stacked tensors (the checkpoint layout).
 
-    Parameters: ``gate_up_proj [E, 2I, H]`` (gate rows then up rows), ``down_proj [E, H, I]``.
+    Parameters: ``gate_up_proj [E, 2I, H]`` (gate rows then up rows), ``down_proj [E, H, I]``;
+    with LoRA on the routed experts (:class:`genolong.model.lora.ExpertAdapters` as ``.lora``) each
+    expert computes with its weight plus its adapter's update.
     """
 
     def __init__(self, config: ModelConfig):
@@ -255,8 +258,8 @@ class Experts(nn.Module):
             rows = order[start:start + count]
             tokens = token_of[start:start + count]
             start += count
-            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[expert])
+            gate, up = F.linear(x[tokens], experts_forward_weight(self, "gate_up_proj", expert)).chunk(2, dim=-1)
+            y = F.linear(clamped_swiglu(gate, up, self.limit), experts_forward_weight(self, "down_proj", expert))
             out.index_add_(0, tokens, (y * weights.reshape(-1)[rows, None]).to(out.dtype))
         return out, counts
 

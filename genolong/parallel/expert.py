@@ -277,6 +277,11 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None) -> int:
             continue
         if is_expert_parallel(module):
             raise InputError("expert parallelism is already applied to this model; apply it once")
+        if getattr(module.experts, "lora", None) is not None:
+            # the adapters hold every expert's factors in one pair of matrices (PEFT's layout),
+            # which does not split by expert without a copy per rank that the export must regather
+            raise InputError("model.lora.routed_experts with parallel.ep > 1: adapters on the routed experts run in one "
+                             "process or under FSDP2 only; set parallel.ep: 1 or adapt the shared experts instead")
         experts = module.gate.num_experts
         if experts % ep:
             raise InputError(f"parallel.ep = {ep} does not divide the model's n_routed_experts = {experts}; "
