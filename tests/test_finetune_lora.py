@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from safetensors import safe_open
 
 from genolong.config import load_recipe
 
@@ -216,22 +217,36 @@ def test_lora_under_every_recompute_mode_and_offload() -> None:
 
 
 def test_merged_export_keeps_the_update_of_a_bf16_base() -> None:
-    """A bf16-mixed LoRA run holds the adapted base weights in bf16: the export merges in fp32
-    (a bf16 sum would round the small update away)."""
-    module = _lora_module()
+    """A bf16-mixed LoRA run holds the adapted base weights in bf16 (linear layers and routed
+    experts): the export merges them in fp32 (a bf16 sum would round the small update away), from
+    a copy that leaves the live model as it was."""
+    section = LoraSection(targets=("layers.*.self_attn.*",), rank=4, alpha=8.0, routed_experts=True)
+    module = _module(lora=section)
     assert module.model is not None
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in adapter_parameters(module.model).items():
+            if ".lora_B." in name:
+                param.copy_(0.01 * torch.randn(param.shape, generator=generator))
     cast_frozen_parameters(module.model, torch.bfloat16)
     lora = lora_modules(module.model)["layers.1.self_attn.kv_b_proj"]
-    assert lora.base.weight.dtype == torch.bfloat16 and lora.lora_A.weight.dtype == torch.float32
-    expected = lora.base.weight.double() + lora.scaling * (lora.lora_B.weight.double() @ lora.lora_A.weight.double())
-    copy = _full_model(module.model, _LORA)
+    experts = module.model.get_submodule("layers.1.mlp.experts")
+    assert lora.base.weight.dtype == experts.down_proj.dtype == torch.bfloat16 and lora.lora_A.weight.dtype == torch.float32
+    with torch.no_grad():
+        expected = {"layers.1.self_attn.kv_b_proj.weight": lora.base.weight.double() + lora.delta_weight().double(),
+                    "layers.1.mlp.experts.down_proj": torch.stack([experts.down_proj[e].double() + experts.lora.delta("down_proj", e).double()
+                                                                   for e in range(experts.down_proj.shape[0])])}
+    assert all(float((w - p.double()).abs().max()) > 0 for w, p in zip(expected.values(), (lora.base.weight, experts.down_proj)))
+    copy = _full_model(module.model, section)
     assert copy is not None
-    merged = _merged_export(copy)
-    weight = dict(merged.named_parameters())["layers.1.self_attn.kv_b_proj.weight"]
-    assert weight.dtype == torch.float32 and not has_lora(merged)
-    torch.testing.assert_close(weight.double(), expected, rtol=1e-6, atol=1e-7)  # fp32 rounding of the sum
-    # the live model is untouched: still adapted, its base still the bf16 one
+    merged = dict(_merged_export(copy).named_parameters())
+    assert not has_lora(copy)
+    for name, want in expected.items():
+        assert merged[name].dtype == torch.float32, name
+        torch.testing.assert_close(merged[name].double(), want, rtol=1e-6, atol=1e-7)  # fp32 rounding of the sum
+    # the live model is untouched: still adapted, its bases still the bf16 ones
     assert lora_modules(module.model)["layers.1.self_attn.kv_b_proj"] is lora and lora.base.weight.dtype == torch.bfloat16
+    assert experts.down_proj.dtype == torch.bfloat16 and has_lora(module.model)
 
 
 # -- LoRA: whole runs (Lightning, in this process) -------------------------------------------------
@@ -314,7 +329,10 @@ def test_lora_run_writes_the_adapter_and_the_merged_export(lora_run: tuple[Path,
     W + s B A is rounded once where the adapter model adds two products), and the adapter holds
     the last checkpoint's adapters exactly."""
     _, root = lora_run
-    assert sorted(p.name for p in (root / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in (root / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                                     "checksums.json"]
+    with safe_open(str(root / "adapter" / "adapter_model.safetensors"), framework="pt") as f:  # PEFT's key names
+        assert "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight" in set(f.keys())
     merged = GenoLM.from_pretrained(root / "export")
     assert not has_lora(merged)
     adapted = _fresh()

@@ -316,12 +316,15 @@ def _full_model(model: GenoLM, lora: LoraSection | None = None) -> GenoLM | None
 
 def _merged_export(model: GenoLM) -> GenoLM:
     """``model`` (a plain copy with adapters, from :func:`_full_model`) with its adapters merged,
-    in place. The adapted base weights are taken to fp32 first: a frozen bf16 base (a
-    ``bf16-mixed`` run) would otherwise round the adapters' update away."""
-    from ..model.lora import lora_modules, merge_lora
+    in place. The adapted base weights (linear layers, and routed experts with adapters) are taken
+    to fp32 first: ``merge_lora`` stores ``W + s B A`` in ``W``'s dtype, and a frozen bf16 base
+    (a ``bf16-mixed`` run) would round the adapters' small update away."""
+    from ..model.lora import ExpertAdapters, lora_modules, merge_lora
 
-    for module in lora_modules(model).values():
-        for param in module.base.parameters():
+    adapted = [module.base for module in lora_modules(model).values()]
+    adapted += [module for module in model.modules() if isinstance(getattr(module, "lora", None), ExpertAdapters)]
+    for module in adapted:
+        for param in module.parameters(recurse=False):
             if param.is_floating_point() and param.dtype != torch.float32:
                 param.data = param.data.float()
     return merge_lora(model)

@@ -179,6 +179,12 @@ def cast_frozen_parameters(model: torch.nn.Module, dtype: torch.dtype) -> int:
 
     Call it before FSDP2 shards the model (it then shards and gathers the frozen weights in
     ``dtype``) and only in a ``bf16-mixed`` run: in ``32-true`` the weights are read in fp32.
+
+    Under LoRA the adapted layers' own forward (``base(x) + B A x``) is unchanged too; where the
+    model reads an adapted layer's matrix (DSA's absorbed ``kv_b_proj``, the routed experts with
+    adapters) the effective weight ``W + s B A`` is formed in the base's dtype
+    (:class:`genolong.model.lora.LoraLinear`), so there a bf16 base rounds the sum once more
+    than autocast of an fp32 sum would: bf16 rounding, not bitwise.
     """
     allowed = set(low_precision_parameters(model))
     cast = 0
