@@ -6,6 +6,7 @@ only the adapters, write adapter/ and export/, and compose with recompute, offlo
 from __future__ import annotations
 
 import fnmatch
+import logging
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -180,6 +181,25 @@ def test_lora_step_zero_is_the_base() -> None:
     assert set(grads) <= adapters
     assert all(float(g.abs().max()) > 0 for n, g in grads.items() if ".lora_B." in n)
     assert all(float(g.abs().max()) == 0 for n, g in grads.items() if ".lora_A." in n)  # exact: B = 0 in the chain rule
+
+
+def test_lora_turns_the_routing_bias_update_off(caplog: pytest.LogCaptureFixture) -> None:
+    """Under LoRA the routing biases are base state: the module says once that their update is
+    off, and a step's balancing leaves them as they are (without LoRA it moves them)."""
+    with caplog.at_level(logging.INFO, logger="genolong"):
+        module = _module(lora=_LORA)
+    assert [r.getMessage() for r in caplog.records if "routing-bias update" in r.getMessage()] == [
+        "genolong: the MoE routing-bias update (train.moe_bias_update_rate 0.001) is off under model.lora: "
+        "the routing biases are base state, and the adapter must describe the whole change"]
+    plain = _module()
+    for m in (module, plain):
+        _loss_and_grads(m, _tokens())
+        m._balance_experts()
+    assert plain.model is not None and module.model is not None
+    before = _module().model.state_dict()  # type: ignore[union-attr]
+    bias = "layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(module.model.state_dict()[bias], before[bias])  # exact: untouched
+    assert not torch.equal(plain.model.state_dict()[bias], before[bias])
 
 
 _TECHNIQUES: dict[str, dict[str, Any]] = {
