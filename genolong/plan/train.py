@@ -51,7 +51,7 @@ from ..errors import InputError
 from ..model.config import ModelConfig
 from ..parallel.recompute import DEFAULT_SELECTIVE
 from ..units import format_bytes, format_count
-from .activations import _BLOCK_RECOMPUTE, _resolve_kinds, activation_estimate, chunked_recompute_terms, dsa_buffer_bytes
+from .activations import _BLOCK_RECOMPUTE, TrainedParts, _resolve_kinds, activation_estimate, chunked_recompute_terms, dsa_buffer_bytes
 from .backends import DSA_KERNELS, KDA_KERNELS, backend_kernels
 from .comm import COMM_PARTS, PAYLOAD, RECEIVED, SENT, CommEstimate, comm_estimate, fsdp_unit_groups
 from .constants import FRAGMENTATION, GIB, WORKSPACE_BYTES
@@ -178,6 +178,8 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
     H, m = cfg.hidden_size, cfg.hc_mult
     split = parameter_split(cfg, recipe.model.freeze, recipe.model.lora)
     count = split.total
+    # which parts train: frozen ones keep no weight-gradient inputs (None: all train, as before)
+    trained = TrainedParts.from_names(cfg, split.trained_names) if split.any_frozen else None
 
     # parameters, gradients, AdamW state: fp32 for the trained parameters, sharded over the shard
     # group (ceil: uneven shards); under EP an experts unit holds E / ep experts over shard / ep
@@ -215,14 +217,14 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
                               indexer_kl=True, moe_chunk_tokens=mem.moe_chunk_tokens, batch=recipe.data.batch_size,
                               kda_kernel=kda_kernel, dsa_kernel=dsa_kernel, cp=cp,
                               recompute_chunk_tokens=mem.recompute_chunk_tokens,
-                              expert_load=expert_load)
+                              expert_load=expert_load, trained=trained)
     device["saved activations (resident peak)"] = act.peak_resident_bytes
     rebuilt_region = ""
     if mem.recompute == "chunked":
         regions = [chunked_recompute_terms(cfg, i, tokens, mem.recompute_chunk_tokens, cp=cp, dtype_bytes=a, indexer_kl=True,
                                            moe_chunk_tokens=mem.moe_chunk_tokens, kda_kernel=kda_kernel,
                                            dsa_kernel=dsa_kernel,
-                                           expert_load=expert_load)
+                                           expert_load=expert_load, trained=trained)
                    for i in range(cfg.num_hidden_layers)]
         rebuilt_region = max(regions, key=lambda r: r.rebuilt_bytes + r.layer_bytes).rebuilt_region
         device[f"rebuilt activations (chunked: {rebuilt_region}, + the layer's carried states / keys)"] = act.rebuilt_bytes
