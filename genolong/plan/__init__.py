@@ -68,9 +68,11 @@ from .evaluate import (
 )
 from .recipe import recipe_moe_imbalance
 from .report import format_eval_plan, format_plan
-from .train import TRANSIENTS, Plan, plan
+from .train import ATTENTION_LORA, ATTENTION_ONLY_FREEZE, TRANSIENTS, Plan, plan
 
 __all__ = [
+    "ATTENTION_LORA",
+    "ATTENTION_ONLY_FREEZE",
     "BACKEND_KERNELS",
     "COMM_CONVENTIONS",
     "COMM_PARTS",

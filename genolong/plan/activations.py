@@ -127,22 +127,35 @@ class TrainedParts:
         layers: per layer, the trained parts among :data:`BLOCK_PARTS`.
         norm: the final norm trains.
         lm_head: the LM head trains.
+        adapters: per layer and part, the LoRA-adapted linears as ``(in_features, rank)``
+            (``in_features`` -1: the routed experts' batched adapters).
+        lora_dropout: the adapters' input dropout.
     """
 
     embedding: bool
     layers: tuple[frozenset[str], ...]
     norm: bool
     lm_head: bool
+    adapters: tuple[dict[str, tuple[tuple[int, int], ...]], ...] = ()
+    lora_dropout: float = 0.0
 
     @classmethod
-    def from_names(cls, config: ModelConfig, trained_names: Sequence[str]) -> TrainedParts:
+    def from_names(cls, config: ModelConfig, trained_names: Sequence[str],
+                   adapted: Sequence[tuple[str, int, int]] = (), lora_dropout: float = 0.0) -> TrainedParts:
         """From the trained parameters' names (``ParameterSplit.trained_names``; LoRA adapters under
-        their base module's name).
+        their base module's name) and the adapted linears (``ParameterSplit.adapted``).
 
         Args:
             config: the architecture.
             trained_names: GenoLM parameter names with a gradient.
+            adapted: ``(module name, in_features, rank)`` of each LoRA-adapted linear (default none).
+            lora_dropout: the adapters' dropout (default 0).
         """
+        adapters: list[dict[str, list[tuple[int, int]]]] = [{} for _ in range(config.num_hidden_layers)]
+        for module, fan_in, rank in adapted:
+            if module.startswith("layers."):
+                _, i, part = module.split(".", 3)[:3]
+                adapters[int(i)].setdefault(part, []).append((fan_in, rank))
         layers: list[set[str]] = [set() for _ in range(config.num_hidden_layers)]
         for name in trained_names:
             if name.startswith("layers."):
@@ -151,7 +164,24 @@ class TrainedParts:
         return cls(embedding=any(n.startswith("embed_tokens.") for n in trained_names),
                    layers=tuple(frozenset(x) for x in layers),
                    norm=any(n.startswith("norm.") for n in trained_names),
-                   lm_head=any(n.startswith("lm_head.") for n in trained_names))
+                   lm_head=any(n.startswith("lm_head.") for n in trained_names),
+                   adapters=tuple({k: tuple(v) for k, v in x.items()} for x in adapters), lora_dropout=lora_dropout)
+
+    def adapter_items(self, config: ModelConfig, layer: int, part: str, a: int, kind: str) -> list[SavedTensor]:
+        """What the LoRA adapters of ``part`` keep besides the base part's saved set: per adapter the
+        rank-``r`` intermediate ``lora_A(x)`` (``lora_B``'s weight-gradient input); with dropout the
+        dropped input and its mask (``in x (a + 1)``). The input ``x`` itself is the base linear's
+        input, which the part (trained: it holds adapters) already counts. Routed experts: per
+        (token, slot) ``2 r`` (gate_up's and down's intermediates)."""
+        if not self.adapters:
+            return []
+        total = 0.0
+        for fan_in, rank in self.adapters[layer].get(part, ()):
+            if fan_in < 0:
+                total += config.num_experts_per_tok * 2 * rank * a
+                continue
+            total += rank * a + (fan_in * (a + 1) if self.lora_dropout > 0 else 0)
+        return [SavedTensor(kind, "LoRA adapters: rank-r intermediates (+ dropout)", total)] if total else []
 
     def flags(self, layer: int) -> dict[str, tuple[bool, bool]]:
         """Per part of block ``layer``: ``(trained, input needs a gradient)``."""
@@ -468,6 +498,8 @@ def _half(cfg: ModelConfig, layer: int, half: str, a: int, kinds: frozenset[str]
     merge = [t for t in hcs if t.name.endswith(" merge")]
     reads = [t for t in hcs if not t.name.endswith(" merge")]
     out = _frozen_items(reads, flags[names[0]]) + _frozen_items(norm, flags[names[1]]) + _frozen_items(body, flags[names[2]])
+    if body:
+        out += trained.adapter_items(cfg, layer, names[2], a, body[0].kind)
     hc_trained, hc_grad = flags[names[0]]
     if hc_trained or hc_grad:
         out += merge

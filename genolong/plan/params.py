@@ -206,6 +206,9 @@ class ParameterSplit:
         units: per FSDP2 unit key (``("embedding", None)``, ``("block", i)``, ``("experts", i)``
             for layer ``i``'s routed experts, ``("root", None)``) the ``(total, trained)`` counts.
         trained_names: the trained parameters' names (adapters under their base module's name).
+        adapted: the LoRA-adapted linear modules as ``(module name, in_features, rank)``, the
+            routed experts as ``(layers.i.mlp.experts, -1, rank)``.
+        lora_dropout: the adapters' input dropout (0: none, no mask saved).
     """
 
     total: int
@@ -215,6 +218,8 @@ class ParameterSplit:
     lora: bool
     units: dict[tuple[str, int | None], tuple[int, int]] = field(default_factory=dict)
     trained_names: tuple[str, ...] = ()
+    adapted: tuple[tuple[str, int, int], ...] = ()
+    lora_dropout: float = 0.0
 
     @property
     def any_frozen(self) -> bool:
@@ -308,4 +313,8 @@ def parameter_split(config: ModelConfig, freeze: Sequence[str] = (), lora: Any =
         total=total + adapters, trained=trained + adapters, frozen=total - trained, adapters=adapters,
         lora=lora is not None, units={k: (v[0], v[1]) for k, v in units.items()},
         trained_names=tuple(n for n, t in trained_flags.items() if t) + tuple(adapter_shapes),
+        adapted=tuple((n.rsplit(".", 2)[0], adapter_shapes[n][1], adapter_shapes[n][0])
+                      for n in adapter_shapes if n.endswith(".lora_A.weight"))
+        + tuple((n.rsplit(".", 1)[0], -1, adapter_shapes[n][1]) for n in adapter_shapes if n.endswith(".lora_A_gate_up")),
+        lora_dropout=float(lora.dropout) if lora is not None else 0.0,
     )

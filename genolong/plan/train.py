@@ -58,7 +58,15 @@ from .constants import FRAGMENTATION, GIB, WORKSPACE_BYTES
 from .params import ParameterSplit, parameter_split
 from .recipe import _check_positive, _describe, _mesh_sizes, _model_config, _with_gpus, recipe_moe_imbalance
 
-__all__ = ["TRANSIENTS", "Plan", "plan"]
+__all__ = ["ATTENTION_LORA", "ATTENTION_ONLY_FREEZE", "TRANSIENTS", "Plan", "plan"]
+
+#: ``model.freeze`` that trains the attention layers (``self_attn``: KDA and DSA) only, the
+#: quickstart's list (``recipes/quickstart.yaml``).
+ATTENTION_ONLY_FREEZE: tuple[str, ...] = ("embed_tokens.*", "lm_head.*", "norm.*", "layers.*.mlp.*", "layers.*.attn_hc.*",
+                                          "layers.*.ffn_hc.*", "layers.*.input_layernorm.*",
+                                          "layers.*.post_attention_layernorm.*")
+#: ``model.lora`` that adapts every attention projection (the ``nn.Linear`` modules under ``self_attn``).
+ATTENTION_LORA = "{targets: [layers.*.self_attn.*]}"
 
 #: Device line items that do not coexist (the plan counts the largest).
 TRANSIENTS = ("MoE dispatch chunk", "MoE all-to-all buffers (busiest rank)", "DSA indexer / top-k / gather buffers",
@@ -107,6 +115,11 @@ class Plan:
             gradient (adapters included), without one (``model.freeze``, every base weight under
             ``model.lora``) and the LoRA adapters (:func:`~genolong.plan.params.parameter_split`);
             ``parameters`` is trained + frozen.
+        trainable_suggestion: when the plan does not fit and the recipe trains every parameter:
+            the first of training the attention layers only (:data:`ATTENTION_ONLY_FREEZE`) or
+            LoRA on them (:data:`ATTENTION_LORA`), alone or with the memory settings the
+            suggestion search tries, that fits (``--set`` overrides; empty when none does);
+            ``trainable_suggestion_total``: its per-GPU total.
     """
 
     recipe: str
@@ -153,6 +166,8 @@ class Plan:
     trained_parameters: int = 0
     frozen_parameters: int = 0
     adapter_parameters: int = 0
+    trainable_suggestion: list[str] = field(default_factory=list)
+    trainable_suggestion_total: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict of every field (bytes as integers) for ``genolong plan --json``."""
@@ -179,7 +194,8 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
     split = parameter_split(cfg, recipe.model.freeze, recipe.model.lora)
     count = split.total
     # which parts train: frozen ones keep no weight-gradient inputs (None: all train, as before)
-    trained = TrainedParts.from_names(cfg, split.trained_names) if split.any_frozen else None
+    trained = (TrainedParts.from_names(cfg, split.trained_names, split.adapted, split.lora_dropout)
+               if split.any_frozen else None)
 
     # parameters, gradients, AdamW state: fp32 for the trained parameters, sharded over the shard
     # group (ceil: uneven shards); under EP an experts unit holds E / ep experts over shard / ep
@@ -472,4 +488,19 @@ def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, hos
 
     if not (first_single(cheap) or first_prefix(cheap) or first_single(mesh)):
         first_prefix(candidates)
+    if not recipe.model.freeze and recipe.model.lora is None:
+        # train fewer parameters: attention only, then LoRA on it; alone, then with the memory
+        # settings that keep the mesh (recompute, offload, EP, chunks), checked by planning each
+        merged: dict[str, str] = {}
+        for overrides, _ in cheap:
+            for item in overrides:
+                merged[item.split("=", 1)[0]] = item
+        trainable = [f"model.freeze=[{','.join(ATTENTION_ONLY_FREEZE)}]", f"model.lora={ATTENTION_LORA}"]
+        for extra in ([], list(merged.values())):
+            for option in trainable:
+                result = attempt([option, *extra], world)
+                if result is not None and result.fits:
+                    base.trainable_suggestion = [option, *extra]
+                    base.trainable_suggestion_total = result.device_total
+                    return base
     return base
