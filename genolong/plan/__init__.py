@@ -13,6 +13,8 @@ those above it):
   training step (:func:`layer_saved_tensors`, :func:`chunked_recompute_terms`,
   :func:`activation_estimate`, :func:`dsa_buffer_bytes`), held to
   :class:`~genolong.memory.meter.ActivationMeter`;
+- ``params``: the model's parameters and linear layers by name from the config, and which of them a
+  recipe trains, freezes or adapts (:func:`parameter_split`, :class:`ParameterSplit`);
 - ``comm``: collective traffic per rank per step, context parallel, expert parallel and FSDP2
   (:func:`comm_estimate`, :func:`ep_comm_bytes`, :func:`fsdp_unit_groups`);
 - ``recipe``: what both plans read from a recipe (the architecture, the mesh, the MoE imbalance);
@@ -33,6 +35,7 @@ from .activations import (
     ActivationEstimate,
     ChunkedTerms,
     SavedTensor,
+    TrainedParts,
     activation_estimate,
     chunked_recompute_terms,
     dsa_buffer_bytes,
@@ -56,6 +59,7 @@ from .comm import (
     routed_expert_parameters,
 )
 from .constants import FRAGMENTATION, GIB, WORKSPACE_BYTES
+from .params import ParameterSplit, linear_shapes, lora_adapter_shapes, parameter_shapes, parameter_split
 from .evaluate import (
     CPU_PROCESS_BYTES,
     EVAL_CHUNK_ROWS,
@@ -68,9 +72,11 @@ from .evaluate import (
 )
 from .recipe import recipe_moe_imbalance
 from .report import format_eval_plan, format_plan
-from .train import TRANSIENTS, Plan, plan
+from .train import ATTENTION_LORA, ATTENTION_ONLY_FREEZE, TRANSIENTS, Plan, plan
 
 __all__ = [
+    "ATTENTION_LORA",
+    "ATTENTION_ONLY_FREEZE",
     "BACKEND_KERNELS",
     "COMM_CONVENTIONS",
     "COMM_PARTS",
@@ -92,8 +98,10 @@ __all__ = [
     "CommEstimate",
     "CommRow",
     "FSDPUnit",
+    "ParameterSplit",
     "Plan",
     "SavedTensor",
+    "TrainedParts",
     "WorkingTensor",
     "activation_estimate",
     "backend_kernels",
@@ -109,7 +117,11 @@ __all__ = [
     "fsdp_unit_groups",
     "fsdp_units",
     "layer_saved_tensors",
+    "linear_shapes",
+    "lora_adapter_shapes",
     "outside_saved_tensors",
+    "parameter_shapes",
+    "parameter_split",
     "plan",
     "recipe_moe_imbalance",
     "routed_expert_parameters",

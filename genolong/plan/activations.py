@@ -21,6 +21,7 @@ rebuilt region with ``recompute_chunk_tokens`` to the measured backward peak
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ __all__ = [
     "ActivationEstimate",
     "ChunkedTerms",
     "SavedTensor",
+    "TrainedParts",
     "activation_estimate",
     "chunked_recompute_terms",
     "dsa_buffer_bytes",
@@ -62,6 +64,9 @@ class SavedTensor:
         piece_tokens: the tensor is saved in pieces of this many tokens (per KDA chunk, per
             expert, per query block); the offload threshold applies to a piece. None: whole.
         const_bytes: bytes that do not grow with the tokens.
+        weight_only: of ``bytes_per_token``, the bytes autograd keeps only for the gradient of
+            the part's own weights (a linear's input, a norm's normalised value, an embedding's
+            ids): not saved when those weights are frozen (see :func:`_frozen`).
     """
 
     kind: str
@@ -70,6 +75,7 @@ class SavedTensor:
     views: float = 1.0
     piece_tokens: float | None = None
     const_bytes: float = 0.0
+    weight_only: float = 0.0
 
     def nbytes(self, tokens: int) -> float:
         """Device bytes of the storage for ``tokens`` tokens."""
@@ -105,13 +111,116 @@ def _resolve_kinds(recompute: str, modules: Sequence[str]) -> frozenset[str]:
     return frozenset(kinds)
 
 
+#: The parts of a block in forward order, by their module names under ``layers.i``.
+BLOCK_PARTS: tuple[str, ...] = ("attn_hc", "input_layernorm", "self_attn", "ffn_hc", "post_attention_layernorm", "mlp")
+
+
+@dataclass(frozen=True)
+class TrainedParts:
+    """Which parts of the model have trained parameters (see :meth:`from_names`); the saved
+    activations follow: autograd keeps a linear's (norm's, embedding's) weight-gradient input only
+    when that weight trains, and a part whose input needs no gradient and whose parameters are
+    all frozen keeps nothing.
+
+    Attributes:
+        embedding: ``embed_tokens`` trains.
+        layers: per layer, the trained parts among :data:`BLOCK_PARTS`.
+        norm: the final norm trains.
+        lm_head: the LM head trains.
+        adapters: per layer and part, the LoRA-adapted linears as ``(in_features, rank)``
+            (``in_features`` -1: the routed experts' batched adapters).
+        lora_dropout: the adapters' input dropout.
+    """
+
+    embedding: bool
+    layers: tuple[frozenset[str], ...]
+    norm: bool
+    lm_head: bool
+    adapters: tuple[dict[str, tuple[tuple[int, int], ...]], ...] = ()
+    lora_dropout: float = 0.0
+
+    @classmethod
+    def from_names(cls, config: ModelConfig, trained_names: Sequence[str],
+                   adapted: Sequence[tuple[str, int, int]] = (), lora_dropout: float = 0.0) -> TrainedParts:
+        """From the trained parameters' names (``ParameterSplit.trained_names``; LoRA adapters under
+        their base module's name) and the adapted linears (``ParameterSplit.adapted``).
+
+        Args:
+            config: the architecture.
+            trained_names: GenoLM parameter names with a gradient.
+            adapted: ``(module name, in_features, rank)`` of each LoRA-adapted linear (default none).
+            lora_dropout: the adapters' dropout (default 0).
+        """
+        adapters: list[dict[str, list[tuple[int, int]]]] = [{} for _ in range(config.num_hidden_layers)]
+        for module, fan_in, rank in adapted:
+            if module.startswith("layers."):
+                _, i, part = module.split(".", 3)[:3]
+                adapters[int(i)].setdefault(part, []).append((fan_in, rank))
+        layers: list[set[str]] = [set() for _ in range(config.num_hidden_layers)]
+        for name in trained_names:
+            if name.startswith("layers."):
+                _, i, part = name.split(".", 3)[:3]
+                layers[int(i)].add(part)
+        return cls(embedding=any(n.startswith("embed_tokens.") for n in trained_names),
+                   layers=tuple(frozenset(x) for x in layers),
+                   norm=any(n.startswith("norm.") for n in trained_names),
+                   lm_head=any(n.startswith("lm_head.") for n in trained_names),
+                   adapters=tuple({k: tuple(v) for k, v in x.items()} for x in adapters), lora_dropout=lora_dropout)
+
+    def adapter_items(self, config: ModelConfig, layer: int, part: str, a: int, kind: str) -> list[SavedTensor]:
+        """What the LoRA adapters of ``part`` keep besides the base part's saved set: per adapter the
+        rank-``r`` intermediate ``lora_A(x)`` (``lora_B``'s weight-gradient input); with dropout the
+        dropped input and its mask (``in x (a + 1)``). The input ``x`` itself is the base linear's
+        input, which the part (trained: it holds adapters) already counts. Routed experts: per
+        (token, slot) ``2 r`` (gate_up's and down's intermediates)."""
+        if not self.adapters:
+            return []
+        total = 0.0
+        for fan_in, rank in self.adapters[layer].get(part, ()):
+            if fan_in < 0:
+                total += config.num_experts_per_tok * 2 * rank * a
+                continue
+            total += rank * a + (fan_in * (a + 1) if self.lora_dropout > 0 else 0)
+        return [SavedTensor(kind, "LoRA adapters: rank-r intermediates (+ dropout)", total)] if total else []
+
+    def flags(self, layer: int) -> dict[str, tuple[bool, bool]]:
+        """Per part of block ``layer``: ``(trained, input needs a gradient)``."""
+        grad = self.embedding or any(self.layers[:layer])
+        out: dict[str, tuple[bool, bool]] = {}
+        for part in BLOCK_PARTS:
+            trained = part in self.layers[layer]
+            out[part] = (trained, grad)
+            grad = grad or trained
+        return out
+
+    def any_below(self, layer: int) -> bool:
+        """Whether anything up to and including block ``layer`` trains (its output needs a gradient)."""
+        return self.embedding or any(self.layers[: layer + 1])
+
+
+def _frozen_items(items: list[SavedTensor], flags: tuple[bool, bool]) -> list[SavedTensor]:
+    """``items`` of one part whose ``(trained, input needs a gradient)`` are ``flags``: all of
+    them when it trains; without the weight-gradient inputs when only its input needs a gradient;
+    nothing when neither (autograd records no node)."""
+    trained, grad_in = flags
+    if trained:
+        return items
+    if not grad_in:
+        return []
+    out = []
+    for t in items:
+        if t.bytes_per_token - t.weight_only > 0 or t.const_bytes:
+            out.append(dataclasses.replace(t, bytes_per_token=t.bytes_per_token - t.weight_only, weight_only=0.0))
+    return out
+
+
 def _norm(kind: str, name: str, width: int, a: int) -> list[SavedTensor]:
     """RMSNorm over ``width``: the fp32 input (``x.float()``: the input itself in fp32, a copy
     otherwise), the ``[T, 1]`` rsqrt and the normalised value cast back to the compute dtype."""
     return [
         SavedTensor(kind, f"{name} input (fp32)", width * _F32),
         SavedTensor(kind, f"{name} rsqrt", _F32),
-        SavedTensor(kind, f"{name} normalised", width * a),
+        SavedTensor(kind, f"{name} normalised", width * a, weight_only=width * a),  # read by the weight's gradient
     ]
 
 
@@ -184,7 +293,7 @@ def _kda(cfg: ModelConfig, a: int, recomputed: bool, kernel: str = "torch", cp_p
     K = V = d
     C = KDA_CHUNK
     mixer = [
-        SavedTensor("kda", "mixer input", H * a),
+        SavedTensor("kda", "mixer input", H * a, weight_only=H * a),  # the projections' weight gradients
         SavedTensor("kda", "conv padded input", 3 * q * _F32, views=4.0),
         SavedTensor("kda", "conv pre-activation", 3 * q * _F32),
         SavedTensor("kda", "q|k|v", 3 * q * _F32),
@@ -192,7 +301,7 @@ def _kda(cfg: ModelConfig, a: int, recomputed: bool, kernel: str = "torch", cp_p
     ]
     if kernel != "fla":
         mixer.append(SavedTensor("kda", "normalised k", q * _F32, views=3.0))
-    mixer.append(SavedTensor("kda", "gate low-rank", d * a))
+    mixer.append(SavedTensor("kda", "gate low-rank", d * a, weight_only=d * a))  # f_b_proj's input
     if kernel != "fla" or cp_path:
         mixer += [SavedTensor("kda", "gate logits + sigmoid", 2 * q * _F32),
                   SavedTensor("kda", "beta", heads * _F32, views=4.0 if kernel != "fla" else 1.0)]
@@ -212,7 +321,9 @@ def _kda(cfg: ModelConfig, a: int, recomputed: bool, kernel: str = "torch", cp_p
             SavedTensor("kda", "chunk: decays, u, w, q_eff", heads * (10 * K + 2 * V + 2 * C) * _F32),
             SavedTensor("kda", "chunk: transitions + states", heads * (K * K + 2 * K * V + K) / C * _F32, piece_tokens=C),
         ]
-    return mixer + chunk + [SavedTensor("kda", "output + gated norm", (4 * q + heads) * _F32 + q * a + d * a)]
+    # of the output's: the normalised value before the norm weight, o_proj's and g_b_proj's inputs
+    return mixer + chunk + [SavedTensor("kda", "output + gated norm", (4 * q + heads) * _F32 + q * a + d * a,
+                                        weight_only=q * _F32 + q * a + d * a)]
 
 
 def _index_slots(cfg: ModelConfig) -> int:
@@ -251,16 +362,16 @@ def _dsa(cfg: ModelConfig, layer: int, a: int, recomputed: bool, prev_recomputed
             out.append(SavedTensor("dsa", "received top-k indices", slots * _I64))
         return out
     heads = cfg.num_attention_heads
-    out = [SavedTensor("dsa", "mixer input", H * a)]
+    out = [SavedTensor("dsa", "mixer input", H * a, weight_only=H * a)]  # q_a, kv_a, indexer projections' input
     out += _norm("dsa", "q_a norm", cfg.q_lora_rank, a)
-    out += [SavedTensor("dsa", "q residual", cfg.q_lora_rank * a)]
+    out += [SavedTensor("dsa", "q residual", cfg.q_lora_rank * a, weight_only=cfg.q_lora_rank * a)]  # q_b_proj's input
     out += _norm("dsa", "kv_a norm", cfg.kv_lora_rank, a)
     out += [
         SavedTensor("dsa", "queries", heads * cfg.qk_head_dim * a),
         SavedTensor("dsa", "kv latent", cfg.kv_lora_rank * a),
         SavedTensor("dsa", "absorbed queries + latent output", 2 * heads * cfg.kv_lora_rank * a),
         SavedTensor("dsa", "log-sum-exp", heads * _F32),
-        SavedTensor("dsa", "attention output", heads * cfg.v_head_dim * a),
+        SavedTensor("dsa", "attention output", heads * cfg.v_head_dim * a, weight_only=heads * cfg.v_head_dim * a),
     ]
     if not shared:
         out.append(SavedTensor("dsa", "top-k indices", slots * _I64))
@@ -287,7 +398,8 @@ def _dsa(cfg: ModelConfig, layer: int, a: int, recomputed: bool, prev_recomputed
 def _swiglu(kind: str, name: str, inner: int, a: int) -> list[SavedTensor]:
     """A clamped SwiGLU's six ``[T, inner]`` tensors: gate and up projections, clamped gate, SiLU
     output, clamped up, and the product that ``down_proj`` reads."""
-    return [SavedTensor(kind, f"{name} gate/up/clamps/silu/product", 6 * inner * a)]
+    # the product is down_proj's input, kept for its weight gradient only
+    return [SavedTensor(kind, f"{name} gate/up/clamps/silu/product", 6 * inner * a, weight_only=inner * a)]
 
 
 def _ffn(cfg: ModelConfig, layer: int, a: int, recomputed: bool, tokens: int, chunk: int | None,
@@ -313,7 +425,7 @@ def _ffn(cfg: ModelConfig, layer: int, a: int, recomputed: bool, tokens: int, ch
     if cfg.mlp_layer_types[layer] == "dense":
         if recomputed:
             return [SavedTensor("mlp", "input (recomputed)", H * a)]
-        return [SavedTensor("mlp", "input", H * a)] + _swiglu("mlp", "dense", cfg.intermediate_size, a)
+        return [SavedTensor("mlp", "input", H * a, weight_only=H * a)] + _swiglu("mlp", "dense", cfg.intermediate_size, a)
     if recomputed:
         return [SavedTensor("moe", "input (recomputed)", H * a)]
     E, k, inner = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
@@ -324,12 +436,14 @@ def _ffn(cfg: ModelConfig, layer: int, a: int, recomputed: bool, tokens: int, ch
     return [
         # the router reads it per chunk ([c, H] views), the shared expert whole: two offload
         # copies when chunked (one view when not); in bf16 the router reads an fp32 copy
-        SavedTensor("moe", "input", H * a, views=2.0 if a == _F32 and c < tokens else 1.0),
-        *([SavedTensor("moe", "input fp32 (router)", H * _F32)] if a != _F32 else []),
+        SavedTensor("moe", "input", H * a, views=2.0 if a == _F32 and c < tokens else 1.0, weight_only=H * a),
+        *([SavedTensor("moe", "input fp32 (router)", H * _F32, weight_only=H * _F32)] if a != _F32 else []),
         SavedTensor("moe", "router scores", E * _F32),
         SavedTensor("moe", "top-k indices, order, token map", 3 * k * _I64),
         SavedTensor("moe", "routing weights", (k + 1) * _F32),
-        SavedTensor("moe", "routed experts", load * k * ((3 * H + 6 * inner) * a + _F32), piece_tokens=per_expert),
+        # of which the gathered input (gate_up's) and the product (down_proj's) serve the weight gradients only
+        SavedTensor("moe", "routed experts", load * k * ((3 * H + 6 * inner) * a + _F32), piece_tokens=per_expert,
+                    weight_only=load * k * (H + inner) * a),
         *received,
         *_swiglu("moe", "shared expert", inner * cfg.n_shared_experts, a),
     ]
@@ -356,24 +470,43 @@ def _mhc(cfg: ModelConfig, name: str, a: int, recomputed: bool) -> list[SavedTen
 
 def _half(cfg: ModelConfig, layer: int, half: str, a: int, kinds: frozenset[str], *, indexer_kl: bool,
           tokens: int, moe_chunk_tokens: int | None, kda_kernel: str, dsa_kernel: str, cp_path: bool,
-          expert_load: float | None = None) -> list[SavedTensor]:
+          expert_load: float | None = None, trained: TrainedParts | None = None) -> list[SavedTensor]:
     """The saved tensors of one half of block ``layer``: ``attention`` (``attn_hc ->
     input_layernorm -> self_attn -> merge``) or ``ffn`` (``ffn_hc -> post_attention_layernorm ->
-    mlp -> merge``), under ``selective`` recompute of ``kinds`` (empty: nothing recomputed)."""
+    mlp -> merge``), under ``selective`` recompute of ``kinds`` (empty: nothing recomputed);
+    with ``trained`` (None: everything trains) without what frozen parts do not keep
+    (:func:`_frozen_items`)."""
     assert cfg.layer_types is not None and cfg.mlp_layer_types is not None
     hc = "hc" in kinds
     if half == "attention":
-        out = _mhc(cfg, "attn_hc", a, hc)
-        out += _norm("norm", "input_layernorm", cfg.hidden_size, a)
+        names = ("attn_hc", "input_layernorm", "self_attn")
+        hcs = _mhc(cfg, "attn_hc", a, hc)
+        norm = _norm("norm", "input_layernorm", cfg.hidden_size, a)
         if cfg.layer_types[layer] == LINEAR_ATTENTION:
-            out += _kda(cfg, a, "kda" in kinds, kda_kernel, cp_path)
+            body = _kda(cfg, a, "kda" in kinds, kda_kernel, cp_path)
         else:
-            out += _dsa(cfg, layer, a, "dsa" in kinds, "dsa" in kinds, indexer_kl, dsa_kernel)
-        return out
-    out = _mhc(cfg, "ffn_hc", a, hc)
-    out += _norm("norm", "post_attention_layernorm", cfg.hidden_size, a)
-    ffn_kind = "mlp" if cfg.mlp_layer_types[layer] == "dense" else "moe"
-    out += _ffn(cfg, layer, a, ffn_kind in kinds, tokens, moe_chunk_tokens, expert_load)
+            body = _dsa(cfg, layer, a, "dsa" in kinds, "dsa" in kinds, indexer_kl, dsa_kernel)
+    else:
+        names = ("ffn_hc", "post_attention_layernorm", "mlp")
+        hcs = _mhc(cfg, "ffn_hc", a, hc)
+        norm = _norm("norm", "post_attention_layernorm", cfg.hidden_size, a)
+        ffn_kind = "mlp" if cfg.mlp_layer_types[layer] == "dense" else "moe"
+        body = _ffn(cfg, layer, a, ffn_kind in kinds, tokens, moe_chunk_tokens, expert_load)
+    if trained is None:
+        return hcs + norm + body
+    flags = trained.flags(layer)
+    merge = [t for t in hcs if t.name.endswith(" merge")]
+    reads = [t for t in hcs if not t.name.endswith(" merge")]
+    out = _frozen_items(reads, flags[names[0]]) + _frozen_items(norm, flags[names[1]]) + _frozen_items(body, flags[names[2]])
+    if body:
+        out += trained.adapter_items(cfg, layer, names[2], a, body[0].kind)
+    hc_trained, hc_grad = flags[names[0]]
+    if hc_trained or hc_grad:
+        out += merge
+    elif any(flags[n][0] for n in names[1:]):
+        # a frozen hyper-connection on streams without a gradient: the merge keeps only post (m),
+        # what the block output's gradient reads
+        out += [dataclasses.replace(t, bytes_per_token=cfg.hc_mult * a) for t in merge]
     return out
 
 
@@ -400,7 +533,7 @@ class ChunkedTerms:
 def chunked_recompute_terms(config: ModelConfig, layer: int, tokens: int, chunk_tokens: int, *, cp: int = 1,
                             dtype_bytes: int = 4, indexer_kl: bool = False, moe_chunk_tokens: int | None = None,
                             kda_kernel: str = "torch", dsa_kernel: str = "torch",
-                            expert_load: float | None = None) -> ChunkedTerms:
+                            expert_load: float | None = None, trained: TrainedParts | None = None) -> ChunkedTerms:
     """The formulas for ``memory.recompute: chunked`` on layer ``layer`` (one place to adjust).
 
     From the code (:class:`genolong.parallel.recompute.ChunkedBlockForward`,
@@ -435,7 +568,7 @@ def chunked_recompute_terms(config: ModelConfig, layer: int, tokens: int, chunk_
         chunk_tokens: ``memory.recompute_chunk_tokens``.
         cp: context-parallel size (state maps, keys of earlier ranks).
         dtype_bytes, indexer_kl, moe_chunk_tokens, kda_kernel, dsa_kernel,
-            expert_load: as :func:`layer_saved_tensors`.
+            expert_load, trained: as :func:`layer_saved_tensors`.
 
     Returns:
         :class:`ChunkedTerms` (bytes).
@@ -451,8 +584,10 @@ def chunked_recompute_terms(config: ModelConfig, layer: int, tokens: int, chunk_
     full_indexer = is_dsa and cfg.indexer_types[layer] == "full"
     if is_dsa and not full_indexer:
         saved.append(SavedTensor("block_input", "received top-k indices", _index_slots(cfg) * _I64))
+    if trained is not None and not trained.any_below(layer):  # nothing in or below the block trains
+        return ChunkedTerms(saved=[], rebuilt_bytes=0.0, rebuilt_region="nothing (frozen)", layer_bytes=0.0)
     plain = dict(indexer_kl=indexer_kl, tokens=c, moe_chunk_tokens=moe_chunk_tokens, kda_kernel=kda_kernel,
-                 dsa_kernel=dsa_kernel, cp_path=cp > 1, expert_load=expert_load)
+                 dsa_kernel=dsa_kernel, cp_path=cp > 1, expert_load=expert_load, trained=trained)
     # a segment's (or chunk's) backward also holds the gradients of its output and of its input
     # streams, [c, m, H] each
     grads = 2 * c * m * H * a
@@ -478,7 +613,7 @@ def layer_saved_tensors(config: ModelConfig, layer: int, recompute: str = "none"
                         indexer_kl: bool = False, tokens: int = 4096,
                         moe_chunk_tokens: int | None = None, kda_kernel: str = "torch",
                         dsa_kernel: str = "torch", cp: int = 1, recompute_chunk_tokens: int = 16384,
-                        expert_load: float | None = None) -> list[SavedTensor]:
+                        expert_load: float | None = None, trained: TrainedParts | None = None) -> list[SavedTensor]:
     """What layer ``layer`` keeps for backward, storage by storage.
 
     Args:
@@ -500,6 +635,8 @@ def layer_saved_tensors(config: ModelConfig, layer: int, recompute: str = "none"
         recompute_chunk_tokens: ``chunked``'s segment (default 16384).
         expert_load: None without expert parallelism (default); under EP the routed-expert rows
             this rank holds over the mean (the imbalance on the busiest rank; see ``_ffn``).
+        trained: which parts train (:class:`TrainedParts`, from ``model.freeze`` / ``model.lora``);
+            None (default): every parameter trains.
 
     Returns:
         The :class:`SavedTensor` list; under "full" only the block inputs (``streams [T, m, H]``
@@ -510,6 +647,8 @@ def layer_saved_tensors(config: ModelConfig, layer: int, recompute: str = "none"
     assert cfg.layer_types is not None and cfg.indexer_types is not None
     kinds = _resolve_kinds(recompute, recompute_modules)
     a = dtype_bytes
+    if trained is not None and recompute in _BLOCK_RECOMPUTE and not trained.any_below(layer):
+        return []  # the checkpointed block records nothing: no input needs a gradient, no weight trains
     if recompute == "full":
         out = [SavedTensor("block_input", "streams", cfg.hc_mult * cfg.hidden_size * a)]
         if cfg.layer_types[layer] == INDEXED_ATTENTION and cfg.indexer_types[layer] == "shared":
@@ -519,24 +658,30 @@ def layer_saved_tensors(config: ModelConfig, layer: int, recompute: str = "none"
         return chunked_recompute_terms(cfg, layer, tokens, recompute_chunk_tokens, cp=cp, dtype_bytes=a,
                                        indexer_kl=indexer_kl, moe_chunk_tokens=moe_chunk_tokens,
                                        kda_kernel=kda_kernel, dsa_kernel=dsa_kernel,
-                                       expert_load=expert_load).saved
+                                       expert_load=expert_load, trained=trained).saved
     common = dict(indexer_kl=indexer_kl, tokens=tokens, moe_chunk_tokens=moe_chunk_tokens, kda_kernel=kda_kernel,
                   dsa_kernel=dsa_kernel, cp_path=cp > 1,
-                  expert_load=expert_load)
+                  expert_load=expert_load, trained=trained)
     return (_half(cfg, layer, "attention", a, kinds, **common)  # type: ignore[arg-type]
             + _half(cfg, layer, "ffn", a, kinds, **common))  # type: ignore[arg-type]
 
 
-def outside_saved_tensors(config: ModelConfig, dtype_bytes: int = 4) -> list[SavedTensor]:
+def outside_saved_tensors(config: ModelConfig, dtype_bytes: int = 4,
+                          trained: TrainedParts | None = None) -> list[SavedTensor]:
     """What the embedding, the final norm and the chunked cross-entropy keep (per token): the
     input ids (int64), the final RMSNorm (:func:`_norm`), the hidden state the loss reads (H),
-    the targets (int64), token weights and log-sum-exp (fp32)."""
+    the targets (int64), token weights and log-sum-exp (fp32); with ``trained``
+    (:class:`TrainedParts`; None: everything trains) without the ids of a frozen embedding and the
+    normalised value of a frozen final norm."""
     H = config.hidden_size
-    return [
-        SavedTensor("outside", "input ids", _I64),
-        *_norm("outside", "final norm", H, dtype_bytes),
-        SavedTensor("outside", "loss: hidden, targets, weights, lse", H * dtype_bytes + _I64 + 2 * _F32),
-    ]
+    ids = [SavedTensor("outside", "input ids", _I64, weight_only=_I64)]  # the embedding's weight gradient
+    norm = _norm("outside", "final norm", H, dtype_bytes)
+    loss = [SavedTensor("outside", "loss: hidden, targets, weights, lse", H * dtype_bytes + _I64 + 2 * _F32)]
+    if trained is None:
+        return ids + norm + loss
+    below = trained.any_below(config.num_hidden_layers - 1)
+    return (_frozen_items(ids, (trained.embedding, False)) + _frozen_items(norm, (trained.norm, below))
+            + _frozen_items(loss, (trained.lm_head, below or trained.norm)))
 
 
 @dataclass
@@ -581,7 +726,7 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
                         moe_chunk_tokens: int | None = None, batch: int = 1,
                         kda_kernel: str = "torch", dsa_kernel: str = "torch", cp: int = 1,
                         recompute_chunk_tokens: int = 16384,
-                        expert_load: float | None = None) -> ActivationEstimate:
+                        expert_load: float | None = None, trained: TrainedParts | None = None) -> ActivationEstimate:
     """Saved-activation bytes of one forward + backward on ``batch x tokens`` tokens of one rank.
 
     What :class:`~genolong.memory.meter.ActivationMeter` measures around ``model.loss(...)
@@ -604,6 +749,8 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
         recompute_chunk_tokens: tokens per rebuilt piece under ``chunked`` (default 16384).
         expert_load: None without expert parallelism (default); under EP the routed-expert rows
             on this rank over the mean (the imbalance on the busiest rank).
+        trained: which parts train (:class:`TrainedParts`: ``model.freeze``, ``model.lora``);
+            None (default): every parameter trains.
 
     Raises:
         InputError: non-positive tokens or batch, an unknown recompute mode or kind, a bad dtype
@@ -621,7 +768,7 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
         raise InputError(f"dsa_kernel {dsa_kernel!r} is unknown; choose one of {', '.join(DSA_KERNELS)}")
     n = tokens * batch
     kernels = dict(kda_kernel=kda_kernel, dsa_kernel=dsa_kernel, cp=cp,
-                   expert_load=expert_load)
+                   expert_load=expert_load, trained=trained)
     L = config.num_hidden_layers
     resident: list[int] = []
     offloaded: list[int] = []
@@ -661,7 +808,7 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
                 if "hc" in kinds:
                     region = max(region, sum(t.nbytes(n) for t in plain if t.kind == "mhc") / 2)
             rebuilt = max(rebuilt, int(round(region)))
-    outside = int(round(sum(t.nbytes(n) for t in outside_saved_tensors(config, dtype_bytes))))
+    outside = int(round(sum(t.nbytes(n) for t in outside_saved_tensors(config, dtype_bytes, trained))))
     by_kind["outside"] = plain_by_kind["outside"] = outside
     fwd_resident = outside + sum(resident)
     fwd_total = fwd_resident + sum(offloaded)

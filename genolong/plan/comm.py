@@ -30,6 +30,7 @@ from ..kernels.comm_bytes import conv_halo_payload, cp_dsa_comm_bytes, kda_state
 from ..model.config import INDEXED_ATTENTION, LINEAR_ATTENTION, ModelConfig, parameter_count
 from .activations import _BLOCK_RECOMPUTE, _resolve_kinds
 from .constants import _F32, _I64
+from .params import ParameterSplit
 
 __all__ = [
     "COMM_CONVENTIONS",
@@ -174,15 +175,23 @@ class FSDPUnit:
         layer: the block's layer index (None for the root).
         params: parameters the unit gathers (its unsharded size on this rank).
         group: ranks it is sharded over (``dp_shard * cp``, or ``dp_shard * cp / ep`` for experts).
+        trained: parameters of the unit with a gradient (its reduce-scatter's size); -1 (the
+            default): all of ``params``.
     """
 
     kind: str
     layer: int | None
     params: int
     group: int
+    trained: int = -1
+
+    def __post_init__(self) -> None:
+        if self.trained < 0:
+            object.__setattr__(self, "trained", self.params)
 
 
-def fsdp_unit_groups(config: ModelConfig, shard_group: int = 1, ep: int = 1) -> list[FSDPUnit]:
+def fsdp_unit_groups(config: ModelConfig, shard_group: int = 1, ep: int = 1,
+                     split: ParameterSplit | None = None) -> list[FSDPUnit]:
     """The FSDP2 units in order (the embedding, each block, then under EP its experts unit, then
     the root: final norm and LM head), as :func:`genolong.parallel.apply_fsdp` builds them.
 
@@ -190,9 +199,24 @@ def fsdp_unit_groups(config: ModelConfig, shard_group: int = 1, ep: int = 1) -> 
     ``E / ep`` experts (``3 E I H / ep`` parameters) sharded over the ``shard_group / ep`` ranks
     left after EP, the rest of the block over all ``shard_group`` ranks. ``ep = 1``: the units of
     :func:`fsdp_units`, each over ``shard_group``.
+
+    ``split`` (:func:`~genolong.plan.params.parameter_split`): the run's trained and frozen
+    parameters and adapters; the units then hold the adapters too, and ``trained`` says how many
+    of their parameters have a gradient. None (default): every parameter trains, no adapters.
     """
     cfg = config
     assert cfg.mlp_layer_types is not None
+    if split is not None:
+        out_split: list[FSDPUnit] = []
+        for kind, layer in [("embedding", None)] + [("block", i) for i in range(cfg.num_hidden_layers)]:
+            total, trained = split.unit(kind, layer, ep)
+            out_split.append(FSDPUnit(kind, layer, total, shard_group, trained))
+            if kind == "block" and ep > 1 and cfg.mlp_layer_types[layer] == "sparse":
+                total, trained = split.unit("experts", layer, ep)
+                out_split.append(FSDPUnit("experts", layer, total, max(shard_group // ep, 1), trained))
+        total, trained = split.unit("root", None, ep)
+        out_split.append(FSDPUnit("root", None, total, shard_group, trained))
+        return out_split
     units = fsdp_units(cfg)
     expert = routed_expert_parameters(cfg)
     embedding = parameter_count(cfg).embedding
@@ -254,7 +278,8 @@ def ep_comm_bytes(config: ModelConfig, tokens: int, ep: int, chunk_tokens: int |
 
 def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, dtype_bytes: int = 4,
                   recompute: str = "none", recompute_modules: Sequence[str] = (), shard_group: int = 1,
-                  dp_replicate: int = 1, ep: int = 1, moe_chunk_tokens: int | None = None) -> CommEstimate:
+                  dp_replicate: int = 1, ep: int = 1, moe_chunk_tokens: int | None = None,
+                  split: ParameterSplit | None = None) -> CommEstimate:
     """Bytes one rank moves through the collectives in one training step (forward + backward).
 
     Context parallelism (per layer call, the exact per-call formulas, summed over the layers):
@@ -290,6 +315,10 @@ def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, 
             :func:`ep_comm_bytes`; recompute of the MoE repeats its forward pair) and the expert
             units' FSDP rows over ``shard_group / ep`` ranks (:func:`fsdp_unit_groups`).
         moe_chunk_tokens: ``memory.moe_chunk_tokens`` (one all-to-all pair per chunk).
+        split: the run's trained and frozen parameters (:func:`~genolong.plan.params.parameter_split`):
+            the all-gathers move every parameter of a unit (frozen ones are stored at the compute
+            dtype), the gradient reduce-scatter and the HSDP all-reduce only its trained ones (a
+            unit with none has no reduce-scatter). None (default): all parameters train.
 
     Returns:
         A :class:`CommEstimate` (bytes per rank per step, integers).
@@ -347,7 +376,7 @@ def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, 
                             forward, rec, call["backward"], forward + rec + call["backward"]))
 
     S, R = shard_group, dp_replicate
-    all_units = fsdp_unit_groups(cfg, S, ep)
+    all_units = fsdp_unit_groups(cfg, S, ep, split=split)
     last_block = cfg.num_hidden_layers - 1
     p_dtype = "bf16" if dtype_bytes == 2 else "fp32"
     for kind, label in (("dense", ""), ("experts", "experts ")):
@@ -360,16 +389,19 @@ def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, 
         resharded = [sh for u, sh in zip(units, shards) if u.kind != "root" and u.layer != last_block]
         gather_fwd = sum((u.group - 1) * sh * dtype_bytes for u, sh in zip(units, shards))
         gather_bwd = sum((G - 1) * sh * dtype_bytes for sh in resharded)
-        reduce = sum((u.group - 1) * sh * _F32 for u, sh in zip(units, shards))
+        # only the trained parameters have gradients to reduce (a frozen unit none)
+        reduced = [u for u in units if u.trained > 0]
+        reduce = sum((u.group - 1) * math.ceil(u.trained / u.group) * _F32 for u in reduced)
         over = f", over {G}" if kind == "experts" else ""
         rows.append(CommRow("fsdp", f"FSDP {label}parameter all-gather fwd ({p_dtype}{over})", len(units), RECEIVED,
                             gather_fwd, 0, 0, gather_fwd))
         rows.append(CommRow("fsdp", f"FSDP {label}parameter all-gather bwd, resharded units ({p_dtype}{over})",
                             len(resharded), RECEIVED, 0, 0, gather_bwd, gather_bwd))
-        rows.append(CommRow("fsdp", f"FSDP {label}gradient reduce-scatter (fp32{over})", len(units), RECEIVED, 0, 0,
-                            reduce, reduce))
+        trained_note = ", trained parameters only" if split is not None and split.any_frozen else ""
+        rows.append(CommRow("fsdp", f"FSDP {label}gradient reduce-scatter (fp32{over}{trained_note})", len(reduced),
+                            RECEIVED, 0, 0, reduce, reduce))
         if R > 1:
-            replicas = sum(_ring_allreduce(sh * _F32, R) for sh in shards)
+            replicas = sum(_ring_allreduce(math.ceil(u.trained / u.group) * _F32, R) for u in reduced)
             rows.append(CommRow("fsdp", f"HSDP {label}gradient all-reduce across replicas (fp32, ring)", len(units),
                                 RECEIVED, 0, 0, replicas, replicas))
     return CommEstimate(cp=cp, shard_group=S, dp_replicate=R, tokens_per_rank=batch * tokens, rows=rows, ep=ep)

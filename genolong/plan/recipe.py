@@ -48,9 +48,13 @@ def _check_positive(name: str, value: Any, kind: type = float, allow_none: bool 
         raise InputError(f"{name} must be a positive {'number' if kind is float else 'integer'}, got {value!r}")
 
 
-def _describe(cfg: ModelConfig, count: int) -> str:
+def _describe(cfg: ModelConfig, count: int, split: Any = None) -> str:
     moe = sum(1 for t in (cfg.mlp_layer_types or ()) if t == "sparse")
-    return (f"{format_count(count)} params, {cfg.num_hidden_layers} layers ({cfg.pattern.count('K')} KDA + "
+    trained = ""
+    if split is not None and split.any_frozen:
+        trained = (f" ({format_count(split.trained)} trained, {format_count(split.frozen)} frozen"
+                   + (f"; LoRA adapters {format_count(split.adapters)} of the trained" if split.lora else "") + ")")
+    return (f"{format_count(count)} params{trained}, {cfg.num_hidden_layers} layers ({cfg.pattern.count('K')} KDA + "
             f"{cfg.pattern.count('D')} DSA, {moe} MoE x {cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}), "
             f"hidden {cfg.hidden_size}, mHC x {cfg.hc_mult}")
 

@@ -12,6 +12,8 @@ the tables' lines, and that the command's JSON is the plan's ``to_dict()``.
 
 from __future__ import annotations
 
+import shlex
+
 from ..units import format_bytes
 from .evaluate import EvalPlan
 from .train import TRANSIENTS, Plan
@@ -85,6 +87,10 @@ def format_plan(plan: Plan) -> str:
         else:
             lines.append("no change tried fits (recompute, offload, expert parallelism, chunks, up to 8x CP, 4x GPUs): "
                          "use larger GPUs or a shorter context")
+        if p.trainable_suggestion:
+            # quoted: the globs and brackets are shell syntax
+            lines.append(f"or train fewer parameters: {' '.join('--set ' + shlex.quote(s) for s in p.trainable_suggestion)}"
+                         f" -> {format_bytes(p.trainable_suggestion_total or 0)} per GPU")
     lines += ["", "assumptions:"] + [f"- {a}" for a in p.assumptions]
     return "\n".join(lines)
 

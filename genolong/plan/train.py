@@ -48,16 +48,25 @@ from typing import Any
 
 from ..config import Recipe, kernel_multiple, parse_recipe
 from ..errors import InputError
-from ..model.config import ModelConfig, parameter_count
+from ..model.config import ModelConfig
 from ..parallel.recompute import DEFAULT_SELECTIVE
 from ..units import format_bytes, format_count
-from .activations import _BLOCK_RECOMPUTE, _resolve_kinds, activation_estimate, chunked_recompute_terms, dsa_buffer_bytes
+from .activations import _BLOCK_RECOMPUTE, TrainedParts, _resolve_kinds, activation_estimate, chunked_recompute_terms, dsa_buffer_bytes
 from .backends import DSA_KERNELS, KDA_KERNELS, backend_kernels
-from .comm import COMM_PARTS, PAYLOAD, RECEIVED, SENT, CommEstimate, comm_estimate
+from .comm import COMM_PARTS, PAYLOAD, RECEIVED, SENT, CommEstimate, comm_estimate, fsdp_unit_groups
 from .constants import FRAGMENTATION, GIB, WORKSPACE_BYTES
-from .recipe import _check_positive, _describe, _largest_unit, _mesh_sizes, _model_config, _with_gpus, recipe_moe_imbalance
+from .params import ParameterSplit, parameter_split
+from .recipe import _check_positive, _describe, _mesh_sizes, _model_config, _with_gpus, recipe_moe_imbalance
 
-__all__ = ["TRANSIENTS", "Plan", "plan"]
+__all__ = ["ATTENTION_LORA", "ATTENTION_ONLY_FREEZE", "TRANSIENTS", "Plan", "plan"]
+
+#: ``model.freeze`` that trains the attention layers (``self_attn``: KDA and DSA) only, the
+#: quickstart's list (``recipes/quickstart.yaml``).
+ATTENTION_ONLY_FREEZE: tuple[str, ...] = ("embed_tokens.*", "lm_head.*", "norm.*", "layers.*.mlp.*", "layers.*.attn_hc.*",
+                                          "layers.*.ffn_hc.*", "layers.*.input_layernorm.*",
+                                          "layers.*.post_attention_layernorm.*")
+#: ``model.lora`` that adapts every attention projection (the ``nn.Linear`` modules under ``self_attn``).
+ATTENTION_LORA = "{targets: [layers.*.self_attn.*]}"
 
 #: Device line items that do not coexist (the plan counts the largest).
 TRANSIENTS = ("MoE dispatch chunk", "MoE all-to-all buffers (busiest rank)", "DSA indexer / top-k / gather buffers",
@@ -102,6 +111,15 @@ class Plan:
         kernel_backend, kda_kernel, dsa_kernel: the model's backend and the kernels it counts.
         recompute_chunk_tokens: ``chunked``'s piece (None for the other modes).
         rebuilt_region: which region the rebuilt line is (chunked: the half).
+        trained_parameters, frozen_parameters, adapter_parameters: the run's parameters with a
+            gradient (adapters included), without one (``model.freeze``, every base weight under
+            ``model.lora``) and the LoRA adapters (:func:`~genolong.plan.params.parameter_split`);
+            ``parameters`` is trained + frozen.
+        trainable_suggestion: when the plan does not fit and the recipe trains every parameter:
+            the first of training the attention layers only (:data:`ATTENTION_ONLY_FREEZE`) or
+            LoRA on them (:data:`ATTENTION_LORA`), alone or with the memory settings the
+            suggestion search tries, that fits (``--set`` overrides; empty when none does);
+            ``trainable_suggestion_total``: its per-GPU total.
     """
 
     recipe: str
@@ -145,6 +163,11 @@ class Plan:
     dsa_kernel: str = "torch"
     recompute_chunk_tokens: int | None = None
     rebuilt_region: str = ""
+    trained_parameters: int = 0
+    frozen_parameters: int = 0
+    adapter_parameters: int = 0
+    trainable_suggestion: list[str] = field(default_factory=list)
+    trainable_suggestion_total: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict of every field (bytes as integers) for ``genolong plan --json``."""
@@ -168,20 +191,39 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
     bf16 = recipe.train.precision == "bf16-mixed"
     a = 2 if bf16 else 4
     H, m = cfg.hidden_size, cfg.hc_mult
-    count = parameter_count(cfg).total
+    split = parameter_split(cfg, recipe.model.freeze, recipe.model.lora)
+    count = split.total
+    # which parts train: frozen ones keep no weight-gradient inputs (None: all train, as before)
+    trained = (TrainedParts.from_names(cfg, split.trained_names, split.adapted, split.lora_dropout)
+               if split.any_frozen else None)
 
-    # parameters, gradients, AdamW state: fp32, sharded over the shard group (ceil: uneven shards);
-    # under EP an experts unit holds E / ep experts over shard / ep ranks: the same share per rank
-    per_rank = math.ceil(count / shard)
-    device: dict[str, int] = {
-        "parameters (fp32 master, sharded)": 4 * per_rank,
-        "gradients (fp32, sharded)": 4 * per_rank,
-        "AdamW moments (2 x fp32, sharded)": 8 * per_rank,
-    }
-    unit = _largest_unit(cfg, ep)
+    # parameters, gradients, AdamW state: fp32 for the trained parameters, sharded over the shard
+    # group (ceil: uneven shards); under EP an experts unit holds E / ep experts over shard / ep
+    # ranks: the same share per rank. Frozen parameters: their storage only, at the compute dtype
+    # (bf16 in bf16-mixed, fp32 in 32-true): no master, no gradient, no AdamW state.
+    per_rank = math.ceil(split.trained / shard)
+    device: dict[str, int]
+    if split.any_frozen:
+        device = {
+            "trained parameters (fp32 master, sharded)": 4 * per_rank,
+            f"frozen parameters ({'bf16' if bf16 else 'fp32'}, sharded, no master)": a * math.ceil(split.frozen / shard),
+            "gradients (fp32, sharded, trained only)": 4 * per_rank,
+            "AdamW moments (2 x fp32, sharded, trained only)": 8 * per_rank,
+        }
+    else:
+        device = {
+            "parameters (fp32 master, sharded)": 4 * per_rank,
+            "gradients (fp32, sharded)": 4 * per_rank,
+            "AdamW moments (2 x fp32, sharded)": 8 * per_rank,
+        }
+    units = fsdp_unit_groups(cfg, shard, ep, split=split)
+    unit = max(u.params for u in units)
+    unit_trained = max(u.trained for u in units)
     working = 0
-    if shard > 1 or bf16:
-        working = 2 * unit * a + (unit * 4 if shard > 1 else 0)
+    if shard > 1:  # gather the whole unit at the compute dtype (frozen ones are stored in it), reduce its trained grads
+        working = 2 * unit * a + unit_trained * 4
+    elif bf16:  # unsharded: only the trained fp32 masters need bf16 compute copies
+        working = 2 * unit_trained * a
     device["FSDP unsharded params (2 units) + grad (1 unit)"] = working
 
     # under EP the busiest rank holds moe_imbalance x the mean (token, slot) rows of its experts
@@ -191,14 +233,14 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
                               indexer_kl=True, moe_chunk_tokens=mem.moe_chunk_tokens, batch=recipe.data.batch_size,
                               kda_kernel=kda_kernel, dsa_kernel=dsa_kernel, cp=cp,
                               recompute_chunk_tokens=mem.recompute_chunk_tokens,
-                              expert_load=expert_load)
+                              expert_load=expert_load, trained=trained)
     device["saved activations (resident peak)"] = act.peak_resident_bytes
     rebuilt_region = ""
     if mem.recompute == "chunked":
         regions = [chunked_recompute_terms(cfg, i, tokens, mem.recompute_chunk_tokens, cp=cp, dtype_bytes=a, indexer_kl=True,
                                            moe_chunk_tokens=mem.moe_chunk_tokens, kda_kernel=kda_kernel,
                                            dsa_kernel=dsa_kernel,
-                                           expert_load=expert_load)
+                                           expert_load=expert_load, trained=trained)
                    for i in range(cfg.num_hidden_layers)]
         rebuilt_region = max(regions, key=lambda r: r.rebuilt_bytes + r.layer_bytes).rebuilt_region
         device[f"rebuilt activations (chunked: {rebuilt_region}, + the layer's carried states / keys)"] = act.rebuilt_bytes
@@ -260,9 +302,16 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
         + ("; 'auto' counted as on a CUDA machine with Triton and fla-core >= 0.5.2 (resolve_auto -> 'triton')"
            if backend == "auto" and kda_kernel != "torch" else "")
         + "; bf16 sizes assume bf16 compute with the layers' fp32 parts kept fp32",
-        f"parameters, gradients and AdamW state fp32 (16 B/param) sharded over cp x dp_shard = {shard} ranks (FSDP2); "
-        f"2 unsharded units in {'bf16' if bf16 else 'fp32'} + 1 unsharded fp32 gradient in flight (the largest unit: "
-        f"{format_count(unit)} params)",
+        (f"parameters, gradients and AdamW state fp32 (16 B/param) sharded over cp x dp_shard = {shard} ranks (FSDP2); "
+         if not split.any_frozen else
+         f"trained parameters ({format_count(split.trained)}"
+         + (f", LoRA adapters {format_count(split.adapters)} of them" if split.lora else "")
+         + f"): fp32 master, gradient and AdamW state (16 B/param); frozen ({format_count(split.frozen)}): stored at "
+         f"{'bf16 (2 B' if bf16 else 'fp32 (4 B'}/param), no master, gradient or optimizer state; all sharded over "
+         f"cp x dp_shard = {shard} ranks (FSDP2), no gradient reduce-scatter for frozen parameters; ")
+        + f"2 unsharded units in {'bf16' if bf16 else 'fp32'} + 1 unsharded fp32 gradient in flight (the largest unit: "
+        f"{format_count(unit)} params"
+        + (f"; the most trained in one unit: {format_count(unit_trained)}" if split.any_frozen else "") + ")",
         recompute_note,
         "offload: every saved tensor of at least offload_min_bytes goes to pinned host memory, one host copy per "
         "distinct view autograd saves; two layers are back on the device in backward (prefetch)" if mem.offload
@@ -284,9 +333,9 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
     ]
     comm = comm_estimate(cfg, context // cp, cp, batch=recipe.data.batch_size, dtype_bytes=a, recompute=mem.recompute,
                          recompute_modules=mem.recompute_modules, shard_group=shard, dp_replicate=rep, ep=ep,
-                         moe_chunk_tokens=mem.moe_chunk_tokens)
+                         moe_chunk_tokens=mem.moe_chunk_tokens, split=split if split.any_frozen else None)
     return Plan(
-        recipe=recipe.name, model=_describe(cfg, count), gpus=gpus, gpus_per_node=gpus_per_node,
+        recipe=recipe.name, model=_describe(cfg, count, split), gpus=gpus, gpus_per_node=gpus_per_node,
         nodes=math.ceil(gpus / gpus_per_node), cp=cp, dp_shard=dp_shard, dp_replicate=rep, shard_group=shard,
         tokens_per_rank=tokens, precision=recipe.train.precision, recompute=mem.recompute,
         recompute_modules=tuple(mem.recompute_modules), offload=mem.offload, moe_chunk_tokens=mem.moe_chunk_tokens,
@@ -297,7 +346,8 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
         experts_per_rank=cfg.n_routed_experts // ep if moe_layers else 0, expert_shard_group=shard // ep,
         kernel_backend=backend, kda_kernel=kda_kernel, dsa_kernel=dsa_kernel,
         recompute_chunk_tokens=mem.recompute_chunk_tokens if mem.recompute == "chunked" else None,
-        rebuilt_region=rebuilt_region,
+        rebuilt_region=rebuilt_region, trained_parameters=split.trained, frozen_parameters=split.frozen,
+        adapter_parameters=split.adapters,
     )
 
 
@@ -438,4 +488,19 @@ def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, hos
 
     if not (first_single(cheap) or first_prefix(cheap) or first_single(mesh)):
         first_prefix(candidates)
+    if not recipe.model.freeze and recipe.model.lora is None:
+        # train fewer parameters: attention only, then LoRA on it; alone, then with the memory
+        # settings that keep the mesh (recompute, offload, EP, chunks), checked by planning each
+        merged: dict[str, str] = {}
+        for overrides, _ in cheap:
+            for item in overrides:
+                merged[item.split("=", 1)[0]] = item
+        trainable = [f"model.freeze=[{','.join(ATTENTION_ONLY_FREEZE)}]", f"model.lora={ATTENTION_LORA}"]
+        for extra in ([], list(merged.values())):
+            for option in trainable:
+                result = attempt([option, *extra], world)
+                if result is not None and result.fits:
+                    base.trainable_suggestion = [option, *extra]
+                    base.trainable_suggestion_total = result.device_total
+                    return base
     return base
