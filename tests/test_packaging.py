@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -25,11 +26,35 @@ def test_namespace_mapping_in_this_install(tmp_path: Path) -> None:
     assert Path(genolong.kernels.__file__).resolve() == ROOT / "kernels" / "__init__.py"
     assert Path(genolong.evaluation.__file__).resolve() == ROOT / "evaluation" / "__init__.py"
     # Outside the source tree, the install must not expose a top-level `kernels`/`evaluation`
-    # (a PyPI package called kernels exists).
+    # (a PyPI package called kernels exists, and transformers from 5.25 requires it). The virtualenv
+    # may lie inside the checkout (CI's .venv), so the check is on the two folders themselves.
     probe = "import importlib.util as u; print([s and s.origin for s in map(u.find_spec, ('kernels', 'evaluation'))])"
     found = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
-    assert str(ROOT) not in found
+    assert str(ROOT / "kernels") not in found and str(ROOT / "evaluation") not in found, found
     assert sample_fasta().is_file() and Path(f"{sample_fasta()}.fai").is_file() and Path(f"{sample_fasta()}.gzi").is_file()
+
+
+
+def test_top_level_kernels_from_the_checkout_root_is_the_installed_distribution(tmp_path: Path) -> None:
+    """Run from the checkout's root (its folder then first on sys.path), ``import kernels`` gives the
+    installed ``kernels`` distribution, which transformers imports, not the repository's kernels/
+    folder; with no such distribution it fails as a plain missing module does."""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("WHICH = 'the distribution'\n")
+    (site / "kernels" / "utils.py").write_text("PART = 'its submodule'\n")
+    probe = "import kernels, kernels.utils; print(kernels.WHICH, '/', kernels.utils.PART, '/', kernels.__file__)"
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == f"the distribution / its submodule / {site / 'kernels' / '__init__.py'}"
+    # No distribution anywhere: site-packages off the path, the checkout's root first.
+    absent = ("import sys; sys.path[:] = [p for p in sys.path if 'site-packages' not in p]\n"
+              "try:\n    import kernels\nexcept ModuleNotFoundError as e:\n"
+              "    print(e.name, 'kernels' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", absent], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "kernels False"
 
 
 @pytest.mark.slow
