@@ -146,6 +146,12 @@ def _bad_adapters(models: Path, root: Path) -> list[tuple[str, list[str], str]]:
     (missing / ADAPTER_CONFIG).write_text(json.dumps({**config, "target_modules": ["model.language_model.layers.9.self_attn.q_proj"]}))
     # an adapter trained on another geometry (hidden 96): its factors' shapes do not fit
     save_adapter(_adapted(hidden_size=96), root / "other-geometry")
+    # a damaged weights file (truncated), named by genolong's checksum manifest
+    damaged = root / "damaged"
+    damaged.mkdir()
+    for f in adapter.iterdir():
+        (damaged / f.name).write_bytes(f.read_bytes())
+    (damaged / "adapter_model.safetensors").write_bytes((adapter / "adapter_model.safetensors").read_bytes()[:-100])
     # a LoRA run's own checkpoint: its export already holds the adapters
     run = root / "runs" / "lora"
     (run / "export").mkdir(parents=True)
@@ -158,9 +164,18 @@ def _bad_adapters(models: Path, root: Path) -> list[tuple[str, list[str], str]]:
         ("no config", [base, "--adapter", str(root / "empty")], f"no {ADAPTER_CONFIG} in it"),
         ("a module the base lacks", [base, "--adapter", str(missing)], "'layers.9.self_attn.q_proj', which this base model does not have"),
         ("another geometry", [base, "--adapter", str(root / "other-geometry")], "this base needs (4, 64); the adapter was trained on another model"),
+        ("a damaged file", [base, "--adapter", str(damaged)], "adapter_model.safetensors is damaged"),
         ("a LoRA run's checkpoint", [str(run), "--adapter", str(adapter)], "belongs to a LoRA fine-tune run"),
         ("a LoRA run's export", [str(run / "export"), "--adapter", str(adapter)], "give the base model the adapter was trained on"),
     ]
+
+
+def _error_line(stderr: str) -> str:
+    """The one error line of a refused command (genolong's log lines, e.g. the base's loading, may
+    come before it when the adapter is checked against the loaded base)."""
+    errors = [line for line in stderr.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and stderr.rstrip().endswith(errors[0]), stderr
+    return errors[0]
 
 
 def test_bad_adapters_are_one_line_errors_and_write_nothing(models: Path, sample_store: Path, tmp_path: Path,
@@ -169,15 +184,15 @@ def test_bad_adapters_are_one_line_errors_and_write_nothing(models: Path, sample
     for what, model, words in cases:
         out = tmp_path / "out"
         assert main(["evaluate", *model, "--store", str(sample_store), *_EVAL, "--out", str(out)]) == 2, what
-        err = capsys.readouterr().err.strip()
-        assert "\n" not in err and "--adapter" in err and words in err, (what, err)
+        err = _error_line(capsys.readouterr().err)
+        assert words in err and ("--adapter" in err or "damaged" in what), (what, err)
         assert not out.exists() and not list(tmp_path.glob(".out*")), what
     # the same checks in the other two commands
     for command, extra in (("probe", ["--context", "256", "--max-tiles", "1"]), ("check-logprobs", ["--context", "96"])):
         for what, model, words in (cases[1], cases[3]):
             assert main([command, *model, "--store", str(sample_store), "--quiet", "--out", str(tmp_path / "out"), *extra]) == 2
-            err = capsys.readouterr().err.strip()
-            assert "\n" not in err and words in err, (command, what, err)
+            err = _error_line(capsys.readouterr().err)
+            assert words in err, (command, what, err)
             assert not (tmp_path / "out").exists()
 
 
