@@ -2,7 +2,9 @@
 
 ``genolong evaluate``, ``check-logprobs`` and ``probe`` accept the same checkpoints: a
 GLM-5.3-Flash-format directory (a run's ``export/``), a fine-tune run directory, or a Lightning
-``step*.ckpt`` (a file from a one-process run, a sharded directory from a multi-process one).
+``step*.ckpt`` (a file from a one-process run, a sharded directory from a multi-process one),
+plus optionally a LoRA adapter directory in the PEFT format (``--adapter``: :func:`check_adapter`,
+:func:`merge_adapter`), merged into the loaded weights in memory.
 :func:`load_eval_model` loads any of them into one process; the multi-process loader
 (:func:`genolong.evaluation.distributed.load_scoring_model`) starts from the same recipe and kernel
 backend (:func:`run_recipe`, :func:`scoring_kernel_backend`). Below both ``score`` and
@@ -23,14 +25,16 @@ from ..data.alphabet import VOCAB_SIZE
 from ..errors import InputError
 from ..integrity import check_weights
 from ..model.lm import GenoLM
+from ..model.lora import LoraSettings
 from ..model.vocab import VocabMap
 
-__all__ = ["load_eval_model", "recipe_context", "run_recipe", "scoring_kernel_backend"]
+__all__ = ["check_adapter", "load_eval_model", "merge_adapter", "recipe_context", "run_recipe", "scoring_kernel_backend"]
 
 
 def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu",
-                    kernel_backend: str | None = None) -> tuple[GenoLM, VocabMap | None]:
+                    kernel_backend: str | None = None,
+                    adapter: str | os.PathLike[str] | None = None) -> tuple[GenoLM, VocabMap | None]:
     """The model to evaluate and its vocabulary map, from any of:
 
     - a GLM-5.3-Flash-format directory (config.json + safetensors; e.g. a run's ``export/``);
@@ -46,15 +50,23 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
         kernel_backend: the kernel backend the model runs (``genolong.kernels.backends``); default
             None: :func:`scoring_kernel_backend` (the run's recipe's ``model.overrides.kernel_backend``,
             else ``auto``: the GPU kernels on a GPU, torch on a CPU), as ``genolong finetune`` runs it.
+        adapter: a PEFT LoRA adapter directory (``runs/NAME/adapter``) for the base ``checkpoint``,
+            merged into the loaded weights in memory (:func:`merge_adapter`); default None.
 
     Returns:
         (model in eval mode, VocabMap or None for the nucleotide vocabulary).
 
     Raises:
-        InputError: none of the above, or a checkpoint that does not fit its recipe;
+        InputError: none of the above, or a checkpoint that does not fit its recipe; an adapter
+            :func:`check_adapter` or :func:`merge_adapter` refuses;
             :class:`~genolong.integrity.DamagedFileError` (an InputError): a damaged file, named
             with its problem (:func:`genolong.integrity.check_weights`).
     """
+    if adapter is not None:
+        check_adapter(checkpoint, adapter)  # before the base loads
+        model, vocab = load_eval_model(checkpoint, dtype=dtype, device=device, kernel_backend=kernel_backend)
+        merge_adapter(model, adapter)
+        return model, vocab
     from ..config import parse_recipe
 
     kernel_backend = scoring_kernel_backend(checkpoint, kernel_backend)
@@ -115,6 +127,100 @@ def _load_sharded_weights(model: GenoLM, path: Path) -> None:
             dcp.load({"state_dict": weights}, checkpoint_id=path, no_dist=True)
     except Exception as error:  # DCP reports a missing key or another shape as a CheckpointException
         raise InputError(f"{path} does not fit its recipe's model ({str(error).splitlines()[-1][:200]})") from error
+
+
+def check_adapter(checkpoint: str | os.PathLike[str], adapter: str | os.PathLike[str]) -> None:
+    """Refuse, before any weight is read, an ``--adapter`` that cannot apply to ``checkpoint``: no
+    such directory, no ``adapter_config.json``, not a LoRA adapter genolong computes
+    (:func:`genolong.model.lora.read_adapter_config`), or a ``checkpoint`` of a LoRA fine-tune
+    run (its recipe sets ``model.lora``: its ``export/`` already holds that run's adapters merged,
+    its ``step*.ckpt`` its adapters), which would apply an adapter on top of an adapter.
+
+    Raises:
+        InputError: one of the above, naming the input and the fix.
+    """
+    from ..model.lora import read_adapter_config
+
+    read_adapter_config(adapter)
+    lora = ((run_recipe(checkpoint) or {}).get("model") or {}).get("lora")
+    if lora:
+        raise InputError(f"--adapter {adapter}: {checkpoint} belongs to a LoRA fine-tune run (its recipe sets model.lora), "
+                         "whose weights already hold its adapters; give the base model the adapter was trained on "
+                         "(the run's model.checkpoint) with --adapter, or this checkpoint without --adapter")
+
+
+def merge_adapter(model: GenoLM, adapter: str | os.PathLike[str]) -> LoraSettings:
+    """Merge a PEFT LoRA adapter directory into ``model``'s weights, in place: every adapted
+    weight ``W [out, in]`` (and each routed expert's ``[out, in]`` slice) becomes ``W + (alpha / r)
+    B A``, computed in float32 and stored in ``W``'s dtype, as :func:`genolong.model.lora.merge_lora`
+    and ``genolong finetune``'s merged ``export/`` compute it; ``modules_to_save`` replace their
+    modules' weights. In float32 the result equals the adapter model (base plus separate adapters)
+    to float32 rounding; in bfloat16 the merged weight is rounded once to bfloat16.
+
+    ``model`` may be sharded (FSDP2 / expert-parallel DTensor parameters): each rank merges its
+    own part (no collective). The adapter is checked and read first on a meta-device copy of
+    ``model``'s architecture (:func:`genolong.model.lora.load_adapter`), so a refused adapter
+    leaves ``model`` unchanged.
+
+    Args:
+        model: a plain GenoLM (any dtype, any device but meta), or one sharded for scoring.
+        adapter: the adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``, as
+            genolong's ``runs/NAME/adapter/`` or peft's ``save_pretrained`` writes it).
+
+    Returns:
+        The adapter's settings, with GenoLM module names as ``targets``.
+
+    Raises:
+        InputError: as :func:`genolong.model.lora.load_adapter` (a module or shape this base does
+            not have, missing tensors, a damaged file, ...).
+    """
+    from ..model.lora import ExpertAdapters, load_adapter, lora_modules, saved_module_tensors
+
+    with torch.device("meta"):
+        skeleton = GenoLM(model.config)
+    settings = load_adapter(skeleton, adapter)  # the adapters real (on the CPU), the base weights meta
+    saved = saved_module_tensors(skeleton, adapter)
+    with torch.no_grad():
+        for name, module in lora_modules(skeleton).items():
+            _merge_part(model.get_parameter(f"{name}.weight"), (), module.delta_weight())
+        for name, module in skeleton.named_modules():
+            if isinstance(module, ExpertAdapters):
+                experts = name.removesuffix(".lora")
+                for param_name in module.lora_A.keys():
+                    param = model.get_parameter(f"{experts}.{param_name}")
+                    for e in range(module.num_experts):
+                        _merge_part(param, (e,), module.delta(param_name, e).float())
+        for name, value in saved.items():
+            _merge_part(model.get_parameter(name), (), value, add=False)
+    return settings
+
+
+def _merge_part(param: torch.Tensor, index: tuple[int, ...], value: torch.Tensor, add: bool = True) -> None:
+    """``param[index] += value`` (float32 sum, stored in ``param``'s dtype; ``add=False``:
+    ``param[index] = value``) on this rank's part of ``param`` (a DTensor: its local shard; a
+    plain tensor: all of it). ``value``: the whole ``param[index]`` region, on any device."""
+    from torch.distributed.tensor import DTensor
+
+    local = param.to_local() if isinstance(param, DTensor) else param
+    offset, shape = _local_box(param)
+    lead = len(index)
+    if any(not o <= i < o + s for i, o, s in zip(index, offset, shape)):
+        return  # this rank holds none of param[index]
+    dest = local[tuple(i - o for i, o in zip(index, offset))] if lead else local
+    source = value[tuple(slice(o, o + s) for o, s in zip(offset[lead:], shape[lead:]))].to(dest.device)
+    dest.copy_((dest.float() + source.float() if add else source).to(dest.dtype))
+
+
+def _local_box(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offset, local shape) of this rank's part of ``tensor`` (a DTensor, or a whole tensor:
+    zeros and its shape)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(tensor, DTensor):
+        return (0,) * tensor.dim(), tuple(tensor.shape)
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(offset), tuple(shape)
 
 
 def run_recipe(checkpoint: str | os.PathLike[str]) -> Mapping[str, Any] | None:

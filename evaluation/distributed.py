@@ -42,7 +42,7 @@ from ..errors import InputError
 from ..integrity import check_weights
 from ..model.loss import model_inputs, next_token_nll
 from ..model.vocab import VocabMap
-from .checkpoint import _DCP_META, load_eval_model, scoring_kernel_backend
+from .checkpoint import _DCP_META, _local_box, check_adapter, load_eval_model, merge_adapter, scoring_kernel_backend
 
 __all__ = [
     "ScoringGroup", "assemble_nll", "broadcast_from_writer", "gather_to_writer", "launch", "load_scoring_model",
@@ -286,7 +286,8 @@ def shard_for_scoring(model: torch.nn.Module, group: ScoringGroup, moe_chunk_tok
 
 def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, dtype: torch.dtype = torch.float32,
                        device: torch.device | str = "cpu",
-                       kernel_backend: str | None = None) -> tuple[torch.nn.Module, VocabMap | None]:
+                       kernel_backend: str | None = None,
+                       adapter: str | os.PathLike[str] | None = None) -> tuple[torch.nn.Module, VocabMap | None]:
     """The model to score with and its vocabulary map, on ``group``'s mesh.
 
     One process: :func:`genolong.evaluation.checkpoint.load_eval_model` (the whole model). Several: the
@@ -297,14 +298,18 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
     safetensors) by reading only this rank's slice of each tensor.
 
     ``kernel_backend``: as :func:`~genolong.evaluation.checkpoint.load_eval_model` (default None: the
-    run's recipe's, else ``auto``).
+    run's recipe's, else ``auto``). ``adapter``: a PEFT LoRA adapter directory for the base
+    ``checkpoint``, merged into the loaded weights in memory, each rank into its own shards
+    (:func:`~genolong.evaluation.checkpoint.merge_adapter`); default None.
 
     Raises:
         InputError: as :func:`~genolong.evaluation.checkpoint.load_eval_model`; a one-process ``.ckpt``
             file (a single pickle: evaluate its run's export/ directory instead, or in one process).
     """
     if not group.distributed:
-        return load_eval_model(checkpoint, dtype=dtype, device=device, kernel_backend=kernel_backend)
+        return load_eval_model(checkpoint, dtype=dtype, device=device, kernel_backend=kernel_backend, adapter=adapter)
+    if adapter is not None:
+        check_adapter(checkpoint, adapter)  # before the base loads
     kernel_backend = scoring_kernel_backend(checkpoint, kernel_backend)
     from ..config import parse_recipe
     from ..model.config import ModelConfig
@@ -350,18 +355,9 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
         _fill_from_export(model, path)
     else:
         _fill_from_dcp(model, path)
+    if adapter is not None:
+        merge_adapter(model, adapter)
     return model.eval(), vocab
-
-
-def _local_box(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(global offset, local shape) of this rank's part of ``tensor`` (a DTensor, or a whole tensor)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if not isinstance(tensor, DTensor):
-        return (0,) * tensor.dim(), tuple(tensor.shape)
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    return tuple(offset), tuple(shape)
 
 
 def _fill_from_export(model: torch.nn.Module, directory: Path) -> None:

@@ -120,6 +120,27 @@ def _scoring_device(args: argparse.Namespace, group: object) -> str:
     return "cpu"
 
 
+def _scored_name(args: argparse.Namespace) -> str:
+    """The scored model's name for default output paths and labels: the run's name for a run,
+    its ``export/`` or a ``step*.ckpt``, else the checkpoint's; ``BASE+ADAPTER`` with ``--adapter``
+    (the adapter's run name for a ``runs/NAME/adapter``)."""
+    path = Path(args.checkpoint).resolve()
+    name = path.parent.parent.name if path.suffix == ".ckpt" else (path.parent.name if path.name == "export" else path.name)
+    if args.adapter is None:
+        return name
+    adapter = Path(args.adapter).resolve()
+    return f"{name}+{adapter.parent.name if adapter.name == 'adapter' else adapter.name}"
+
+
+def _scored_meta(args: argparse.Namespace) -> dict[str, str]:
+    """What was scored, for the results' metadata: the checkpoint and, with ``--adapter``, the
+    adapter directory (absolute paths)."""
+    meta = {"checkpoint": str(Path(args.checkpoint).resolve())}
+    if args.adapter is not None:
+        meta["adapter"] = str(Path(args.adapter).resolve())
+    return meta
+
+
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     import torch
 
@@ -147,19 +168,18 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     store = GenomeStore.open(args.store)
     split = store.split(args.split)
     dtype = getattr(torch, _DTYPES[args.dtype])
-    name = Path(args.checkpoint).resolve()
-    name = name.parent.parent.name if name.suffix == ".ckpt" else (name.parent.name if name.name == "export" else name.name)
+    name = _scored_name(args)
     cut = f"-cut{args.context_cut}" if args.context_cut is not None else ""
     out = Path(args.out) if args.out else Path("evaluations") / f"{name}-{args.split}-L{context}{cut}"
 
     def work(group: object) -> int:
         model, vocab = load_scoring_model(args.checkpoint, group, dtype=dtype, device=_scoring_device(args, group),  # type: ignore[arg-type]
-                                          kernel_backend=backend)
+                                          kernel_backend=backend, adapter=args.adapter)
         result = evaluate(
             model, split, out, context, context_cut=args.context_cut, max_tiles=args.max_tiles,
             first_bucket=args.first_bucket, write_tokens=not args.no_tokens, vocab=vocab,
             label=args.label or f"{name}{' cut ' + str(args.context_cut) if args.context_cut is not None else ''}",
-            meta={"checkpoint": str(Path(args.checkpoint).resolve()), "store": str(store.path.resolve()), "split": args.split,
+            meta={**_scored_meta(args), "store": str(store.path.resolve()), "split": args.split,
                   "dtype": _DTYPES[args.dtype], "device": args.device},
             force=args.force, progress=None if not args.quiet else False,
             segment_tokens=segment_tokens, group=group,  # type: ignore[arg-type]
@@ -204,17 +224,16 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     store = GenomeStore.open(args.store)
     split = store.split(args.split)
     dtype = getattr(torch, _DTYPES[args.dtype])
-    name = Path(args.checkpoint).resolve()
-    name = name.parent.parent.name if name.suffix == ".ckpt" else (name.parent.name if name.name == "export" else name.name)
+    name = _scored_name(args)
     out = Path(args.out) if args.out else Path("evaluations") / f"{name}-{args.split}-L{context}-probe{args.repeat_bases}"
 
     def work(group: object) -> int:
         model, vocab = load_scoring_model(args.checkpoint, group, dtype=dtype, device=_scoring_device(args, group),  # type: ignore[arg-type]
-                                          kernel_backend=backend)
+                                          kernel_backend=backend, adapter=args.adapter)
         result = probe(
             model, split, out, context, repeat_bases=args.repeat_bases, distances=distances, max_tiles=args.max_tiles,
             vocab=vocab, label=args.label or name,
-            meta={"checkpoint": str(Path(args.checkpoint).resolve()), "store": str(store.path.resolve()), "split": args.split,
+            meta={**_scored_meta(args), "store": str(store.path.resolve()), "split": args.split,
                   "dtype": _DTYPES[args.dtype], "device": args.device},
             force=args.force, progress=None if not args.quiet else False, segment_tokens=segment_tokens,
             group=group,  # type: ignore[arg-type]
@@ -248,7 +267,10 @@ def _cmd_check_logprobs(args: argparse.Namespace) -> int:
     from .evaluation.logprobs import check_logprobs
     from .evaluation.report import markdown_table
 
-    out = Path(args.out) if args.out else Path("evaluations") / f"{Path(args.checkpoint).resolve().name}-logprob-gap-L{args.context}-{_DTYPES[args.dtype]}"
+    name = Path(args.checkpoint).resolve().name
+    if args.adapter is not None:
+        name = _scored_name(args)
+    out = Path(args.out) if args.out else Path("evaluations") / f"{name}-logprob-gap-L{args.context}-{_DTYPES[args.dtype]}"
     if out.exists() and not args.force:
         raise InputError(f"{out} already exists; pass --force to replace it, or choose another --out")
     parallel = _parallel_section(args)
@@ -257,12 +279,14 @@ def _cmd_check_logprobs(args: argparse.Namespace) -> int:
 
     def work(group: object) -> int:
         model, vocab = load_scoring_model(args.checkpoint, group, dtype=getattr(torch, _DTYPES[args.dtype]),  # type: ignore[arg-type]
-                                          device=_scoring_device(args, group), kernel_backend=backend)
+                                          device=_scoring_device(args, group), kernel_backend=backend, adapter=args.adapter)
+        label = Path(args.checkpoint).name if args.adapter is None else _scored_name(args)
         gap = check_logprobs(model, split, args.context, max_tiles=args.max_tiles, first_bucket=args.first_bucket, vocab=vocab,
-                             progress=None if not args.quiet else False, label=f"{Path(args.checkpoint).name} {_DTYPES[args.dtype]}",
+                             progress=None if not args.quiet else False, label=f"{label} {_DTYPES[args.dtype]}",
                              group=group)  # type: ignore[arg-type]
         if gap is None:  # not the writer
             return 0
+        gap.extra.update(_scored_meta(args))
         gap.save(out)
         table = gap.table()
         rows = [[str(r.bucket), f"{int(r.tokens):,}", f"{r.mean_abs_diff:.3g}", f"{r.max_abs_diff:.3g}"] for r in table.itertuples()]
@@ -354,6 +378,12 @@ def _scoring_arguments(parser: argparse.ArgumentParser, out_default: str, bucket
     parser.add_argument("checkpoint", metavar="CHECKPOINT",
                         help="a model directory (config.json + safetensors, e.g. runs/NAME/export), a run directory "
                              "runs/NAME or a runs/NAME/checkpoints/step*.ckpt")
+    parser.add_argument("--adapter", metavar="DIR",
+                        help="a LoRA adapter for the base model CHECKPOINT, in the PEFT format (adapter_config.json + "
+                             "adapter_model.safetensors: a LoRA run's runs/NAME/adapter, or peft's save_pretrained): "
+                             "merged into the loaded weights in memory (W + alpha/r BA, summed in float32; equal to the "
+                             "base with separate adapters to float32 rounding), nothing written to disk; recorded in "
+                             "the results' metadata (default: none)")
     parser.add_argument("--store", required=True, metavar="DIR", help="genome store (genolong prepare)")
     parser.add_argument("--split", default="eval", help="split to score (default: %(default)s)")
     if buckets:

@@ -45,7 +45,7 @@ from ..files import fsync_tree, replace_dir, unique_sibling
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "ExpertAdapters", "LoraLinear", "LoraSettings", "adapter_parameters",
            "apply_lora", "experts_forward_weight", "has_lora", "load_adapter", "lora_modules", "merge_lora", "peft_name", "read_adapter_config",
-           "save_adapter"]
+           "save_adapter", "saved_module_tensors"]
 
 #: the files of an adapter directory (PEFT's names)
 ADAPTER_CONFIG = "adapter_config.json"
@@ -572,6 +572,22 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike[str]) -> LoraSet
     for param in model.parameters():
         param.requires_grad_(False)
     return settings
+
+
+def saved_module_tensors(model: nn.Module, directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The ``modules_to_save`` tensors of an adapter directory, by GenoLM parameter name
+    (``norm.weight``; float32 as stored), read from its ``adapter_model.safetensors``; ``model``
+    is the base :func:`load_adapter` adapted from ``directory`` (its own tensors are not read: on a
+    meta-device model they hold nothing). ``{}`` when the adapter saves no module."""
+    saved = _saved_modules(model)
+    if not saved:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    with safe_open(str(Path(directory) / ADAPTER_WEIGHTS), framework="pt") as f:
+        for module_name, module in saved.items():
+            for name, _ in module.named_parameters():
+                out[f"{module_name}.{name}"] = f.get_tensor(f"{_PEFT_PREFIX}{peft_name(module_name)}.{name}")
+    return out
 
 
 def experts_forward_weight(experts: nn.Module, name: str, expert: int) -> torch.Tensor:
