@@ -25,7 +25,7 @@ from ..data.alphabet import VOCAB_SIZE
 from ..errors import InputError
 from ..integrity import check_weights
 from ..model.lm import GenoLM
-from ..model.lora import LoraSettings
+from ..model.lora import LoraSettings, apply_lora, merge_lora
 from ..model.vocab import VocabMap
 
 __all__ = ["check_adapter", "load_eval_model", "merge_adapter", "recipe_context", "run_recipe", "scoring_kernel_backend"]
@@ -93,6 +93,9 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
             raise InputError(f"{path}: a Lightning checkpoint is evaluated in float32; for --dtype {dtype} evaluate "
                              "the run's export/ directory (genolong finetune writes it at the end)")
         model = GenoLM(config)  # the whole model in this process: evaluation runs it unsharded
+        lora = recipe.model.lora
+        if lora is not None:  # a LoRA run's checkpoint holds the adapted model's names (base + adapters)
+            apply_lora(model, lora)
         if sharded:
             _load_sharded_weights(model, path)
         else:
@@ -100,6 +103,8 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
             missing, unexpected = model.load_state_dict(weights, strict=False)
             if missing or unexpected:
                 raise InputError(f"{path} does not fit its recipe's model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        if lora is not None:  # scored as the run's export/ is written: the adapters merged in fp32
+            merge_lora(model)
         model = model.to(device=device)
         vocab = recipe.vocab_map(config)
         return model.eval(), None if vocab == VocabMap.identity() else vocab

@@ -338,6 +338,9 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
         if recipe_data is None:
             raise InputError(f"{path} is not a genolong finetune checkpoint (no recipe inside); give a run's export/ directory")
         recipe = parse_recipe(recipe_data, source=str(path))
+        if recipe.model.lora is not None:
+            raise InputError(f"{path} is a LoRA run's checkpoint (its recipe sets model.lora): score it in one process, "
+                             "or score the run's export/ (merged) or its base with --adapter runs/NAME/adapter on several")
         config = recipe.model_config()
         if dtype != torch.float32:
             raise InputError(f"{path}: a Lightning checkpoint is evaluated in float32; for --dtype {dtype} evaluate "

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from genolong.config import load_recipe
 
 from genolong.config.schema import LoraSection
+from genolong.evaluation.checkpoint import load_eval_model
 from genolong.kernels.testing import rms_ratio
 from genolong.model import PRESETS, GenoLM
 from genolong.model.lora import adapter_parameters, apply_lora, has_lora, load_adapter, lora_modules
@@ -440,3 +441,37 @@ def test_bf16_mixed_freeze_run_holds_frozen_weights_in_bf16(sample_store: Path, 
     moments = [t for s in checkpoint["optimizer_states"][0]["state"].values() for t in s.values()]
     assert record["memory/optimizer_bytes"] == sum(t.numel() * t.element_size() for t in moments) == 2 * nbytes["trained"] + 4 * len(trained)
     assert record["params/frozen"] == sum(state[n].numel() for n in frozen)
+
+
+def test_a_lora_runs_checkpoint_scores_as_its_export(lora_run: tuple[Path, Path]) -> None:
+    """``genolong evaluate runs/NAME/checkpoints/step*.ckpt`` of a LoRA run: the checkpoint holds the
+    adapted model's names, so the loader applies the recipe's adapters before reading it and merges
+    them after; at the last step that is the run's export/ bitwise (the same fp32 merge)."""
+    _, root = lora_run
+    scored, _ = load_eval_model(root / "checkpoints" / f"step{_STEPS:07d}.ckpt")
+    assert not has_lora(scored)
+    exported = GenoLM.from_pretrained(root / "export").state_dict()
+    assert_bitwise_equal(scored.state_dict(), exported, "the LoRA checkpoint's merged model vs export/")
+
+
+def test_several_processes_refuse_a_lora_runs_sharded_checkpoint(lora_run: tuple[Path, Path], tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The multi-process scoring loader shards a plain model; a LoRA run's sharded checkpoint holds
+    adapters beside the base, so it is refused in one line that names the ways to score it."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from genolong.errors import InputError
+    from genolong.evaluation import distributed
+
+    _, root = lora_run
+    recipe = torch.load(root / "checkpoints" / f"step{_STEPS:07d}.ckpt", weights_only=True)["genolong"]["recipe"]
+    sharded = tmp_path / "step0000004.ckpt"  # the layout of a multi-process run's DCP checkpoint directory
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... assuming one process": it is one
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"state_dict": {"model.norm.weight": torch.ones(4)}}, checkpoint_id=sharded, no_dist=True)
+    torch.save({"genolong": {"recipe": recipe}}, sharded / "meta.pt")
+    monkeypatch.setattr(distributed.ScoringGroup, "distributed", property(lambda self: True))
+    with pytest.raises(InputError, match=r"LoRA run's checkpoint .* --adapter runs/NAME/adapter"):
+        distributed.load_scoring_model(sharded, distributed.ScoringGroup())
