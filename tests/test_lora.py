@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from genolong.errors import InputError
 from genolong.model.config import PRESETS
@@ -143,6 +144,16 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
         assert torch.equal(adapter_parameters(fresh)[name], p), name
     ids = _ids()
     assert torch.equal(fresh(ids), model(ids))
+    # the routed experts' factors, held stacked by expert (A [E, r, in], B [E, out, r]), are
+    # written in PEFT's fused layout: A's rows e * r .. e * r + r and B's columns k * E + e are expert e's
+    adapters = model.get_submodule("layers.1.mlp.experts.lora")
+    a, b = adapters.lora_A["down_proj"].weight, adapters.lora_B["down_proj"].weight
+    written = load_file(out / ADAPTER_WEIGHTS)
+    key = "base_model.model.model.language_model.layers.1.mlp.experts.lora_{}.weight"  # down_proj: the outer wrapper
+    e, r = a.shape[0], a.shape[1]
+    for expert in range(e):
+        assert torch.equal(written[key.format("A")][expert * r:(expert + 1) * r], a[expert])  # exact: copies
+        assert torch.equal(written[key.format("B")][:, expert::e], b[expert])  # exact: copies
     # saving again replaces the directory whole
     save_adapter(model, out)
     assert (out / ADAPTER_WEIGHTS).is_file()

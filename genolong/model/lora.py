@@ -15,8 +15,9 @@ adapter's input only) and the same files (:func:`save_adapter`): ``adapter_confi
 ``base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight``.
 The routed experts (``routed_experts``) are adapted as PEFT does with ``target_parameters`` on
 their fused 3-D parameters: per expert ``e`` a rank-``r`` update of ``gate_up_proj[e] [2I, H]`` and
-of ``down_proj[e] [H, I]``, stored as one ``nn.Linear`` pair per parameter whose rows (``A``) and
-columns (``B``) hold every expert's factors (:class:`ExpertAdapters`).
+of ``down_proj[e] [H, I]``, held stacked by expert as the experts are (``A [E, r, in]``, ``B [E, out,
+r]``, so that expert parallelism shards them with their experts) and written in PEFT's fused layout,
+one ``[r * E, in]`` and one ``[out, r * E]`` matrix per parameter (:class:`ExpertAdapters`).
 
 What trains under LoRA: the adapters and the modules named in ``modules_to_save`` (stored whole in
 the adapter file, as PEFT does); every other parameter (and the MoE routing bias, a buffer) is the
@@ -167,14 +168,34 @@ class LoraLinear(nn.Module):
         return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}"
 
 
+class _Factor(nn.Module):
+    """One stacked LoRA factor of the routed experts, ``weight [E, a, b]`` (expert ``e``'s matrix
+    ``weight[e]``), kept in a module so that its name ends in ``.weight`` as PEFT's do."""
+
+    def __init__(self, shape: tuple[int, int, int], device: torch.device | None, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (the local experts under expert parallelism), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class ExpertAdapters(nn.Module):
     """Rank-``r`` updates of every routed expert's ``gate_up_proj [E, 2I, H]`` and ``down_proj
-    [E, H, I]`` (a :class:`genolong.model.moe.Experts`), in PEFT's ``ParamWrapper`` layout:
-    for a parameter ``[E, out, in]``, ``A = nn.Linear(in, r * E)`` (rows ``e * r .. e * r + r`` are
-    expert ``e``'s ``A_e [r, in]``) and ``B = nn.Linear(r * E, out)`` (column ``k * E + e`` is
-    column ``k`` of expert ``e``'s ``B_e [out, r]``); the update of expert ``e`` is
-    ``scaling * B_e A_e``. PEFT's adapters on 3-D parameters take no dropout (its ``ParamWrapper``
-    refuses it), nor do these.
+    [E, H, I]`` (a :class:`genolong.model.moe.Experts`): for a parameter ``[E, out, in]``,
+    ``lora_A[name].weight [E, r, in]`` and ``lora_B[name].weight [E, out, r]``; the update of
+    expert ``e`` is ``scaling * B[e] A[e]``. Stacked by expert like the experts themselves, so
+    that expert parallelism shards them with the experts (``Shard(0)``, each rank its experts'
+    factors: :func:`genolong.parallel.expert.apply_expert_parallel`).
+
+    The adapter file holds them in PEFT's ``ParamWrapper`` layout (:func:`_to_peft`): ``A`` as
+    ``[r * E, in]`` (rows ``e * r .. e * r + r`` are expert ``e``'s) and ``B`` as ``[out, r * E]``
+    (column ``k * E + e`` is column ``k`` of expert ``e``'s ``B``). PEFT's adapters on 3-D
+    parameters take no dropout (its ``ParamWrapper`` refuses it), nor do these.
 
     Attached to the experts module as ``experts.lora``; :meth:`expert_weight` gives the weights an
     expert computes with.
@@ -196,25 +217,25 @@ class ExpertAdapters(nn.Module):
             param.requires_grad_(False)
             e, out, inp = param.shape
             device = None if param.device.type == "meta" else param.device
-            self.lora_A[name] = nn.Linear(inp, rank * e, bias=False, device=device, dtype=dtype)
-            self.lora_B[name] = nn.Linear(rank * e, out, bias=False, device=device, dtype=dtype)
+            self.lora_A[name] = _Factor((e, rank, inp), device, dtype)
+            self.lora_B[name] = _Factor((e, out, rank), device, dtype)
         self.num_experts = int(experts.gate_up_proj.shape[0])
         self.reset_adapter()
 
     def reset_adapter(self) -> None:
-        """PEFT's initialisation (as :meth:`LoraLinear.reset_adapter`)."""
+        """PEFT's initialisation (as :meth:`LoraLinear.reset_adapter`), drawn on PEFT's ``[r * E,
+        in]`` layout of ``A`` (the same numbers as PEFT draws, fan-in ``in``)."""
         for name in _EXPERT_PARAMETERS:
-            if self.lora_A[name].weight.device.type == "meta":
+            a = self.lora_A[name].weight
+            if a.device.type == "meta":
                 continue
-            nn.init.kaiming_uniform_(self.lora_A[name].weight, a=math.sqrt(5))
+            nn.init.kaiming_uniform_(a.view(-1, a.shape[-1]), a=math.sqrt(5))
             nn.init.zeros_(self.lora_B[name].weight)
 
     def factors(self, name: str, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert ``expert``'s ``(B_e [out, r], A_e [r, in])`` for parameter ``name``."""
-        r, e = self.rank, self.num_experts
-        a = self.lora_A[name].weight[expert * r:(expert + 1) * r]
-        b = self.lora_B[name].weight[:, expert::e]
-        return b, a
+        """Expert ``expert``'s ``(B_e [out, r], A_e [r, in])`` for parameter ``name`` (under expert
+        parallelism ``expert`` is the index among this rank's experts)."""
+        return _local(self.lora_B[name].weight)[expert], _local(self.lora_A[name].weight)[expert]
 
     def delta(self, name: str, expert: int) -> torch.Tensor:
         """``scaling * B_e A_e`` ``[out, in]`` of one expert (adapter dtype)."""
@@ -223,10 +244,25 @@ class ExpertAdapters(nn.Module):
 
     def expert_weight(self, base: torch.Tensor, name: str, expert: int) -> torch.Tensor:
         """``base[expert] + scaling * B_e A_e`` in ``base``'s dtype (``base``: the experts' fused
-        ``name`` parameter, possibly this rank's slice under expert parallelism, then ``expert``
-        is the local index and the adapters are the local experts' too)."""
+        ``name`` parameter, or under expert parallelism this rank's slice of it; then ``expert``
+        is the local index, as the adapters' own)."""
         w = base[expert]
         return w + self.delta(name, expert).to(w.dtype)
+
+
+def _to_peft(part: str, weight: torch.Tensor) -> torch.Tensor:
+    """An expert factor in PEFT's fused layout: ``A [E, r, in] -> [r * E, in]`` (expert-major
+    rows), ``B [E, out, r] -> [out, r * E]`` (column ``k * E + e``); see :class:`ExpertAdapters`."""
+    if part == "lora_A":
+        return weight.reshape(-1, weight.shape[-1])
+    return weight.permute(1, 2, 0).reshape(weight.shape[1], -1)
+
+
+def _from_peft(part: str, tensor: torch.Tensor, experts: int) -> torch.Tensor:
+    """The inverse of :func:`_to_peft` for ``experts`` experts."""
+    if part == "lora_A":
+        return tensor.reshape(experts, -1, tensor.shape[-1])
+    return tensor.reshape(tensor.shape[0], -1, experts).permute(2, 0, 1)
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -360,22 +396,30 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
-def _peft_keys(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter tensors under PEFT's key names (see the module docstring)."""
-    tensors: dict[str, torch.Tensor] = {}
+def _peft_parameters(model: nn.Module) -> dict[str, tuple[torch.Tensor, str | None]]:
+    """Every adapter parameter under its PEFT key name (see the module docstring), with the
+    factor (``"lora_A"`` / ``"lora_B"``) of a routed-expert adapter, whose file layout is not its
+    own (:func:`_to_peft`), or None."""
+    found: dict[str, tuple[torch.Tensor, str | None]] = {}
     for name, module in lora_modules(model).items():
         for part in ("lora_A", "lora_B"):
-            tensors[f"{_PEFT_PREFIX}{peft_name(name)}.{part}.weight"] = getattr(module, part).weight
+            found[f"{_PEFT_PREFIX}{peft_name(name)}.{part}.weight"] = (getattr(module, part).weight, None)
     for name, adapters in _expert_adapters(model).items():
         # PEFT nests one ParamWrapper per targeted parameter, the first innermost: gate_up_proj's
         # adapters sit under "experts.base_layer.", down_proj's under "experts."
         for param_name, infix in zip(_EXPERT_PARAMETERS, ("base_layer.", "")):
             for part in ("lora_A", "lora_B"):
-                tensors[f"{_PEFT_PREFIX}{peft_name(name)}.{infix}{part}.weight"] = getattr(adapters, part)[param_name].weight
+                found[f"{_PEFT_PREFIX}{peft_name(name)}.{infix}{part}.weight"] = (getattr(adapters, part)[param_name].weight, part)
     for module_name, module in _saved_modules(model).items():
         for name, p in module.named_parameters():
-            tensors[f"{_PEFT_PREFIX}{peft_name(module_name)}.{name}"] = p
-    return tensors
+            found[f"{_PEFT_PREFIX}{peft_name(module_name)}.{name}"] = (p, None)
+    return found
+
+
+def _peft_keys(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors under PEFT's key names, in PEFT's layout (the routed experts' factors
+    as copies, :func:`_to_peft`)."""
+    return {key: p if part is None else _to_peft(part, p) for key, (p, part) in _peft_parameters(model).items()}
 
 
 def _adapter_config(model: nn.Module, base_model_name_or_path: str | None) -> dict[str, Any]:
@@ -551,7 +595,7 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike[str]) -> LoraSet
     settings = LoraSettings(rank=raw.rank, alpha=raw.alpha, dropout=raw.dropout, targets=tuple(linear_names),
                             routed_experts=bool(expert_names), modules_to_save=tuple(saved_names))
     _wrap(model, settings, linear_names, expert_names, saved_names)
-    expected = _peft_keys(model)
+    expected = _peft_parameters(model)
     try:
         with safe_open(str(weights), framework="pt") as f:
             keys = set(f.keys())
@@ -561,12 +605,13 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike[str]) -> LoraSet
                 what = f"lacks {absent[0]}" if absent else f"has {extra[0]}, which its config does not describe"
                 raise InputError(f"--adapter {path}: {ADAPTER_WEIGHTS} {what}; re-save the adapter")
             with torch.no_grad():
-                for key, target in expected.items():
+                for key, (target, part) in expected.items():
                     tensor = f.get_tensor(key)
-                    if tuple(tensor.shape) != tuple(target.shape):
+                    shape = tuple(target.shape) if part is None else tuple(_to_peft(part, target).shape)
+                    if tuple(tensor.shape) != shape:
                         raise InputError(f"--adapter {path}: {key} has shape {tuple(tensor.shape)}, this base needs "
-                                         f"{tuple(target.shape)}; the adapter was trained on another model")
-                    target.copy_(tensor.to(target.dtype))
+                                         f"{shape}; the adapter was trained on another model")
+                    target.copy_((tensor if part is None else _from_peft(part, tensor, target.shape[0])).to(target.dtype))
     except SafetensorError as error:
         raise InputError(f"--adapter {path}: {ADAPTER_WEIGHTS} is damaged ({error}); re-save the adapter") from None
     for param in model.parameters():

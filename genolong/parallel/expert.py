@@ -1,8 +1,10 @@
 """Expert parallelism over the plain :class:`~genolong.model.moe.MoE` modules of a GenoLM.
 
 Each rank of an expert-parallel (EP) group of ``ep`` ranks keeps ``n_routed_experts / ep`` of
-every MoE layer's routed experts: ``experts.gate_up_proj`` and ``experts.down_proj`` become
-DTensors ``Shard(0)`` over the EP mesh, so ``state_dict`` keys and global shapes
+every MoE layer's routed experts: ``experts.gate_up_proj`` and ``experts.down_proj`` (and, under
+LoRA on the routed experts, their adapters' factors ``experts.lora.lora_A/B[name].weight``, stacked
+by expert as well: :class:`genolong.model.lora.ExpertAdapters`) become DTensors ``Shard(0)`` over
+the EP mesh, so ``state_dict`` keys and global shapes
 (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) stay the one-process model's and the
 checkpoint format is unchanged (FSDP2 may shard them further over the ranks left,
 :func:`genolong.parallel.parallelize.apply_fsdp`).
@@ -138,12 +140,15 @@ class _LocalExperts:
 
     def __call__(self, rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         gate_up, down = _local(self.experts.gate_up_proj), _local(self.experts.down_proj)
+        adapters = getattr(self.experts, "lora", None)  # LoRA: the local experts' factors, sharded with them
         outs, start = [], 0
         for e, count in enumerate(counts):
             x = rows[start:start + count]
             start += count
-            gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)
-            outs.append(F.linear(clamped_swiglu(gate, up, self.experts.limit), down[e]))
+            w_gate_up = gate_up[e] if adapters is None else adapters.expert_weight(gate_up, "gate_up_proj", e)
+            w_down = down[e] if adapters is None else adapters.expert_weight(down, "down_proj", e)
+            gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
+            outs.append(F.linear(clamped_swiglu(gate, up, self.experts.limit), w_down))
         return torch.cat(outs)
 
 
@@ -277,23 +282,23 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None) -> int:
             continue
         if is_expert_parallel(module):
             raise InputError("expert parallelism is already applied to this model; apply it once")
-        if getattr(module.experts, "lora", None) is not None:
-            # the adapters hold every expert's factors in one pair of matrices (PEFT's layout),
-            # which does not split by expert without a copy per rank that the export must regather
-            raise InputError("model.lora.routed_experts with parallel.ep > 1: adapters on the routed experts run in one "
-                             "process or under FSDP2 only; set parallel.ep: 1 or adapt the shared experts instead")
         experts = module.gate.num_experts
         if experts % ep:
             raise InputError(f"parallel.ep = {ep} does not divide the model's n_routed_experts = {experts}; "
                              f"choose ep among the divisors of {experts}")
         local = experts // ep
-        for name in ("gate_up_proj", "down_proj"):
-            full = getattr(module.experts, name)
+        # the experts' weights, and their LoRA factors (ExpertAdapters, stacked by expert too)
+        owners = [(module.experts, name) for name in ("gate_up_proj", "down_proj")]
+        adapters = getattr(module.experts, "lora", None)
+        if adapters is not None:
+            owners += [(factors[name], "weight") for factors in (adapters.lora_A, adapters.lora_B) for name in factors]
+        for owner, name in owners:
+            full = getattr(owner, name)
             # this rank's experts, no communication: every rank holds the same full weights
             piece = full.detach()[coordinate * local:(coordinate + 1) * local].clone()
             dtensor = DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False,
                                          shape=full.shape, stride=full.stride())
-            setattr(module.experts, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
+            setattr(owner, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
         module.experts.forward = _LocalExperts(module.experts)  # type: ignore[method-assign]
         module.forward = _ExpertParallelForward(module, group, counter)  # type: ignore[method-assign]
         module.last_received = 0
