@@ -1,7 +1,9 @@
 """The ``genolong`` command line: each subcommand parses its arguments and calls one function.
 
 User errors (:class:`genolong.errors.GenolongError`) print as one line on stderr with exit code 2;
-Ctrl-C exits with 130. Anything else is a bug and keeps its traceback.
+Ctrl-C exits with 130; a run stopped by a signal at a safe point (SIGTERM, SIGUSR1: preemption, a
+time limit; :class:`genolong.errors.Stopped`) prints one line and exits with 75. Anything else is
+a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .allocator import keep_freed_memory
-from .errors import GenolongError
+from .errors import PREEMPTED_EXIT_CODE, GenolongError, Stopped
 
 __all__ = ["main", "build_parser"]
 
@@ -495,7 +497,13 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("recipe", metavar="RECIPE", help="YAML recipe (see recipes/)")
     tune.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a recipe key, e.g. --set train.max_steps=20 (repeatable)")
-    tune.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of this run")
+    tune.add_argument("--resume", action="store_true",
+                      help="continue from the newest checkpoint of this run (a run stopped by a signal, or its requeued "
+                           "SLURM job, resumes without it)")
+    tune.epilog = ("exit status: 0 finished; 2 an error in the input (one line); 75 stopped by a signal of "
+                   "train.stop_signals (default SIGTERM, SIGUSR1: preemption, a time limit) after writing the "
+                   "checkpoint of the step it was in (one line names it); under SLURM, SIGUSR1 (sbatch "
+                   "--signal=USR1@120) also requeues the job. See docs/scale-out.md.")
     _verbose_argument(tune)
     tune.set_defaults(func=_cmd_finetune)
 
@@ -724,6 +732,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GenolongError as exc:
         print(f"genolong {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Stopped as exc:  # a signal, at a safe point: the work so far is saved; not finished
+        if exc.show:
+            print(f"genolong {args.command}: {exc}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
     except KeyboardInterrupt:
         print(f"genolong {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -6,7 +6,12 @@ keeps its traceback.
 
 from __future__ import annotations
 
-__all__ = ["GenolongError", "InputError", "StoreError"]
+__all__ = ["PREEMPTED_EXIT_CODE", "GenolongError", "InputError", "Stopped", "StoreError"]
+
+#: the exit status of a command stopped by a signal at a safe point (``genolong finetune``: a
+#: checkpoint written; ``evaluate`` / ``probe``: the tiles so far committed): 75, ``EX_TEMPFAIL``
+#: of sysexits.h, "try again later". Never 0: a stopped run has not finished.
+PREEMPTED_EXIT_CODE = 75
 
 
 class GenolongError(Exception):
@@ -19,3 +24,13 @@ class InputError(GenolongError, ValueError):
 
 class StoreError(GenolongError, ValueError):
     """A genome store that is missing, incomplete, damaged, or of another schema version."""
+
+
+class Stopped(Exception):
+    """A command stopped by a signal at a safe point (:mod:`genolong.signals`): the CLI prints the
+    message as one line (from the process that should: ``show``) and exits with
+    :data:`PREEMPTED_EXIT_CODE`. Not a :class:`GenolongError`: nothing was wrong with the input."""
+
+    def __init__(self, message: str, show: bool = True):
+        super().__init__(message)
+        self.show = show

@@ -69,6 +69,8 @@ _MODEL_OVERRIDE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) i
 _section = pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=ConfigDict(extra="forbid", allow_inf_nan=False, defer_build=True))
 # bounds a value must keep (in the JSON Schema too); the checks with a story are in recipe._check
 _Count = Annotated[StrictInt, pydantic.Field(ge=1)]
+#: the signals a recipe may name in ``train.stop_signals`` (SIGKILL and SIGSTOP cannot be caught)
+StopSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGQUIT", "SIGXCPU"]
 _NonNegInt = Annotated[StrictInt, pydantic.Field(ge=0)]
 _NonNegFloat = Annotated[StrictFloat, pydantic.Field(ge=0)]
 
@@ -277,6 +279,13 @@ class TrainSection:
             cut into pieces of ``context_cut + 1`` tokens sharing one token (the same targets, the
             same loss weights, less context), the short-context control of ``genolong quickstart
             --control``. None (default): the whole window.
+        stop_signals: the signals that stop the run cleanly (preemption, a time limit): every
+            rank finishes the optimiser step it is in, the ranks agree on that step, a checkpoint
+            of it is written, and ``genolong finetune`` exits with status 75
+            (:data:`genolong.errors.PREEMPTED_EXIT_CODE`). A rerun (or a requeued SLURM job)
+            resumes from it without ``--resume``. Under SLURM, Lightning's requeue signal
+            (SIGUSR1) also requeues the job (``scontrol requeue``). ``[]``: no handling (a
+            signal ends the process at once, as by default). Default ``[SIGTERM, SIGUSR1]``.
     """
 
     max_steps: _Count
@@ -295,6 +304,7 @@ class TrainSection:
     moe_bias_update: Literal["sign", "proportional"] = "sign"
     moe_balance_loss_weight: _NonNegFloat = 0.0
     context_cut: _Count | None = None
+    stop_signals: tuple[StopSignal, ...] = ("SIGTERM", "SIGUSR1")
 
 
 @_section
