@@ -13,6 +13,11 @@ Run directory layout (``runs/<name>/`` unless the recipe says otherwise)::
     export/                the final model in the GLM-5.3-Flash format (config.json + safetensors);
                            with ``model.lora`` the adapters merged into the base weights
 
+A signal of ``train.stop_signals`` (default SIGTERM, SIGUSR1: preemption, a time limit) ends the
+step in progress on every rank, writes that step's checkpoint, and exits with status 75 after one
+line naming it (:mod:`genolong.train.preemption`); under SLURM, SIGUSR1 also requeues the job.
+Started again (or requeued), such a run resumes by itself, without ``--resume``.
+
 ``--resume`` continues from the newest intact checkpoint in ``checkpoints/`` (each is checked
 against the checksum manifest written with it; a damaged newer one is named on stderr): the model, optimiser,
 schedule, loop counters, MoE routing biases and the window stream, so the losses of the steps that
@@ -48,9 +53,9 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -61,14 +66,16 @@ from ..console import is_rank_zero, quiet_run
 from ..data.alphabet import STORE_ALPHABET
 from ..data.datamodule import GenomeDataModule
 from ..data.store import GenomeStore
-from ..errors import InputError
+from ..errors import InputError, Stopped
 from ..files import fsync, fsync_tree
 from ..integrity import DamagedFileError, check_weights, remove_manifest, write_manifest
 from ..model.lm import GenoLM
 from ..model.vocab import VocabMap
 from ..parallel import parallelize
+from ..signals import SignalFlag
 from .callbacks import SaveRecipe, StepMetrics, TrainingBar
 from .module import GenoLMModule, OptimSettings
+from .preemption import RunCheckpoint, StopSignalConnector, auto_resume_reason, remove_marker
 
 __all__ = ["AtomicModelParallelStrategy", "FinetuneResult", "RunPaths", "intact_checkpoint", "latest_checkpoint", "run"]
 
@@ -347,7 +354,7 @@ def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback]) -> L.
     every = recipe.eval.every_n_steps
     if recipe.logging.progress_bar:  # genolong's one bar, instead of Lightning's per-epoch and validation bars
         callbacks = [*callbacks, TrainingBar()]
-    return L.Trainer(
+    trainer = L.Trainer(
         accelerator=accelerator,
         devices=p.devices,
         num_nodes=p.num_nodes,
@@ -372,6 +379,9 @@ def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback]) -> L.
         deterministic=False,
         default_root_dir=paths.root,
     )
+    # signals stop the run at a step boundary, with a checkpoint (genolong.train.preemption)
+    trainer._signal_connector = StopSignalConnector(trainer, SignalFlag(t.stop_signals))
+    return trainer
 
 
 #: the environment variables Lightning's launcher sets in the process it runs in, even alone (restored
@@ -417,6 +427,11 @@ def _run(recipe: Recipe, resume: bool) -> FinetuneResult:
     _check_store(recipe)
     paths = RunPaths.of(recipe)
     resume_from = intact_checkpoint(paths.checkpoints) if resume else latest_checkpoint(paths.checkpoints)
+    if not resume and resume_from is not None and (reason := auto_resume_reason(paths.root)) is not None:
+        # a run stopped by a signal, or its requeued SLURM job, continues by itself
+        resume, resume_from = True, intact_checkpoint(paths.checkpoints)
+        if is_rank_zero() and resume_from is not None:
+            print(f"genolong: resuming from {resume_from.name}: {reason}", file=sys.stderr, flush=True)
     if resume and resume_from is None:
         raise InputError(f"--resume: nothing to resume in {paths.checkpoints} (no step*.ckpt); run without --resume to start")
     if not resume and resume_from is not None:
@@ -457,8 +472,8 @@ def _run(recipe: Recipe, resume: bool) -> FinetuneResult:
         windows_per_epoch=d.windows_per_epoch, verify=d.verify, eval_max_tiles=recipe.eval.max_tiles,
     )
     every = recipe.checkpoint.every_n_steps or recipe.train.max_steps
-    checkpoints = ModelCheckpoint(
-        dirpath=paths.checkpoints, filename="step{step:07d}", auto_insert_metric_name=False,
+    checkpoints = RunCheckpoint(
+        paths.root, dirpath=paths.checkpoints, filename="step{step:07d}", auto_insert_metric_name=False,
         every_n_train_steps=every, save_top_k=recipe.checkpoint.keep_last, monitor="step", mode="max",
         save_last=False, save_on_train_epoch_end=True,
         # a step's checkpoint replaces one of the same name: the damaged newest one that --resume
@@ -470,7 +485,14 @@ def _run(recipe: Recipe, resume: bool) -> FinetuneResult:
     trainer = _trainer(recipe, paths, [SaveRecipe(recipe, paths.root / "recipe.yaml"), checkpoints, StepMetrics(paths.steps)])
     # the module logs eval/* already summed over all ranks (Lightning cannot know)
     warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting", category=UserWarning)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from if resume else None, weights_only=True)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from if resume else None, weights_only=True)
+    except SIGTERMException:
+        # Lightning's exit after RunCheckpoint saved the step where a stop signal was agreed
+        stop = trainer._signal_connector.preemption if isinstance(trainer._signal_connector, StopSignalConnector) else None
+        if stop is None:
+            raise
+        raise Stopped(stop.message(), show=trainer.is_global_zero) from None
 
     export = adapter = None
     lora = recipe.model.lora
@@ -492,5 +514,7 @@ def _run(recipe: Recipe, resume: bool) -> FinetuneResult:
                 export = model.save_pretrained(paths.export, copy_files=extras)
         # so that the export is there when run() returns on any rank
         trainer.strategy.barrier("genolong_export")
+    if trainer.is_global_zero:
+        remove_marker(paths.root)  # finished: a later start without --resume refuses the checkpoints again
     return FinetuneResult(paths=paths, global_step=trainer.global_step, resumed_from=resume_from if resume else None, export=export,
                           is_global_zero=trainer.is_global_zero, adapter=adapter)
