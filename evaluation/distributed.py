@@ -38,15 +38,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..data.alphabet import PAD, VOCAB_SIZE
-from ..errors import InputError
+from ..errors import InputError, Stopped
 from ..integrity import check_weights
 from ..model.loss import model_inputs, next_token_nll
 from ..model.vocab import VocabMap
+from ..signals import SignalFlag
 from .checkpoint import _DCP_META, _local_box, check_adapter, load_eval_model, merge_adapter, scoring_kernel_backend
 
 __all__ = [
     "ScoringGroup", "assemble_nll", "broadcast_from_writer", "gather_to_writer", "launch", "load_scoring_model",
-    "padded_length", "padding_tile", "shard_for_scoring", "share_nll", "tile_rounds", "unsharded",
+    "padded_length", "padding_tile", "shard_for_scoring", "share_nll", "stop_if_signalled", "tile_rounds", "unsharded",
 ]
 
 _T = TypeVar("_T")
@@ -463,3 +464,14 @@ def _reshards_after_forward(unit: torch.nn.Module) -> bool:
     :func:`genolong.parallel.parallelize.apply_fsdp` set it)."""
     group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
     return group is not None and group.post_forward_mesh_info is not None
+
+
+def stop_if_signalled(stop: SignalFlag, done: int, total: int, work: Path, device: Any, group: ScoringGroup) -> None:
+    """Raise :class:`~genolong.errors.Stopped` (the CLI: one line, status 75) if a stop signal
+    reached any rank (:meth:`SignalFlag.agree`; a collective in a job of several processes: every
+    rank calls it at the same round). Call it at a round boundary: ``done`` tiles of ``total`` are
+    committed in ``work``, where a rerun of the same command resumes."""
+    got = stop.agree(device=device) if group.distributed else stop.local()
+    if got:
+        raise Stopped(f"stopped by {SignalFlag.names(got)} after {done} of {total} tiles; they are kept in {work}, "
+                      "where the same command resumes", show=group.is_writer)

@@ -62,6 +62,7 @@ from ..files import replace_dir, replace_file
 from ..model.loss import model_inputs, next_token_nll
 from ..model.stream import PrefillStream, check_segment_tokens
 from ..model.vocab import VocabMap
+from ..signals import SignalFlag
 from .distributed import ScoringGroup
 from .probe_result import PROBE_COLUMNS, PROBE_FORMAT, ProbeResult  # the saved result (re-exported here)
 
@@ -410,7 +411,7 @@ def probe(
     """
     from ..config import kernel_multiple
     from ..model.lm import GenoLM
-    from .distributed import broadcast_from_writer, gather_to_writer, tile_rounds
+    from .distributed import broadcast_from_writer, gather_to_writer, stop_if_signalled, tile_rounds
     from .score import _progress, kernel_backend_meta, model_signature
 
     group = group or ScoringGroup()
@@ -458,8 +459,12 @@ def probe(
     model.eval()
     device = next(model.parameters()).device
     bar = _progress(int(chosen.size), start, progress, f"probe {label or out.name}") if group.is_writer else None
+    stop = SignalFlag()
+    stop.install()
     try:
         for round_ in tile_rounds(start, int(chosen.size), group.dp_size):
+            # a stop signal (preemption, a time limit): every rank leaves here, after the last committed round
+            stop_if_signalled(stop, round_[0], int(chosen.size), work, device, group)
             began = time.perf_counter()
             if not group.distributed:
                 running.add(round_[0], probe_tile(model, tiles[int(chosen[round_[0]])].tokens, settings, vocab, device))
@@ -481,6 +486,7 @@ def probe(
             if bar is not None:
                 bar.update(len(round_))
     finally:
+        stop.restore()
         model.train(was_training)
         if bar is not None:
             bar.close()

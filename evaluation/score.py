@@ -54,11 +54,12 @@ from ..model.lm import GenoLM
 from ..model.moe import RoutingStats, moe_layers, record_routing
 from ..model.stream import check_segment_tokens
 from ..model.vocab import VocabMap
+from ..signals import SignalFlag
 from ..files import replace_dir, replace_file
 # the checkpoint loaders moved to .checkpoint (below this module and .distributed); imported from here as before
 from .checkpoint import load_eval_model, recipe_context, run_recipe, scoring_kernel_backend
 from .distributed import (ScoringGroup, assemble_nll, broadcast_from_writer, gather_to_writer, padding_tile, share_nll,
-                          tile_rounds)
+                          stop_if_signalled, tile_rounds)
 from .results import EvalResult
 from .bootstrap import bucket_edges
 
@@ -384,8 +385,12 @@ def evaluate(
     model.eval()
     device = next(model.parameters()).device
     bar = _progress(n_tiles, start, progress, label or out.name) if group.is_writer else None
+    stop = SignalFlag()
+    stop.install()
     try:
         for round_ in tile_rounds(start, n_tiles, group.dp_size):
+            # a stop signal (preemption, a time limit): every rank leaves here, after the last committed round
+            stop_if_signalled(stop, round_[0], n_tiles, work, device, group)
             began = time.perf_counter()
             mine = round_[group.dp_rank] if group.dp_rank < len(round_) else None
             tokens = tiles[mine].tokens if mine is not None else padding_tile(multiple)
@@ -427,6 +432,7 @@ def evaluate(
             if bar is not None:
                 bar.update(len(round_))
     finally:
+        stop.restore()
         model.train(was_training)
         if bar is not None:
             bar.close()
