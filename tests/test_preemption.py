@@ -1,0 +1,227 @@
+"""Preemption and time limits (issue 27, item 1): a stop signal ends ``genolong finetune`` at a step
+boundary with a checkpoint of that step, one line and exit status 75; the run resumes by itself
+(the marker) with the losses and the export of an uninterrupted run; a second signal during the
+save changes nothing; SLURM requeue and auto-resume decisions; ``evaluate`` stops at a tile
+boundary and resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from lightning.fabric.plugins.environments import SLURMEnvironment
+
+from genolong.errors import PREEMPTED_EXIT_CODE
+from genolong.integrity import check_weights
+from genolong.model import PRESETS, GenoLM
+from genolong.signals import SignalFlag
+from genolong.train import read_step_log
+from genolong.train.finetune import latest_checkpoint
+from genolong.train.preemption import MARKER, auto_resume_reason, requeue_slurm_job, requeue_wanted
+
+from .helpers import assert_bitwise_equal
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+_STEPS = 8
+
+# `genolong finetune` with the checkpoint write slowed down between the data and the rename (the
+# manifest step): the test sends its second SIGTERM there, in the middle of the save
+_SLOW_SAVE = """
+import os, sys, time
+from pathlib import Path
+import genolong.train.finetune as f
+write = f.write_manifest
+def slow(tmp, final):
+    flags = Path(os.environ["SAVE_FLAGS"])
+    (flags / ("saving-" + Path(final).name)).touch()
+    time.sleep(2.0)
+    write(tmp, final=final)
+    (flags / ("saved-" + Path(final).name)).touch()
+f.write_manifest = slow
+from genolong.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _recipe(tmp_path: Path, store: Path, name: str) -> Path:
+    recipe = {
+        "name": name, "seed": 3, "model": {"preset": "tiny"}, "data": {"store": str(store), "context": 256},
+        "train": {"max_steps": _STEPS, "lr": 2.0e-3, "warmup_steps": 2},
+        "eval": {"every_n_steps": 4, "max_tiles": 1},
+        "checkpoint": {"dir": str(tmp_path / "runs" / name / "checkpoints"), "every_n_steps": 4, "keep_last": 2},
+        "logging": {"dir": str(tmp_path / "runs" / name / "logs"), "progress_bar": False, "tensorboard": False},
+        "parallel": {"accelerator": "cpu"},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", **extra}
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_NTASKS"):
+        env.pop(name, None)
+    return env
+
+
+def _finetune(recipe: Path, *args: str, code: str | None = None, **env: str) -> subprocess.Popen:
+    command = [sys.executable, "-c", code] if code else [sys.executable, "-m", "genolong.cli"]
+    return subprocess.Popen([*command, "finetune", str(recipe), *args], cwd=recipe.parent, env=_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_until(proc: subprocess.Popen, ready, what: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ready():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{what}: the run ended or timed out first (status {proc.poll()})")
+
+
+@pytest.mark.slow
+def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_rerun_resumes_exactly(sample_store: Path, tmp_path: Path) -> None:
+    """SIGTERM once step 1 is logged: the step in progress finishes, its checkpoint is written
+    (a second SIGTERM arrives during that write and changes nothing), one line on stderr, status 75.
+    The same command again (no --resume: the marker) resumes; every step's loss and the export equal
+    an uninterrupted run's, bitwise (one thread)."""
+    straight = _finetune(_recipe(tmp_path, sample_store, "straight"))
+    recipe = _recipe(tmp_path, sample_store, "stopped")
+    run = tmp_path / "runs" / "stopped"
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    proc = _finetune(recipe, code=_SLOW_SAVE, SAVE_FLAGS=str(flags))
+    steps_log = run / "logs" / "steps.jsonl"
+    _wait_until(proc, lambda: steps_log.exists() and max(read_step_log(steps_log), default=0) >= 1, "step 1")
+    proc.send_signal(signal.SIGTERM)
+    _wait_until(proc, lambda: any(flags.glob("saving-*")), "the stop checkpoint's write")
+    saving = next(flags.glob("saving-*")).name.removeprefix("saving-")
+    assert not (flags / f"saved-{saving}").exists()
+    proc.send_signal(signal.SIGTERM)  # in the middle of the save
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == PREEMPTED_EXIT_CODE == 75, err[-3000:]
+    reached = max(read_step_log(steps_log))
+    assert 1 <= reached < 4, reached  # stopped before the step-4 periodic checkpoint
+    checkpoint = run / "checkpoints" / f"step{reached:07d}.ckpt"
+    assert saving == checkpoint.name and (flags / f"saved-{saving}").exists()
+    assert latest_checkpoint(run / "checkpoints") == checkpoint and not list((run / "checkpoints").glob("*.tmp"))
+    check_weights(checkpoint)  # complete: the checksum manifest matches
+    # the run's usual start lines (the windows, the kernel backend), then one line for the stop
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and sum("stopped" in line for line in lines) == 1, err
+    assert lines[-1] == (f"genolong finetune: stopped by SIGTERM after step {reached}; checkpoint "
+                                            f"{checkpoint}; running the same command again resumes from it"), err
+    assert json.loads((run / MARKER).read_text())["step"] == reached
+    assert not (run / "export").exists()
+
+    resumed = _finetune(recipe)
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"genolong: resuming from {checkpoint.name}: stopped by a signal after step {reached}" in err
+    assert not (run / MARKER).exists()
+    out, err = straight.communicate(timeout=300)
+    assert straight.returncode == 0, err[-3000:]
+    a = read_step_log(tmp_path / "runs" / "straight" / "logs" / "steps.jsonl")
+    b = read_step_log(steps_log)
+    assert sorted(a) == sorted(b) == list(range(1, _STEPS + 1))
+    for step in range(1, _STEPS + 1):
+        assert b[step]["train/loss"] == a[step]["train/loss"], (step, a[step]["train/loss"], b[step]["train/loss"])
+    sa = GenoLM.from_pretrained(tmp_path / "runs" / "straight" / "export").state_dict()
+    sb = GenoLM.from_pretrained(run / "export").state_dict()
+    assert_bitwise_equal(sb, sa, "the stopped-and-resumed run's export")
+
+
+def test_signal_flag_notes_and_agrees_in_one_process() -> None:
+    before = signal.getsignal(signal.SIGUSR1)
+    with SignalFlag(["SIGTERM", "SIGUSR1"]) as flag:
+        assert flag.agree() == ()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flag.agree() == (signal.SIGUSR1,) and flag.received == [signal.SIGUSR1]
+        assert SignalFlag.names((signal.SIGUSR1, signal.SIGTERM)) == "SIGUSR1 and SIGTERM"
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_auto_resume_reason(tmp_path: Path) -> None:
+    assert auto_resume_reason(tmp_path, {}) is None
+    assert auto_resume_reason(tmp_path, {"SLURM_RESTART_COUNT": "0"}) is None
+    assert auto_resume_reason(tmp_path, {"SLURM_RESTART_COUNT": "2"}) == "SLURM job requeued, restart 2"
+    (tmp_path / MARKER).write_text(json.dumps({"step": 7}))
+    assert auto_resume_reason(tmp_path, {}) == f"stopped by a signal after step 7 ({tmp_path / MARKER})"
+
+
+def test_requeue_decision_and_scontrol_call(tmp_path: Path) -> None:
+    slurm = SLURMEnvironment()
+    job = {"SLURM_JOB_ID": "4242"}
+    assert requeue_wanted((signal.SIGUSR1,), slurm, job)
+    assert not requeue_wanted((signal.SIGTERM,), slurm, job)  # scancel: never requeued
+    assert not requeue_wanted((signal.SIGUSR1,), slurm, {})
+    assert not requeue_wanted((signal.SIGUSR1,), SLURMEnvironment(auto_requeue=False), job)
+    assert requeue_wanted((signal.SIGUSR2,), SLURMEnvironment(requeue_signal=signal.SIGUSR2), job)
+    assert requeue_wanted((signal.SIGUSR1,), None, job)  # torchrun inside sbatch
+    # scontrol mocked on PATH: it records its arguments
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\nexit ${{SCONTROL_STATUS:-0}}\n')
+    scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    assert requeue_slurm_job({**env, **job}) == "SLURM job 4242 requeued"
+    assert requeue_slurm_job({**env, "SLURM_JOB_ID": "9", "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3"}) == \
+        "SLURM job 77_3 requeued"
+    assert requeue_slurm_job({**env, **job, "SCONTROL_STATUS": "1"}) == \
+        "SLURM job 4242 not requeued (scontrol requeue exited 1)"
+    assert (tmp_path / "calls").read_text().splitlines() == ["requeue 4242", "requeue 77_3", "requeue 4242"]
+    assert requeue_slurm_job({"PATH": str(tmp_path / "nothing"), **job}).startswith("SLURM job 4242 not requeued (scontrol")
+
+
+def test_stop_signals_recipe_key(tmp_path: Path) -> None:
+    from genolong.config import load_recipe
+    from genolong.errors import InputError
+
+    base = {"name": "x", "model": {"preset": "tiny"}, "data": {"store": str(tmp_path), "context": 256}, "train": {"max_steps": 2}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({**base, "train": {"max_steps": 2, "stop_signals": ["SIGUSR2"]}}))
+    assert load_recipe(path).train.stop_signals == ("SIGUSR2",)
+    path.write_text(yaml.safe_dump(base))
+    assert load_recipe(path).train.stop_signals == ("SIGTERM", "SIGUSR1")
+    path.write_text(yaml.safe_dump({**base, "train": {"max_steps": 2, "stop_signals": ["SIGKILL"]}}))
+    with pytest.raises(InputError, match="stop_signals"):
+        load_recipe(path)
+
+
+@pytest.mark.slow
+def test_evaluate_stops_at_a_tile_boundary_and_resumes(sample_store: Path, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    GenoLM(PRESETS["tiny"]).save_pretrained(tmp_path / "model")
+    args = ["evaluate", str(tmp_path / "model"), "--store", str(sample_store), "--context", "2048", "--max-tiles", "8",
+            "--first-bucket", "256", "--quiet"]
+    command = [sys.executable, "-c", "import sys, torch; torch.set_num_threads(1); from genolong.cli import main; sys.exit(main(sys.argv[1:]))"]
+    state = tmp_path / ".stopped.partial" / "state.npz"
+    proc = subprocess.Popen([*command, *args, "--out", str(tmp_path / "stopped")], env=_env(), stderr=subprocess.PIPE, text=True)
+    _wait_until(proc, state.is_file, "the first committed tile", timeout=120)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    with np.load(state) as z:
+        done = int(z["next_tile"])
+    assert 1 <= done < 8 and not (tmp_path / "stopped").exists()
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and sum("stopped" in line for line in lines) == 1, err
+    assert lines[-1] == (f"genolong evaluate: stopped by SIGTERM after {done} of 8 tiles; they are kept in "
+                                            f"{state.parent}, where the same command resumes"), err
+    subprocess.run([*command, *args, "--out", str(tmp_path / "stopped")], env=_env(), check=True)
+    subprocess.run([*command, *args, "--out", str(tmp_path / "whole")], env=_env(), check=True)
+    meta = [json.loads((tmp_path / d / "meta.json").read_text()) for d in ("stopped", "whole")]
+    assert meta[0]["fingerprint"] == meta[1]["fingerprint"] and meta[0]["nll_sum"] == meta[1]["nll_sum"]
