@@ -225,3 +225,48 @@ def test_evaluate_stops_at_a_tile_boundary_and_resumes(sample_store: Path, tmp_p
     subprocess.run([*command, *args, "--out", str(tmp_path / "whole")], env=_env(), check=True)
     meta = [json.loads((tmp_path / d / "meta.json").read_text()) for d in ("stopped", "whole")]
     assert meta[0]["fingerprint"] == meta[1]["fingerprint"] and meta[0]["nll_sum"] == meta[1]["nll_sum"]
+
+
+def _rank_pid(parent: int, rank: int) -> int | None:
+    """The pid of a child process of ``parent`` whose environment says it is ``rank`` (Lightning's launcher)."""
+    try:
+        children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    except OSError:
+        return None
+    for pid in children:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"LOCAL_RANK={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the rank's process in /proc")
+def test_two_ranks_stop_at_the_same_step_when_one_got_the_signal(sample_store: Path, tmp_path: Path) -> None:
+    """dp 2 (Lightning starts rank 1): SIGTERM to rank 1 only; both ranks finish the same step, the
+    sharded checkpoint of that step is written and intact, rank 0 prints one line, both exit 75."""
+    recipe = _recipe(tmp_path, sample_store, "dp2")
+    raw = yaml.safe_load(recipe.read_text())
+    raw["parallel"].update(devices=2, cp=1)
+    raw["eval"]["every_n_steps"] = 0
+    recipe.write_text(yaml.safe_dump(raw))
+    run = tmp_path / "runs" / "dp2"
+    proc = _finetune(recipe)
+    steps_log = run / "logs" / "steps.jsonl"
+    _wait_until(proc, lambda: steps_log.exists() and max(read_step_log(steps_log), default=0) >= 1, "step 1")
+    rank1 = _rank_pid(proc.pid, 1)
+    assert rank1 is not None
+    os.kill(rank1, signal.SIGTERM)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 75, err[-3000:]
+    reached = max(read_step_log(steps_log))
+    assert 1 <= reached < 4
+    checkpoint = run / "checkpoints" / f"step{reached:07d}.ckpt"
+    assert latest_checkpoint(run / "checkpoints") == checkpoint and checkpoint.is_dir()
+    check_weights(checkpoint)
+    assert "Traceback" not in err and sum("stopped by SIGTERM" in line for line in err.splitlines()) == 1, err
+    assert err.strip().splitlines()[-1].startswith(f"genolong finetune: stopped by SIGTERM after step {reached}; ")
