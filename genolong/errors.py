@@ -6,7 +6,7 @@ keeps its traceback.
 
 from __future__ import annotations
 
-__all__ = ["GenolongError", "InputError", "StoreError"]
+__all__ = ["CollectiveTimeoutError", "GenolongError", "InputError", "StoreError"]
 
 
 class GenolongError(Exception):
@@ -19,3 +19,8 @@ class InputError(GenolongError, ValueError):
 
 class StoreError(GenolongError, ValueError):
     """A genome store that is missing, incomplete, damaged, or of another schema version."""
+
+
+class CollectiveTimeoutError(GenolongError, RuntimeError):
+    """A collective of a multi-process job that waited past ``parallel.timeout_s`` (or lost its
+    peer): the message names the rank that stopped answering, the operation and where the job was."""
