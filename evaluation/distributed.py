@@ -29,6 +29,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -141,7 +142,9 @@ def launch(parallel: Any, function: Callable[[ScoringGroup], _T]) -> _T:
 
     Args:
         parallel: a :class:`genolong.config.ParallelSection` (``accelerator``, ``devices``,
-            ``num_nodes``, ``cp``, ``dp_shard``, ``dp_replicate``, ``ep``).
+            ``num_nodes``, ``cp``, ``dp_shard``, ``dp_replicate``, ``ep``, ``timeout_s``: every
+            collective's timeout; a rank that stops answering ends the others with
+            :class:`genolong.errors.CollectiveTimeoutError`).
         function: the per-process work; its return value is returned on every rank.
 
     What it prints: :func:`genolong.console.quiet_run` (Lightning's lines hidden unless
@@ -150,8 +153,10 @@ def launch(parallel: Any, function: Callable[[ScoringGroup], _T]) -> _T:
     Raises:
         InputError: sizes that do not make a mesh (:func:`genolong.parallel.mesh.mesh_shape`).
     """
+    from ..config import ParallelSection
     from ..console import quiet_run
     from ..parallel.mesh import build_mesh, mesh_shape
+    from ..parallel.timeout import stall_guard
 
     world = parallel.world_size
     mesh_shape(parallel.cp, parallel.dp_shard, parallel.dp_replicate, world, ep=parallel.ep)  # errors before launching
@@ -165,12 +170,15 @@ def launch(parallel: Any, function: Callable[[ScoringGroup], _T]) -> _T:
     # "Initializing distributed" banner, and the ranks other than 0 print errors only
     with quiet_run():
         accelerator = "cuda" if parallel.accelerator == "gpu" else parallel.accelerator
+        timeout_s = float(getattr(parallel, "timeout_s", None) or ParallelSection().timeout_s)
         strategy = ModelParallelStrategy(parallelize_fn=lambda model, mesh: model, data_parallel_size=parallel.dp_size,
-                                         tensor_parallel_size=parallel.cp)
+                                         tensor_parallel_size=parallel.cp, timeout=timedelta(seconds=timeout_s))
         fabric = L.Fabric(accelerator=accelerator, devices=parallel.devices, num_nodes=parallel.num_nodes, strategy=strategy)
         fabric.launch()
-        mesh = build_mesh(parallel, world_size=dist.get_world_size(), device_type=fabric.device.type)
-        return function(ScoringGroup(mesh, parallel))
+        # a rank that stops answering ends the others within parallel.timeout_s, with one line naming it
+        with stall_guard(timeout_s, lambda exc: "scoring"):
+            mesh = build_mesh(parallel, world_size=dist.get_world_size(), device_type=fabric.device.type)
+            return function(ScoringGroup(mesh, parallel))
 
 
 def tile_rounds(start: int, n_tiles: int, dp: int) -> Iterator[list[int]]:

@@ -94,6 +94,10 @@ def _parallel_section(args: argparse.Namespace) -> object:
         if name == "accelerator":
             if value not in ("cpu", "gpu", "cuda", "auto"):
                 raise InputError(f"--set {item!r}: parallel.accelerator is one of cpu, gpu, cuda, auto")
+        elif name == "timeout_s":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise InputError(f"--set {item!r}: parallel.timeout_s must be a number of seconds > 0")
+            value = float(value)
         elif isinstance(value, bool) or not isinstance(value, int):
             raise InputError(f"--set {item!r}: parallel.{name} must be an integer")
         values[name] = value

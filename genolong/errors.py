@@ -6,7 +6,7 @@ keeps its traceback.
 
 from __future__ import annotations
 
-__all__ = ["PREEMPTED_EXIT_CODE", "GenolongError", "InputError", "Stopped", "StoreError"]
+__all__ = ["PREEMPTED_EXIT_CODE", "CollectiveTimeoutError", "GenolongError", "InputError", "Stopped", "StoreError"]
 
 #: the exit status of a command stopped by a signal at a safe point (``genolong finetune``: a
 #: checkpoint written; ``evaluate`` / ``probe``: the tiles so far committed): 75, ``EX_TEMPFAIL``
@@ -34,3 +34,8 @@ class Stopped(Exception):
     def __init__(self, message: str, show: bool = True):
         super().__init__(message)
         self.show = show
+
+
+class CollectiveTimeoutError(GenolongError, RuntimeError):
+    """A collective of a multi-process job that waited past ``parallel.timeout_s`` (or lost its
+    peer): the message names the rank that stopped answering, the operation and where the job was."""

@@ -216,6 +216,8 @@ def _input_error(error: Mapping[str, Any], raw: Mapping[str, Any], ctx: _Context
         message = f"must be {_describe(tp)}, got {len(value)}"
     elif kind == "recipe_value":
         message = error["msg"]
+    elif kind == "greater_than":  # a bound > x (parallel.timeout_s, model.lora.alpha)
+        return ctx.error(key, f"{key} = {_show(value)}: must be > {error.get('ctx', {}).get('gt', 0):g}")
     elif kind in ("greater_than_equal", "finite_number"):
         bound = error.get("ctx", {}).get("ge")
         message = "must be a finite number" if bound is None else "must be at least 1" if bound == 1 else f"must be >= {bound:g}"

@@ -366,6 +366,16 @@ class ParallelSection:
             drawn from the ``dp_shard x cp`` ranks of a replica (folded into the mesh, no extra
             GPUs), tokens travel to their experts' ranks by all-to-all; must divide
             ``dp_shard x cp`` and the model's ``n_routed_experts``. Default 1.
+        timeout_s: seconds any collective (an FSDP all-gather, a CP exchange, a barrier) may wait
+            for the other ranks before the job gives up, on every process group of the job (> 0).
+            A rank that stops answering (a hung filesystem, a dead NIC, a stopped process) then
+            ends the others within this time plus at most 30 s (naming it) with one line and a
+            non-zero exit, instead of torch's 30 min (gloo) or 10 min (NCCL) and a stack trace
+            per rank. It must exceed the longest wait a healthy job has at a collective: the
+            slowest rank's work between two collectives, the start-up (every rank loading its
+            checkpoint shards) and rank 0's own writes while the others wait (the checkpoint
+            manifest, the export). Default 300.0 (5 min: minutes above a 1M-token step's
+            seconds between collectives, minutes below the library defaults).
     """
 
     accelerator: Literal["cpu", "gpu", "cuda", "auto"] = "auto"
@@ -375,6 +385,7 @@ class ParallelSection:
     dp_shard: StrictInt = -1
     dp_replicate: StrictInt = 1
     ep: StrictInt = 1
+    timeout_s: Annotated[StrictFloat, pydantic.Field(gt=0)] = 300.0
 
     @property
     def world_size(self) -> int:

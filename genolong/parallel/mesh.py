@@ -72,6 +72,7 @@ class ParallelSizes(Protocol):
     dp_shard: int
     dp_replicate: int
     ep: int
+    # optional: parallel.timeout_s (seconds), read with getattr
 
     @property
     def world_size(self) -> int:  # pragma: no cover - protocol
@@ -142,7 +143,9 @@ def build_mesh(parallel: ParallelSizes, world_size: int | None = None, device_ty
         ``"dp"`` and ``"dp_shard_cp"`` (see :func:`dp_mesh`, :func:`fsdp_mesh`); with
         ``parallel.ep > 1`` (default 1 when the section has no ``ep``) it also carries the expert
         mesh (:func:`expert_mesh`). Every process of the job must call this (it creates the
-        sub-groups collectively).
+        sub-groups collectively). With ``parallel.timeout_s`` every process group of the job
+        (these and the ones made before) then has that timeout
+        (:func:`genolong.parallel.timeout.set_timeout`: torch gives sub-groups its library default).
 
     Raises:
         InputError: invalid sizes (see :func:`mesh_shape`) or a world size that differs from the
@@ -174,6 +177,11 @@ def build_mesh(parallel: ParallelSizes, world_size: int | None = None, device_ty
         # dimensions (its gradient norm) is then one all-reduce, not two in sequence
         experts[("efsdp", "ep")]._flatten("efsdp_ep")
         setattr(mesh, _EXPERT_ATTR, experts)
+    timeout_s = getattr(parallel, "timeout_s", None)
+    if timeout_s is not None:
+        from .timeout import set_timeout
+
+        set_timeout(timeout_s)
     return mesh
 
 

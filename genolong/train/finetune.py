@@ -47,6 +47,7 @@ import shutil
 import sys
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,7 @@ from ..integrity import DamagedFileError, check_weights, remove_manifest, write_
 from ..model.lm import GenoLM
 from ..model.vocab import VocabMap
 from ..parallel import parallelize
+from ..parallel.timeout import describe_stall, in_frames, stall_guard
 from ..signals import SignalFlag
 from .callbacks import SaveRecipe, StepMetrics, TrainingBar
 from .module import GenoLMModule, OptimSettings
@@ -350,6 +352,8 @@ def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback]) -> L.
     strategy = AtomicModelParallelStrategy(
         data_parallel_size=p.dp_size, tensor_parallel_size=p.cp,
         save_distributed_checkpoint=p.world_size > 1,
+        # the default group's timeout (and its rendezvous'); the sub-groups get it from build_mesh
+        timeout=timedelta(seconds=p.timeout_s),
     )
     every = recipe.eval.every_n_steps
     if recipe.logging.progress_bar:  # genolong's one bar, instead of Lightning's per-epoch and validation bars
@@ -482,9 +486,12 @@ def _run(recipe: Recipe, resume: bool) -> FinetuneResult:
     )
     # the recipe is written once the processes know their ranks (rank 0 writes, the others wait):
     # every rank of a job runs this function, on a cluster at the same instant
-    trainer = _trainer(recipe, paths, [SaveRecipe(recipe, paths.root / "recipe.yaml"), checkpoints, StepMetrics(paths.steps)])
+    stall = StallReport(recipe.parallel.timeout_s)
+    trainer = _trainer(recipe, paths, [SaveRecipe(recipe, paths.root / "recipe.yaml"), checkpoints, StepMetrics(paths.steps), stall])
     # the module logs eval/* already summed over all ranks (Lightning cannot know)
     warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting", category=UserWarning)
+    # a rank that stops answering ends the others within parallel.timeout_s, with one line naming it
+    # (StallReport names it while the trainer still knows where it was, before Lightning's teardown)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from if resume else None, weights_only=True)
     except SIGTERMException:
@@ -493,7 +500,41 @@ def _run(recipe: Recipe, resume: bool) -> FinetuneResult:
         if stop is None:
             raise
         raise Stopped(stop.message(), show=trainer.is_global_zero) from None
+    except Exception:
+        if stall.error is not None:
+            raise stall.error from None
+        raise
+    with stall_guard(recipe.parallel.timeout_s, lambda exc: "writing the export"):
+        return _export(recipe, paths, trainer, module, resume_from if resume else None)
 
+
+class StallReport(L.Callback):
+    """Turns a collective timeout during ``fit`` into :class:`genolong.errors.CollectiveTimeoutError`
+    (:func:`genolong.parallel.timeout.describe_stall`), kept in ``error`` for :func:`run` to raise:
+    Lightning's ``on_exception`` runs while the trainer still knows the step and the stage."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.error: Exception | None = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.error = describe_stall(exception, self.timeout_s, _where(trainer, exception))
+
+
+def _where(trainer: L.Trainer, exc: BaseException) -> str:
+    """Where a multi-process run was when a collective timed out, for the error line."""
+    step = trainer.global_step
+    if in_frames(exc, "save_checkpoint"):
+        return f"saving the step-{step} checkpoint; no checkpoint of that step is left"
+    if trainer.validating or trainer.sanity_checking:
+        return f"the held-out evaluation after step {step}"
+    if trainer.training:
+        return f"training step {step + 1}"
+    return "starting the run" if step == 0 else f"after step {step}"
+
+
+def _export(recipe: Recipe, paths: RunPaths, trainer: L.Trainer, module: GenoLMModule, resumed_from: Path | None) -> FinetuneResult:
+    """The adapters and the export of a trained run (every rank takes part; rank 0 writes)."""
     export = adapter = None
     lora = recipe.model.lora
     if recipe.checkpoint.export_safetensors or lora is not None:
@@ -516,5 +557,5 @@ def _run(recipe: Recipe, resume: bool) -> FinetuneResult:
         trainer.strategy.barrier("genolong_export")
     if trainer.is_global_zero:
         remove_marker(paths.root)  # finished: a later start without --resume refuses the checkpoints again
-    return FinetuneResult(paths=paths, global_step=trainer.global_step, resumed_from=resume_from if resume else None, export=export,
+    return FinetuneResult(paths=paths, global_step=trainer.global_step, resumed_from=resumed_from, export=export,
                           is_global_zero=trainer.is_global_zero, adapter=adapter)
