@@ -32,7 +32,7 @@ import numpy as np
 
 from ..defaults import DEFAULT_MIN_GAP, DEFAULT_SPLITS
 from ..errors import InputError
-from ..files import fsync, fsync_tree
+from ..files import fsync, fsync_tree, writing
 from ..units import format_bytes
 from .alphabet import BASE_MASK, N, SOFTMASK, STORE_ALPHABET
 from .fasta import BLOCK_BYTES, RecordInfo, SequenceSource, open_source
@@ -486,25 +486,27 @@ def prepare_genome(
     source_digests = [hasher.submit(sha256_file, p) for p in paths]
     hasher.shutdown(wait=False)
     try:
-        manifest, stats = _build(tmp, sources, paths, requested, assignment, min_gap, progress)
-        for entry, digest in zip(manifest["sources"], source_digests):
-            entry["sha256"] = digest.result()
-        fsync_tree(tmp)
-        partial = tmp / _PARTIAL_MANIFEST
-        partial.write_text(json.dumps(manifest, indent=1))
-        fsync(partial)
-        fsync(tmp)
-        # Verify under the temporary manifest name: until the last rename nothing opens as a store.
-        # The file digests were just computed from these files, so structure and sizes suffice.
-        GenomeStore._load(tmp, _PARTIAL_MANIFEST, verify=False, build=False)
-        old = None
-        if out.exists():
-            old = parent / f".{out.name}{_OLD_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-            out.rename(old)
-        tmp.rename(out)
-        (out / _PARTIAL_MANIFEST).rename(out / MANIFEST_NAME)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        # a full disk or a file-size limit: one error naming --out (the bytes written, a lower bound)
+        with writing(out, work=tmp):
+            manifest, stats = _build(tmp, sources, paths, requested, assignment, min_gap, progress)
+            for entry, digest in zip(manifest["sources"], source_digests):
+                entry["sha256"] = digest.result()
+            fsync_tree(tmp)
+            partial = tmp / _PARTIAL_MANIFEST
+            partial.write_text(json.dumps(manifest, indent=1))
+            fsync(partial)
+            fsync(tmp)
+            # Verify under the temporary manifest name: until the last rename nothing opens as a store.
+            # The file digests were just computed from these files, so structure and sizes suffice.
+            GenomeStore._load(tmp, _PARTIAL_MANIFEST, verify=False, build=False)
+            old = None
+            if out.exists():
+                old = parent / f".{out.name}{_OLD_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+                out.rename(old)
+            tmp.rename(out)
+            (out / _PARTIAL_MANIFEST).rename(out / MANIFEST_NAME)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         for digest in source_digests:
             digest.cancel()
