@@ -193,16 +193,18 @@ def full_disk_error(exc: BaseException) -> DiskFullError | None:
 def _full_disk_error(path: Path | None, cause: OSError, needed: int | None, written: int | None) -> DiskFullError:
     code = cause.errno
     free = _free_bytes(path if path is not None else Path.cwd())
+    limit = _file_size_limit()
+    if needed is None and written is not None and code == errno.EFBIG and limit is not None:
+        written = max(written, limit)  # a file of it needed more than the limit
     bound = needed is None and written is not None and written > 0
     amount = needed if needed is not None else written if bound else None
     if amount is None:
         need = ""
     elif bound:
-        need = f"; it needed more than the {amount:,} bytes written when it failed"
+        need = f"; it needed more than {amount:,} bytes"
     else:
         need = f"; it needed about {amount:,} bytes"
     if code == errno.EFBIG:
-        limit = _file_size_limit()
         what = ("File too large: it met this process's file-size limit"
                 + (f" of {limit:,} bytes" if limit is not None else "") + " (ulimit -f)")
         fix = "raise the limit or write elsewhere, then run again"
@@ -238,14 +240,16 @@ def writing(path: str | os.PathLike[str], needed: int | None = None, work: str |
     try:
         yield
     except BaseException as exc:
+        failed = 0  # a file of ``work`` that reported its own full disk: the bytes it needed (then removed)
         if isinstance(exc, DiskFullError):
             own = Path(exc.filename)
             if inside is None or not (own == inside or own.is_relative_to(inside)):
                 raise
+            failed = exc.needed or 0
         cause = disk_full_cause(exc)
         if cause is None:
             raise
-        written = tree_bytes(inside) if needed is None and inside is not None else None
+        written = tree_bytes(inside) + failed if needed is None and inside is not None else None
         raise _full_disk_error(out, cause, needed, written) from exc
 
 
