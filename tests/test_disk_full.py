@@ -109,6 +109,36 @@ def _recipe(tmp_path: Path, store: Path, name: str, **sections: dict) -> Path:
     return path
 
 
+def test_disk_full_cause_and_writing(tmp_path: Path) -> None:
+    """The cause is found behind a library's own exception (safetensors' text, a DCP rank's
+    failure) and nowhere else; ``writing`` names the output, not the temporary file that failed."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from genolong.errors import DiskFullError
+    from genolong.files import disk_full_cause, writing
+
+    text = Exception("Error while serializing: I/O error: File too large (os error 27)")
+    assert disk_full_cause(text).errno == errno.EFBIG
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError as exc:
+        rank = CheckpointException("save failed", {1: _wrap_exception(exc)})
+    assert disk_full_cause(rank).errno == errno.ENOSPC
+    assert disk_full_cause(OSError(errno.EACCES, "Permission denied")) is None and disk_full_cause(ValueError("x")) is None
+    out, work = tmp_path / "export", tmp_path / ".export.tmp"
+    work.mkdir()
+    (work / "config.json").write_text("{}")
+    with pytest.raises(DiskFullError) as caught, writing(out, needed=1234, work=work):
+        with writing(work / "model.safetensors", work=work / "model.safetensors"):
+            raise text
+    assert caught.value.filename == str(out) and caught.value.needed == 1234 and caught.value.errno == errno.EFBIG
+    assert str(caught.value).startswith(f"cannot write {out}: File too large") and "it needed about 1,234 bytes" in str(caught.value)
+    with pytest.raises(PermissionError), writing(out, work=work):  # other errors pass unchanged
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+
 def test_checkpoint_then_export(sample_store: Path, tmp_path: Path) -> None:
     """A run whose second checkpoint meets a 3 MB file-size limit (a checkpoint is 6 MB): one line,
     the step-2 checkpoint intact; ``--resume`` continues from it, writes the step-4 checkpoint, and
