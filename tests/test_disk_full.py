@@ -22,11 +22,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from genolong.integrity import check_weights
 from genolong.quickstart import SAMPLE_EVAL, SAMPLE_TRAIN, sample_fasta
 from genolong.train import read_step_log
+
+from .test_finetune import _recipe as _finetune_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -92,21 +93,9 @@ def _digests(root: Path) -> dict[str, str]:
 
 
 def _recipe(tmp_path: Path, store: Path, name: str, **sections: dict) -> Path:
-    """A tiny-model recipe on the sample store: 4 steps, a checkpoint every 2, outputs in runs/NAME."""
-    recipe = {
-        "name": name, "seed": 3, "model": {"preset": "tiny"},
-        "data": {"store": str(store), "context": 256},
-        "train": {"max_steps": 4, "lr": 2.0e-3, "warmup_steps": 0},
-        "eval": {"every_n_steps": 0},
-        "checkpoint": {"dir": str(tmp_path / "runs" / name / "checkpoints"), "every_n_steps": 2, "keep_last": 2},
-        "logging": {"dir": str(tmp_path / "runs" / name / "logs"), "progress_bar": False, "tensorboard": False},
-        "parallel": {"accelerator": "cpu"},
-    }
-    for section, values in sections.items():
-        recipe[section] = {**recipe[section], **values}
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    """test_finetune's tiny recipe: 4 steps, a checkpoint every 2, no evaluation, outputs in runs/NAME."""
+    train = {"max_steps": 4, "warmup_steps": 0, **sections.pop("train", {})}
+    return _finetune_recipe(tmp_path, store, name, train=train, eval={"every_n_steps": 0}, **sections)
 
 
 def test_disk_full_cause_and_writing(tmp_path: Path) -> None:
