@@ -8,6 +8,11 @@ filesystem, two evaluations started by hand) then each build their own temporary
 last rename wins with a complete file. A fixed name let one process rename the other's half-written
 file away (the ``FileNotFoundError`` of issue 13). Multi-process commands still write each output
 from one rank only (:mod:`genolong.train.finetune`); this is the second line of defence.
+
+A write that finds no room (a full filesystem or quota, a file-size limit) becomes one
+:class:`~genolong.errors.DiskFullError` naming the output and the bytes it needed (:func:`writing`,
+used by :func:`replace_file` and by every writer that builds a directory aside); the command line
+prints it as one line.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from typing import Any, TypeVar
 
 from .errors import DiskFullError
 
-__all__ = ["disk_full_cause", "fsync", "full_disk_error", "fsync_tree", "replace_dir", "replace_file", "tree_bytes", "unique_sibling",
-           "writes_output", "writing"]
+__all__ = ["disk_full_cause", "fsync", "fsync_tree", "full_disk_error", "replace_dir", "replace_file", "tree_bytes",
+           "unique_sibling", "writes_output", "writing"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -122,6 +127,8 @@ def disk_full_cause(exc: BaseException) -> OSError | None:
     per-rank failures) that is an ``OSError`` with errno ``ENOSPC``, ``EDQUOT`` or ``EFBIG``, or
     whose text names one of them (libraries that re-raise an OS error as their own exception:
     safetensors, pyarrow)."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):  # never a full disk, whatever they interrupted
+        return None
     seen: set[int] = set()
     todo: list[Any] = [exc]
     while todo:
