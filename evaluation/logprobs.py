@@ -50,7 +50,7 @@ from ..model.lm import GenoLM
 from ..model.loss import model_inputs
 from ..model.vocab import VocabMap
 
-from ..files import replace_dir
+from ..files import replace_dir, writing
 from .distributed import ScoringGroup, assemble_nll, gather_to_writer, share_nll, unsharded
 from .score import kernel_backend_meta
 from .plots import OKABE_ITO
@@ -160,16 +160,17 @@ class LogprobGap:
                  "png": "logprob_gap.png", "pdf": "logprob_gap.pdf"}
         work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
-            table = self.table()
-            table.to_csv(work / names["csv"], index=False)
-            doc = {"meta": self.meta(), "table": _records(table)}
-            (work / names["json"]).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
-            self.frame().to_parquet(work / names["tokens"], index=False)
-            fig, _ = gap_figure(table, title=self.title())
-            fig.savefig(work / names["png"], dpi=150)
-            fig.savefig(work / names["pdf"])
-            _verify(work, names, len(table), self.tokens)
-            replace_dir(work, out)
+            with writing(out, work=work):
+                table = self.table()
+                table.to_csv(work / names["csv"], index=False)
+                doc = {"meta": self.meta(), "table": _records(table)}
+                (work / names["json"]).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+                self.frame().to_parquet(work / names["tokens"], index=False)
+                fig, _ = gap_figure(table, title=self.title())
+                fig.savefig(work / names["png"], dpi=150)
+                fig.savefig(work / names["pdf"])
+                _verify(work, names, len(table), self.tokens)
+                replace_dir(work, out)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise

@@ -58,7 +58,7 @@ import torch
 
 from ..data.windows import EvalTiles, SplitLike
 from ..errors import InputError
-from ..files import replace_dir, replace_file
+from ..files import replace_dir, replace_file, writes_output
 from ..model.loss import model_inputs, next_token_nll
 from ..model.stream import PrefillStream, check_segment_tokens
 from ..model.vocab import VocabMap
@@ -357,6 +357,8 @@ class _Running:
             self.seconds = float(z["seconds"])
 
 
+# a full disk or a file-size limit: one error naming --out; the committed tiles stay for a rerun
+@writes_output("out", work=lambda out: out.with_name(f".{out.name}.partial"))
 def probe(
     model: torch.nn.Module,
     split: SplitLike,

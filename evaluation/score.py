@@ -54,8 +54,8 @@ from ..model.lm import GenoLM
 from ..model.moe import RoutingStats, moe_layers, record_routing
 from ..model.stream import check_segment_tokens
 from ..model.vocab import VocabMap
+from ..files import replace_dir, replace_file, writes_output
 from ..signals import SignalFlag
-from ..files import replace_dir, replace_file
 # the checkpoint loaders moved to .checkpoint (below this module and .distributed); imported from here as before
 from .checkpoint import load_eval_model, recipe_context, run_recipe, scoring_kernel_backend
 from .distributed import (ScoringGroup, assemble_nll, broadcast_from_writer, gather_to_writer, padding_tile, share_nll,
@@ -283,6 +283,13 @@ class _Running:
         return out
 
 
+def _partial_dir(out: Path) -> Path:
+    """The unfinished result directory of ``out``: committed tiles, resumed by the next run."""
+    return out.with_name(f".{out.name}.partial")
+
+
+# a full disk or a file-size limit: one error naming --out; the committed tiles stay for a rerun
+@writes_output("out", work=_partial_dir)
 def evaluate(
     model: GenoLM,
     split: SplitLike,
@@ -370,7 +377,7 @@ def evaluate(
         # so do scores under another context-parallel split
         "parallel": group.layout(),
     }
-    work = out.with_name(f".{out.name}.partial")
+    work = _partial_dir(out)
     moes = moe_layers(model)
     moe_names, moe_indices = [name for name, _, _ in moes], [index for _, index, _ in moes]
     n_experts = model.config.n_routed_experts if moe_names else 0

@@ -749,6 +749,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         # at /dev/null so that the interpreter's final flush does not raise again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + 13
+    except Exception as exc:
+        # a full disk or a file-size limit outside genolong's writers (which name their output:
+        # genolong.files.writing), e.g. a log file: one line too. A file-size limit reaches here as
+        # EFBIG because CPython ignores SIGXFSZ (whose default action would kill the process).
+        from .files import full_disk_error
+
+        error = full_disk_error(exc)
+        if error is None:
+            raise
+        print(f"genolong {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ keeps its traceback.
 
 from __future__ import annotations
 
-__all__ = ["PREEMPTED_EXIT_CODE", "CollectiveTimeoutError", "GenolongError", "InputError", "Stopped", "StoreError"]
+__all__ = ["PREEMPTED_EXIT_CODE", "CollectiveTimeoutError", "DiskFullError", "GenolongError", "InputError", "Stopped",
+           "StoreError"]
 
 #: the exit status of a command stopped by a signal at a safe point (``genolong finetune``: a
 #: checkpoint written; ``evaluate`` / ``probe``: the tiles so far committed): 75, ``EX_TEMPFAIL``
@@ -39,3 +40,30 @@ class Stopped(Exception):
 class CollectiveTimeoutError(GenolongError, RuntimeError):
     """A collective of a multi-process job that waited past ``parallel.timeout_s`` (or lost its
     peer): the message names the rank that stopped answering, the operation and where the job was."""
+
+
+class DiskFullError(GenolongError, OSError):
+    """An output that could not be written: its filesystem is full (``ENOSPC``, ``EDQUOT``) or the
+    file met the process's file-size limit (``EFBIG``, ``ulimit -f``). Raised by
+    :func:`genolong.files.writing`, which builds the message (the output, the bytes it needed, the
+    free bytes or the limit, the fix); the writer has removed its temporary files and left the
+    previous output as it was.
+
+    Attributes:
+        errno: ``errno.ENOSPC``, ``errno.EDQUOT`` or ``errno.EFBIG``.
+        filename: the output's path (str).
+        needed: the bytes the write needed (an estimate), or the bytes it had written when it
+            failed (a lower bound; ``needed_is_lower_bound``), or None.
+        free: free bytes on the output's filesystem (None if unknown).
+    """
+
+    def __init__(self, path: str, code: int, message: str, needed: int | None, needed_is_lower_bound: bool,
+                 free: int | None) -> None:
+        super().__init__(code, message, path)
+        self.message = message
+        self.needed = needed
+        self.needed_is_lower_bound = needed_is_lower_bound
+        self.free = free
+
+    def __str__(self) -> str:
+        return self.message

@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import InputError
-from ..files import unique_sibling
+from ..files import unique_sibling, writing
 from ..integrity import DamagedFileError, check_weights, write_manifest
 from ..units import format_bytes
 from .config import ModelConfig
@@ -341,30 +341,31 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike[str], dtype: 
     tmp = unique_sibling(out, "tmp")
     tmp.mkdir()
     try:
-        weight_map: dict[str, str] = {}
-        for i, group in enumerate(groups):
-            file = SINGLE_FILE if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            shard = {name: state[entries[name].target][entries[name].index].detach().to("cpu", out_dtypes[name]).contiguous()
-                     for name in group}
-            save_file(shard, tmp / file, metadata={"format": "pt"})
-            del shard
-            weight_map.update(dict.fromkeys(group, file))
-        if len(groups) > 1:
-            index = {"metadata": {"total_size": sum(size for _, size in sizes)}, "weight_map": weight_map}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        hf = config.to_hf_dict()
-        hf["dtype"] = str(out_dtypes[HEAD]).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-        for extra in copy_files:
-            shutil.copy2(extra, tmp / Path(extra).name)
-        write_manifest(tmp)
-        if out.exists():
-            old = unique_sibling(out, "old")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
+        with writing(out, needed=sum(size for _, size in sizes), work=tmp):
+            weight_map: dict[str, str] = {}
+            for i, group in enumerate(groups):
+                file = SINGLE_FILE if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                shard = {name: state[entries[name].target][entries[name].index].detach().to("cpu", out_dtypes[name]).contiguous()
+                         for name in group}
+                save_file(shard, tmp / file, metadata={"format": "pt"})
+                del shard
+                weight_map.update(dict.fromkeys(group, file))
+            if len(groups) > 1:
+                index = {"metadata": {"total_size": sum(size for _, size in sizes)}, "weight_map": weight_map}
+                (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            hf = config.to_hf_dict()
+            hf["dtype"] = str(out_dtypes[HEAD]).removeprefix("torch.")
+            (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+            for extra in copy_files:
+                shutil.copy2(extra, tmp / Path(extra).name)
+            write_manifest(tmp)
+            if out.exists():
+                old = unique_sibling(out, "old")
+                out.rename(old)
+                tmp.rename(out)
+                shutil.rmtree(old)
+            else:
+                tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

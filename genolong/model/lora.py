@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import InputError
-from ..files import fsync_tree, replace_dir, unique_sibling
+from ..files import fsync_tree, replace_dir, unique_sibling, writing
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "ExpertAdapters", "LoraLinear", "LoraSettings", "adapter_parameters",
            "apply_lora", "experts_forward_weight", "has_lora", "load_adapter", "lora_modules", "merge_lora", "peft_name", "read_adapter_config",
@@ -481,11 +481,12 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike[str], base_model
     tmp = unique_sibling(out, "tmp")
     tmp.mkdir()
     try:
-        save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        write_manifest(tmp)
-        fsync_tree(tmp)
-        replace_dir(tmp, out)
+        with writing(out, needed=sum(t.nbytes for t in tensors.values()), work=tmp):
+            save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+            (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+            write_manifest(tmp)
+            fsync_tree(tmp)
+            replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

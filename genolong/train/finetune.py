@@ -68,7 +68,7 @@ from ..data.alphabet import STORE_ALPHABET
 from ..data.datamodule import GenomeDataModule
 from ..data.store import GenomeStore
 from ..errors import InputError, Stopped
-from ..files import fsync, fsync_tree
+from ..files import fsync, fsync_tree, writing
 from ..integrity import DamagedFileError, check_weights, remove_manifest, write_manifest
 from ..model.lm import GenoLM
 from ..model.vocab import VocabMap
@@ -106,16 +106,18 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             _remove(tmp)
         self.barrier("genolong_checkpoint_start")
         try:
-            super().save_checkpoint(checkpoint, tmp, storage_options)
-            if self.is_global_zero:
-                # the data is complete: its checksums, then the checkpoint under its name (a file's
-                # manifest first, so that no checkpoint file is ever seen without its manifest)
-                write_manifest(tmp, final=path)
-                fsync_tree(tmp)
-                if path.is_dir():  # a resumed run saving again the step of a damaged DCP directory
-                    _remove(path)
-                os.replace(tmp, path)
-                fsync(path.parent)
+            # a full disk or a file-size limit: one error naming the checkpoint and its size
+            with writing(path, needed=_tensor_bytes(checkpoint), work=tmp):
+                super().save_checkpoint(checkpoint, tmp, storage_options)
+                if self.is_global_zero:
+                    # the data is complete: its checksums, then the checkpoint under its name (a file's
+                    # manifest first, so that no checkpoint file is ever seen without its manifest)
+                    write_manifest(tmp, final=path)
+                    fsync_tree(tmp)
+                    if path.is_dir():  # a resumed run saving again the step of a damaged DCP directory
+                        _remove(path)
+                    os.replace(tmp, path)
+                    fsync(path.parent)
         except BaseException:
             if self.is_global_zero:
                 _remove(tmp)
@@ -145,6 +147,20 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
             optimizer.load_state_dict(state)
         return checkpoint
+
+
+def _tensor_bytes(state: Any) -> int:
+    """The bytes of the tensors in a (nested) checkpoint dict: about its size on disk (this rank's
+    shards for a sharded model)."""
+    if isinstance(state, DTensor):
+        return state.to_local().nbytes
+    if isinstance(state, torch.Tensor):
+        return state.nbytes
+    if isinstance(state, dict):
+        return sum(_tensor_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in state)
+    return 0
 
 
 def _remove(path: Path) -> None:
