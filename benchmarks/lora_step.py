@@ -152,6 +152,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             ratios = [a / b for a, b in zip(step_s, [statistics.median(r["step_seconds"]) for r in runs["full"]])]
             row["time_vs_full_per_round"] = ratios
             row["time_vs_full_median"] = statistics.median(ratios)
+            cpu = [statistics.median(r["step_cpu_seconds"]) for r in rs]
+            cpu_ratios = [a / b for a, b in zip(cpu, [statistics.median(r["step_cpu_seconds"]) for r in runs["full"]])]
+            row["cpu_vs_full_per_round"] = cpu_ratios
+            row["cpu_vs_full_median"] = statistics.median(cpu_ratios)
             row["peak_rss_vs_full"] = row["peak_rss_bytes_median"] / statistics.median(r["peak_rss_bytes"] for r in runs["full"])
         out[setting] = row
     return out
@@ -159,7 +163,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 def table(doc: dict[str, Any]) -> str:
     lines = ["| T | setting | trained params | held: params + grads + AdamW | step s (median) | step / full (range) "
-             "| CPU s | peak RSS | RSS / full | rounds |", "|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "| CPU s | CPU / full (range) | peak RSS (range) | RSS / full | rounds |",
+             "|---|---|---:|---:|---:|---|---:|---|---:|---:|---:|"]
     for T, rows in doc["lengths"].items():
         for setting, r in rows["summary"].items():
             h = r["held"]
@@ -168,12 +173,15 @@ def table(doc: dict[str, Any]) -> str:
             if "time_vs_full_median" in r:
                 ratio = (f"{r['time_vs_full_median']:.2f} ({min(r['time_vs_full_per_round']):.2f}-"
                          f"{max(r['time_vs_full_per_round']):.2f})")
+                cpu = (f"{r['cpu_vs_full_median']:.3f} ({min(r['cpu_vs_full_per_round']):.3f}-"
+                       f"{max(r['cpu_vs_full_per_round']):.3f})")
                 rss = f"{r['peak_rss_vs_full']:.2f}"
             else:
-                ratio, rss = "1", "1"
+                ratio, cpu, rss = "1", "1", "1"
+            peaks = r["peak_rss_bytes_per_round"]
             lines.append(f"| {int(T) // 1024}k | {setting} | {r['trained_params']:,} | {held} | {r['step_seconds_median']:.1f} "
-                         f"| {ratio} | {r['cpu_seconds_median']:.1f} | {r['peak_rss_bytes_median'] / MiB:,.0f} MiB | {rss} "
-                         f"| {r['rounds']} |")
+                         f"| {ratio} | {r['cpu_seconds_median']:.1f} | {cpu} | {r['peak_rss_bytes_median'] / MiB:,.0f} MiB "
+                         f"({min(peaks) / MiB:,.0f}-{max(peaks) / MiB:,.0f}) | {rss} | {r['rounds']} |")
     return "\n".join(lines)
 
 
@@ -187,8 +195,16 @@ def main() -> None:
     parser.add_argument("--warmup-tokens", type=int, default=1024, help="tokens of the warm-up step (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="output JSON (default: %(default)s)")
+    parser.add_argument("--table", action="store_true", help="print the table of --json (summaries recomputed) and stop")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = parser.parse_args()
+    if a.table:
+        doc = json.loads(a.json.read_text())
+        for length in doc["lengths"].values():
+            length["summary"] = summarize(length["runs"])
+        write_json(a.json, doc)
+        print(table(doc))
+        return
     if a.worker is not None:
         setting, T = a.worker.split(":")
         print(json.dumps(worker(setting, int(T), a.steps, a.warmup_tokens, a.threads)))
