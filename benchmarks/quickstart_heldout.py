@@ -10,7 +10,11 @@ quickstart never trains on or reports:
   assembly, 42% repeat-masked);
 - ``chrM``: the human mitochondrion, rCRS (tests/data; 16,569 bp, a different genome);
 - ``chr22-more``: tiles 9 to 8 + ``--more-tiles`` of the same chr22 slice (the second look at the
-  quickstart's own region: the tiles after the ones it reports).
+  quickstart's own region: the tiles after the ones it reports);
+- ``chr22`` (only with ``--sets``): the 8 tiles the quickstart reports, scored again here.
+
+``--tuned`` may be given several times (``LABEL=DIR`` or ``DIR``): each fine-tuned model is
+compared with the one base, scored once (e.g. the quickstart's and quickstart-lora's exports).
 
 Per set: both models' mean loss, the change (fine-tuned - base) with its paired 95% block
 bootstrap interval over tiles (:func:`genolong.evaluation.stats.compare`), and the routing of each
@@ -21,6 +25,8 @@ Run ``genolong quickstart`` first (its fine-tuned model is ``OUT/runs/quickstart
     genolong quickstart
     python benchmarks/quickstart_heldout.py                     # OUT = genolong-quickstart
     python benchmarks/quickstart_heldout.py --tuned other/runs/quickstart/export
+    python benchmarks/quickstart_heldout.py --quickstart /tmp/qs --sets chr22,chr16 \
+        --tuned quickstart=/tmp/qs/runs/quickstart/export --tuned lora=/tmp/qsl/run/export
 
 Prints a table and writes JSON (default benchmarks/results/quickstart_heldout.json).
 """
@@ -40,6 +46,7 @@ ROOT = HERE.parent
 DEFAULT_JSON = HERE / "results" / "quickstart_heldout.json"
 CHR16 = ROOT / "tests" / "data" / "hg38_chr16_186964-397118.softmasked.fa.gz"
 CHRM = ROOT / "tests" / "data" / "chrM_rCRS.fa.gz"
+SETS = ("chr22", "chr16", "chrM", "chr22-more")
 
 
 def main() -> None:
@@ -47,7 +54,10 @@ def main() -> None:
     parser.add_argument("--quickstart", type=Path, default=Path("genolong-quickstart"),
                         help="the quickstart's output directory (default: %(default)s)")
     parser.add_argument("--base", type=Path, default=None, help="base model (default: the bundled data/sample/base)")
-    parser.add_argument("--tuned", type=Path, default=None, help="fine-tuned model (default: QUICKSTART/runs/quickstart/export)")
+    parser.add_argument("--tuned", action="append", default=None,
+                        help="fine-tuned model, DIR or LABEL=DIR; repeat for several (default: QUICKSTART/runs/quickstart/export)")
+    parser.add_argument("--sets", default="chr16,chrM,chr22-more",
+                        help=f"held-out sets, comma-separated, of {', '.join(SETS)} (default: %(default)s)")
     parser.add_argument("--context", type=int, default=8192, help="tile length (default: %(default)s, the quickstart's)")
     parser.add_argument("--more-tiles", type=int, default=32, help="chr22 tiles after the quickstart's 8 (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
@@ -65,21 +75,35 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     base_dir = args.base or bundled_base()
-    tuned_dir = args.tuned or args.quickstart / "runs" / "quickstart" / "export"
-    if not (tuned_dir / "config.json").is_file():
-        parser.error(f"{tuned_dir} is not a model directory; run `genolong quickstart` first, or pass --tuned")
-    models = {"base": load_eval_model(base_dir)[0], "fine-tuned": load_eval_model(tuned_dir)[0]}
+    tuned_dirs: dict[str, Path] = {}
+    for item in args.tuned or [str(args.quickstart / "runs" / "quickstart" / "export")]:
+        label, _, path = item.partition("=") if "=" in item else ("fine-tuned", "", item)
+        if label in tuned_dirs or label == "base":
+            parser.error(f"--tuned: label {label!r} given twice (or 'base'); name each LABEL=DIR")
+        tuned_dirs[label] = Path(path)
+    for tuned_dir in tuned_dirs.values():
+        if not (tuned_dir / "config.json").is_file():
+            parser.error(f"{tuned_dir} is not a model directory; run `genolong quickstart` first, or pass --tuned")
+    wanted = args.sets.split(",")
+    if unknown := [s for s in wanted if s not in SETS]:
+        parser.error(f"--sets: unknown {', '.join(unknown)}; choose from {', '.join(SETS)}")
+    models = {"base": load_eval_model(base_dir)[0], **{label: load_eval_model(d)[0] for label, d in tuned_dirs.items()}}
     sets: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="genolong-heldout-") as work:
         work_dir = Path(work)
         # chr16 and chrM each the held-out split of a store whose train split is the other one
         # (the mitochondrion's record is named MT_human in its file)
+        chr22 = GenomeStore.open(args.quickstart / "genome").split("eval")
+        if "chr22" in wanted:
+            sets.append({"set": "chr22", "split": chr22, "first": 0, "tiles": DEFAULT_EVAL_TILES})
         for name, record, other in (("chr16", "chr16", "MT_human"), ("chrM", "MT_human", "chr16")):
+            if name not in wanted:
+                continue
             store = prepare_genome([CHR16, CHRM], work_dir / f"store-{name}", train=[other], eval=[record], progress=False)
             split = GenomeStore.open(store.path).split("eval")
             sets.append({"set": name, "split": split, "first": 0, "tiles": len(EvalTiles(split, args.context))})
-        chr22 = GenomeStore.open(args.quickstart / "genome").split("eval")
-        sets.append({"set": "chr22-more", "split": chr22, "first": DEFAULT_EVAL_TILES, "tiles": args.more_tiles})
+        if "chr22-more" in wanted:
+            sets.append({"set": "chr22-more", "split": chr22, "first": DEFAULT_EVAL_TILES, "tiles": args.more_tiles})
         rows = []
         for s in sets:
             results = {}
@@ -89,26 +113,31 @@ def main() -> None:
                                           label=label)
             if s["first"]:  # only the tiles after the quickstart's own
                 results = {label: _tail(r, work_dir / f"{s['set']}-{label}", s["first"]) for label, r in results.items()}
-            table = compare(results["base"], results["fine-tuned"]).set_index("bucket")
-            overall = table.loc["all"]
-            rows.append({
-                "set": s["set"], "tiles": results["base"].n_tiles, "bases": results["base"].tokens,
-                "base_nats": results["base"].mean_nll, "tuned_nats": results["fine-tuned"].mean_nll,
-                "change_pct": float(overall.rel_pct), "ci_lo_pct": float(overall.rel_ci_lo), "ci_hi_pct": float(overall.rel_ci_hi),
-                "buckets": {str(b): {"change_pct": float(r.rel_pct), "ci": [float(r.rel_ci_lo), float(r.rel_ci_hi)]}
-                            for b, r in table.iterrows() if b != "all"},
-                "routing": {label: [{k: x[k] for k in ("layer", "load_max_over_mean", "dead_experts")} for x in r.meta["routing"]]
-                            for label, r in results.items()},
-            })
-    print(f"base {base_dir} vs fine-tuned {tuned_dir}, tiles of {args.context:,}\n")
-    print("| held-out set | tiles | bases | base nats | fine-tuned nats | change (95% CI) | worst MoE max/mean base / tuned |")
-    print("|---|---:|---:|---:|---:|---|---|")
+            for tuned in tuned_dirs:
+                table = compare(results["base"], results[tuned]).set_index("bucket")
+                overall = table.loc["all"]
+                rows.append({
+                    "set": s["set"], "model": tuned, "tiles": results["base"].n_tiles, "bases": results["base"].tokens,
+                    "base_nats": results["base"].mean_nll, "tuned_nats": results[tuned].mean_nll,
+                    "change_pct": float(overall.rel_pct), "ci_lo_pct": float(overall.rel_ci_lo), "ci_hi_pct": float(overall.rel_ci_hi),
+                    "buckets": {str(b): {"change_pct": float(r.rel_pct), "ci": [float(r.rel_ci_lo), float(r.rel_ci_hi)]}
+                                for b, r in table.iterrows() if b != "all"},
+                    "routing": {label: [{k: x[k] for k in ("layer", "load_max_over_mean", "dead_experts")} for x in r.meta["routing"]]
+                                for label, r in results.items() if label in ("base", tuned)},
+                })
+    print(f"base {base_dir} vs {', '.join(f'{k} {v}' for k, v in tuned_dirs.items())}, tiles of {args.context:,}\n")
+    print("| held-out set | fine-tuned model | tiles | bases | base nats | fine-tuned nats | change (95% CI) "
+          "| worst MoE max/mean base / tuned |")
+    print("|---|---|---:|---:|---:|---:|---|---|")
     for r in rows:
-        worst = [max(x["load_max_over_mean"] for x in r["routing"][label]) for label in ("base", "fine-tuned")]
-        print(f"| {r['set']} | {r['tiles']} | {r['bases']:,} | {r['base_nats']:.4f} | {r['tuned_nats']:.4f} | "
+        worst = [max(x["load_max_over_mean"] for x in r["routing"][label]) for label in ("base", r["model"])]
+        print(f"| {r['set']} | {r['model']} | {r['tiles']} | {r['bases']:,} | {r['base_nats']:.4f} | {r['tuned_nats']:.4f} | "
               f"{r['change_pct']:+.2f}% [{r['ci_lo_pct']:+.2f}, {r['ci_hi_pct']:+.2f}] | {worst[0]:.2f} / {worst[1]:.2f} |")
+    tuned_out: Any = {k: str(v) for k, v in tuned_dirs.items()}
+    if list(tuned_dirs) == ["fine-tuned"]:
+        tuned_out = tuned_out["fine-tuned"]  # one model: the file as before, a path
     out = {"benchmark": "quickstart_heldout", **environment("date", "machine", "torch"), "base": str(base_dir),
-           "tuned": str(tuned_dir), "context": args.context, "rows": rows}
+           "tuned": tuned_out, "context": args.context, "rows": rows}
     write_json(args.json, out)
     print(f"\nwrote {args.json}")
 
