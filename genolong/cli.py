@@ -47,13 +47,6 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
     return 0
 
 
-def finetune_done_line(name: str, result: object) -> str:
-    """The line a finished ``genolong finetune`` prints (rank 0): steps, logs, export."""
-    done = f"genolong finetune: {name}: {result.global_step} steps; logs in {result.paths.logs}"  # type: ignore[attr-defined]
-    export = getattr(result, "export", None)
-    return done + (f"; model exported to {export}" if export else "")
-
-
 def _cmd_finetune(args: argparse.Namespace) -> int:
     if args.launcher == "ray":
         from .train.ray_launcher import launch
@@ -66,7 +59,7 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.set)
     result = run(recipe, resume=args.resume)
     if result.is_global_zero:  # one line for the job, not one per process
-        print(finetune_done_line(recipe.name, result))
+        print(result.summary(recipe.name))
     return 0
 
 

@@ -85,7 +85,9 @@ def _train_workers(pid: int) -> list[int]:
 def test_ray_train_job_equals_torchrun_job_and_resumes_after_a_killed_worker(sample_store: Path, tmp_path: Path) -> None:
     pytest.importorskip("ray.train.torch")
     reference = _ray_recipe(tmp_path, sample_store, "torchrun")
+    started = time.perf_counter()
     _finetune(reference, torchrun=2)
+    print(f"torchrun job: {time.perf_counter() - started:.1f} s")
     expected = _losses(tmp_path, "torchrun")
 
     ray_recipe = _ray_recipe(tmp_path, sample_store, "ray")
@@ -108,6 +110,7 @@ def test_ray_train_job_equals_torchrun_job_and_resumes_after_a_killed_worker(sam
                                "--max-failures", "1"], cwd=tmp_path, env=_ray_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     victim = None
+    started = time.perf_counter()
     try:
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline and driver.poll() is None:
@@ -122,6 +125,7 @@ def test_ray_train_job_equals_torchrun_job_and_resumes_after_a_killed_worker(sam
     finally:
         if driver.poll() is None:
             driver.kill()
+    print(f"ray job with a worker killed after step 3: {time.perf_counter() - started:.1f} s")
     assert victim is not None, "no Ray Train worker to kill"
     assert driver.returncode == 0, out[-4000:]
     assert "resuming from step0000002.ckpt: Ray Train started the workers again" in out, out[-4000:]

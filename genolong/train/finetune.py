@@ -265,6 +265,11 @@ class FinetuneResult:
     is_global_zero: bool = True  # False on the other processes of a multi-process job
     adapter: Path | None = None  # runs/NAME/adapter/ of a model.lora run (rank 0)
 
+    def summary(self, name: str) -> str:
+        """The line a finished ``genolong finetune`` prints (rank 0): steps, logs, export."""
+        done = f"genolong finetune: {name}: {self.global_step} steps; logs in {self.paths.logs}"
+        return done + (f"; model exported to {self.export}" if self.export else "")
+
 
 def _check_store(recipe: Recipe) -> None:
     """The store must open (schema), encode bases as this genolong does, and hold the splits the

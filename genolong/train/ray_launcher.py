@@ -57,7 +57,6 @@ def _worker(config: dict[str, Any]) -> None:
     worker process; Ray has set up torch.distributed)."""
     from ray.train.lightning import RayLightningEnvironment
 
-    from ..cli import finetune_done_line
     from ..config import load_recipe
     from .finetune import run
 
@@ -67,7 +66,7 @@ def _worker(config: dict[str, Any]) -> None:
     recipe = load_recipe(config["recipe"], config["overrides"])
     result = run(recipe, resume=config["resume"], environment=RayLightningEnvironment())
     if result.is_global_zero:
-        print(finetune_done_line(recipe.name, result), flush=True)
+        print(result.summary(recipe.name), flush=True)
 
 
 def launch(recipe_path: str | os.PathLike[str], overrides: Sequence[str] = (), *, resume: bool = False,
@@ -75,7 +74,8 @@ def launch(recipe_path: str | os.PathLike[str], overrides: Sequence[str] = (), *
     """Run ``genolong finetune`` on a Ray cluster (see the module docstring); returns the exit status.
 
     Args:
-        recipe_path: the YAML recipe; ``overrides``: its ``--set KEY=VALUE`` items.
+        recipe_path: the YAML recipe.
+        overrides: its ``--set KEY=VALUE`` items.
         resume: ``--resume`` (continue from the newest intact checkpoint).
         address: the Ray cluster (``ray.init``'s address: ``auto``, ``ray://HOST:10001``); None:
             ``RAY_ADDRESS``, else a local Ray instance started for the job.
@@ -94,6 +94,7 @@ def launch(recipe_path: str | os.PathLike[str], overrides: Sequence[str] = (), *
     from .preemption import auto_resume_reason
 
     recipe = load_recipe(recipe_path, overrides)
+    recipe.check_paths()  # a missing store or checkpoint: one line here, not a failure of every worker
     paths = RunPaths.of(recipe)
     existing = latest_checkpoint(paths.checkpoints)
     if existing is not None and not resume and auto_resume_reason(paths.root) is None:
