@@ -143,3 +143,25 @@ def test_ray_launcher_without_ray_is_one_line(tmp_path: Path, monkeypatch: pytes
     err = capsys.readouterr().err
     assert code == 2
     assert err.count("\n") == 1 and "pip install 'genolong[ray]'" in err and "--launcher ray" in err, err
+
+
+def test_the_error_of_a_failed_ray_job_is_the_workers_own() -> None:
+    from genolong.errors import InputError
+    from genolong.train.ray_launcher import _worker_error
+
+    class TaskError(Exception):  # as Ray wraps a worker's exception: the original in .cause
+        def __init__(self, cause: BaseException) -> None:
+            super().__init__("task failed")
+            self.cause = cause
+
+    class GroupError(Exception):
+        def __init__(self, failures: dict[int, BaseException]) -> None:
+            super().__init__("Training failed due to worker errors:")
+            self.worker_failures = failures
+
+    died = RuntimeError("actor died")
+    bad = InputError("--resume: no intact checkpoint")
+    assert _worker_error(GroupError({1: TaskError(bad), 0: TaskError(died)})) is bad  # a genolong error first
+    assert _worker_error(GroupError({1: TaskError(KeyError("x")), 0: TaskError(died)})) is died  # else the lowest rank's
+    other = ValueError("controller")
+    assert _worker_error(other) is other

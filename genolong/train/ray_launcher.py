@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
+from ..errors import GenolongError, InputError
 
 __all__ = ["RAY_RESUME_VARIABLE", "launch", "require_ray"]
 
@@ -50,6 +50,29 @@ def require_ray() -> Any:
     except ImportError as error:
         raise InputError(f"--launcher ray needs Ray Train, which is not installed ({error}); {_INSTALL}") from None
     return ray_torch
+
+
+def _worker_error(error: BaseException) -> BaseException:
+    """The error that ended a Ray Train job: the lowest rank's own exception when the workers
+    failed (unwrapped from Ray's task errors), a genolong error first; else ``error`` itself."""
+    failures = getattr(error, "worker_failures", None) or {}
+    chains: list[list[BaseException]] = []
+    for rank in sorted(failures):
+        chain: list[BaseException] = []
+        exc: BaseException | None = failures[rank]
+        while exc is not None and len(chain) < 8:  # RayTaskError(cause=...), exception chains
+            chain.append(exc)
+            exc = getattr(exc, "cause", None) or exc.__cause__
+        chains.append(chain)
+    genolong = [e for chain in chains for e in chain if isinstance(e, GenolongError)]
+    if genolong:
+        return genolong[0]
+    return chains[0][-1] if chains and chains[0] else error
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _worker(config: dict[str, Any]) -> None:
@@ -119,9 +142,12 @@ def launch(recipe_path: str | os.PathLike[str], overrides: Sequence[str] = (), *
         )
         try:
             trainer.fit()
-        except Exception as error:  # ray.train's TrainingFailedError: the workers' errors are above
-            print(f"genolong finetune: error: the Ray Train job failed after {max_failures} restart(s): "
-                  f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", file=sys.stderr)
+        except Exception as error:  # ray.train's TrainingFailedError: the workers' tracebacks are above
+            cause = _worker_error(error)
+            if isinstance(cause, GenolongError):  # the same input error on the workers: one line, status 2
+                raise cause from None
+            print(f"genolong finetune: error: the Ray Train job failed (restarts allowed: {max_failures}; the "
+                  f"workers' errors are above): {_first_line(cause)}", file=sys.stderr)
             return 1
     finally:
         if started_ray:
