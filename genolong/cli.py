@@ -48,14 +48,18 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
 
 
 def _cmd_finetune(args: argparse.Namespace) -> int:
+    if args.launcher == "ray":
+        from .train.ray_launcher import launch
+
+        return launch(args.recipe, args.set, resume=args.resume, address=args.ray_address,
+                      max_failures=args.max_failures)
     from .config import load_recipe
     from .train.finetune import run
 
     recipe = load_recipe(args.recipe, args.set)
     result = run(recipe, resume=args.resume)
     if result.is_global_zero:  # one line for the job, not one per process
-        done = f"genolong finetune: {recipe.name}: {result.global_step} steps; logs in {result.paths.logs}"
-        print(done + (f"; model exported to {result.export}" if result.export else ""))
+        print(result.summary(recipe.name))
     return 0
 
 
@@ -504,6 +508,17 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--resume", action="store_true",
                       help="continue from the newest checkpoint of this run (a run stopped by a signal, or its requeued "
                            "SLURM job, resumes without it)")
+    tune.add_argument("--launcher", choices=("lightning", "ray"), default="lightning",
+                      help="lightning (default): this process is the job, or one rank of it (Lightning starts the "
+                           "others, or joins torchrun's / SLURM's); ray: start the job's parallel.devices x "
+                           "parallel.num_nodes ranks as Ray Train workers on a Ray cluster (pip install "
+                           "'genolong[ray]'; docs/scale-out.md)")
+    tune.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                      help="with --launcher ray: the Ray cluster (auto, ray://HOST:10001; default RAY_ADDRESS, "
+                           "else a local Ray)")
+    tune.add_argument("--max-failures", type=int, default=3, metavar="N",
+                      help="with --launcher ray: start the workers again up to N times after a failure; they resume "
+                           "from the newest intact checkpoint (default: %(default)s)")
     tune.epilog = ("exit status: 0 finished; 2 an error in the input (one line); 75 stopped by a signal of "
                    "train.stop_signals (default SIGTERM, SIGUSR1: preemption, a time limit) after writing the "
                    "checkpoint of the step it was in (one line names it); under SLURM, SIGUSR1 (sbatch "

@@ -157,6 +157,8 @@ def test_auto_resume_reason(tmp_path: Path) -> None:
     assert auto_resume_reason(tmp_path, {}) is None
     assert auto_resume_reason(tmp_path, {"SLURM_RESTART_COUNT": "0"}) is None
     assert auto_resume_reason(tmp_path, {"SLURM_RESTART_COUNT": "2"}) == "SLURM job requeued, restart 2"
+    # a Ray Train worker (genolong.train.ray_launcher): a restarted worker group resumes
+    assert auto_resume_reason(tmp_path, {"GENOLONG_RAY_RESUME": "1"}) == "Ray Train started the workers again"
     (tmp_path / MARKER).write_text(json.dumps({"step": 7}))
     assert auto_resume_reason(tmp_path, {}) == f"stopped by a signal after step 7 ({tmp_path / MARKER})"
 

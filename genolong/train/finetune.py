@@ -54,6 +54,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -264,6 +265,11 @@ class FinetuneResult:
     is_global_zero: bool = True  # False on the other processes of a multi-process job
     adapter: Path | None = None  # runs/NAME/adapter/ of a model.lora run (rank 0)
 
+    def summary(self, name: str) -> str:
+        """The line a finished ``genolong finetune`` prints (rank 0): steps, logs, export."""
+        done = f"genolong finetune: {name}: {self.global_step} steps; logs in {self.paths.logs}"
+        return done + (f"; model exported to {self.export}" if self.export else "")
+
 
 def _check_store(recipe: Recipe) -> None:
     """The store must open (schema), encode bases as this genolong does, and hold the splits the
@@ -355,7 +361,7 @@ def _merged_export(model: GenoLM) -> GenoLM:
     return merge_lora(model)
 
 
-def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback]) -> L.Trainer:
+def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback], environment: ClusterEnvironment | None = None) -> L.Trainer:
     p, t = recipe.parallel, recipe.train
     accelerator = "cuda" if p.accelerator == "gpu" else p.accelerator
     loggers: list[Any] = []
@@ -398,6 +404,8 @@ def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback]) -> L.
         num_sanity_val_steps=0,
         deterministic=False,
         default_root_dir=paths.root,
+        # a launcher's own (Ray Train's); None: Lightning's detection (SLURM, torchrun, its own)
+        plugins=[environment] if environment is not None else None,
     )
     # signals stop the run at a step boundary, with a checkpoint (genolong.train.preemption)
     trainer._signal_connector = StopSignalConnector(trainer, SignalFlag(t.stop_signals))
@@ -410,8 +418,10 @@ def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback]) -> L.
 _RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
-def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
-    """Train ``recipe``; returns where things went. Lightning's banners, tips and its own warnings
+def run(recipe: Recipe, resume: bool = False, environment: ClusterEnvironment | None = None) -> FinetuneResult:
+    """Train ``recipe``; returns where things went. ``environment``: the cluster environment of the
+    launcher that started this process (Ray Train's, :mod:`genolong.train.ray_launcher`), or None
+    for Lightning's own detection. Lightning's banners, tips and its own warnings
     are hidden unless ``--verbose``, and the other ranks of a multi-process job print errors only
     (:func:`genolong.console.quiet_run`).
 
@@ -423,7 +433,7 @@ def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
     rendezvous = {name: os.environ.get(name) for name in _RENDEZVOUS_VARIABLES}
     try:
         with quiet_run():
-            return _run(recipe, resume)
+            return _run(recipe, resume, environment)
     finally:
         # Lightning starts a process group even for one process and sets the launcher's variables
         # (_RENDEZVOUS_VARIABLES), and never undoes either: a one-process run called as a library
@@ -440,7 +450,7 @@ def run(recipe: Recipe, resume: bool = False) -> FinetuneResult:
                     os.environ[name] = value
 
 
-def _run(recipe: Recipe, resume: bool) -> FinetuneResult:
+def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = None) -> FinetuneResult:
     recipe.check_paths()
     config = recipe.model_config()
     vocab = recipe.vocab_map(config)
@@ -503,7 +513,8 @@ def _run(recipe: Recipe, resume: bool) -> FinetuneResult:
     # the recipe is written once the processes know their ranks (rank 0 writes, the others wait):
     # every rank of a job runs this function, on a cluster at the same instant
     stall = StallReport(recipe.parallel.timeout_s)
-    trainer = _trainer(recipe, paths, [SaveRecipe(recipe, paths.root / "recipe.yaml"), checkpoints, StepMetrics(paths.steps), stall])
+    trainer = _trainer(recipe, paths, [SaveRecipe(recipe, paths.root / "recipe.yaml"), checkpoints, StepMetrics(paths.steps), stall],
+                       environment)
     # the module logs eval/* already summed over all ranks (Lightning cannot know)
     warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting", category=UserWarning)
     # a rank that stops answering ends the others within parallel.timeout_s, with one line naming it

@@ -118,8 +118,9 @@ def requeue_slurm_job(environ: Mapping[str, str] = os.environ) -> str:
 
 def auto_resume_reason(root: Path, environ: Mapping[str, str] = os.environ) -> str | None:
     """Why a run started without ``--resume`` over existing checkpoints resumes anyway, or None
-    (then it refuses them): the preemption marker in ``root`` (the run directory), or a requeued
-    SLURM job (``SLURM_RESTART_COUNT`` > 0)."""
+    (then it refuses them): the preemption marker in ``root`` (the run directory), a requeued
+    SLURM job (``SLURM_RESTART_COUNT`` > 0), or a Ray Train worker (``GENOLONG_RAY_RESUME=1``, set
+    by :mod:`genolong.train.ray_launcher`: a worker group started again after a failure)."""
     marker = root / MARKER
     if marker.is_file():
         try:
@@ -130,6 +131,10 @@ def auto_resume_reason(root: Path, environ: Mapping[str, str] = os.environ) -> s
     restarts = environ.get("SLURM_RESTART_COUNT", "")
     if restarts.isdigit() and int(restarts) > 0:
         return f"SLURM job requeued, restart {restarts}"
+    if environ.get("GENOLONG_RAY_RESUME") == "1":
+        # a Ray Train worker (genolong.train.ray_launcher): the driver refused a fresh run over old
+        # checkpoints before starting the workers, so checkpoints here are this job's own
+        return "Ray Train started the workers again"
     return None
 
 
