@@ -11,6 +11,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -21,6 +25,7 @@ import torch
 from genolong.config import load_recipe
 from genolong.integrity import check_weights
 from genolong.train import read_step_log
+from genolong.train.async_checkpoint import first_difference
 from genolong.train.finetune import AtomicModelParallelStrategy, run
 
 from .test_disk_full import _genolong, _leftovers, _the_line
@@ -33,23 +38,6 @@ def _tiny(tmp_path: Path, store: Path, name: str, async_save: bool, steps: int =
     return _recipe(tmp_path, store, name, train={"max_steps": steps, "warmup_steps": 0}, eval={"every_n_steps": 0},
                    data={"store": str(store), "context": 64},
                    checkpoint={"every_n_steps": every, "keep_last": keep_last, "async_save": async_save})
-
-
-def _same(a: object, b: object, where: str) -> None:
-    """Nested checkpoint contents equal: tensors bit for bit (dtype, shape, strides), the rest ==."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), where
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), (where, a.keys() if isinstance(a, dict) else a)
-        for k in a:
-            _same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
 
 
 def _renamed(x: object) -> object:
@@ -73,7 +61,7 @@ def _same_checkpoint(a: Path, b: Path) -> None:
     ca, cb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
     for c in (ca, cb):
         c["genolong"].pop("recipe")
-    _same(ca, _renamed(cb), a.name)
+    assert first_difference(ca, _renamed(cb)) is None, a.name
 
 
 def test_async_checkpoints_equal_sync_ones_bitwise(sample_store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,3 +117,59 @@ def test_resume_from_an_async_checkpoint_is_exact(sample_store: Path, tmp_path: 
     assert [second[s]["train/loss"] for s in (3, 4)] == [first[s]["train/loss"] for s in (3, 4)]
     again = torch.load(root / "checkpoints" / "step0000004.ckpt", weights_only=True)["state_dict"]
     assert again.keys() == export.keys() and all(torch.equal(again[k], export[k]) for k in export)  # one thread: exact
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_hash_their_own_shards_and_verify_them_on_resume(sample_store: Path, tmp_path: Path) -> None:
+    """A torchrun dp = 2 job with async saves: each checkpoint's manifest lists every file, with the
+    sizes and checksums a full re-hash computes (each rank hashed its own shard); a changed byte in
+    rank 1's shard stops ``--resume`` with one line naming it; the intact checkpoint resumes exactly."""
+    import subprocess
+
+    import yaml
+
+    from genolong.integrity import MANIFEST_NAME, file_checksum
+
+    from .test_finetune_distributed import _finetune as _job
+    from .test_finetune_distributed import _recipe as _job_recipe
+
+    recipe = _job_recipe(tmp_path, sample_store, "dp2", {"devices": 2, "cp": 1})
+    data = yaml.safe_load(recipe.read_text())
+    data["checkpoint"]["async_save"] = True
+    data["eval"]["every_n_steps"] = 0
+    recipe.write_text(yaml.safe_dump(data))
+    _job(recipe, torchrun=2)
+    checkpoints = tmp_path / "runs" / "dp2" / "checkpoints"
+    for step in (2, 4):
+        directory = checkpoints / f"step{step:07d}.ckpt"
+        manifest = json.loads((directory / MANIFEST_NAME).read_text())["files"]
+        files = sorted(p.name for p in directory.iterdir() if p.name != MANIFEST_NAME)
+        assert sorted(manifest) == files and {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"} <= set(files)
+        for name in files:
+            assert manifest[name] == {"bytes": (directory / name).stat().st_size, "crc32": file_checksum(directory / name)}, name
+
+    log = tmp_path / "runs" / "dp2" / "logs" / "steps.jsonl"
+    first = read_step_log(log)
+    shutil.rmtree(checkpoints / "step0000004.ckpt")
+    log.rename(log.with_name("first.jsonl"))
+    shard = checkpoints / "step0000002.ckpt" / "__1_0.distcp"
+    original = shard.read_bytes()
+    damaged = bytearray(original)
+    damaged[len(damaged) // 2] ^= 0xFF
+    shard.write_bytes(bytes(damaged))
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    failed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                             "genolong.cli", "finetune", str(recipe), "--resume"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert failed.returncode != 0
+    assert "__1_0.distcp is damaged (crc32 checksum differs" in failed.stderr, failed.stderr[-3000:]
+    # one line per rank; the only traceback is torchrun's own report of a failed child (no genolong frame)
+    assert "/genolong/" not in failed.stderr, failed.stderr[-3000:]
+    shard.write_bytes(original)
+    if log.exists():
+        log.unlink()
+    _job(recipe, "--resume", torchrun=2)
+    resumed = read_step_log(log)
+    assert sorted(resumed) == [3, 4]
+    assert [resumed[s]["train/loss"] for s in (3, 4)] == [first[s]["train/loss"] for s in (3, 4)]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["BackgroundWriter", "snapshot"]
+__all__ = ["BackgroundWriter", "first_difference", "snapshot"]
 
 
 def _copy_tensor(t: torch.Tensor, storages: dict[tuple[int, int, str], torch.UntypedStorage]) -> torch.Tensor:
@@ -110,3 +110,25 @@ class BackgroundWriter:
     def close(self) -> None:
         """Wait for the queued writes (errors are left to :meth:`wait`) and stop the thread."""
         self._pool.shutdown(wait=True)
+
+
+def first_difference(a: Any, b: Any, where: str = "") -> str | None:
+    """Where two (nested) checkpoint states differ, or None when they are the same: tensors bit for
+    bit (dtype, shape, strides and every byte), dicts by keys, lists and tuples by items, anything
+    else by ``==``. For checking that an asynchronous checkpoint is the synchronous one."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return where or "."
+        if a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride():
+            return where or "."
+        same = torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        return None if same else (where or ".")
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{where} (keys)"
+        return next((d for k in a if (d := first_difference(a[k], b[k], f"{where}.{k}")) is not None), None)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return f"{where} (length)"
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := first_difference(x, y, f"{where}[{i}]")) is not None), None)
+    return None if a == b else (where or ".")
