@@ -173,3 +173,27 @@ def test_two_ranks_hash_their_own_shards_and_verify_them_on_resume(sample_store:
     resumed = read_step_log(log)
     assert sorted(resumed) == [3, 4]
     assert [resumed[s]["train/loss"] for s in (3, 4)] == [first[s]["train/loss"] for s in (3, 4)]
+
+
+def test_the_manifest_from_the_ranks_digests_equals_a_full_rehash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 hashes only what no rank vouched for (``.metadata``, ``meta.pt``); the manifest is
+    the one a full re-hash writes; ``check_weights(shards=(rank, world))`` hashes that rank's shard."""
+    from genolong import integrity
+
+    directory = tmp_path / "step0000002.ckpt"
+    directory.mkdir()
+    for name, size in ((".metadata", 100), ("__0_0.distcp", 3000), ("__1_0.distcp", 2000), ("meta.pt", 50)):
+        (directory / name).write_bytes(bytes(range(256)) * (size // 256) + bytes(size % 256))
+    full = integrity.write_manifest(directory).read_bytes()
+    hashed: list[str] = []
+    real = integrity.file_checksum
+    monkeypatch.setattr(integrity, "file_checksum", lambda path, *a: hashed.append(Path(path).name) or real(path, *a))
+    known = {**integrity.shard_entries(directory, 0), **integrity.shard_entries(directory, 1)}
+    assert sorted(hashed) == ["__0_0.distcp", "__1_0.distcp"]  # each by "its" rank
+    hashed.clear()
+    assert integrity.write_manifest(directory, known=known).read_bytes() == full
+    assert sorted(hashed) == [".metadata", "meta.pt"]
+    hashed.clear()
+    monkeypatch.setattr(integrity, "_kind", lambda path: "none")  # the checksums only (fake DCP files)
+    integrity.check_weights(directory, shards=(1, 2))
+    assert sorted(hashed) == [".metadata", "__1_0.distcp", "meta.pt"]
