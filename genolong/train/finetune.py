@@ -18,6 +18,12 @@ step in progress on every rank, writes that step's checkpoint, and exits with st
 line naming it (:mod:`genolong.train.preemption`); under SLURM, SIGUSR1 also requeues the job.
 Started again (or requeued), such a run resumes by itself, without ``--resume``.
 
+With ``checkpoint.async_save`` a save copies the step's state to host memory and a background
+thread writes it (:mod:`genolong.train.async_checkpoint`): the same checkpoint, at most one in
+flight, the last one complete before the export and before :func:`run` returns; a failed write is
+raised at the next step boundary (one process) or the next save (a job). In a multi-process run
+each rank hashes its own shard for the manifest, and checks its own shard on resume.
+
 ``--resume`` continues from the newest intact checkpoint in ``checkpoints/`` (each is checked
 against the checksum manifest written with it; a damaged newer one is named on stderr): the model, optimiser,
 schedule, loop counters, MoE routing biases and the window stream, so the losses of the steps that
