@@ -27,6 +27,9 @@ def _copy_tensor(t: torch.Tensor, storages: dict[tuple[int, int, str], torch.Unt
     """A host copy of ``t`` with the same dtype, shape, strides and storage offset; tensors that
     shared a storage share the copy's (so ``torch.save`` writes the same bytes)."""
     if isinstance(t, DTensor):
+        if t.device.type != "cpu":
+            # from_local would move a host shard back to the mesh's device: DCP's own staging does this
+            return t.detach().to("cpu")
         local = _copy_tensor(t.to_local(), storages)
         return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
     t = t.detach()
