@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import os
+import re
 import struct
 import zipfile
 import zlib
@@ -47,7 +48,7 @@ from .errors import InputError
 from .files import replace_file
 
 __all__ = ["ALGORITHM", "DamagedFileError", "MANIFEST_NAME", "check_weights", "manifest_path", "remove_manifest",
-           "write_manifest"]
+           "shard_entries", "write_manifest"]
 
 log = logging.getLogger("genolong")
 
@@ -67,6 +68,8 @@ _SAFETENSORS_DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3":
                            "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 DCP_METADATA = ".metadata"
 LIGHTNING_META = "meta.pt"
+#: a rank's shard file in a DCP directory (FileSystemWriter: ``__<rank>_<file>.distcp``)
+_SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 class DamagedFileError(InputError):
@@ -144,8 +147,27 @@ def _self_checksum(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+def _shard_rank(name: str) -> int | None:
+    """The rank that wrote a DCP shard file of this name, or None for any other file."""
+    m = _SHARD.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _entry(file: Path, digest: str, algorithm: str) -> dict[str, Any]:
+    return {"bytes": file.stat().st_size, algorithm: digest}
+
+
+def shard_entries(directory: str | os.PathLike[str], rank: int, algorithm: str = ALGORITHM) -> dict[str, dict[str, Any]]:
+    """The manifest entries (name -> size and checksum) of the shard files ``rank`` wrote into a DCP
+    directory: what each rank of a job computes for its own shard, for rank 0's
+    :func:`write_manifest` (``known=``), so that no rank reads another's shard back."""
+    path = Path(directory)
+    files = sorted(p for p in path.iterdir() if p.is_file() and _shard_rank(p.name) == rank)
+    return {f.name: _entry(f, d, algorithm) for f, d in zip(files, _checksums(files, algorithm))}
+
+
 def write_manifest(checkpoint: str | os.PathLike[str], final: str | os.PathLike[str] | None = None,
-                   algorithm: str = ALGORITHM) -> Path:
+                   algorithm: str = ALGORITHM, known: dict[str, dict[str, Any]] | None = None) -> Path:
     """Write the checksum manifest of a complete checkpoint (file or directory), atomically.
 
     Args:
@@ -154,15 +176,22 @@ def write_manifest(checkpoint: str | os.PathLike[str], final: str | os.PathLike[
             its manifest is written beside that name (a directory's goes inside it, and moves
             with it). Default: ``checkpoint`` itself.
         algorithm: ``crc32`` (default) or ``sha256``.
+        known: entries already computed (:func:`shard_entries`: the shards each rank hashed); the
+            files not in it are hashed here. Every file of the checkpoint is listed either way.
 
     Returns:
         The manifest's path.
     """
     path = Path(checkpoint)
     final_path = Path(final) if final is not None and not path.is_dir() else path
+    known = dict(known or {})
     listed = list(_data_files(path, final_path.name))
-    sums = _checksums([file for _, file in listed], algorithm)
-    files = {name: {"bytes": file.stat().st_size, algorithm: digest} for (name, file), digest in zip(listed, sums)}
+    missing = set(known) - {name for name, _ in listed}
+    assert not missing, f"manifest entries for files not in {path}: {sorted(missing)}"
+    todo = [(name, file) for name, file in listed if name not in known or algorithm not in known[name]]
+    sums = _checksums([file for _, file in todo], algorithm)
+    known.update({name: _entry(file, digest, algorithm) for (name, file), digest in zip(todo, sums)})
+    files = {name: known[name] for name, _ in listed}
     body = {"format": _FORMAT, "version": _VERSION, "algorithm": algorithm, "files": files}
     text = json.dumps({**body, "manifest_sha256": _self_checksum(body)}, indent=1) + "\n"
     out = manifest_path(path) if path.is_dir() else final_path.with_name(final_path.name + FILE_MANIFEST_SUFFIX)
@@ -333,11 +362,16 @@ def _signature(path: Path) -> tuple[Any, ...]:
     return (str(path.resolve()), *((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files))
 
 
-def check_weights(checkpoint: str | os.PathLike[str]) -> bool:
+def check_weights(checkpoint: str | os.PathLike[str], shards: tuple[int, int] | None = None) -> bool:
     """Check a weights directory or checkpoint (file or DCP directory) before it is read.
 
     Sizes against the manifest, then the checksums, then the format's structure (see the module
     docstring). A checkpoint that passed in this process, unchanged since, is not read again.
+
+    ``shards=(rank, world)`` (a rank of a multi-process job, on a DCP directory): the checksums of
+    the shard files of the ranks ``i`` with ``i % world == rank`` only (its own shard when the job
+    has the writer's size; ``world=0``: no shard), every other file and every size checked as usual;
+    together the ranks of a job read each shard once. Default: every file.
 
     Returns:
         True when a manifest vouched for every file, False when there was none (logged).
@@ -346,7 +380,7 @@ def check_weights(checkpoint: str | os.PathLike[str]) -> bool:
         DamagedFileError: the one-line description of the first problem found.
     """
     path = Path(checkpoint)
-    signature = _signature(path)
+    signature = (*_signature(path), shards)
     manifest = _read_manifest(path)
     if signature in _VERIFIED:
         return manifest is not None
@@ -361,8 +395,13 @@ def check_weights(checkpoint: str | os.PathLike[str]) -> bool:
             raise DamagedFileError(file, _truncated(size, expected, "written (checksum manifest)"))
         if size > expected:
             raise DamagedFileError(file, f"{size:,} bytes where {expected:,} were written (checksum manifest)")
-    files = [_target(path, name) for name in listed]
-    for (name, entry), file, digest in zip(listed.items(), files, _checksums(files, algorithm)):
+    def mine(name: str) -> bool:
+        owner = _shard_rank(name)
+        return shards is None or owner is None or (shards[1] > 0 and owner % shards[1] == shards[0])
+
+    hashed = {name: entry for name, entry in listed.items() if mine(name)}
+    files = [_target(path, name) for name in hashed]
+    for (name, entry), file, digest in zip(hashed.items(), files, _checksums(files, algorithm)):
         if digest != entry.get(algorithm):
             raise DamagedFileError(file, f"{algorithm} checksum differs from the one written: the file changed after "
                                          "it was written (bit rot, a bad copy or an edit)")

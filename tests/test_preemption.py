@@ -42,11 +42,11 @@ import os, sys, time
 from pathlib import Path
 import genolong.train.finetune as f
 write = f.write_manifest
-def slow(tmp, final):
+def slow(tmp, final, **kwargs):
     flags = Path(os.environ["SAVE_FLAGS"])
     (flags / ("saving-" + Path(final).name)).touch()
     time.sleep(2.0)
-    write(tmp, final=final)
+    write(tmp, final=final, **kwargs)
     (flags / ("saved-" + Path(final).name)).touch()
 f.write_manifest = slow
 from genolong.cli import main

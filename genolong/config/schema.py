@@ -432,12 +432,19 @@ class CheckpointSection:
         keep_last: keep this many most recent checkpoints. Default 2.
         export_safetensors: at the end, also write the model in the GLM-5.3-Flash checkpoint
             format (config.json + safetensors) beside the checkpoints. Default True.
+        async_save: write each checkpoint in the background while the next steps train: the
+            state is copied to host memory at the step boundary (the only stall), then written,
+            checksummed and renamed into place by a background thread, at most one save in flight;
+            a failed write ends the run at the next step boundary. Default False: the copy costs
+            host memory the size of this rank's checkpoint (~73 GB per rank for GLM-5.3-Flash on
+            64 ranks), which the long-context recipes need for activation offload.
     """
 
     dir: _Path | None = None
     every_n_steps: _NonNegInt = 100
     keep_last: _Count = 2
     export_safetensors: StrictBool = True
+    async_save: StrictBool = False
 
 
 @_section

@@ -18,6 +18,12 @@ step in progress on every rank, writes that step's checkpoint, and exits with st
 line naming it (:mod:`genolong.train.preemption`); under SLURM, SIGUSR1 also requeues the job.
 Started again (or requeued), such a run resumes by itself, without ``--resume``.
 
+With ``checkpoint.async_save`` a save copies the step's state to host memory and a background
+thread writes it (:mod:`genolong.train.async_checkpoint`): the same checkpoint, at most one in
+flight, the last one complete before the export and before :func:`run` returns; a failed write is
+raised at the next step boundary (one process) or the next save (a job). In a multi-process run
+each rank hashes its own shard for the manifest, and checks its own shard on resume.
+
 ``--resume`` continues from the newest intact checkpoint in ``checkpoints/`` (each is checked
 against the checksum manifest written with it; a damaged newer one is named on stderr): the model, optimiser,
 schedule, loop counters, MoE routing biases and the window stream, so the losses of the steps that
@@ -39,6 +45,7 @@ consecutive ranks, checkpoints and the export in the one-process layout) and FSD
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -70,12 +77,13 @@ from ..data.datamodule import GenomeDataModule
 from ..data.store import GenomeStore
 from ..errors import InputError, Stopped
 from ..files import fsync, fsync_tree, writing
-from ..integrity import DamagedFileError, check_weights, remove_manifest, write_manifest
+from ..integrity import DamagedFileError, check_weights, remove_manifest, shard_entries, write_manifest
 from ..model.lm import GenoLM
 from ..model.vocab import VocabMap
 from ..parallel import parallelize
 from ..parallel.timeout import describe_stall, in_frames, stall_guard
 from ..signals import SignalFlag
+from .async_checkpoint import BackgroundWriter, snapshot
 from .callbacks import SaveRecipe, StepMetrics, TrainingBar
 from .module import GenoLMModule, OptimSettings
 from .preemption import RunCheckpoint, StopSignalConnector, auto_resume_reason, remove_marker
@@ -96,8 +104,17 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
     were and no partial file under a checkpoint name.
     """
 
+    def __init__(self, *args: Any, async_save: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: ``checkpoint.async_save``: the write of a save runs here while training goes on
+        self.writer: BackgroundWriter | None = BackgroundWriter() if async_save else None
+        self._checkpoint_group: dist.ProcessGroup | None = None
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any = None) -> None:
         path = Path(self.broadcast(str(filepath)))
+        if self.writer is not None:
+            # at most one save in flight: the previous one is complete (or its error raised) first
+            self.writer.wait()
         # one temporary name for the whole job: in a multi-process run every rank writes its shard
         # into the same DCP directory; rank 0 alone clears a killed run's leftover first (the
         # others wait, so nobody writes into a directory being deleted) and renames at the end,
@@ -106,14 +123,53 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         if self.is_global_zero:
             _remove(tmp)
         self.barrier("genolong_checkpoint_start")
+        needed = _tensor_bytes(checkpoint)
+        if self.writer is None:
+            self._write(checkpoint, path, tmp, needed, group=None)
+            self.barrier("genolong_checkpoint")
+            return
+        # the state of this step, copied now (the only wait): the next optimiser step cannot change it
+        state = snapshot(checkpoint)
+        group = self._background_group()
+        self.writer.submit(functools.partial(self._write, state, path, tmp, needed, group))
+
+    def _background_group(self) -> dist.ProcessGroup | None:
+        """A process group of its own for the background writes' collectives (DCP's plan and
+        finish, the shard digests), so that they never interleave with the training's on the
+        default group; None in a one-process run (no collective)."""
+        if not self._save_distributed_checkpoint:
+            return None
+        if self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        return self._checkpoint_group
+
+    def _write(self, checkpoint: dict[str, Any], path: Path, tmp: Path, needed: int, group: dist.ProcessGroup | None) -> None:
+        """Write ``checkpoint`` to ``tmp``, its manifest, then rename it to ``path`` (rank 0). In a
+        multi-process run each rank hashes its own shard and rank 0 writes the manifest from the
+        gathered digests. Runs in the training thread, or (``async_save``) in the background with
+        ``group`` for the collectives."""
+        distributed = self._save_distributed_checkpoint
         try:
             # a full disk or a file-size limit: one error naming the checkpoint and its size
-            with writing(path, needed=_tensor_bytes(checkpoint), work=tmp):
-                super().save_checkpoint(checkpoint, tmp, storage_options)
+            with writing(path, needed=needed, work=tmp):
+                known: dict[str, dict[str, Any]] = {}
+                if distributed:
+                    _save_dcp(checkpoint, tmp, group, self.is_global_zero)
+                    # each rank hashes the shard it wrote, from the page cache; rank 0 gets the digests
+                    joined = dist.is_available() and dist.is_initialized()
+                    mine = shard_entries(tmp, dist.get_rank(group) if joined else 0)
+                    gathered: list[dict[str, dict[str, Any]] | None] = [mine]
+                    if joined:
+                        gathered = [None] * dist.get_world_size(group)
+                        dist.all_gather_object(gathered, mine, group=group)
+                    for entries in gathered:
+                        known.update(entries or {})
+                elif self.is_global_zero:
+                    self.checkpoint_io.save_checkpoint(checkpoint, tmp)
                 if self.is_global_zero:
                     # the data is complete: its checksums, then the checkpoint under its name (a file's
                     # manifest first, so that no checkpoint file is ever seen without its manifest)
-                    write_manifest(tmp, final=path)
+                    write_manifest(tmp, final=path, known=known)
                     fsync_tree(tmp)
                     if path.is_dir():  # a resumed run saving again the step of a damaged DCP directory
                         _remove(path)
@@ -125,13 +181,43 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
                 if not path.exists():
                     remove_manifest(path)
             raise
-        self.barrier("genolong_checkpoint")
+        if group is not None:
+            dist.barrier(group=group)
+
+    def finish_saves(self, raise_error: bool = True) -> None:
+        """Wait for the background save in flight (``async_save``): the last checkpoint is complete
+        when this returns. Its error is raised, or with ``raise_error=False`` (another error is
+        already on its way) printed as one line on stderr."""
+        if self.writer is None:
+            return
+        try:
+            self.writer.wait()
+        except BaseException as error:
+            if raise_error:
+                raise
+            if self.is_global_zero:
+                print(f"genolong: the last checkpoint was not written: {error}", file=sys.stderr, flush=True)
 
     def remove_checkpoint(self, filepath: str | os.PathLike[str]) -> None:
-        """Lightning's removal (``checkpoint.keep_last``), with the manifest beside a checkpoint file."""
-        super().remove_checkpoint(filepath)
-        if self.is_global_zero:
-            remove_manifest(filepath)
+        """Lightning's removal (``checkpoint.keep_last``), with the manifest beside a checkpoint file;
+        with ``async_save``, once the newer checkpoint being written is in place (never if its write fails)."""
+
+        def remove() -> None:
+            super(AtomicModelParallelStrategy, self).remove_checkpoint(filepath)
+            if self.is_global_zero:
+                remove_manifest(filepath)
+
+        if self.writer is None:
+            remove()
+        else:
+            self.writer.then(remove)
+
+    def teardown(self) -> None:
+        # the pending save must not be lost, nor race the process group's end; its error is raised by finish_saves
+        if self.writer is not None:
+            with contextlib.suppress(BaseException):
+                self.writer.close()
+        super().teardown()
 
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's loader for sharded (DTensor) models; for a plain, unsharded model (one
@@ -139,6 +225,7 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         otherwise: model and optimiser states are set here, the rest is returned to Lightning."""
         assert self.model is not None and self.lightning_module is not None
         if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            self._check_shards(Path(self.broadcast(str(checkpoint_path))))
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         path = Path(self.broadcast(str(checkpoint_path)))
         checkpoint = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
@@ -148,6 +235,44 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
             optimizer.load_state_dict(state)
         return checkpoint
+
+
+    def _check_shards(self, path: Path) -> None:
+        """Each rank checks the checksums of its own shard of a DCP checkpoint (the rest was checked
+        before the run started, :func:`intact_checkpoint`); a damaged shard found by any rank is
+        raised on every rank.
+
+        Raises:
+            DamagedFileError: the first damaged shard, named.
+        """
+        if not path.is_dir():
+            return
+        found: DamagedFileError | None = None
+        try:
+            check_weights(path, shards=(self.global_rank, self.world_size))
+        except DamagedFileError as error:
+            found = error
+        reports: list[tuple[str, str] | None] = [None] * self.world_size
+        dist.all_gather_object(reports, None if found is None else (str(found.file), found.problem))
+        for report in reports:
+            if report is not None:
+                raise DamagedFileError(Path(report[0]), report[1], f"move {path.name} away and run with --resume "
+                                       "again to resume from an older checkpoint") from None
+
+
+def _save_dcp(checkpoint: dict[str, Any], path: Path, group: dist.ProcessGroup | None, is_global_zero: bool) -> None:
+    """Lightning's sharded checkpoint (``ModelParallelStrategy.save_checkpoint``): the model and
+    optimiser states with torch.distributed.checkpoint (collectives on ``group``), the rest in
+    ``meta.pt`` by rank 0."""
+    from torch.distributed.checkpoint import save
+
+    path.mkdir(parents=True, exist_ok=True)
+    state = dict(checkpoint)
+    converted = {"state_dict": state.pop("state_dict")}
+    converted.update({f"optimizer_{i}": s for i, s in enumerate(state.pop("optimizer_states", []))})
+    save(converted, checkpoint_id=path, process_group=group)
+    if is_global_zero:
+        torch.save(state, path / "meta.pt")
 
 
 def _tensor_bytes(state: Any) -> int:
@@ -224,10 +349,12 @@ def _damage(checkpoint: Path, error: DamagedFileError) -> str:
     return f"{inside}: {error.problem}"
 
 
-def intact_checkpoint(directory: Path) -> Path | None:
+def intact_checkpoint(directory: Path, hash_shards: bool = True) -> Path | None:
     """The newest ``step*.ckpt`` in ``directory`` that passes its checks
     (:func:`genolong.integrity.check_weights`: the checksum manifest, the file format), or None
-    when there is no checkpoint at all. Each newer damaged one is named in one line on stderr
+    when there is no checkpoint at all. ``hash_shards=False`` (the ranks of a multi-process job):
+    the checksums of the DCP shard files are left to the rank that reads each
+    (:meth:`AtomicModelParallelStrategy.load_checkpoint`), their sizes checked here. Each newer damaged one is named in one line on stderr
     (``step0000020.ckpt is damaged (truncated: ...); resuming from step0000010.ckpt``), by rank 0.
 
     Raises:
@@ -236,7 +363,7 @@ def intact_checkpoint(directory: Path) -> Path | None:
     damaged: list[tuple[Path, DamagedFileError]] = []
     for checkpoint in _checkpoints(directory):
         try:
-            check_weights(checkpoint)
+            check_weights(checkpoint, shards=None if hash_shards else (0, 0))
         except DamagedFileError as error:
             damaged.append((checkpoint, error))
             continue
@@ -376,6 +503,7 @@ def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback], envir
         save_distributed_checkpoint=p.world_size > 1,
         # the default group's timeout (and its rendezvous'); the sub-groups get it from build_mesh
         timeout=timedelta(seconds=p.timeout_s),
+        async_save=recipe.checkpoint.async_save,
     )
     every = recipe.eval.every_n_steps
     if recipe.logging.progress_bar:  # genolong's one bar, instead of Lightning's per-epoch and validation bars
@@ -456,10 +584,11 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
     vocab = recipe.vocab_map(config)
     _check_store(recipe)
     paths = RunPaths.of(recipe)
-    resume_from = intact_checkpoint(paths.checkpoints) if resume else latest_checkpoint(paths.checkpoints)
+    one = recipe.parallel.world_size == 1
+    resume_from = intact_checkpoint(paths.checkpoints, one) if resume else latest_checkpoint(paths.checkpoints)
     if not resume and resume_from is not None and (reason := auto_resume_reason(paths.root)) is not None:
         # a run stopped by a signal, or its requeued SLURM job, continues by itself
-        resume, resume_from = True, intact_checkpoint(paths.checkpoints)
+        resume, resume_from = True, intact_checkpoint(paths.checkpoints, one)
         if is_rank_zero() and resume_from is not None:
             print(f"genolong: resuming from {resume_from.name}: {reason}", file=sys.stderr, flush=True)
     if resume and resume_from is None:
@@ -513,26 +642,48 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
     # the recipe is written once the processes know their ranks (rank 0 writes, the others wait):
     # every rank of a job runs this function, on a cluster at the same instant
     stall = StallReport(recipe.parallel.timeout_s)
-    trainer = _trainer(recipe, paths, [SaveRecipe(recipe, paths.root / "recipe.yaml"), checkpoints, StepMetrics(paths.steps), stall],
-                       environment)
+    callbacks = [SaveRecipe(recipe, paths.root / "recipe.yaml"), checkpoints, StepMetrics(paths.steps), stall]
+    if recipe.checkpoint.async_save and recipe.parallel.world_size == 1:
+        # one process: a failed background save ends the run at the next step boundary (a job's
+        # ranks find it at the next save, together: one rank alone must not leave the collectives)
+        callbacks.append(SaveCheck())
+    trainer = _trainer(recipe, paths, callbacks, environment)
     # the module logs eval/* already summed over all ranks (Lightning cannot know)
     warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting", category=UserWarning)
     # a rank that stops answering ends the others within parallel.timeout_s, with one line naming it
     # (StallReport names it while the trainer still knows where it was, before Lightning's teardown)
+    strategy = trainer.strategy
+    assert isinstance(strategy, AtomicModelParallelStrategy)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from if resume else None, weights_only=True)
+        strategy.finish_saves()  # the last checkpoint is complete before the export and the return
     except SIGTERMException:
+        strategy.finish_saves()  # the stop step's checkpoint, complete before the line that names it
         # Lightning's exit after RunCheckpoint saved the step where a stop signal was agreed
         stop = trainer._signal_connector.preemption if isinstance(trainer._signal_connector, StopSignalConnector) else None
         if stop is None:
             raise
         raise Stopped(stop.message(), show=trainer.is_global_zero) from None
     except Exception:
+        # the save in flight completes (the last good state on disk); a failure of it is named too
+        strategy.finish_saves(raise_error=False)
         if stall.error is not None:
             raise stall.error from None
         raise
     with stall_guard(recipe.parallel.timeout_s, lambda exc: "writing the export"):
         return _export(recipe, paths, trainer, module, resume_from if resume else None)
+
+
+class SaveCheck(L.Callback):
+    """Raises the error of a failed background save (``checkpoint.async_save``; a
+    :class:`~genolong.errors.DiskFullError`, say) at the end of the next training batch."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        strategy = trainer.strategy
+        writer = strategy.writer if isinstance(strategy, AtomicModelParallelStrategy) else None
+        if writer is not None and writer.failed() is not None:
+            writer.wait()
 
 
 class StallReport(L.Callback):
