@@ -272,3 +272,77 @@ def test_two_ranks_stop_at_the_same_step_when_one_got_the_signal(sample_store: P
     check_weights(checkpoint)
     assert "Traceback" not in err and sum("stopped by SIGTERM" in line for line in err.splitlines()) == 1, err
     assert err.strip().splitlines()[-1].startswith(f"genolong finetune: stopped by SIGTERM after step {reached}; ")
+
+
+def _torchrun(recipe: Path) -> subprocess.Popen:
+    """``torchrun --standalone --nproc-per-node 2 -m genolong.cli finetune RECIPE`` (``torchrun`` is
+    ``python -m torch.distributed.run``); its pid is the agent's, the parent of the two workers."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "genolong.cli", "finetune", str(recipe)]
+    return subprocess.Popen(command, cwd=recipe.parent, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# torchrun's own status when its agent was signalled: the agent forwards the signal to the workers,
+# waits for them (up to its --shutdown-timeout), then re-raises its SignalException, whatever the
+# workers' status (75 each): documented in docs/scale-out.md ("Preemption and time limits")
+_TORCHRUN_SIGNALLED_EXIT_CODE = 1
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_dp2_agent_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes_exactly(
+        sample_store: Path, tmp_path: Path) -> None:
+    """torchrun dp 2 as a cluster stops it: SIGTERM to the torchrun agent (SLURM's and Kubernetes'
+    target) once step 1 is logged. The agent forwards it to both workers; they finish the same step,
+    write its sharded checkpoint (intact), rank 0 prints one line, and torchrun exits 1 (its own
+    status, not 0). The same torchrun command again resumes by itself (the marker); every step's loss
+    and the export equal an uninterrupted torchrun dp 2 run's, bitwise (one thread per process)."""
+
+    def dp2(name: str) -> Path:
+        recipe = _recipe(tmp_path, sample_store, name)
+        raw = yaml.safe_load(recipe.read_text())
+        raw["parallel"]["devices"] = 2  # must match torchrun's --nproc-per-node (Lightning checks)
+        raw["eval"]["every_n_steps"] = 0
+        recipe.write_text(yaml.safe_dump(raw))
+        return recipe
+
+    recipe = dp2("stopped")
+    run = tmp_path / "runs" / "stopped"
+    steps_log = run / "logs" / "steps.jsonl"
+    proc = _torchrun(recipe)
+    _wait_until(proc, lambda: steps_log.exists() and max(read_step_log(steps_log), default=0) >= 1, "step 1")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == _TORCHRUN_SIGNALLED_EXIT_CODE, err[-3000:]
+    reached = max(read_step_log(steps_log))
+    assert 1 <= reached < 4, reached  # stopped before the step-4 periodic checkpoint
+    checkpoint = run / "checkpoints" / f"step{reached:07d}.ckpt"
+    assert latest_checkpoint(run / "checkpoints") == checkpoint and checkpoint.is_dir()
+    assert not list((run / "checkpoints").glob("*.tmp"))
+    check_weights(checkpoint)  # complete: every rank's shard matches the checksum manifest
+    lines = err.splitlines()
+    assert sum("stopped by SIGTERM" in line for line in lines) == 1, err
+    assert (f"genolong finetune: stopped by SIGTERM after step {reached}; checkpoint {checkpoint}; "
+            "running the same command again resumes from it") in lines, err
+    # the only traceback is torchrun's agent re-raising the signal (no genolong frame, no worker's)
+    assert err.count("Traceback") == 1 and lines[-1].startswith("torch.distributed.elastic.multiprocessing.api.SignalException"), err
+    assert "genolong/" not in err[err.index("Traceback"):], err
+    assert json.loads((run / MARKER).read_text())["step"] == reached
+    assert not (run / "export").exists()
+
+    straight = _torchrun(dp2("straight"))  # not before: 4 workers on 2 cores would make the stop slower
+    resumed = _torchrun(recipe)  # the same command, no --resume
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"genolong: resuming from {checkpoint.name}: stopped by a signal after step {reached}" in err
+    assert not (run / MARKER).exists()
+    _, err = straight.communicate(timeout=300)
+    assert straight.returncode == 0, err[-3000:]
+    a = read_step_log(tmp_path / "runs" / "straight" / "logs" / "steps.jsonl")
+    b = read_step_log(steps_log)
+    assert sorted(a) == sorted(b) == list(range(1, _STEPS + 1))
+    for step in range(1, _STEPS + 1):
+        assert b[step]["train/loss"] == a[step]["train/loss"], (step, a[step]["train/loss"], b[step]["train/loss"])
+    sa = GenoLM.from_pretrained(tmp_path / "runs" / "straight" / "export").state_dict()
+    sb = GenoLM.from_pretrained(run / "export").state_dict()
+    assert_bitwise_equal(sb, sa, "the stopped-and-resumed torchrun run's export")
