@@ -165,3 +165,26 @@ def test_the_error_of_a_failed_ray_job_is_the_workers_own() -> None:
     assert _worker_error(GroupError({1: TaskError(KeyError("x")), 0: TaskError(died)})) is died  # else the lowest rank's
     other = ValueError("controller")
     assert _worker_error(other) is other
+
+
+def test_a_cluster_that_cannot_be_joined_is_one_line_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    # as ray.init (Ray 2.60) fails against a `ray start` cluster with token authentication, joined
+    # without RAY_AUTH_MODE=token: a ConnectionError caused by the GCS client's InvalidAuthToken
+    from genolong.train.ray_launcher import _connect_error
+
+    try:
+        try:
+            raise RuntimeError("Failed to connect to GCS. Last connection error: Traceback (most recent call last):\n"
+                               "ray.exceptions.AuthenticationError: RPC error: InvalidAuthToken: Authentication token is missing")
+        except RuntimeError as cause:
+            raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.5:6379") from cause
+    except ConnectionError as error:
+        auth = _connect_error("10.0.0.5:6379", error)
+    assert auth == ("--ray-address 10.0.0.5:6379: cannot join the Ray cluster (Failed to connect to Ray cluster at "
+                    "10.0.0.5:6379); the cluster uses Ray's token authentication: set RAY_AUTH_MODE=token for this "
+                    "command (the token from RAY_AUTH_TOKEN or ~/.ray/auth_token, the cluster's), or use --ray-address "
+                    "auto on a node of the cluster")
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    other = _connect_error(None, ConnectionError("Failed to connect to Ray cluster at head:6379"))
+    assert other.startswith("RAY_ADDRESS=ray://head:10001: cannot join the Ray cluster (Failed to connect")
+    assert "ray status --address" in other and "\n" not in other

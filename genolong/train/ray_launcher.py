@@ -75,6 +75,25 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+def _connect_error(address: str | None, error: BaseException) -> str:
+    """The one line for a Ray cluster that ``ray.init`` could not join (``address``: as given to
+    ``--ray-address``, None for ``RAY_ADDRESS``): with the fix for the case seen most, a cluster
+    with Ray's token authentication (on by default for ``ray start`` from Ray 2.59) joined by a
+    driver without it: ``ray.init`` then fails with an ``InvalidAuthToken`` in its cause."""
+    where = f"--ray-address {address}" if address else f"RAY_ADDRESS={os.environ.get('RAY_ADDRESS', '')}"
+    causes, exc = [], error
+    while exc is not None and len(causes) < 8:
+        causes.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    text = " ".join(causes)
+    if "InvalidAuthToken" in text or "AuthenticationError" in text:
+        fix = ("the cluster uses Ray's token authentication: set RAY_AUTH_MODE=token for this command (the token from "
+               "RAY_AUTH_TOKEN or ~/.ray/auth_token, the cluster's), or use --ray-address auto on a node of the cluster")
+    else:
+        fix = "check that a Ray cluster runs there (`ray status --address ADDRESS`) and is reachable from this machine"
+    return f"{where}: cannot join the Ray cluster ({str(error).splitlines()[0] if str(error) else type(error).__name__}); {fix}"
+
+
 def _worker(config: dict[str, Any]) -> None:
     """One Ray Train worker: ``genolong finetune RECIPE`` as one rank of the job (runs in the
     worker process; Ray has set up torch.distributed)."""
@@ -105,8 +124,9 @@ def launch(recipe_path: str | os.PathLike[str], overrides: Sequence[str] = (), *
         max_failures: how many times Ray Train starts the worker group again after a failure.
 
     Raises:
-        InputError: Ray is not installed, the recipe is invalid, or the run directory holds
-            checkpoints of a finished or other run (without ``--resume``).
+        InputError: Ray is not installed, the recipe is invalid, the run directory holds
+            checkpoints of a finished or other run (without ``--resume``), or ``ray.init`` cannot
+            join the cluster at ``address``.
     """
     ray_torch = require_ray()
     import ray
@@ -129,7 +149,10 @@ def launch(recipe_path: str | os.PathLike[str], overrides: Sequence[str] = (), *
               "cwd": os.getcwd()}
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        except ConnectionError as error:  # no cluster there, or one that refused this client
+            raise InputError(_connect_error(address, error)) from None
     try:
         trainer = ray_torch.TorchTrainer(
             _worker,
