@@ -259,13 +259,18 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
         print(f"\n{question}\nA = {story.results[a].label}, B = {story.results[b].label}")
         print(format_compare_table(table, "A", "B"))
     # the same comparisons split by soft-masking: which of repeats and unique sequence carries the change
-    story.softmask = [(a, b, q, compare_softmask(story.results[a], story.results[b])[1]) for a, b, q, _ in story.comparisons]
+    # (only where the held-out FASTA is soft-masked: the bundled chr22 slice is upper case)
+    masked = int(story.results["base"].softmask_tokens[..., 1].sum()) > 0
+    if masked:
+        story.softmask = [(a, b, q, compare_softmask(story.results[a], story.results[b])[1])
+                          for a, b, q, _ in story.comparisons]
     for a, b, _, gap in story.softmask:
         for line in _softmask_reading(gap, story.results[a].label, story.results[b].label):
             print(f"  {line}")
     order = ["base", "tuned", "tuned-cut", "control"]
     shutil.rmtree(out / "figures", ignore_errors=True)
-    story.figures = plot_results([story.results[n] for n in order if n in story.results], out / "figures", by="softmask")
+    story.figures = plot_results([story.results[n] for n in order if n in story.results], out / "figures",
+                                 by="softmask" if masked else None)
     if story.probes:
         from .evaluation.plots import save_probe_figure
 
@@ -347,12 +352,18 @@ def _softmask_section(story: _Story) -> list[str]:
     """REPORT.md's soft-masked vs unmasked section: per comparison, the split with the gap and its reading."""
     from .evaluation.report import format_gap_table
 
-    if not story.softmask:
+    if not story.results:
         return []
     first = next(iter(story.results.values()))
-    masked = int(first.softmask_tokens[..., 1].sum())
-    lines = ["## Repeats or unique sequence: soft-masked vs unmasked bases", "",
-             f"The FASTA's lower case (RepeatMasker's soft-masking: interspersed and tandem repeats, low-complexity "
+    masked = int(first.softmask_tokens[..., 1].sum()) if first.has_softmask else 0
+    lines = ["## Repeats or unique sequence: soft-masked vs unmasked bases", ""]
+    if masked == 0 or not story.softmask:
+        return lines + [
+            f"None of the {first.tokens:,} scored bases is soft-masked: the held-out FASTA is upper case (the bundled "
+            "chr22 slice's source carries no RepeatMasker lower case), so these tiles cannot say whether repeats or "
+            "unique sequence carry the change. On a soft-masked FASTA (UCSC's hg19/hg38 downloads are), `genolong "
+            "compare A B --by softmask` splits every comparison.", ""]
+    lines += [f"The FASTA's lower case (RepeatMasker's soft-masking: interspersed and tandem repeats, low-complexity "
              f"sequence; the store keeps it per base) marks {masked:,} of the {first.tokens:,} scored bases "
              f"({100 * masked / max(1, first.tokens):.1f}%). Each comparison is split by it (`genolong compare A B "
              "--by softmask`): the relative change of each class and their difference, soft-masked - unmasked in "
