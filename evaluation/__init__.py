@@ -5,9 +5,11 @@ Installed as ``genolong.evaluation`` (see ``package-dir`` in pyproject.toml). Mo
 - ``score``: ``genolong evaluate`` (per-token NLL, ``--context-cut``, resumable result directories);
 - ``checkpoint``: the checkpoint a scoring command runs (export, run directory or ``step*.ckpt``),
   its run's recipe and kernel backend, loaded whole into one process;
-- ``results``: :class:`EvalResult`, the saved tables (per-tile x bucket and per-offset sums);
+- ``results``: :class:`EvalResult`, the saved tables (per-tile x bucket sums, also split by
+  soft-masking, and per-offset sums);
 - ``bootstrap``: context buckets and the block bootstrap over tiles, on plain arrays;
-- ``stats``: paired :func:`compare` of two results (and the ``bootstrap`` names, re-exported);
+- ``stats``: paired :func:`compare` of two results, pooled or split by soft-masked vs unmasked bases
+  (and the ``bootstrap`` names, re-exported);
 - ``plots``: the figures of ``genolong plot``;
 - ``logprobs``: ``genolong check-logprobs`` (training path vs step-by-step decode);
 - ``probe``: ``genolong probe`` (planted-repeat recall by distance, full vs cut view);

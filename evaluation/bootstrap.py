@@ -25,7 +25,8 @@ from ..errors import InputError
 __all__ = [
     "bucket_edges", "bucket_labels", "format_bases",
     "resample_indices", "resample_counts", "bootstrap_replicates", "block_bootstrap",
-    "PairedCI", "paired_bootstrap", "bucket_table_from_arrays", "BUCKET_COLUMNS",
+    "PairedCI", "paired_bootstrap", "paired_replicates", "paired_ci", "bucket_table_from_arrays",
+    "split_bucket_table_from_arrays", "BUCKET_COLUMNS", "SOFTMASK_CLASSES",
 ]
 
 
@@ -251,6 +252,45 @@ class PairedCI(NamedTuple):
     rel_hi: np.ndarray
 
 
+def paired_replicates(a_tokens: np.ndarray, a_nll: np.ndarray, b_tokens: np.ndarray, b_nll: np.ndarray,
+                      n_boot: int = 2000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Per-replicate difference and relative change of mean NLL from run A to run B (paired).
+
+    Both runs are resampled with the SAME tile indices (those of :func:`resample_counts`) in every
+    replicate; a caller that needs an interval of a function of several columns (e.g. the gap
+    between two columns' relative changes) takes it from these replicates, so it rests on the
+    same resamples as the columns' own intervals.
+
+    Args:
+        a_tokens, a_nll: ``[W, K]`` counted targets and summed NLL (nats) of run A.
+        b_tokens, b_nll: the same for run B, on the same ``W`` tiles (same order).
+        n_boot: number of replicates (default 2000).
+        seed: resampling seed (default 0).
+
+    Returns:
+        ``(diffs, rels)``, each ``[n_boot, K]`` float64: ``mean_b - mean_a`` (nats) and
+        ``mean_b / mean_a - 1`` of each replicate; NaN where a replicate has no tokens in a column.
+    """
+    at, an = _check_pair(a_tokens, a_nll, "run A")
+    bt, bn = _check_pair(b_tokens, b_nll, "run B")
+    if at.shape != bt.shape:
+        raise InputError(f"paired bootstrap needs the same [tiles, buckets] in both runs, got {at.shape} and {bt.shape}")
+    k = at.shape[1]
+    x = np.concatenate([an, at, bn, bt], axis=1)
+    diffs = np.empty((int(n_boot), k))
+    rels = np.empty((int(n_boot), k))
+    row = 0
+    for counts in resample_counts(at.shape[0], n_boot, seed):
+        s = counts.astype(np.float64) @ x
+        ma = _ratio(s[:, :k], s[:, k:2 * k])
+        mb = _ratio(s[:, 2 * k:3 * k], s[:, 3 * k:])
+        c = counts.shape[0]
+        diffs[row:row + c] = mb - ma
+        rels[row:row + c] = _ratio(mb, ma) - 1.0
+        row += c
+    return diffs, rels
+
+
 def paired_bootstrap(a_tokens: np.ndarray, a_nll: np.ndarray, b_tokens: np.ndarray, b_nll: np.ndarray,
                      n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> PairedCI:
     """Difference and relative change of mean NLL between runs A and B on the same tiles.
@@ -269,23 +309,17 @@ def paired_bootstrap(a_tokens: np.ndarray, a_nll: np.ndarray, b_tokens: np.ndarr
         :class:`PairedCI` of ``[K]`` arrays (NaN where a bucket has no tokens).
     """
     _check_level(level)
+    return paired_ci(a_tokens, a_nll, b_tokens, b_nll, *paired_replicates(a_tokens, a_nll, b_tokens, b_nll, n_boot, seed),
+                     level)
+
+
+def paired_ci(a_tokens: np.ndarray, a_nll: np.ndarray, b_tokens: np.ndarray, b_nll: np.ndarray,
+              diffs: np.ndarray, rels: np.ndarray, level: float = 0.95) -> PairedCI:
+    """:class:`PairedCI` from the point sums (``[W, K]`` each, as :func:`paired_replicates`) and the
+    replicates ``diffs``, ``rels`` (``[n_boot, K]``) that :func:`paired_replicates` drew."""
+    _check_level(level)
     at, an = _check_pair(a_tokens, a_nll, "run A")
     bt, bn = _check_pair(b_tokens, b_nll, "run B")
-    if at.shape != bt.shape:
-        raise InputError(f"paired bootstrap needs the same [tiles, buckets] in both runs, got {at.shape} and {bt.shape}")
-    k = at.shape[1]
-    x = np.concatenate([an, at, bn, bt], axis=1)
-    diffs = np.empty((int(n_boot), k))
-    rels = np.empty((int(n_boot), k))
-    row = 0
-    for counts in resample_counts(at.shape[0], n_boot, seed):
-        s = counts.astype(np.float64) @ x
-        ma = _ratio(s[:, :k], s[:, k:2 * k])
-        mb = _ratio(s[:, 2 * k:3 * k], s[:, 3 * k:])
-        c = counts.shape[0]
-        diffs[row:row + c] = mb - ma
-        rels[row:row + c] = _ratio(mb, ma) - 1.0
-        row += c
     a_mean = _ratio(an.sum(axis=0), at.sum(axis=0))
     b_mean = _ratio(bn.sum(axis=0), bt.sum(axis=0))
     diff_lo, diff_hi = _percentiles(diffs, level)
@@ -348,3 +382,52 @@ def bucket_table_from_arrays(tile_tokens: np.ndarray, tile_nll: np.ndarray, edge
     table["nats"], table["ci_lo"], table["ci_hi"] = mean, lo, hi
     table["bits"], table["bits_ci_lo"], table["bits_ci_hi"] = mean / _LN2, lo / _LN2, hi / _LN2
     return table[BUCKET_COLUMNS]
+
+
+#: The two classes of the soft-mask split, in the order of the last axis of the split arrays
+#: (``EvalResult.softmask_tokens [W, K, 2]``): 0 = unmasked (upper case in the FASTA: unique
+#: sequence as RepeatMasker sees it), 1 = soft-masked (lower case: repeats, low complexity).
+SOFTMASK_CLASSES = ("unmasked", "soft-masked")
+
+
+def _split_columns(x: np.ndarray) -> np.ndarray:
+    """``[W, K, C]`` -> ``[W, C * (K + 1)]``: class-major blocks of the buckets and their row sum."""
+    return np.concatenate([_with_overall(x[:, :, c]) for c in range(x.shape[2])], axis=1)
+
+
+def split_bucket_table_from_arrays(tile_tokens: np.ndarray, tile_nll: np.ndarray, edges: np.ndarray,
+                                   n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
+    """The bucket table of one run split by the soft-mask class of the target base.
+
+    One block bootstrap over tiles for every (class, bucket) column, so both classes' intervals
+    rest on the same resamples (and on those of :func:`bucket_table_from_arrays` with the same
+    ``n_boot`` and ``seed``).
+
+    Args:
+        tile_tokens: ``[W, K, 2]`` int counted targets per tile, bucket and class
+            (:data:`SOFTMASK_CLASSES` order).
+        tile_nll: ``[W, K, 2]`` float summed NLL (nats) of those targets.
+        edges: ``[K + 1]`` bucket edges.
+        n_boot, seed, level: bootstrap replicates (2000), seed (0) and coverage (0.95).
+
+    Returns:
+        DataFrame with columns ``softmask`` (bool: the rows of soft-masked bases) then
+        :data:`BUCKET_COLUMNS`: the ``K + 1`` rows of the unmasked bases (buckets, then ``"all"``),
+        then those of the soft-masked bases.
+    """
+    t = np.asarray(tile_tokens)
+    n = np.asarray(tile_nll, dtype=np.float64)
+    if t.ndim != 3 or t.shape[2] != len(SOFTMASK_CLASSES) or n.shape != t.shape:
+        raise InputError(f"the soft-mask split needs [tiles, buckets, 2] tokens and nll, got {t.shape} and {n.shape}")
+    e = _check_edges(edges, t.shape[1])
+    flat_t = _split_columns(t.astype(np.int64))
+    mean, lo, hi = block_bootstrap(flat_t, _split_columns(n), n_boot, seed, level)
+    frames = []
+    for c in range(t.shape[2]):
+        table = _bucket_frame(e)
+        cols = slice(c * (t.shape[1] + 1), (c + 1) * (t.shape[1] + 1))
+        table["tokens"] = flat_t[:, cols].sum(axis=0)
+        table["nats"], table["ci_lo"], table["ci_hi"] = mean[cols], lo[cols], hi[cols]
+        table["bits"], table["bits_ci_lo"], table["bits_ci_hi"] = mean[cols] / _LN2, lo[cols] / _LN2, hi[cols] / _LN2
+        frames.append(table[BUCKET_COLUMNS].assign(softmask=bool(c))[["softmask", *BUCKET_COLUMNS]])
+    return pd.concat(frames, ignore_index=True)

@@ -25,7 +25,8 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 from ..errors import InputError
 from ..files import replace_file
 from .probe_result import ProbeResult
-from .results import EvalResult
+from .report import softmask_name
+from .results import EvalResult, check_by
 from .stats import check_comparable, compare, format_bases
 
 __all__ = ["OKABE_ITO", "position_figure", "bucket_figure", "relative_change_figure", "plot_results", "probe_figure",
@@ -117,49 +118,89 @@ def _dodge(n_runs: int, width: float = 0.6) -> np.ndarray:
     return np.linspace(-width / 2, width / 2, n_runs)
 
 
+def _panels(n: int, width: float, height: float = 4.2) -> tuple[Figure, list]:
+    """A figure of ``n`` side-by-side panels sharing the y axis (one panel: as :func:`_figure`)."""
+    if n == 1:
+        fig, ax = _figure(width, height)
+        return fig, [ax]
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, list(fig.subplots(1, n, sharey=True))
+
+
+def _by_class(tables: Sequence[pd.DataFrame], by: str | None) -> tuple[list[bool | None], list[list[pd.DataFrame]]]:
+    """The panels of a figure: ``[None]`` and each table as it is (pooled), or ``[False, True]``
+    and each split table's unmasked and soft-masked rows (``by="softmask"``)."""
+    if by is None:
+        return [None], [[t] for t in tables]
+    panels: list[bool | None] = [False, True]
+    return panels, [[t[t["softmask"] == m].drop(columns="softmask").reset_index(drop=True) for m in panels]
+                     for t in tables]
+
+
+def _category_axis(ax: object, axis: Sequence[tuple[int, int, str]]) -> None:
+    ax.xaxis.set_major_locator(FixedLocator(np.arange(len(axis), dtype=float)))  # type: ignore[attr-defined]
+    ax.xaxis.set_minor_locator(NullLocator())  # type: ignore[attr-defined]
+    ax.set_xticklabels([b for _, _, b in axis])  # type: ignore[attr-defined]
+    ax.set_xlim(-0.6, len(axis) - 0.4)  # type: ignore[attr-defined]
+    ax.set_xlabel("preceding context (bases before the target in its tile)")  # type: ignore[attr-defined]
+    ax.grid(True, axis="y", alpha=0.3)  # type: ignore[attr-defined]
+
+
+def _finish(fig: Figure, axes: list, panels: Sequence[bool | None], title: str, n_series: int) -> None:
+    """Titles and the one legend (below the axes, so that it never hides an interval)."""
+    if panels == [None]:
+        axes[0].set_title(title)
+    else:
+        fig.suptitle(title)
+        for ax, m in zip(axes, panels):
+            ax.set_title(f"{softmask_name(bool(m))} bases" + (" (lower case: repeats)" if m else ""))
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(n_series, 2), frameon=False)
+
+
 def bucket_figure(results: Sequence[EvalResult], n_boot: int = 2000, seed: int = 0,
-                  level: float = 0.95) -> tuple[Figure, pd.DataFrame]:
+                  level: float = 0.95, by: str | None = None) -> tuple[Figure, pd.DataFrame]:
     """Mean loss per preceding-context bucket (and overall) with block-bootstrap CIs, runs side by side.
 
     Args:
         results: the runs (buckets of runs with other contexts are merged by offset range).
         n_boot, seed, level: bootstrap replicates (2000), seed (0) and CI coverage (0.95).
+        by: None (default): all bases pooled, one panel; ``"softmask"``: two panels, the unmasked
+            and the soft-masked bases (``EvalResult.bucket_table(by="softmask")``).
 
     Returns:
-        ``(figure, series)``: one row per drawn point: ``run``, ``bucket``, ``lo``, ``hi``, ``x``
-        (position on the axis), ``tokens``, ``nats`` (marker), ``ci_lo``, ``ci_hi`` (the vertical
-        interval). Buckets without tokens are not drawn.
+        ``(figure, series)``: one row per drawn point: ``run``, (with ``by``: ``softmask``),
+        ``bucket``, ``lo``, ``hi``, ``x`` (position on the axis), ``tokens``, ``nats`` (marker),
+        ``ci_lo``, ``ci_hi`` (the vertical interval). Buckets without tokens are not drawn.
     """
     _need(results, 1, "the bucket plot")
-    tables = [r.bucket_table(n_boot, seed, level) for r in results]
-    axis = _bucket_axis(tables)
+    check_by(by)
+    panels, tables = _by_class([r.bucket_table(n_boot, seed, level, by=by) for r in results], by)
+    axis = _bucket_axis([t for ts in tables for t in ts])
     where = {key: j for j, key in enumerate(axis)}
     dodge = _dodge(len(results))
-    fig, ax = _figure(max(6.0, 1.1 * len(axis) + 2.0), 4.2)
+    fig, axes = _panels(len(panels), len(panels) * max(6.0, 1.1 * len(axis) + 2.0))
     parts = []
-    for i, (table, name) in enumerate(zip(tables, _run_names(results))):
-        t = table[table["tokens"] > 0].copy()
-        t["x"] = [where[_bucket_key(b, lo, hi)] + dodge[i] for b, lo, hi in zip(t["bucket"], t["lo"], t["hi"])]
-        x = t["x"].to_numpy()
-        ax.vlines(x, t["ci_lo"].to_numpy(), t["ci_hi"].to_numpy(), color=_colour(i), lw=1.6)
-        ax.plot(x, t["nats"].to_numpy(), ls="none", marker="o", ms=5, color=_colour(i), label=name)
-        parts.append(t.assign(run=name))
-    ax.xaxis.set_major_locator(FixedLocator(np.arange(len(axis), dtype=float)))
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_xticklabels([b for _, _, b in axis])
-    ax.set_xlim(-0.6, len(axis) - 0.4)
-    ax.set_xlabel("preceding context (bases before the target in its tile)")
-    ax.set_ylabel(_LOSS_UNITS)
-    ax.set_title(f"Held-out loss by preceding context ({level:.0%} block-bootstrap CI over tiles)")
-    ax.grid(True, axis="y", alpha=0.3)
-    # below the axes, so that the legend never hides an interval
-    fig.legend(loc="outside lower center", ncols=min(len(parts), 2), frameon=False)
-    series = pd.concat(parts, ignore_index=True)[["run", "bucket", "lo", "hi", "x", "tokens", "nats", "ci_lo", "ci_hi"]]
-    return fig, series
+    for p, (ax, m) in enumerate(zip(axes, panels)):
+        for i, (run_tables, name) in enumerate(zip(tables, _run_names(results))):
+            t = run_tables[p]
+            t = t[t["tokens"] > 0].copy()
+            t["x"] = [where[_bucket_key(b, lo, hi)] + dodge[i] for b, lo, hi in zip(t["bucket"], t["lo"], t["hi"])]
+            x = t["x"].to_numpy()
+            ax.vlines(x, t["ci_lo"].to_numpy(), t["ci_hi"].to_numpy(), color=_colour(i), lw=1.6)
+            ax.plot(x, t["nats"].to_numpy(), ls="none", marker="o", ms=5, color=_colour(i), label=name)
+            parts.append(t.assign(run=name) if m is None else t.assign(run=name, softmask=m))
+        _category_axis(ax, axis)
+    axes[0].set_ylabel(_LOSS_UNITS)
+    _finish(fig, axes, panels, f"Held-out loss by preceding context ({level:.0%} block-bootstrap CI over tiles)",
+            len(results))
+    cols = ["run", *([] if by is None else ["softmask"]), "bucket", "lo", "hi", "x", "tokens", "nats", "ci_lo", "ci_hi"]
+    return fig, pd.concat(parts, ignore_index=True)[cols]
 
 
 def relative_change_figure(results: Sequence[EvalResult], n_boot: int = 2000, seed: int = 0,
-                           level: float = 0.95) -> tuple[Figure, pd.DataFrame]:
+                           level: float = 0.95, by: str | None = None) -> tuple[Figure, pd.DataFrame]:
     """Relative change of loss (%) of each later run vs the first, per bucket, with paired CIs.
 
     Negative = the later run has lower loss. The first run is the reference (e.g. the base model,
@@ -169,39 +210,41 @@ def relative_change_figure(results: Sequence[EvalResult], n_boot: int = 2000, se
         results: reference first, then the runs compared with it (at least 2, all on the same token
             set; otherwise :class:`InputError` from :func:`~genolong.evaluation.stats.compare`).
         n_boot, seed, level: bootstrap replicates (2000), seed (0) and CI coverage (0.95).
+        by: None (default): all bases pooled, one panel; ``"softmask"``: two panels, the unmasked
+            and the soft-masked bases (``compare(by="softmask")``: one paired bootstrap for both).
 
     Returns:
-        ``(figure, series)``: one row per drawn point: ``run``, ``reference``, ``bucket``, ``lo``,
-        ``hi``, ``x``, ``tokens``, ``rel_pct`` (marker), ``rel_ci_lo``, ``rel_ci_hi`` (interval),
-        ``supported``.
+        ``(figure, series)``: one row per drawn point: ``run``, ``reference``, (with ``by``:
+        ``softmask``), ``bucket``, ``lo``, ``hi``, ``x``, ``tokens``, ``rel_pct`` (marker),
+        ``rel_ci_lo``, ``rel_ci_hi`` (interval), ``supported``.
     """
     _need(results, 2, "the relative-change plot")
+    check_by(by)
     names = _run_names(results)
-    tables = [compare(results[0], r, n_boot, seed, level) for r in results[1:]]
-    axis = [(int(lo), int(hi), str(b)) for b, lo, hi in zip(tables[0]["bucket"], tables[0]["lo"], tables[0]["hi"])]
+    panels, tables = _by_class([compare(results[0], r, n_boot, seed, level, by=by) for r in results[1:]], by)
+    first = tables[0][0]
+    axis = [(int(lo), int(hi), str(b)) for b, lo, hi in zip(first["bucket"], first["lo"], first["hi"])]
     dodge = _dodge(len(tables))
-    fig, ax = _figure(max(6.0, 1.1 * len(axis) + 2.0), 4.2)
-    ax.axhline(0.0, color="#000000", lw=0.8)
+    fig, axes = _panels(len(panels), len(panels) * max(6.0, 1.1 * len(axis) + 2.0))
     parts = []
-    for i, (table, name) in enumerate(zip(tables, names[1:])):
-        t = table[table["tokens"] > 0].copy()
-        t["x"] = np.flatnonzero(table["tokens"].to_numpy() > 0) + dodge[i]
-        x = t["x"].to_numpy()
-        colour = _colour(i + 1)  # the colour each run has in the other figures
-        ax.vlines(x, t["rel_ci_lo"].to_numpy(), t["rel_ci_hi"].to_numpy(), color=colour, lw=1.6)
-        ax.plot(x, t["rel_pct"].to_numpy(), ls="none", marker="o", ms=5, color=colour, label=f"{name} vs {names[0]}")
-        parts.append(t.assign(run=name, reference=names[0]))
-    ax.xaxis.set_major_locator(FixedLocator(np.arange(len(axis), dtype=float)))
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_xticklabels([b for _, _, b in axis])
-    ax.set_xlim(-0.6, len(axis) - 0.4)
-    ax.set_xlabel("preceding context (bases before the target in its tile)")
-    ax.set_ylabel("relative change in loss (%)")
-    ax.set_title(f"Change in loss vs {names[0]}\n(paired {level:.0%} block-bootstrap CI; below 0 = lower loss)")
-    ax.grid(True, axis="y", alpha=0.3)
-    # below the axes, so that the legend never hides an interval
-    fig.legend(loc="outside lower center", ncols=min(len(parts), 2), frameon=False)
-    cols = ["run", "reference", "bucket", "lo", "hi", "x", "tokens", "rel_pct", "rel_ci_lo", "rel_ci_hi", "supported"]
+    for p, (ax, m) in enumerate(zip(axes, panels)):
+        ax.axhline(0.0, color="#000000", lw=0.8)
+        for i, (run_tables, name) in enumerate(zip(tables, names[1:])):
+            table = run_tables[p]
+            t = table[table["tokens"] > 0].copy()
+            t["x"] = np.flatnonzero(table["tokens"].to_numpy() > 0) + dodge[i]
+            x = t["x"].to_numpy()
+            colour = _colour(i + 1)  # the colour each run has in the other figures
+            ax.vlines(x, t["rel_ci_lo"].to_numpy(), t["rel_ci_hi"].to_numpy(), color=colour, lw=1.6)
+            ax.plot(x, t["rel_pct"].to_numpy(), ls="none", marker="o", ms=5, color=colour, label=f"{name} vs {names[0]}")
+            t = t.assign(run=name, reference=names[0])
+            parts.append(t if m is None else t.assign(softmask=m))
+        _category_axis(ax, axis)
+    axes[0].set_ylabel("relative change in loss (%)")
+    _finish(fig, axes, panels, f"Change in loss vs {names[0]}\n(paired {level:.0%} block-bootstrap CI; below 0 = lower loss)",
+            len(tables))
+    cols = ["run", "reference", *([] if by is None else ["softmask"]), "bucket", "lo", "hi", "x", "tokens", "rel_pct",
+            "rel_ci_lo", "rel_ci_hi", "supported"]
     return fig, pd.concat(parts, ignore_index=True)[cols]
 
 
@@ -219,10 +262,10 @@ def _save(fig: Figure, series: pd.DataFrame, out: Path, stem: str, formats: Sequ
 
 
 def plot_results(results: Sequence[EvalResult], out: Path, formats: Sequence[str] = ("png", "pdf"),
-                 n_boot: int = 2000, seed: int = 0, bins_per_octave: int = 8) -> dict[str, Path]:
+                 n_boot: int = 2000, seed: int = 0, bins_per_octave: int = 8, by: str | None = None) -> dict[str, Path]:
     """Draw and save all figures of ``results`` into ``out`` (created if needed).
 
-    Writes ``position_loss.{fmt}``, ``buckets.{fmt}`` and, when at least two runs are given,
+    Writes ``position_loss.{fmt}``, ``buckets.{fmt}`` (with ``by``: ``buckets_softmask.{fmt}``) and, when at least two runs are given,
     ``relative_change.{fmt}`` (later runs vs the first; a run whose token set differs from the
     first's is left out with one warning; the figure is skipped when none is comparable), each with
     a ``.csv`` of the exact series drawn. Each file is written to a temporary name and renamed, so
@@ -234,6 +277,9 @@ def plot_results(results: Sequence[EvalResult], out: Path, formats: Sequence[str
         formats: figure formats (default png and pdf; any format matplotlib's Agg canvas writes).
         n_boot, seed: bootstrap replicates (2000) and seed (0).
         bins_per_octave: smoothing of the per-position curve (default 8).
+        by: ``"softmask"``: also ``buckets_softmask`` and ``relative_change_softmask`` (two panels:
+            unmasked and soft-masked bases); every result must keep the split (else
+            :class:`InputError` before anything is written). Default None.
 
     Returns:
         ``{file name: path}`` of every file written.
@@ -243,6 +289,10 @@ def plot_results(results: Sequence[EvalResult], out: Path, formats: Sequence[str
     bad = [f for f in formats if f not in supported]
     if bad:
         raise InputError(f"unknown figure format(s) {', '.join(bad)}; use some of {', '.join(sorted(supported))}")
+    check_by(by)
+    if by is not None:
+        for r in results:
+            r.require_softmask()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
@@ -250,6 +300,9 @@ def plot_results(results: Sequence[EvalResult], out: Path, formats: Sequence[str
     _save(fig, series, out, "position_loss", formats, written)
     fig, series = bucket_figure(results, n_boot, seed)
     _save(fig, series, out, "buckets", formats, written)
+    if by is not None:
+        fig, series = bucket_figure(results, n_boot, seed, by=by)
+        _save(fig, series, out, f"buckets_{by}", formats, written)
     if len(results) >= 2:
         keep = [results[0]]
         for r in results[1:]:
@@ -262,6 +315,9 @@ def plot_results(results: Sequence[EvalResult], out: Path, formats: Sequence[str
         if len(keep) >= 2:
             fig, series = relative_change_figure(keep, n_boot, seed)
             _save(fig, series, out, "relative_change", formats, written)
+            if by is not None:
+                fig, series = relative_change_figure(keep, n_boot, seed, by=by)
+                _save(fig, series, out, f"relative_change_{by}", formats, written)
     return written
 
 

@@ -8,6 +8,10 @@ Layout of a result directory (format ``genolong-eval/1``; written by ``genolong 
 - ``tiles.parquet``: one row per tile: tile, contig, start, length;
 - ``tile_buckets.parquet``: dense ``W * K`` rows, tile-major: tile, bucket, tokens, nll_sum;
 - ``positions.parquet``: ``L`` rows: offset, tokens, nll_sum (row 0 always has 0 tokens);
+- ``tile_buckets_softmask.parquet``: dense ``W * K * 2`` rows, tile-major then bucket: tile,
+  bucket, softmask (bool: the target base is lower case in the FASTA), tokens, nll_sum; the two
+  rows of a (tile, bucket) add up to its ``tile_buckets.parquet`` row (the split behind
+  ``--by softmask``; results written before it existed lack the file and load without the split);
 - ``buckets.csv``: the bucket table (:meth:`EvalResult.bucket_table` with its defaults).
 
 The per-(tile, bucket) sums are all the block bootstrap needs, and the per-offset sums are all the
@@ -28,9 +32,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import InputError
-from .bootstrap import bucket_labels, bucket_table_from_arrays
+from .bootstrap import SOFTMASK_CLASSES, bucket_labels, bucket_table_from_arrays, split_bucket_table_from_arrays
 
-__all__ = ["FORMAT", "EvalResult"]
+__all__ = ["FORMAT", "BY_CHOICES", "EvalResult", "check_by"]
 
 FORMAT = "genolong-eval/1"
 
@@ -38,6 +42,9 @@ _REQUIRED_META = ("format", "label", "checkpoint", "store", "split", "context", 
                   "bucket_edges", "tiles", "tokens", "nll_sum", "fingerprint")
 _TILE_COLUMNS = ["tile", "contig", "start", "length"]
 _FIX = "run `genolong evaluate CHECKPOINT --store DIR --out {path}` first"
+_SPLIT_FILE = "tile_buckets_softmask.parquet"
+#: the values of ``--by``: a bucket table or comparison pooled over all bases (None) or split by soft-masking
+BY_CHOICES = ("softmask",)
 
 
 def _json_default(value: Any) -> Any:
@@ -64,6 +71,11 @@ class EvalResult:
         position_tokens: ``[L]`` int64 counted targets at each offset, summed over tiles.
         position_nll: ``[L]`` float64 summed NLL (nats) at each offset.
         source: directory the result was loaded from (None when built in memory); used in messages.
+        softmask_tokens: ``[W, K, 2]`` int64 counted targets of each tile and bucket by soft-mask
+            class (last axis: 0 unmasked, 1 soft-masked), adding up to ``tile_tokens``; None for a
+            result written before the split was kept (everything but ``--by softmask`` works).
+        softmask_nll: ``[W, K, 2]`` float64 summed NLL of those targets, adding up to ``tile_nll``
+            (``genolong evaluate`` computes ``tile_nll`` as this sum, so it adds up exactly).
 
     Construction checks that the pieces agree with each other and raises :class:`InputError`
     otherwise.
@@ -76,13 +88,21 @@ class EvalResult:
     position_tokens: np.ndarray
     position_nll: np.ndarray
     source: Path | None = field(default=None, repr=False)
+    softmask_tokens: np.ndarray | None = field(default=None, repr=False)
+    softmask_nll: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.tile_tokens = np.asarray(self.tile_tokens, dtype=np.int64)
         self.tile_nll = np.asarray(self.tile_nll, dtype=np.float64)
         self.position_tokens = np.asarray(self.position_tokens, dtype=np.int64)
         self.position_nll = np.asarray(self.position_nll, dtype=np.float64)
+        if (self.softmask_tokens is None) != (self.softmask_nll is None):
+            raise self._fail("the soft-mask split needs both its token counts and its NLL sums")
+        if self.softmask_tokens is not None:
+            self.softmask_tokens = np.asarray(self.softmask_tokens, dtype=np.int64)
+            self.softmask_nll = np.asarray(self.softmask_nll, dtype=np.float64)
         self._validate()
+        self._validate_split()
 
     # ------------------------------------------------------------------ validation
 
@@ -148,7 +168,37 @@ class EvalResult:
         if abs(nll_tiles - float(meta["nll_sum"])) > 1e-6 * scale or abs(nll_pos - nll_tiles) > 1e-6 * scale:
             raise self._fail(f"NLL totals disagree (tiles {nll_tiles}, positions {nll_pos}, meta {meta['nll_sum']})")
 
+    def _validate_split(self) -> None:
+        if self.softmask_tokens is None:
+            return
+        w, k = self.tile_tokens.shape
+        want = (w, k, len(SOFTMASK_CLASSES))
+        if self.softmask_tokens.shape != want or self.softmask_nll.shape != want:
+            raise self._fail(f"soft-mask split arrays have shapes {self.softmask_tokens.shape} and "
+                             f"{self.softmask_nll.shape}, expected {want}")
+        if (self.softmask_tokens < 0).any() or not np.array_equal(self.softmask_tokens.sum(axis=2), self.tile_tokens):
+            raise self._fail("the soft-mask split's token counts do not add up to the per-tile counts")
+        # evaluate writes tile_nll as the sum of the two classes (equal bit for bit); a result built
+        # another way may differ by float rounding, a damaged one by more
+        total = self.softmask_nll.sum(axis=2)
+        scale = max(1.0, float(np.abs(self.tile_nll).max(initial=0.0)))
+        if np.abs(total - self.tile_nll).max(initial=0.0) > 1e-9 * scale:
+            raise self._fail("the soft-mask split's NLL sums do not add up to the per-tile sums")
+
     # ------------------------------------------------------------------ properties
+
+    @property
+    def has_softmask(self) -> bool:
+        """Whether the result keeps the soft-mask split (results written before it did not)."""
+        return self.softmask_tokens is not None
+
+    def require_softmask(self) -> None:
+        """Raise :class:`InputError` (one line, naming the fix) unless the result keeps the soft-mask split."""
+        if not self.has_softmask:
+            where = f"evaluation result {self.source}" if self.source is not None else f"evaluation result {self.label}"
+            path = self.source if self.source is not None else "DIR"
+            raise InputError(f"{where} has no soft-mask split (no {_SPLIT_FILE}: written by an older genolong), so "
+                             f"--by softmask cannot split it; re-run `genolong evaluate` (--out {path} --force) for it")
 
     @property
     def edges(self) -> np.ndarray:
@@ -199,13 +249,20 @@ class EvalResult:
 
     # ------------------------------------------------------------------ tables
 
-    def bucket_table(self, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
+    def bucket_table(self, n_boot: int = 2000, seed: int = 0, level: float = 0.95, by: str | None = None) -> pd.DataFrame:
         """Per-bucket and overall tokens, mean NLL and block-bootstrap CI (see ``bootstrap.bucket_table_from_arrays``).
 
         Columns: ``bucket, lo, hi, tokens, nats, ci_lo, ci_hi, bits, bits_ci_lo, bits_ci_hi``;
-        the ``K`` buckets then ``"all"``.
+        the ``K`` buckets then ``"all"``. With ``by="softmask"`` a ``softmask`` column first and
+        the rows of the unmasked then of the soft-masked bases
+        (``bootstrap.split_bucket_table_from_arrays``; :class:`InputError` for a result without
+        the split).
         """
-        return bucket_table_from_arrays(self.tile_tokens, self.tile_nll, self.edges, n_boot, seed, level)
+        if by is None:
+            return bucket_table_from_arrays(self.tile_tokens, self.tile_nll, self.edges, n_boot, seed, level)
+        check_by(by)
+        self.require_softmask()
+        return split_bucket_table_from_arrays(self.softmask_tokens, self.softmask_nll, self.edges, n_boot, seed, level)
 
     def position_curve(self, bins_per_octave: int = 8) -> pd.DataFrame:
         """Per-position loss smoothed over log-spaced offset bins (the per-position plot's series).
@@ -266,6 +323,14 @@ class EvalResult:
             "tokens": pa.array(self.position_tokens, pa.int64()),
             "nll_sum": pa.array(self.position_nll, pa.float64()),
         }), directory / "positions.parquet")
+        if self.has_softmask:
+            pq.write_table(pa.table({
+                "tile": pa.array(np.repeat(np.arange(w, dtype=np.int64), 2 * k), pa.int64()),
+                "bucket": pa.array(np.tile(np.repeat(np.arange(k, dtype=np.int64), 2), w), pa.int64()),
+                "softmask": pa.array(np.tile(np.array([False, True]), w * k), pa.bool_()),
+                "tokens": pa.array(self.softmask_tokens.ravel(), pa.int64()),
+                "nll_sum": pa.array(self.softmask_nll.ravel(), pa.float64()),
+            }), directory / _SPLIT_FILE)
         self.bucket_table().to_csv(directory / "buckets.csv", index=False)
 
     @classmethod
@@ -319,9 +384,27 @@ class EvalResult:
         positions = positions.sort_values("offset", kind="stable")
         if not np.array_equal(positions["offset"].to_numpy(), np.arange(len(positions))):
             raise InputError(f"{directory / 'positions.parquet'} offsets are not 0..L-1; {fix}")
+        split_tokens = split_nll = None
+        if (directory / _SPLIT_FILE).is_file():  # absent from results written before the split was kept
+            split = read(_SPLIT_FILE, ["tile", "bucket", "softmask", "tokens", "nll_sum"])
+            split = split.sort_values(["tile", "bucket", "softmask"], kind="stable")
+            if (len(split) != 2 * w * k
+                    or not np.array_equal(split["tile"].to_numpy(), np.repeat(np.arange(w), 2 * k))
+                    or not np.array_equal(split["bucket"].to_numpy(), np.tile(np.repeat(np.arange(k), 2), w))
+                    or not np.array_equal(split["softmask"].to_numpy(bool), np.tile([False, True], w * k))):
+                raise InputError(f"{directory / _SPLIT_FILE} is not the dense {w} tiles x {k} buckets x 2 "
+                                 f"soft-mask classes table; {fix}")
+            split_tokens = split["tokens"].to_numpy(np.int64).reshape(w, k, 2)
+            split_nll = split["nll_sum"].to_numpy(np.float64).reshape(w, k, 2)
         return cls(meta=meta, tiles=tiles,
                    tile_tokens=cells["tokens"].to_numpy(np.int64).reshape(w, k),
                    tile_nll=cells["nll_sum"].to_numpy(np.float64).reshape(w, k),
                    position_tokens=positions["tokens"].to_numpy(np.int64),
                    position_nll=positions["nll_sum"].to_numpy(np.float64),
-                   source=directory)
+                   source=directory, softmask_tokens=split_tokens, softmask_nll=split_nll)
+
+
+def check_by(by: str | None) -> None:
+    """Raise :class:`InputError` unless ``by`` is None or one of :data:`BY_CHOICES`."""
+    if by is not None and by not in BY_CHOICES:
+        raise InputError(f"--by {by!r} is not a known split; use one of {', '.join(BY_CHOICES)} (or leave it out)")

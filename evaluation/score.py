@@ -221,7 +221,8 @@ def read_tokens(result_dir: str | os.PathLike[str]) -> pd.DataFrame:
 class _Running:
     """Running sums of an evaluation, saved after every tile (``state.npz``); with ``n_moe``
     MoE layers of ``n_experts`` experts also the routing sums (per layer: rows per expert, router
-    entropy summed over tokens, tokens)."""
+    entropy summed over tokens, tokens). ``softmask_tokens``/``softmask_nll`` ``[W, K, 2]`` are the
+    per-tile sums split by soft-mask class; ``tile_tokens``/``tile_nll`` are their sums over it."""
 
     def __init__(self, n_tiles: int, n_buckets: int, context: int, n_moe: int = 0, n_experts: int = 0):
         self.next_tile = 0
@@ -230,6 +231,8 @@ class _Running:
         self.routing_tokens = np.zeros(n_moe, np.int64)
         self.tile_tokens = np.zeros((n_tiles, n_buckets), np.int64)
         self.tile_nll = np.zeros((n_tiles, n_buckets), np.float64)
+        self.softmask_tokens = np.zeros((n_tiles, n_buckets, 2), np.int64)
+        self.softmask_nll = np.zeros((n_tiles, n_buckets, 2), np.float64)
         self.position_tokens = np.zeros(context, np.int64)
         self.position_nll = np.zeros(context, np.float64)
         self.digests = np.zeros((n_tiles, 32), np.uint8)
@@ -241,13 +244,15 @@ class _Running:
                 np.savez(f, next_tile=self.next_tile, tile_tokens=self.tile_tokens, tile_nll=self.tile_nll,
                          position_tokens=self.position_tokens, position_nll=self.position_nll,
                          digests=self.digests, seconds=self.seconds, routing_load=self.routing_load,
-                         routing_entropy=self.routing_entropy, routing_tokens=self.routing_tokens)
+                         routing_entropy=self.routing_entropy, routing_tokens=self.routing_tokens,
+                         softmask_tokens=self.softmask_tokens, softmask_nll=self.softmask_nll)
         replace_file(path, write)
 
     def load(self, path: Path) -> None:
         with np.load(path) as z:
             if (z["tile_tokens"].shape != self.tile_tokens.shape or z["position_nll"].shape != self.position_nll.shape
-                    or "routing_load" not in z or z["routing_load"].shape != self.routing_load.shape):
+                    or "routing_load" not in z or z["routing_load"].shape != self.routing_load.shape
+                    or "softmask_tokens" not in z):  # a state of an older genolong lacks the split
                 raise InputError(f"{path} does not match this evaluation; delete {path.parent} to start over")
             self.next_tile = int(z["next_tile"])
             self.tile_tokens[:] = z["tile_tokens"]
@@ -259,6 +264,23 @@ class _Running:
             self.routing_load[:] = z["routing_load"]
             self.routing_entropy[:] = z["routing_entropy"]
             self.routing_tokens[:] = z["routing_tokens"]
+            self.softmask_tokens[:] = z["softmask_tokens"]
+            self.softmask_nll[:] = z["softmask_nll"]
+
+    def add_tile(self, i: int, scores: TileScores, edges: np.ndarray) -> None:
+        """Set tile ``i``'s (tile, bucket, soft-mask class) sums from its scored targets and add
+        them to the per-offset sums; the per-tile sums are those of the two classes (so the split
+        adds up to them exactly, bit for bit)."""
+        k = len(edges) - 1
+        bucket = np.searchsorted(edges, scores.offset, side="right") - 1
+        cell = 2 * bucket + scores.softmask.astype(np.int64)  # [bucket, class], class 1 = soft-masked
+        nll64 = scores.nll.astype(np.float64)
+        self.softmask_tokens[i] = np.bincount(cell, minlength=2 * k).reshape(k, 2)
+        self.softmask_nll[i] = np.bincount(cell, weights=nll64, minlength=2 * k).reshape(k, 2)
+        self.tile_tokens[i] = self.softmask_tokens[i].sum(axis=1)
+        self.tile_nll[i] = self.softmask_nll[i, :, 0] + self.softmask_nll[i, :, 1]
+        self.position_tokens += np.bincount(scores.offset, minlength=len(self.position_tokens))
+        self.position_nll += np.bincount(scores.offset, weights=nll64, minlength=len(self.position_nll))
 
     def add_routing_arrays(self, load: np.ndarray, entropy: np.ndarray, tokens: np.ndarray) -> None:
         """Add one forward's routing statistics (:func:`_routing_arrays` of
@@ -423,12 +445,7 @@ def evaluate(
                 for s in mine_i:
                     if s[3] is not None:
                         running.add_routing_arrays(*s[3])
-                bucket = np.searchsorted(edges, scores.offset, side="right") - 1
-                nll64 = scores.nll.astype(np.float64)
-                running.tile_tokens[i] = np.bincount(bucket, minlength=len(edges) - 1)
-                running.tile_nll[i] = np.bincount(bucket, weights=nll64, minlength=len(edges) - 1)
-                running.position_tokens += np.bincount(scores.offset, minlength=context)
-                running.position_nll += np.bincount(scores.offset, weights=nll64, minlength=context)
+                running.add_tile(i, scores, edges)
                 running.digests[i] = np.frombuffer(_tile_digest(tile.contig, tile.start, scores), np.uint8)
                 if write_tokens:
                     _write_part(work / "tokens" / f"part-{i:05d}.parquet", i, tile.contig, tile.start, scores)
@@ -464,6 +481,8 @@ def evaluate(
         tile_nll=running.tile_nll,
         position_tokens=running.position_tokens,
         position_nll=running.position_nll,
+        softmask_tokens=running.softmask_tokens,
+        softmask_nll=running.softmask_nll,
     )
     result.save(work)
     (work / _STATE).unlink()

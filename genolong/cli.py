@@ -198,6 +198,9 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
             return 0
         print(f"genolong evaluate: {result.meta['tokens']:,} tokens in {result.meta['tiles']} tiles of {context:,} -> {out}")
         print(format_bucket_table(result.bucket_table()))
+        if args.by is not None:
+            print(f"\nsplit by {args.by} (soft-masked = lower case in the FASTA, RepeatMasker's repeats):")
+            print(format_bucket_table(result.bucket_table(by=args.by)))
         if result.meta.get("routing"):
             print("\nMoE routing over the scored tiles:")
             print(format_routing_table(result.meta["routing"]))
@@ -332,18 +335,27 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from .evaluation.report import format_compare_table, write_table
+    from .evaluation.report import format_compare_table, format_gap_table, write_table
     from .evaluation.results import EvalResult
-    from .evaluation.stats import compare
+    from .evaluation.stats import compare, compare_softmask
 
     a, b = EvalResult.load(args.a), EvalResult.load(args.b)
-    table = compare(a, b, n_boot=args.n_boot, seed=args.seed)
+    if args.by == "softmask":
+        table, gap = compare_softmask(a, b, n_boot=args.n_boot, seed=args.seed)
+        tables = {"compare_softmask.csv": table, "softmask_gap.csv": gap}
+    else:
+        tables = {"compare.csv": compare(a, b, n_boot=args.n_boot, seed=args.seed)}
     print(f"genolong compare: A = {a.label} ({args.a}), B = {b.label} ({args.b}); {a.tokens:,} tokens in {a.n_tiles} tiles; "
           f"95% paired block-bootstrap CIs over tiles ({args.n_boot} resamples)")
-    print(format_compare_table(table, "A", "B"))
+    print(format_compare_table(next(iter(tables.values())), "A", "B"))
+    if args.by == "softmask":
+        print("\nsoft-masked vs unmasked: the gap between the two relative changes (below 0: the loss falls more, "
+              "or rises less, on soft-masked bases; the same resamples)")
+        print(format_gap_table(tables["softmask_gap.csv"]))
     if args.out:
-        write_table(table, Path(args.out) / "compare.csv")
-        print(f"table written to {Path(args.out) / 'compare.csv'}")
+        for name, table in tables.items():
+            write_table(table, Path(args.out) / name)
+        print(f"table(s) written to {', '.join(str(Path(args.out) / name) for name in tables)}")
     return 0
 
 
@@ -352,7 +364,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     from .evaluation.results import EvalResult
 
     results = [EvalResult.load(d) for d in args.results]
-    written = plot_results(results, Path(args.out), formats=args.format or ("png", "pdf"), n_boot=args.n_boot, seed=args.seed)
+    written = plot_results(results, Path(args.out), formats=args.format or ("png", "pdf"), n_boot=args.n_boot, seed=args.seed,
+                           by=args.by)
     print(f"genolong plot: {len(written)} files in {args.out}: {', '.join(sorted(written))}")
     return 0
 
@@ -417,6 +430,13 @@ def _scoring_arguments(parser: argparse.ArgumentParser, out_default: str, bucket
                         help="the kernels the model runs, as in finetune: auto = genolong's Triton / fla-core GPU kernels "
                              "on a GPU, the torch reference on a CPU (default: --recipe's model.overrides.kernel_backend, "
                              "else the checkpoint's run recipe's, else auto); recorded in the results' metadata")
+
+
+def _by_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--by softmask``: split ``what`` by the target base's soft-masking (RepeatMasker's lower case)."""
+    parser.add_argument("--by", choices=["softmask"], default=None,
+                        help=f"also split {what} by soft-masked (lower-case: repeats) vs unmasked bases, with the "
+                             "same paired block-bootstrap intervals (default: all bases pooled)")
 
 
 def _verbose_argument(parser: argparse.ArgumentParser) -> None:
@@ -590,6 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "and DSA caches (peak memory of one segment plus the caches; equal to the one-shot forward "
                          f"up to float rounding); 0: one forward per tile (default: {_SEGMENT_TOKENS} in one process; "
                          "0 in several, where context parallelism splits the tile instead)")
+    _by_argument(ev, "the printed bucket table")
     _verbose_argument(ev)
     ev.set_defaults(func=_cmd_evaluate)
 
@@ -632,6 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--out", metavar="DIR", help="also write DIR/compare.csv")
     cmp_.add_argument("--n-boot", type=int, default=2000, metavar="N", help="bootstrap resamples (default: %(default)s)")
     cmp_.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
+    _by_argument(cmp_, "the table (written as compare_softmask.csv, with softmask_gap.csv: the gap between the two "
+                       "classes' relative changes)")
     cmp_.set_defaults(func=_cmd_compare)
 
     plot = sub.add_parser(
@@ -648,6 +671,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="figure format, repeatable (default: png and pdf)")
     plot.add_argument("--n-boot", type=int, default=2000, metavar="N", help="bootstrap resamples (default: %(default)s)")
     plot.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
+    _by_argument(plot, "the bucket and relative-change figures (buckets_softmask, relative_change_softmask: "
+                       "two panels)")
     plot.set_defaults(func=_cmd_plot, format=None)
 
     chk = sub.add_parser(

@@ -13,8 +13,10 @@
 6. Probe long-range recall of the base and the fine-tuned model (``genolong probe``: a 100-base
    held-out segment copied d bases further on, scored with and without its source in view;
    ``OUT/probe/base``, ``OUT/probe/tuned``), unless ``probe_tiles`` is 0.
-7. Compare (paired block bootstrap over tiles), draw the figures (``OUT/figures``) and write
-   ``OUT/REPORT.md`` with the tables, the figures and which differences the intervals support.
+7. Compare (paired block bootstrap over tiles), also split by soft-masked (RepeatMasker's lower
+   case: repeats) vs unmasked bases, draw the figures (``OUT/figures``) and write
+   ``OUT/REPORT.md`` with the tables, the figures and which differences the intervals support
+   (including whether repeats or unique sequence carry the long-context gain).
 """
 
 from __future__ import annotations
@@ -155,6 +157,7 @@ class _Story:
     recipe: Any
     results: dict[str, Any] = field(default_factory=dict)  # name -> EvalResult
     comparisons: list[tuple[str, str, str, pd.DataFrame]] = field(default_factory=list)  # (a, b, question, table)
+    softmask: list[tuple[str, str, str, pd.DataFrame]] = field(default_factory=list)  # (a, b, question, gap table)
     figures: dict[str, Path] = field(default_factory=dict)
     probes: dict[str, Any] = field(default_factory=dict)  # name -> ProbeResult
 
@@ -165,7 +168,7 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
     from .evaluation.plots import plot_results
     from .evaluation.report import format_compare_table
     from .evaluation.score import evaluate, load_eval_model
-    from .evaluation.stats import compare
+    from .evaluation.stats import compare, compare_softmask
     from .train.finetune import run
 
     base = bundled_base()
@@ -255,9 +258,19 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
     for a, b, question, table in story.comparisons:
         print(f"\n{question}\nA = {story.results[a].label}, B = {story.results[b].label}")
         print(format_compare_table(table, "A", "B"))
+    # the same comparisons split by soft-masking: which of repeats and unique sequence carries the change
+    # (only where the held-out FASTA is soft-masked: the bundled chr22 slice is upper case)
+    masked = int(story.results["base"].softmask_tokens[..., 1].sum()) > 0
+    if masked:
+        story.softmask = [(a, b, q, compare_softmask(story.results[a], story.results[b])[1])
+                          for a, b, q, _ in story.comparisons]
+    for a, b, _, gap in story.softmask:
+        for line in _softmask_reading(gap, story.results[a].label, story.results[b].label):
+            print(f"  {line}")
     order = ["base", "tuned", "tuned-cut", "control"]
     shutil.rmtree(out / "figures", ignore_errors=True)
-    story.figures = plot_results([story.results[n] for n in order if n in story.results], out / "figures")
+    story.figures = plot_results([story.results[n] for n in order if n in story.results], out / "figures",
+                                 by="softmask" if masked else None)
     if story.probes:
         from .evaluation.plots import save_probe_figure
 
@@ -292,6 +305,74 @@ def _reading(table: pd.DataFrame, a: str, b: str, tiles: int) -> list[str]:
     if tiles < 10:
         lines.append(f"Only {tiles} tiles: a bootstrap over so few blocks understates the uncertainty; "
                      "score more (--eval-tiles) before trusting these intervals.")
+    return lines
+
+
+def _softmask_reading(gap: pd.DataFrame, a: str, b: str) -> list[str]:
+    """Plain-language lines for one comparison split by soft-masking (``stats.compare_softmask``'s
+    gap table): which of the two classes carries the change, said only as far as the paired interval
+    of their difference (the overall ``"all"`` row) supports it."""
+    r = gap.set_index("bucket").loc["all"]
+    values = [r.unmasked_rel_pct, r.unmasked_rel_ci_lo, r.unmasked_rel_ci_hi, r.masked_rel_pct, r.masked_rel_ci_lo,
+              r.masked_rel_ci_hi, r.gap_pct, r.gap_ci_lo, r.gap_ci_hi]
+    if any(math.isnan(float(v)) for v in values):
+        return [f"{a} vs {b}: too few soft-masked or unmasked bases on these tiles to split the change."]
+    change = {True: (r.masked_rel_pct, r.masked_rel_ci_lo, r.masked_rel_ci_hi),
+              False: (r.unmasked_rel_pct, r.unmasked_rel_ci_lo, r.unmasked_rel_ci_hi)}
+    name = {True: "soft-masked bases (repeats)", False: "unmasked bases (non-repeat sequence)"}
+    interval = {m: f"{x:+.2f}% [{lo:+.2f}, {hi:+.2f}]" for m, (x, lo, hi) in change.items()}
+    gap_text = f"{r.gap_pct:+.2f} points [{r.gap_ci_lo:+.2f}, {r.gap_ci_hi:+.2f}]"
+    head = (f"{b} vs {a}: the loss changes by {interval[True]} on soft-masked bases and by {interval[False]} on unmasked "
+            f"bases; the paired interval of the difference (soft-masked - unmasked), {gap_text}, ")
+    if not bool(r.supported):
+        alone = [m for m in (True, False) if change[m][1] > 0 or change[m][2] < 0]
+        line = head + ("includes 0: these tiles do not separate the two, so they do not say whether repeats or "
+                       "unique sequence carry more of the change.")
+        if len(alone) == 1:
+            line += (f" (Only the change on {name[alone[0]]} excludes 0 on its own; that alone does not show it "
+                     "differs from the other's.)")
+        return [line]
+    more = bool(r.gap_pct < 0)  # True: the change is lower (more favourable) on the soft-masked bases
+    x, lo, hi = change[more]
+    ox, olo, ohi = change[not more]
+    if hi < 0:  # a real gain on the favoured class, and a supported gap: it carries more of the gain
+        what = "repeats carry more of the gain" if more else "unique sequence carries more of the gain"
+        tail = (f"excludes 0: the gain on {name[more]}, {abs(x):.2f}% [{abs(hi):.2f}, {abs(lo):.2f}], is larger than on "
+                f"{name[not more]}, {0.0 - ox + 0.0:+.2f}% [{0.0 - ohi + 0.0:+.2f}, {0.0 - olo + 0.0:+.2f}] "
+                f"(gain = lower loss): {what}.")
+    elif x < 0:
+        tail = (f"excludes 0: the loss falls more on {name[more]} than on {name[not more]}, though the change on "
+                f"{name[more]} alone is not shown to differ from 0.")
+    else:
+        tail = f"excludes 0: the loss rises less on {name[more]} than on {name[not more]}; neither shows a gain."
+    return [head + tail]
+
+
+def _softmask_section(story: _Story) -> list[str]:
+    """REPORT.md's soft-masked vs unmasked section: per comparison, the split with the gap and its reading."""
+    from .evaluation.report import format_gap_table
+
+    if not story.results:
+        return []
+    first = next(iter(story.results.values()))
+    masked = int(first.softmask_tokens[..., 1].sum()) if first.has_softmask else 0
+    lines = ["## Repeats or unique sequence: soft-masked vs unmasked bases", ""]
+    if masked == 0 or not story.softmask:
+        return lines + [
+            f"None of the {first.tokens:,} scored bases is soft-masked: the held-out FASTA is upper case (the bundled "
+            "chr22 slice's source carries no RepeatMasker lower case), so these tiles cannot say whether repeats or "
+            "unique sequence carry the change. On a soft-masked FASTA (UCSC's hg19/hg38 downloads are), `genolong "
+            "compare A B --by softmask` splits every comparison.", ""]
+    lines += [f"The FASTA's lower case (RepeatMasker's soft-masking: interspersed and tandem repeats, low-complexity "
+             f"sequence; the store keeps it per base) marks {masked:,} of the {first.tokens:,} scored bases "
+             f"({100 * masked / max(1, first.tokens):.1f}%). Each comparison is split by it (`genolong compare A B "
+             "--by softmask`): the relative change of each class and their difference, soft-masked - unmasked in "
+             "percentage points (below 0: the loss falls more, or rises less, on repeats), all from the same "
+             "paired block-bootstrap resamples over tiles.", ""]
+    for a, b, question, gap in story.softmask:
+        la, lb = story.results[a].label, story.results[b].label
+        lines += [f"### {question}", "", f"A = {la}, B = {lb}.", "", format_gap_table(gap), ""]
+        lines += [f"- {line}" for line in _softmask_reading(gap, la, lb)] + [""]
     return lines
 
 
@@ -429,11 +510,13 @@ def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
         lines += [f"### {question}", "", f"A = {la}, B = {lb}. Change is B - A.", "",
                   format_compare_table(table, "A", "B"), ""]
         lines += [f"- {line}" for line in _reading(table, la, lb, story.tiles)] + [""]
+    lines += _softmask_section(story)
     lines += _probe_section(story)
     lines += _routing_section(results)
     lines += ["## Figures", ""]
     for name, title in (("position_loss", "Loss by position in the tile"), ("buckets", "Bucket means with 95% CIs"),
                         ("relative_change", "Relative change vs the base"),
+                        ("relative_change_softmask", "Relative change vs the base, soft-masked vs unmasked bases"),
                         ("probe", "Planted-repeat recall by distance (genolong probe)")):
         if f"{name}.png" in story.figures:
             lines += [f"### {title}", "", f"![{title}](figures/{name}.png)", ""]

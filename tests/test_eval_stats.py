@@ -33,11 +33,14 @@ from genolong.evaluation.stats import (
 # synthetic per-token tables -> EvalResult (shared with test_eval_plots.py)
 # --------------------------------------------------------------------------------------------------
 
-def synthetic_tokens(n_tiles: int = 24, context: int = 64, seed: int = 0, drop: float = 0.1) -> pd.DataFrame:
+def synthetic_tokens(n_tiles: int = 24, context: int = 64, seed: int = 0, drop: float = 0.1,
+                     masked: float = 0.0) -> pd.DataFrame:
     """Per-token rows (tile, offset, nll) of ``n_tiles`` tiles of ``context`` tokens.
 
     Tiles have a random difficulty (so tiles are real blocks), the last tile is short (as a
-    segment's last tile), and a fraction ``drop`` of targets is not counted (N bases).
+    segment's last tile), and a fraction ``drop`` of targets is not counted (N bases). With
+    ``masked > 0`` also a ``softmask`` column: about that fraction of each tile's targets, in runs
+    (as repeats are), drawn from a generator of their own (the other columns stay those without).
     """
     rng = np.random.default_rng(seed)
     lengths = np.full(n_tiles, context)
@@ -51,6 +54,10 @@ def synthetic_tokens(n_tiles: int = 24, context: int = 64, seed: int = 0, drop: 
         nll = rng.gamma(4.0, level / 4.0, size=len(offsets)) * (1.0 - 0.05 * np.log2(offsets) / np.log2(context))
         rows.append(pd.DataFrame({"tile": tile, "offset": offsets, "nll": nll}))
     table = pd.concat(rows, ignore_index=True)
+    if masked > 0:
+        mask_rng = np.random.default_rng(seed + 1000)
+        run = np.cumsum(mask_rng.random(len(table)) < 0.05)  # runs of ~20 targets share a class
+        table["softmask"] = (mask_rng.random(run[-1] + 1) < masked)[run]
     table.attrs["lengths"] = lengths
     return table
 
@@ -69,6 +76,13 @@ def result_from_tokens(table: pd.DataFrame, context: int, edges: np.ndarray | No
     tile_nll = np.zeros((w, k))
     np.add.at(tile_tokens, (tile, bucket), 1)
     np.add.at(tile_nll, (tile, bucket), nll)
+    split: dict[str, np.ndarray] = {}
+    if "softmask" in table.columns:  # the soft-mask split, and the per-tile sums as its sums (as evaluate does)
+        cls = table["softmask"].to_numpy(bool).astype(np.int64)
+        split = {"softmask_tokens": np.zeros((w, k, 2), np.int64), "softmask_nll": np.zeros((w, k, 2))}
+        np.add.at(split["softmask_tokens"], (tile, bucket, cls), 1)
+        np.add.at(split["softmask_nll"], (tile, bucket, cls), nll)
+        tile_nll = split["softmask_nll"][..., 0] + split["softmask_nll"][..., 1]
     meta = {
         "format": FORMAT, "label": label, "checkpoint": f"{label}.ckpt", "store": "genome", "split": "eval",
         "context": context, "context_cut": None, "bucket_edges": [int(e) for e in edges], "tiles": w,
@@ -79,7 +93,7 @@ def result_from_tokens(table: pd.DataFrame, context: int, edges: np.ndarray | No
                           "start": np.cumsum(np.r_[0, lengths[:-1]]) + 5000, "length": lengths})
     return EvalResult(meta=meta, tiles=tiles, tile_tokens=tile_tokens, tile_nll=tile_nll,
                       position_tokens=np.bincount(offset, minlength=context),
-                      position_nll=np.bincount(offset, weights=nll, minlength=context))
+                      position_nll=np.bincount(offset, weights=nll, minlength=context), **split)
 
 
 # --------------------------------------------------------------------------------------------------

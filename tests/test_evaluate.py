@@ -268,7 +268,7 @@ def test_evaluate_killed_and_restarted_gives_identical_tables(sample_store: Path
     assert 3 <= done < 8
     subprocess.run([*command, *args, "--out", str(tmp_path / "killed")], env=env, check=True)
     subprocess.run([*command, *args, "--out", str(tmp_path / "whole")], env=env, check=True)
-    for name in ("tiles.parquet", "tile_buckets.parquet", "positions.parquet", "buckets.csv"):
+    for name in ("tiles.parquet", "tile_buckets.parquet", "tile_buckets_softmask.parquet", "positions.parquet", "buckets.csv"):
         a, b = tmp_path / "killed" / name, tmp_path / "whole" / name
         if name.endswith(".parquet"):
             assert pq.read_table(a).equals(pq.read_table(b)), name
@@ -389,4 +389,7 @@ def test_an_interrupted_evaluation_resumes_only_for_the_same_weights(tiny: GenoL
     assert counted["n"] == whole.n_tiles - 2
     assert_bitwise_equal(resumed.tile_nll, whole.tile_nll, "tile NLL of the resumed evaluation")
     assert_bitwise_equal(resumed.position_nll, whole.position_nll, "position NLL of the resumed evaluation")
+    # the soft-mask split is in the committed state too
+    assert_bitwise_equal(resumed.softmask_nll, whole.softmask_nll, "soft-mask split NLL of the resumed evaluation")
+    np.testing.assert_array_equal(resumed.softmask_tokens, whole.softmask_tokens)  # exact: counts
     pd.testing.assert_frame_equal(read_tokens(tmp_path / "r"), read_tokens(tmp_path / "whole"))

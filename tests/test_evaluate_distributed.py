@@ -36,7 +36,7 @@ from genolong.model import PRESETS, GenoLM
 # the tests that launch jobs (distributed, slow) take 30-60 s each on 2 shared cores, mostly process start-up
 
 _ENV = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-_TABLES = ("tile_buckets.parquet", "positions.parquet")
+_TABLES = ("tile_buckets.parquet", "tile_buckets_softmask.parquet", "positions.parquet")
 
 
 def _model(tmp_path: Path) -> Path:
