@@ -12,6 +12,8 @@ interleaved (baseline, one, two, baseline, ...) because the machine is shared:
 - ``one``: ``genolong tracks A`` (loss bigWig + bedGraph + chrom.sizes);
 - ``two``: ``genolong tracks A B`` (both losses and B - A: six track files).
 
+and the same three in this process with every module already imported (``work``: what the
+commands do beyond starting Python and importing pandas, pyarrow, zarr and pyBigWig).
 Medians of ``--repeats`` runs and the ratios to the baseline are printed and written as JSON
 (default benchmarks/results/tracks_speed.json).
 
@@ -56,6 +58,33 @@ def _results(work: Path, tiles: int, context: int, cut: int) -> tuple[Path, Path
     return work / "full", work / "cut"
 
 
+def _in_process(full: Path, cut: Path, work: Path, repeats: int) -> dict[str, list[float]]:
+    """Seconds of the three measurements in this process, modules imported (interleaved repeats)."""
+    import time
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from genolong.evaluation.results import EvalResult
+    from genolong.evaluation.tracks import tracks_for_results, write_tracks
+
+    def read() -> None:
+        pa.concat_tables([pq.read_table(p) for p in sorted((full / "tokens").glob("part-*.parquet"))]).to_pandas()
+
+    def tracks(dirs: list[Path], out: Path) -> None:
+        found, sizes, source = tracks_for_results([EvalResult.load(d) for d in dirs])
+        write_tracks(out, found, sizes, source)
+
+    jobs = {"read": read, "one": lambda: tracks([full], work / "in-one"), "two": lambda: tracks([full, cut], work / "in-two")}
+    times: dict[str, list[float]] = {k: [] for k in jobs}
+    for _ in range(repeats):
+        for key, job in jobs.items():
+            began = time.perf_counter()
+            job()
+            times[key].append(time.perf_counter() - began)
+    return times
+
+
 def main() -> None:
     from genolong.defaults import DEFAULT_EVAL_TILES
 
@@ -80,20 +109,25 @@ def main() -> None:
             for key, cmd in commands.items():
                 times[key].append(run_fresh(cmd).check().wall_s)
         tokens = int(run_fresh(commands["read"]).check().output.split()[-1])
+        work_s = _in_process(full, cut, work, args.repeats)
         sizes = {p.name: p.stat().st_size for p in sorted((work / "two").iterdir())}
     median = {k: statistics.median(v) for k, v in times.items()}
     rows = [("read the per-token table (baseline)", "read"), ("genolong tracks A", "one"), ("genolong tracks A B", "two")]
     print(f"{args.tiles} tiles of {args.context:,}: {tokens:,} scored bases per result; median of {args.repeats} fresh runs")
-    print(f"| {'what':<36} | wall s | x baseline |")
-    print(f"|{'-' * 38}|--------|------------|")
+    work_median = {k: statistics.median(v) for k, v in work_s.items()}
+    print(f"| {'what':<36} | wall s | x baseline | work s (imported) | x baseline |")
+    print(f"|{'-' * 38}|--------|------------|-------------------|------------|")
     for title, key in rows:
-        print(f"| {title:<36} | {median[key]:6.2f} | {median[key] / median['read']:10.2f} |")
+        print(f"| {title:<36} | {median[key]:6.2f} | {median[key] / median['read']:10.2f} | "
+              f"{work_median[key]:17.3f} | {work_median[key] / work_median['read']:10.2f} |")
     doc = {
         "environment": environment(),
         "command": "python benchmarks/tracks_speed.py " + " ".join(sys.argv[1:]),
         "tiles": args.tiles, "context": args.context, "cut": args.cut, "tokens_per_result": tokens,
         "repeats": args.repeats, "wall_s": times, "median_s": median,
         "ratio_to_read": {k: median[k] / median["read"] for k in ("one", "two")},
+        "work_s": work_s, "work_median_s": work_median,
+        "work_ratio_to_read": {k: work_median[k] / work_median["read"] for k in ("one", "two")},
         "file_bytes": sizes,
     }
     print(f"written {write_json(args.out, doc)}")

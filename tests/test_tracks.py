@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -223,3 +225,13 @@ def test_track_names_are_file_safe() -> None:
     assert track_name("quickstart+lora") == "quickstart+lora"
     assert track_name("a/b c") == "a_b_c"
     assert track_name("///") == "result"
+
+
+def test_tracks_is_a_light_command(runs: Path, tmp_path: Path) -> None:
+    """`genolong tracks` loads no torch (a fresh interpreter; torch would add seconds of start-up)."""
+    code = ("import sys\nfrom genolong.cli import main\nrc = main(sys.argv[1:])\n"
+            "print('HEAVY', rc, sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'lightning', 'pandas'}))")
+    proc = subprocess.run([sys.executable, "-c", code, "tracks", str(runs / "full"), "--out", str(tmp_path / "t")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "HEAVY 0 ['pandas']" in proc.stdout, proc.stdout  # pandas: the check sees what the command imports
