@@ -23,7 +23,7 @@ value: no bigWig entry and no bedGraph line. The tiles of one result partition t
 segments (:class:`~genolong.data.windows.EvalTiles`), so a result scores each position at most
 once, with or without ``--context-cut``; a per-token table that holds a position twice is damaged
 and refused. The bigWig stores float32, as the table does, so its values equal the table's; the
-bedGraph writes them with 9 significant digits (which round-trip float32).
+bedGraph writes each as the shortest decimal that reads back as the same float32.
 
 Importing this module does not import torch (``genolong tracks`` is a light command).
 """
@@ -283,7 +283,8 @@ def write_bigwig(path: str | os.PathLike[str], track: Track, sizes: Mapping[str,
 def write_bedgraph(path: str | os.PathLike[str], track: Track) -> None:
     """Write ``track`` as bedGraph: a UCSC ``track type=bedGraph`` line, then one
     ``chrom<TAB>start<TAB>end<TAB>value`` line per scored base, sorted as ``sort -k1,1 -k2,2n``
-    sorts (chromosome names in byte order), values with 9 significant digits."""
+    sorts (chromosome names in byte order), each value the shortest decimal that reads back as
+    the same float32."""
     rank = {name: i for i, name in enumerate(_header_order(dict.fromkeys(pd.unique(track.contig), 0)))}
     runs = sorted(_runs(track.contig), key=lambda run: rank[run[0]])
     with open(path, "w") as handle:
@@ -291,8 +292,11 @@ def write_bedgraph(path: str | os.PathLike[str], track: Track) -> None:
                      "visibility=full autoScale=on alwaysZero=on\n")
         for name, first, stop in runs:
             start = track.position[first:stop]
-            pd.DataFrame({"chrom": name, "start": start, "end": start + 1, "value": track.value[first:stop]}).to_csv(
-                handle, sep="\t", header=False, index=False, float_format="%.9g", lineterminator="\n")
+            # numpy's shortest float32 repr (reads back as the same float32), formatted in C: a
+            # per-value "%.9g" in Python took 1.5x as long
+            values = track.value[first:stop].astype(np.float32).astype(str)
+            pd.DataFrame({"chrom": name, "start": start, "end": start + 1, "value": values}).to_csv(
+                handle, sep="\t", header=False, index=False, lineterminator="\n")
 
 
 def _quote(text: str) -> str:

@@ -114,7 +114,7 @@ def test_evaluate_tracks_hold_the_per_token_loss_at_its_position(runs: Path) -> 
     assert bed["contig"].tolist() == table["contig"].tolist()
     np.testing.assert_array_equal(bed["start"].to_numpy(), table["position"].to_numpy())
     assert (bed["end"] == bed["start"] + 1).all() and (np.diff(bed["start"].to_numpy()) > 0).all()
-    np.testing.assert_array_equal(bed["value"].to_numpy().astype(np.float32), table["nll"].to_numpy())  # 9 digits round-trip
+    np.testing.assert_array_equal(bed["value"].to_numpy().astype(np.float32), table["nll"].to_numpy())  # shortest float32 repr round-trips
 
 
 def test_tracks_of_two_results_hold_b_minus_a(runs: Path, capsys: pytest.CaptureFixture[str]) -> None:
