@@ -11,6 +11,8 @@ Installed as ``genolong.evaluation`` (see ``package-dir`` in pyproject.toml). Mo
 - ``stats``: paired :func:`compare` of two results, pooled or split by soft-masked vs unmasked bases
   (and the ``bootstrap`` names, re-exported);
 - ``plots``: the figures of ``genolong plot``;
+- ``tracks``: ``genolong tracks`` / ``evaluate --tracks`` (bigWig and bedGraph of the per-base
+  loss and of B - A, in the store's genomic coordinates);
 - ``logprobs``: ``genolong check-logprobs`` (training path vs step-by-step decode);
 - ``probe``: ``genolong probe`` (planted-repeat recall by distance, full vs cut view);
 - ``probe_result``: :class:`ProbeResult`, the probe's saved tables (torch-free, for the figures);

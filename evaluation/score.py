@@ -62,6 +62,7 @@ from .distributed import (ScoringGroup, assemble_nll, broadcast_from_writer, gat
                           stop_if_signalled, tile_rounds)
 from .results import EvalResult
 from .bootstrap import bucket_edges
+from .tracks import chrom_sizes_from_contigs, write_result_tracks
 
 __all__ = ["TOKEN_SCHEMA", "TileScores", "model_signature", "score_tile", "tile_nll", "tile_scores", "evaluate", "load_eval_model", "read_tokens", "recipe_context",
            "run_recipe", "scoring_kernel_backend", "kernel_backend_meta"]
@@ -329,6 +330,7 @@ def evaluate(
     progress: bool | None = None,
     segment_tokens: int | None = None,
     group: ScoringGroup | None = None,
+    tracks: bool = False,
 ) -> EvalResult | None:
     """Score the first ``max_tiles`` tiles of ``context`` tokens of ``split`` and write ``out``.
 
@@ -360,6 +362,9 @@ def evaluate(
             per-tile arrays, writes, and commits the progress once per round; every rank must
             call this. Default None: one process. The layout is in the settings (``parallel``):
             a resumed run must use the same.
+        tracks: also write the per-base loss as bigWig and bedGraph into ``out/tracks``
+            (:mod:`genolong.evaluation.tracks`; needs ``write_tokens`` and a store split, whose
+            contig records give the chromosome sizes); default False.
 
     Returns:
         The result, as saved in ``out`` (None on the ranks other than global rank 0).
@@ -377,6 +382,7 @@ def evaluate(
     if max_tiles is not None and max_tiles < 1:
         raise InputError(f"--max-tiles must be at least 1, got {max_tiles}")
     check_segment_tokens(segment_tokens)
+    sizes = _track_sizes(split, write_tokens) if tracks else None
     if group.distributed and segment_tokens is not None:
         raise InputError("--segment-tokens streams a tile in one process; a multi-process evaluation runs each "
                          "rank's share in one forward: pass --segment-tokens 0 (context parallelism splits the tile)")
@@ -485,12 +491,25 @@ def evaluate(
         softmask_nll=running.softmask_nll,
     )
     result.save(work)
+    if sizes is not None:  # before the state goes: a kill while writing them resumes here
+        write_result_tracks(work, result, sizes)
     (work / _STATE).unlink()
     (work / _SETTINGS).unlink()
     if not write_tokens:
         (work / "tokens").rmdir()
     replace_dir(work, out)
     return result
+
+
+def _track_sizes(split: SplitLike, write_tokens: bool) -> dict[str, int]:
+    """The chromosome sizes ``evaluate(tracks=True)`` writes its tracks with (checked before scoring)."""
+    if not write_tokens:
+        raise InputError("--tracks are drawn from the per-token table: drop --no-tokens, or drop --tracks")
+    contigs = getattr(split, "contigs", None)
+    if contigs is None:
+        raise InputError("--tracks need the chromosome sizes of a genome store's split (GenomeStore.open(DIR).split(NAME)); "
+                         "evaluate such a split, or write the tracks later with `genolong tracks RESULT --chrom-sizes FILE`")
+    return chrom_sizes_from_contigs(contigs, f"split {getattr(split, 'name', '?')!r}")
 
 
 def _open_work(work: Path, settings: Mapping[str, Any], running: _Running) -> None:

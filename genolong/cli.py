@@ -175,6 +175,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     else:
         segment_tokens = None if args.segment_tokens == 0 else args.segment_tokens
     check_segment_tokens(segment_tokens)  # before the model loads
+    if args.tracks and args.no_tokens:
+        raise InputError("--tracks are drawn from the per-token table: drop --no-tokens, or drop --tracks")
     store = GenomeStore.open(args.store)
     split = store.split(args.split)
     dtype = getattr(torch, _DTYPES[args.dtype])
@@ -192,7 +194,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
             meta={**_scored_meta(args), "store": str(store.path.resolve()), "split": args.split,
                   "dtype": _DTYPES[args.dtype], "device": args.device},
             force=args.force, progress=None if not args.quiet else False,
-            segment_tokens=segment_tokens, group=group,  # type: ignore[arg-type]
+            segment_tokens=segment_tokens, group=group, tracks=args.tracks,  # type: ignore[arg-type]
         )
         if result is None:  # not the writer
             return 0
@@ -367,6 +369,23 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     written = plot_results(results, Path(args.out), formats=args.format or ("png", "pdf"), n_boot=args.n_boot, seed=args.seed,
                            by=args.by)
     print(f"genolong plot: {len(written)} files in {args.out}: {', '.join(sorted(written))}")
+    return 0
+
+
+def _cmd_tracks(args: argparse.Namespace) -> int:
+    from .errors import InputError
+    from .evaluation.results import EvalResult
+    from .evaluation.tracks import TRACKS_DIR, read_chrom_sizes, tracks_for_results, write_tracks
+
+    results = [EvalResult.load(d) for d in args.results]
+    out = Path(args.out) if args.out else Path(args.results[-1]) / TRACKS_DIR
+    if out.exists() and not args.force:
+        raise InputError(f"{out} already exists; pass --force to replace it, or choose another --out")
+    sizes = read_chrom_sizes(args.chrom_sizes) if args.chrom_sizes else None
+    tracks, sizes, source = tracks_for_results(results, sizes, args.store)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    written = write_tracks(out, tracks, sizes, source)
+    print(f"genolong tracks: {len(written)} files in {out}: {', '.join(p.name for p in written)}")
     return 0
 
 
@@ -605,6 +624,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-tiles", type=int, metavar="N", help="score only the first N tiles (default: all)")
     ev.add_argument("--label", help="name of this run in tables and figures (default: from CHECKPOINT)")
     ev.add_argument("--no-tokens", action="store_true", help="do not write the per-token table (aggregates only)")
+    ev.add_argument("--tracks", action="store_true",
+                    help="also write the per-base loss as bigWig and bedGraph into OUT/tracks (see `genolong tracks`)")
     ev.add_argument("--segment-tokens", type=int, default=None, metavar="S",
                     help="stream a tile longer than S tokens through the model S at a time, carrying the KDA states "
                          "and DSA caches (peak memory of one segment plus the caches; equal to the one-shot forward "
@@ -674,6 +695,26 @@ def build_parser() -> argparse.ArgumentParser:
     _by_argument(plot, "the bucket and relative-change figures (buckets_softmask, relative_change_softmask: "
                        "two panels)")
     plot.set_defaults(func=_cmd_plot, format=None)
+
+    trk = sub.add_parser(
+        "tracks",
+        help="genome-browser tracks (bigWig, bedGraph) of the per-base loss of a result, or of B - A for two",
+        description=(
+            "From the per-token table of `genolong evaluate` results: the per-base loss (nats) of RESULT_DIR as "
+            "NAME.nll.bw and NAME.nll.bedGraph (NAME: the result's label, file-safe); with a second result B on the "
+            "same tiles also B's and the per-base difference B - A (NAMEB-minus-NAMEA.diff.*; negative: B predicts "
+            "the base better), plus chrom.sizes. Genomic coordinates of the store; chromosome sizes from the store's "
+            "manifest (the source FASTA's records) or --chrom-sizes. Unscored bases have no value."
+        ),
+    )
+    trk.add_argument("results", nargs="+", metavar="RESULT_DIR",
+                     help="one evaluate result, or two: A (reference, e.g. the base or the cut run) then B")
+    trk.add_argument("--out", metavar="DIR", help="output directory (default: the last RESULT_DIR/tracks)")
+    trk.add_argument("--chrom-sizes", metavar="FILE",
+                     help="UCSC chrom.sizes file (name<TAB>length) instead of the sizes the store records")
+    trk.add_argument("--store", metavar="DIR", help="the genome store evaluated, if it moved since (default: from the result)")
+    trk.add_argument("--force", action="store_true", help="replace an existing --out")
+    trk.set_defaults(func=_cmd_tracks)
 
     chk = sub.add_parser(
         "check-logprobs",

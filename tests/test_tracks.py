@@ -1,0 +1,237 @@
+"""Browser tracks of evaluation results (genolong tracks, evaluate --tracks): bigWig and bedGraph.
+
+Oracles: the per-token parquet table (read with pyarrow, not through the tracks module), the
+sample FASTA's own ``.fai`` index for the chromosome sizes, pyBigWig reading the files back, and
+pandas parsing the bedGraph.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pyBigWig
+import pytest
+import torch
+
+from genolong.cli import main
+from genolong.data.names import parse_record_name
+from genolong.errors import InputError
+from genolong.evaluation.tracks import Track, track_name, write_tracks
+from genolong.model import PRESETS, GenoLM
+from genolong.quickstart import SAMPLE_EVAL, sample_fasta
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+_COMMON = ["--max-tiles", "3", "--first-bucket", "64", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, sample_store: Path) -> Path:
+    """A tiny random model evaluated on the sample's first 3 held-out tiles of 256: full context
+    with --tracks, the same tiles with the context cut at 32, other tiles (L 128), no tokens."""
+    root = tmp_path_factory.mktemp("tracks")
+    torch.manual_seed(0)
+    GenoLM(PRESETS["tiny"]).save_pretrained(root / "model")
+    common = [str(root / "model"), "--store", str(sample_store), *_COMMON]
+    assert main(["evaluate", *common, "--context", "256", "--label", "tiny full", "--tracks", "--out", str(root / "full")]) == 0
+    assert main(["evaluate", *common, "--context", "256", "--context-cut", "32", "--out", str(root / "cut")]) == 0
+    assert main(["evaluate", *common, "--context", "128", "--out", str(root / "short")]) == 0
+    assert main(["evaluate", *common, "--context", "256", "--no-tokens", "--out", str(root / "bare")]) == 0
+    return root
+
+
+def _tokens(result: Path) -> pd.DataFrame:
+    """The per-token table, read directly: contig, position, nll (float32)."""
+    parts = sorted((result / "tokens").glob("part-*.parquet"))
+    frame = pd.concat([pq.read_table(p, columns=["contig", "position", "nll"]).to_pandas() for p in parts], ignore_index=True)
+    frame["contig"] = frame["contig"].astype(str)
+    return frame
+
+
+def _fasta_sizes(contigs: tuple[str, ...]) -> dict[str, int]:
+    """Chromosome sizes from the sample FASTA's .fai: a ``NAME:START-END`` record reaches START - 1 + its length."""
+    sizes = {}
+    for line in Path(f"{sample_fasta()}.fai").read_text().splitlines():
+        record, length = line.split("\t")[:2]
+        region = parse_record_name(record)
+        if region.contig in contigs:
+            sizes[region.contig] = region.start + int(length)
+    return sizes
+
+
+def _bigwig(path: Path) -> tuple[dict[str, int], pd.DataFrame]:
+    """Header and every entry of a bigWig file."""
+    bw = pyBigWig.open(str(path))
+    try:
+        chroms = dict(bw.chroms())
+        rows = [(c, s, e, v) for c in chroms for s, e, v in (bw.intervals(c) or [])]
+    finally:
+        bw.close()
+    return chroms, pd.DataFrame(rows, columns=["contig", "start", "end", "value"])
+
+
+def _bedgraph(path: Path) -> tuple[str, pd.DataFrame]:
+    """The track line and the data lines of a bedGraph file."""
+    first, *_ = path.read_text().splitlines()[:1]
+    frame = pd.read_csv(path, sep="\t", skiprows=1, header=None, names=["contig", "start", "end", "value"],
+                        dtype={"contig": str, "start": np.int64, "end": np.int64, "value": np.float64})
+    return first, frame
+
+
+def test_evaluate_tracks_hold_the_per_token_loss_at_its_position(runs: Path) -> None:
+    table = _tokens(runs / "full")
+    tracks = runs / "full" / "tracks"
+    assert sorted(p.name for p in tracks.iterdir()) == ["chrom.sizes", "tiny_full.nll.bedGraph", "tiny_full.nll.bw"]
+    chroms, entries = _bigwig(tracks / "tiny_full.nll.bw")
+    # the sizes of the source FASTA (chr22:20000001-21000000 ends at 21,000,000), also in chrom.sizes
+    assert chroms == _fasta_sizes(SAMPLE_EVAL) == {"chr22": 21_000_000}
+    assert (tracks / "chrom.sizes").read_text() == "chr22\t21000000\n"
+    # one span-1 entry per scored base, its value the table's float32 exactly
+    assert (entries["end"] - entries["start"] == 1).all() and len(entries) == len(table) > 700
+    assert entries["contig"].tolist() == table["contig"].tolist()
+    np.testing.assert_array_equal(entries["start"].to_numpy(), table["position"].to_numpy())
+    np.testing.assert_array_equal(entries["value"].to_numpy(np.float32), table["nll"].to_numpy())
+    # unscored bases (each tile's first, any N) read back as no value
+    bw = pyBigWig.open(str(tracks / "tiny_full.nll.bw"))
+    lo, hi = int(table["position"].min()) - 5, int(table["position"].max()) + 5
+    values = np.asarray(bw.values("chr22", lo, hi, numpy=True))
+    bw.close()
+    scored = np.zeros(hi - lo, bool)
+    scored[table["position"].to_numpy() - lo] = True
+    assert (~scored).sum() >= 5 + 4 + 2  # the padding either side and the 2nd and 3rd tiles' first bases
+    assert np.isnan(values[~scored]).all()
+    np.testing.assert_array_equal(values[scored].astype(np.float32), table["nll"].to_numpy())
+    # the bedGraph: a UCSC track line, then the same bases and values, sorted
+    line, bed = _bedgraph(tracks / "tiny_full.nll.bedGraph")
+    assert line.startswith('track type=bedGraph name="tiny full loss" description="genolong per-base loss (nats) of tiny full')
+    assert bed["contig"].tolist() == table["contig"].tolist()
+    np.testing.assert_array_equal(bed["start"].to_numpy(), table["position"].to_numpy())
+    assert (bed["end"] == bed["start"] + 1).all() and (np.diff(bed["start"].to_numpy()) > 0).all()
+    np.testing.assert_array_equal(bed["value"].to_numpy().astype(np.float32), table["nll"].to_numpy())  # shortest float32 repr round-trips
+
+
+def test_tracks_of_two_results_hold_b_minus_a(runs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = runs / "pair"
+    assert main(["tracks", str(runs / "full"), str(runs / "cut"), "--out", str(out)]) == 0
+    assert "7 files" in capsys.readouterr().out
+    cut_name = track_name(json.loads((runs / "cut" / "meta.json").read_text())["label"])
+    assert cut_name == "model_cut_32"
+    stem = f"{cut_name}-minus-tiny_full.diff"
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["chrom.sizes", f"{stem}.bw", f"{stem}.bedGraph", "tiny_full.nll.bw", "tiny_full.nll.bedGraph",
+         f"{cut_name}.nll.bw", f"{cut_name}.nll.bedGraph"])
+    a, b = _tokens(runs / "full"), _tokens(runs / "cut")
+    assert a[["contig", "position"]].equals(b[["contig", "position"]])
+    expected = b["nll"].to_numpy() - a["nll"].to_numpy()  # float32 - float32: the correctly rounded difference
+    assert (expected != 0).any() and (expected == 0).any()  # bases past 32 of context differ, the first 32 do not
+    chroms, entries = _bigwig(out / f"{stem}.bw")
+    assert chroms == {"chr22": 21_000_000}
+    np.testing.assert_array_equal(entries["start"].to_numpy(), a["position"].to_numpy())
+    np.testing.assert_array_equal(entries["value"].to_numpy(np.float32), expected)
+    line, bed = _bedgraph(out / f"{stem}.bedGraph")
+    assert "B - A" in line and "B = model cut 32, A = tiny full" in line and "negative = B predicts the base better" in line
+    np.testing.assert_array_equal(bed["value"].to_numpy().astype(np.float32), expected)
+    # each result's own loss track is there too, equal to its table
+    _, own = _bigwig(out / f"{cut_name}.nll.bw")
+    np.testing.assert_array_equal(own["value"].to_numpy(np.float32), b["nll"].to_numpy())
+    # the default output is the (last) result's tracks/; an existing one needs --force
+    assert main(["tracks", str(runs / "cut")]) == 0
+    assert (runs / "cut" / "tracks" / f"{cut_name}.nll.bw").is_file()
+    assert main(["tracks", str(runs / "cut")]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert main(["tracks", str(runs / "cut"), "--force"]) == 0
+    # --chrom-sizes replaces the store's sizes (an assembly's full chromosome)
+    sizes = runs / "hg19.chrom.sizes"
+    sizes.write_text("chr1\t249250621\nchr22\t51304566\n")
+    assert main(["tracks", str(runs / "full"), "--chrom-sizes", str(sizes), "--out", str(runs / "hg19")]) == 0
+    assert _bigwig(runs / "hg19" / "tiny_full.nll.bw")[0] == {"chr1": 249_250_621, "chr22": 51_304_566}
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], *words: str) -> None:
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_bad_input_is_one_line_and_writes_nothing(runs: Path, sample_store: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    # --tracks without the per-token table: refused before the model is loaded
+    _one_line_error(capsys, ["evaluate", str(tmp_path / "no-model"), "--store", str(sample_store), "--context", "64",
+                             "--tracks", "--no-tokens", "--out", str(out)], "--no-tokens", "--tracks")
+    _one_line_error(capsys, ["tracks", str(runs / "bare"), "--out", str(out)], "no per-token table", "without --no-tokens")
+    _one_line_error(capsys, ["tracks", str(runs / "full"), str(runs / "short"), "--out", str(out)],
+                    "different token sets", "--context")
+    _one_line_error(capsys, ["tracks", str(tmp_path / "absent"), "--out", str(out)], "does not exist")
+    _one_line_error(capsys, ["tracks", str(runs / "full"), str(runs / "cut"), str(runs / "full"), "--out", str(out)],
+                    "one result or of two")
+    # a store that moved: named, with both fixes; --store finds it
+    moved = tmp_path / "moved"
+    shutil.copytree(runs / "full", moved, ignore=shutil.ignore_patterns("tracks"))
+    meta = json.loads((moved / "meta.json").read_text())
+    (moved / "meta.json").write_text(json.dumps({**meta, "store": str(tmp_path / "gone")}))
+    _one_line_error(capsys, ["tracks", str(moved), "--out", str(out)], "is not there", "--store DIR", "--chrom-sizes FILE")
+    assert main(["tracks", str(moved), "--store", str(sample_store), "--out", str(tmp_path / "found")]) == 0
+    # sizes that lack the chromosome or are too short
+    sizes = tmp_path / "sizes"
+    sizes.write_text("chr1\t1000\n")
+    _one_line_error(capsys, ["tracks", str(runs / "full"), "--chrom-sizes", str(sizes), "--out", str(out)],
+                    "lack chr22", "--chrom-sizes FILE")
+    sizes.write_text("chr22\t20000000\n")
+    _one_line_error(capsys, ["tracks", str(runs / "full"), "--chrom-sizes", str(sizes), "--out", str(out)], "beyond")
+    sizes.write_text("chr22 twenty\n")
+    _one_line_error(capsys, ["tracks", str(runs / "full"), "--chrom-sizes", str(sizes), "--out", str(out)], "line 1")
+    # a position scored twice (a part copied under another tile's name): damaged, refused
+    shutil.copy(moved / "tokens" / "part-00000.parquet", moved / "tokens" / "part-00099.parquet")
+    _one_line_error(capsys, ["tracks", str(moved), "--store", str(sample_store), "--out", str(out)],
+                    "more than once", "re-run `genolong evaluate`")
+    assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_tracks_sort_chromosomes_as_ucsc_tools_do(tmp_path: Path) -> None:
+    """Several chromosomes, given in karyotype order: header and bedGraph in byte order of the name
+    (``sort -k1,1 -k2,2n``, what bedGraphToBigWig requires), gaps without entries."""
+    contig = np.array(["chr2"] * 3 + ["chr10"] * 2 + ["chr1"] * 2, object)
+    position = np.array([5, 6, 9, 0, 1, 100, 101], np.int64)
+    value = np.array([0.5, 1.25, -2.0, 3.0, 4.0, 1e-7, 7.0], np.float32)
+    order = np.lexsort((position, contig))
+    track = Track("t", "nll", "t loss", "test", contig[order], position[order], value[order])
+    sizes = {"chr2": 20, "chr10": 5, "chr1": 200}
+    write_tracks(tmp_path / "t", [track], sizes)
+    chroms, entries = _bigwig(tmp_path / "t" / "t.nll.bw")
+    assert list(chroms) == ["chr1", "chr10", "chr2"] and chroms == sizes
+    assert list(zip(entries["contig"], entries["start"])) == [("chr1", 100), ("chr1", 101), ("chr10", 0), ("chr10", 1),
+                                                             ("chr2", 5), ("chr2", 6), ("chr2", 9)]
+    np.testing.assert_array_equal(entries["value"].to_numpy(np.float32), np.float32([1e-7, 7.0, 3.0, 4.0, 0.5, 1.25, -2.0]))
+    _, bed = _bedgraph(tmp_path / "t" / "t.nll.bedGraph")
+    assert bed[["contig", "start"]].equals(entries[["contig", "start"]])
+    np.testing.assert_array_equal(bed["value"].to_numpy().astype(np.float32), entries["value"].to_numpy(np.float32))
+    with pytest.raises(InputError, match="beyond"):
+        write_tracks(tmp_path / "u", [track], {**sizes, "chr10": 1})
+    assert not (tmp_path / "u").exists()
+
+
+def test_track_names_are_file_safe() -> None:
+    assert track_name("fine-tuned, cut at 1,024") == "fine-tuned_cut_at_1_024"
+    assert track_name("quickstart+lora") == "quickstart+lora"
+    assert track_name("a/b c") == "a_b_c"
+    assert track_name("///") == "result"
+
+
+def test_tracks_is_a_light_command(runs: Path, tmp_path: Path) -> None:
+    """`genolong tracks` loads no torch (a fresh interpreter; torch would add seconds of start-up)."""
+    code = ("import sys\nfrom genolong.cli import main\nrc = main(sys.argv[1:])\n"
+            "print('HEAVY', rc, sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'lightning', 'pandas'}))")
+    proc = subprocess.run([sys.executable, "-c", code, "tracks", str(runs / "full"), "--out", str(tmp_path / "t")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "HEAVY 0 ['pandas']" in proc.stdout, proc.stdout  # pandas: the check sees what the command imports
