@@ -227,8 +227,7 @@ class Reference:
                 raise InputError(f"{info.where()}: a second record named {info.name!r}; give each record its own name")
             assert blocks is not None
             if info.name in wanted:
-                kept = [np.array(block.tokens, dtype=np.uint8) for block in blocks]
-                self._loaded[info.name] = np.concatenate(kept) if len(kept) > 1 else kept[0]
+                self._loaded[info.name] = np.concatenate([block.tokens for block in blocks])
                 lengths[info.name] = int(self._loaded[info.name].size)
             else:
                 lengths[info.name] = sum(int(block.tokens.size) for block in blocks)
