@@ -471,7 +471,6 @@ def _read_records(path: Path) -> tuple[list[_Record], dict[str, int | None]]:
     """Every record of the file, and the header's contig lengths (None where not given)."""
     records: list[_Record] = []
     with _open_vcf(path) as vcf:
-        header_lines = str(vcf.header).count("\n")
         contigs = {name: vcf.header.contigs[name].length for name in vcf.header.contigs}
         iterator = iter(vcf)
         while True:
@@ -480,7 +479,10 @@ def _read_records(path: Path) -> tuple[list[_Record], dict[str, int | None]]:
             except StopIteration:
                 break
             except (OSError, ValueError) as exc:
-                where = f"record {len(records) + 1}" + ("" if vcf.is_bcf else f" (line {header_lines + len(records) + 1})")
+                where = f"record {len(records) + 1}"
+                header = None if vcf.is_bcf else _header_lines(path)
+                if header is not None:
+                    where += f" (line {header + len(records) + 1})"
                 raise InputError(
                     f"{path}: cannot read {where}: htslib says {exc!s}, the file is truncated or malformed "
                     f"(htslib's message above names the problem); check it with `bcftools view {path} > /dev/null`"
@@ -494,6 +496,24 @@ def _read_records(path: Path) -> tuple[list[_Record], dict[str, int | None]]:
                 )
             records.append(_Record(index, rec.chrom, rec.pos, rec.id or ".", ref, tuple(rec.alts or (".",))))
     return records, contigs
+
+
+def _header_lines(path: Path) -> int | None:
+    """How many header lines ('#') a VCF text file (plain, gzip or bgzip) starts with, or None if
+    they do not decompress: what htslib reads back is not the text (it adds a PASS filter line), so
+    the file is read again."""
+    with open(path, "rb") as probe:
+        gz = probe.read(2) == b"\x1f\x8b"
+    count = 0
+    try:
+        with (gzip.open(path, "rb") if gz else open(path, "rb")) as handle:
+            for line in handle:
+                if not line.startswith(b"#"):
+                    break
+                count += 1
+    except (EOFError, OSError, zlib.error):
+        return None
+    return count
 
 
 def _classify(alt: str) -> str | None:

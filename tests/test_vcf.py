@@ -422,7 +422,7 @@ def test_bad_vcf_is_one_line_error_and_nothing_written(case: str, genome: tuple[
         "truncated": "truncated", "corrupt": "truncated or malformed", "corrupt_first": "damaged", "headerless": "not a VCF/BCF file with a header",
         "empty": "empty", "missing": "no such file", "no_ref": "has no REF", "absent_contig": "contig 'chr99' is not in",
         "chr_prefix": "it has 'chr22s'", "beyond_end": "beyond the end of 'chr22s'", "header_length": "another build",
-        "bad_pos": "cannot read record 2 (line 9)",
+        "bad_pos": "cannot read record 2 (line 8)",  # 6 header lines
     }[case]
     if case == "truncated":
         path = _truncated_bgzip(tmp_path / "in.vcf.gz", seqs)
