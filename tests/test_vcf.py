@@ -110,7 +110,7 @@ def test_reference_every_layout_reads_the_same_and_writes_nothing_beside_the_fil
                     assert other.length(name) == len(seq)
                     for start, end in ((0, 50), (len(seq) - 77, len(seq)), (1234, 2345), (5, 5)):
                         assert other.fetch(name, start, end) == seq[start:end] == indexed.fetch(name, start, end)
-                        np.testing.assert_array_equal(other.tokens(name, start, end), encode(seq[start:end]))
+                        np.testing.assert_array_equal(other.tokens(name, start, end), encode(seq[start:end]))  # exact: uint8 token ids
             assert sorted(p.name for p in file.parent.iterdir()) == before, layout
     assert any(c.islower() for c in seqs["chr16s"])  # the soft-masking came through
 
