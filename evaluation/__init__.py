@@ -18,7 +18,9 @@ Installed as ``genolong.evaluation`` (see ``package-dir`` in pyproject.toml). Mo
 - ``probe_result``: :class:`ProbeResult`, the probe's saved tables (torch-free, for the figures);
 - ``distributed``: the multi-process scoring job (launch, mesh, sharded loading, tiles dealt to
   the data-parallel groups, one writer) that ``evaluate``, ``check-logprobs`` and ``probe`` share;
-- ``report``: Markdown tables for the terminal and the quickstart's REPORT.md.
+- ``report``: Markdown tables for the terminal and the quickstart's REPORT.md;
+- ``vcf``: ``genolong variants``' input: the reference FASTA, VCF/BCF records split per ALT and
+  normalised as ``bcftools norm`` does (counted rejects), and the annotated VCF copy.
 """
 
 from __future__ import annotations
