@@ -13,18 +13,25 @@ run, and the start of chr1, which begins with 10 kb of N).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
+import pandas as pd
 import pysam
 import pytest
 import torch
 
 from genolong.data.alphabet import decode, encode
+from genolong.errors import InputError
+from genolong.evaluation import variants as variants_module
 from genolong.evaluation.variant_score import (
     ReverseComplement,
     brute_force_llr,
     plan_blocks,
     score_variants_streamed,
 )
+from genolong.evaluation.variants import score_variants
 from genolong.evaluation.vcf import Variant
 from genolong.model import PRESETS, GenoLM
 from genolong.model.stream import PrefillStream
@@ -188,3 +195,66 @@ def test_snapshot_and_restore_continue_as_if_the_branch_never_ran(tiny: GenoLM) 
     assert branched.position == plain.position == 700
     with pytest.raises(Exception, match="snapshot"):
         PrefillStream(tiny).restore(snap)
+
+
+def runner_variants(ref: SampleReference) -> list[Variant]:
+    return [v for v in cases(ref) if v.contig == CHR1 or 5000 <= v.pos <= 5203 or v.pos < 10]
+
+
+def test_runner_writes_the_tables(tiny: GenoLM, reference: SampleReference, tmp_path: Path) -> None:
+    variants = runner_variants(reference)
+    seen: list[Path] = []
+    table = score_variants(tiny, reference, variants, tmp_path / "out", [100, 200], WINDOW, "both",
+                           segment_tokens=SEGMENT, meta={"checkpoint": "tiny"},
+                           finish=lambda work, t: seen.append(work))
+    out = tmp_path / "out"
+    assert seen == [tmp_path / ".out.partial"] and not seen[0].exists()
+    assert len(table) == 2 * len(variants) and list(table["context"].unique()) == [100, 200]
+    assert np.array_equal(table["llr"], 0.5 * (table["llr_forward"] + table["llr_reverse"]))
+    assert np.array_equal(table["llr_forward"], table["logp_alt"] - table["logp_ref"])
+    assert table["pos"].tolist()[: len(variants)] == [v.pos + 1 for v in variants]
+    back = pd.read_parquet(out / "scores.parquet")
+    pd.testing.assert_frame_equal(back, table)
+    tsv = pd.read_csv(out / "scores.tsv", sep="\t", keep_default_na=False)
+    assert np.array_equal(tsv["llr"].to_numpy(), table["llr"].to_numpy())  # %.17g: the float64 bits round-trip
+    effect = pd.read_csv(out / "context_effect.tsv", sep="\t")
+    assert len(effect) == len(variants)
+    short = table[table["context"] == 100]["llr"].to_numpy()
+    assert np.array_equal(effect["llr_short"].to_numpy(), short)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["checkpoint"] == "tiny" and meta["contexts"] == [100, 200] and meta["rows"] == len(table)
+    assert meta["context_effect"]["variants"] == len(variants)
+    assert sorted(p.name for p in out.iterdir()) == ["context_effect.tsv", "meta.json", "scores.parquet", "scores.tsv"]
+    with pytest.raises(InputError, match="already exists"):
+        score_variants(tiny, reference, variants, out, [100])
+
+
+def test_a_killed_run_resumes_at_the_next_block_with_the_same_tables(tiny: GenoLM, reference: SampleReference,
+                                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    variants = runner_variants(reference)
+    whole = score_variants(tiny, reference, variants, tmp_path / "whole", [100, 150], WINDOW, segment_tokens=SEGMENT)
+    real = variants_module.score_block
+    calls = []
+
+    def dying(*args, **kwargs):
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(variants_module, "score_block", dying)
+    with pytest.raises(KeyboardInterrupt):
+        score_variants(tiny, reference, variants, tmp_path / "cut", [100, 150], WINDOW, segment_tokens=SEGMENT)
+    parts = sorted(p.name for p in (tmp_path / ".cut.partial" / "parts").iterdir())
+    assert len(parts) == 3 and not (tmp_path / "cut").exists()
+    with pytest.raises(InputError, match="other settings.*window"):  # another window: refused, nothing changed
+        score_variants(tiny, reference, variants, tmp_path / "cut", [100, 150], 64, segment_tokens=SEGMENT)
+    monkeypatch.setattr(variants_module, "score_block", real)
+    resumed_calls = []
+    monkeypatch.setattr(variants_module, "score_block", lambda *a, **k: resumed_calls.append(1) or real(*a, **k))
+    resumed = score_variants(tiny, reference, variants, tmp_path / "cut", [100, 150], WINDOW, segment_tokens=SEGMENT)
+    n_blocks = len(plan_blocks(variants, 100)) + len(plan_blocks(variants, 150))
+    assert len(resumed_calls) == n_blocks - 3
+    pd.testing.assert_frame_equal(resumed, whole)
+    for name in ("scores.tsv", "scores.parquet", "context_effect.tsv"):
+        assert (tmp_path / "cut" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
