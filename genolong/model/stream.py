@@ -49,7 +49,7 @@ from .loss import model_inputs, next_token_nll
 from .mhc import collapse_streams, expand_streams, merge_streams
 from .vocab import VocabMap
 
-__all__ = ["PrefillStream", "StreamDSA", "check_segment_tokens", "stream_token_nll"]
+__all__ = ["PrefillStream", "StreamDSA", "StreamSnapshot", "check_segment_tokens", "stream_token_nll"]
 
 
 def check_segment_tokens(segment_tokens: int | None) -> None:
@@ -79,6 +79,23 @@ class StreamDSA:
     latent: torch.Tensor
     pooled: torch.Tensor | None
     pending: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StreamSnapshot:
+    """A :class:`PrefillStream`'s state at one position, for :meth:`PrefillStream.restore`.
+
+    Attributes:
+        position: tokens the stream had run.
+        kda: per KDA layer ``(recurrent [B, heads, dk, dv], conv [B, kernel - 1, 3 * heads * dk])``
+            (None at a DSA layer).
+        pending: per DSA layer the incomplete pool's layer inputs ``[B, position % P, H]`` (None at
+            a KDA layer).
+    """
+
+    position: int
+    kda: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]
+    pending: tuple[torch.Tensor | None, ...]
 
 
 class PrefillStream:
@@ -129,6 +146,38 @@ class PrefillStream:
             else:
                 assert isinstance(mixer, KDAMixer)
                 self.layers.append(kda_init_state(mixer, batch_size, device))
+
+    def snapshot(self) -> StreamSnapshot:
+        """The stream's state now, to branch from: run other tokens, then :meth:`restore` it.
+
+        No tensor is copied. Every carried tensor but the DSA buffers is replaced, never written
+        in place, by :meth:`extend` (the KDA state and conv tail are new tensors from
+        ``forward_segment``; ``pending`` a new copy), so holding the references keeps them. The
+        DSA ``latent`` / ``pooled`` buffers are written in place, but only at rows ``>=`` the
+        incomplete pool's first token (``latent[position:]``, ``pooled[(position - pending) //
+        P:]``) and read only up to the segment's end, every row of which the segment writes
+        first: what a branch wrote beyond the snapshot's position is overwritten before it is
+        read once the stream is restored and extended (the rows before it are never touched).
+        """
+        return StreamSnapshot(
+            position=self.position,
+            kda=tuple((s.recurrent, s.conv) if isinstance(s, KDAState) else None for s in self.layers),
+            pending=tuple(s.pending if isinstance(s, StreamDSA) else None for s in self.layers))
+
+    def restore(self, snap: StreamSnapshot) -> None:
+        """Return to ``snap`` (taken by :meth:`snapshot` on this stream, at or before the current
+        position); the next :meth:`extend` continues from there, as if nothing had run since."""
+        if snap.position > self.position or len(snap.kda) != len(self.layers):
+            raise InputError(f"restore: a snapshot at position {snap.position} of another stream or from the "
+                             f"future (this stream is at {self.position})")
+        for state, kda, pending in zip(self.layers, snap.kda, snap.pending):
+            if isinstance(state, KDAState):
+                assert kda is not None
+                state.recurrent, state.conv = kda
+            else:
+                assert pending is not None
+                state.pending = pending
+        self.position = snap.position
 
     def _kda(self, mixer: KDAMixer, x: torch.Tensor, state: KDAState) -> torch.Tensor:
         """A segment through a KDA layer from the carried state; ``state`` is advanced."""

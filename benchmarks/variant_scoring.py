@@ -1,0 +1,217 @@
+"""Variant scoring: the streamed engine (prefix once per block) against the brute force (two full forwards per variant).
+
+The bundled base (``data/sample/base``, the ``small`` preset, fp32, loaded as ``genolong
+evaluate`` loads a checkpoint) scores random SNVs and indels (70% SNVs, 15% insertions and 15%
+deletions of 1-5 bases; seeded) placed in a region of real human DNA from the bundled sample
+(default chr22:20,000,001-21,000,000 of GRCh37; ``--contig`` picks another sample contig, e.g.
+the 2 Mb ``chr3:42000000-44000000`` for a 1M context). The region starts ``context`` bases into
+the contig, so every variant has its full context. Each run is its own child process (``--child``)
+so that its peak RSS (``os.wait4``) is its own:
+
+- streamed: :func:`genolong.evaluation.variant_score.score_variants_streamed` over every variant
+  (the reference prefix once per block, then the ref and alt windows per variant);
+- brute force: :func:`genolong.evaluation.variant_score.brute_force_llr` (per allele one one-shot
+  forward of the whole haplotype, ``L`` bases of context plus the allele and the window: the naive
+  scorer's ``2 (L + window)`` tokens) on a seeded subsample of ``--brute`` variants, side by side
+  in the same script. They are drawn among the blocks' first variants, whose streamed score reads
+  exactly ``L`` bases before them too, so the two LLRs are compared (the other variants of a block
+  read up to ``2L`` bases in the streamed run: more context than the baseline, at no extra cost).
+
+The ratio is (brute seconds per variant) / (streamed seconds per variant). ``--contexts`` adds
+streamed-only throughput rows at other contexts.
+
+Usage (the default run takes minutes on 2 cores; the issue's run is the second)::
+
+    python benchmarks/variant_scoring.py
+    python benchmarks/variant_scoring.py --context 65536 --variants 1000 --region-bases 900000 --brute 5 \\
+        --contexts 8192 --contig chr3:42000000-44000000
+
+Prints a table and writes JSON (default benchmarks/results/variant_scoring.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.append(str(HERE))  # benchmarks/_bench.py
+from _bench import Fresh, FreshRun, environment, run_fresh, wait_any, write_json  # noqa: E402
+
+DEFAULT_JSON = HERE / "results" / "variant_scoring.json"
+GiB = 1 << 30
+
+
+class _Reference:
+    """One contig of a bgzipped FASTA in memory (the ``vcf.Reference`` duck type the scorer reads)."""
+
+    def __init__(self, fasta: str, contig: str):
+        import pysam
+
+        from genolong.data.alphabet import encode
+
+        with pysam.FastaFile(fasta) as f:
+            self.seq = {contig: encode(f.fetch(contig))}
+        self.names = [contig]
+
+    def length(self, contig: str) -> int:
+        return len(self.seq[contig])
+
+    def tokens(self, contig: str, start: int, end: int) -> np.ndarray:
+        return self.seq[contig][start:end].copy()
+
+
+def random_variants(ref: _Reference, contig: str, start: int, end: int, n: int, seed: int) -> list[Any]:
+    """``n`` seeded SNVs / insertions / deletions with ``pos`` in ``[start, end)`` and no N in REF."""
+    from genolong.data.alphabet import decode
+    from genolong.evaluation.vcf import Variant
+
+    rng = np.random.default_rng(seed)
+    out: list[Any] = []
+    while len(out) < n:
+        pos = int(rng.integers(start, end))
+        kind = rng.choice(["snv", "ins", "del"], p=[0.7, 0.15, 0.15])
+        size = int(rng.integers(1, 6))
+        r = decode(ref.tokens(contig, pos, pos + (size + 1 if kind == "del" else 1))).upper()
+        if "N" in r:
+            continue
+        if kind == "snv":
+            alt = str(rng.choice([b for b in "ACGT" if b != r]))
+        elif kind == "ins":
+            alt = r + "".join(rng.choice(list("ACGT"), size))
+        else:
+            alt = r[0]
+        out.append(Variant(contig, pos, r, alt, len(out), 1, f"v{len(out)}", pos + 1, r, alt))
+    return out
+
+
+def child(args: argparse.Namespace) -> None:
+    """One measured run: print one JSON line."""
+    import torch
+
+    from genolong.allocator import keep_freed_memory
+    from genolong.evaluation.checkpoint import load_eval_model
+    from genolong.evaluation.variant_score import brute_force_llr, plan_blocks, score_block
+
+    keep_freed_memory()
+    torch.set_num_threads(args.threads)
+    model, vocab = load_eval_model(args.checkpoint)
+    ref = _Reference(args.fasta, args.contig)
+    start = args.context
+    end = min(start + args.region_bases, ref.length(args.contig) - 1)
+    variants = random_variants(ref, args.contig, start, end, args.variants, args.seed)
+    blocks = plan_blocks(variants, args.context)
+    if args.max_blocks:  # the first blocks of the whole plan: the variants' density and the blocks are the full run's
+        blocks = blocks[:args.max_blocks]
+    chosen = sorted(i for b in blocks for i in b.indices)
+    began, cpu = time.perf_counter(), time.process_time()
+    if args.child == "streamed":
+        llr: dict[int, float] = {}
+        for block in blocks:
+            scores = score_block(model, ref, variants, block, args.window, args.segment_tokens, vocab)
+            llr.update({i: s.llr for i, s in zip(block.indices, scores)})
+        seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
+        prefix = sum(max(variants[i].pos for i in b.indices) - b.start for b in blocks)
+        print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "variants": len(chosen), "blocks": len(blocks),
+                          "prefix_tokens": prefix, "llr": {str(i): llr[i] for i in chosen}}))
+    else:
+        # each block's first variant: its haplotype starts L bases before it (the naive scorer's
+        # cost, 2 (L + window) tokens) and the streamed score of it reads the same tokens
+        firsts = [b.indices[0] for b in blocks]
+        pick = sorted(np.random.default_rng(args.seed + 1).choice(firsts, min(args.brute, len(firsts)),
+                                                                  replace=False).tolist())
+        starts = {b.indices[0]: b.start for b in blocks}
+        llr = {i: brute_force_llr(model, ref, variants[i], starts[i], args.window, vocab).llr for i in pick}
+        seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
+        print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "variants": len(pick), "picked": pick, "llr": [llr[i] for i in pick]}))
+
+
+def _command(args: argparse.Namespace, kind: str, context: int) -> list[str]:
+    cmd = [sys.executable, __file__, "--child", kind, "--context", context, "--variants", args.variants,
+           "--region-bases", args.region_bases, "--brute", args.brute, "--contig", args.contig, "--fasta", args.fasta,
+           "--checkpoint", args.checkpoint, "--window", args.window, "--segment-tokens", args.segment_tokens,
+           "--seed", args.seed, "--threads", args.threads, "--max-blocks", args.max_blocks]
+    return [str(c) for c in cmd]
+
+
+def _figures(run: FreshRun, kind: str, context: int) -> dict[str, Any]:
+    doc = run.check().last_json()
+    doc.update({"kind": kind, "context": context, "peak_rss_bytes": run.peak_rss_bytes, "wall_s": run.wall_s})
+    return doc
+
+
+def measure(args: argparse.Namespace, kind: str, context: int) -> dict[str, Any]:
+    """One child run to its end: its printed figures, peak RSS and wall time."""
+    return _figures(run_fresh(_command(args, kind, context), cwd=ROOT), kind, context)
+
+
+def measure_both(args: argparse.Namespace, context: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The streamed and the brute-force child: one after the other, or (``--concurrent``) at once."""
+    if not args.concurrent:
+        return measure(args, "streamed", context), measure(args, "brute", context)
+    logs = Path(args.json).with_suffix("")
+    started = [Fresh.start(_command(args, k, context), cwd=ROOT, log=f"{logs}.{k}.log", kind=k) for k in ("streamed", "brute")]
+    got = {child.extra["kind"]: _figures(run, child.extra["kind"], context) for child, run in wait_any(started)}
+    return got["streamed"], got["brute"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=2048, help="context of the streamed-vs-brute comparison (default 2048)")
+    p.add_argument("--contexts", default="", help="more contexts for streamed-only throughput rows, e.g. 8192,1048576")
+    p.add_argument("--variants", type=int, default=40, help="random variants (default 40)")
+    p.add_argument("--region-bases", type=int, default=20000, help="the region the variants lie in (default 20,000)")
+    p.add_argument("--brute", type=int, default=3, help="variants the brute force scores (default 3)")
+    p.add_argument("--window", type=int, default=128)
+    p.add_argument("--segment-tokens", type=int, default=16384)
+    p.add_argument("--contig", default="chr22:20000001-21000000")
+    p.add_argument("--fasta", default=str(ROOT / "data" / "sample" / "sample.fa.gz"))
+    p.add_argument("--checkpoint", default=str(ROOT / "data" / "sample" / "base"))
+    p.add_argument("--max-blocks", type=int, default=0,
+                   help="score only the first N blocks of the plan (and brute-force variants of those); 0: all")
+    p.add_argument("--concurrent", action="store_true",
+                   help="run the streamed and the brute-force child at the same time (a busy machine: the same load)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=str(DEFAULT_JSON))
+    p.add_argument("--child", choices=["streamed", "brute"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+    doc: dict[str, Any] = {"environment": environment(), "args": {k: v for k, v in vars(args).items() if k != "child"},
+                           "runs": []}
+    streamed, brute = measure_both(args, args.context)
+    doc["runs"] += [streamed, brute]
+    per_s = streamed["seconds"] / streamed["variants"]
+    per_b = brute["seconds"] / brute["variants"]
+    diff = max(abs(streamed["llr"][str(i)] - b) for i, b in zip(brute["picked"], brute["llr"]))
+    cpu_s = streamed["cpu_seconds"] / streamed["variants"]
+    cpu_b = brute["cpu_seconds"] / brute["variants"]
+    doc["comparison"] = {"context": args.context, "streamed_s_per_variant": per_s, "brute_s_per_variant": per_b,
+                         "ratio": per_b / per_s, "streamed_cpu_s_per_variant": cpu_s, "brute_cpu_s_per_variant": cpu_b,
+                         "cpu_ratio": cpu_b / cpu_s, "max_abs_llr_diff": diff}
+    write_json(args.json, doc)
+    for c in [int(x) for x in args.contexts.split(",") if x]:
+        doc["runs"].append(measure(args, "streamed", c))
+        write_json(args.json, doc)
+    print("| context | run | variants | blocks | wall s | CPU s | wall s / variant | variants / s (wall) | peak RSS |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in doc["runs"]:
+        print(f"| {r['context']:,} | {r['kind']} | {r['variants']} | {r.get('blocks', '')} | {r['seconds']:.1f} | "
+              f"{r['cpu_seconds']:.1f} | {r['seconds'] / r['variants']:.3f} | {r['variants'] / r['seconds']:.3f} | "
+              f"{r['peak_rss_bytes'] / GiB:.2f} GiB |")
+    c = doc["comparison"]
+    print(f"\nat context {c['context']:,}: brute force / streamed time per variant = {c['ratio']:.1f}x (wall), "
+          f"{c['cpu_ratio']:.1f}x (CPU); max |LLR diff| {c['max_abs_llr_diff']:.2e} nats")
+
+
+if __name__ == "__main__":
+    main()

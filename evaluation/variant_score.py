@@ -1,0 +1,337 @@
+"""Variant effect scores by streamed prefill: the reference prefix once per block, two windows per variant.
+
+A variant replaces the reference interval ``[pos, end)`` by its ALT bases. The score of an allele
+``a`` is the log-probability the model gives the haplotype's bases from ``pos`` on::
+
+    score(a) = sum of log p(x_t | x_<t) over the tokens of a and the `window` reference bases after
+               `end` (fewer at the contig end, the same for both alleles)
+
+each conditioned on everything before it in that haplotype (the reference from the block's start
+``s``, then the allele). ``LLR = score(alt) - score(ref)``; N targets count in neither (the
+model's loss never counts them, :func:`genolong.model.loss.next_token_nll`); the first base of a
+contig has no prediction and counts in neither. ``REF == ALT`` scores exactly 0.
+
+Cost. A naive score runs two forwards of the whole haplotype per variant (``2 (L + window)``
+tokens). Here the variants of one contig, sorted, are grouped into blocks
+(:func:`plan_blocks`): a block starts one :class:`~genolong.model.stream.PrefillStream` at ``s =
+max(0, first.pos - L)`` and takes the next variants while ``pos - first.pos <= span`` (default
+``span = L``), so every variant sees between ``L`` and ``L + span`` bases of reference before it
+(fewer only near a contig start; reported as ``context_used``). The stream runs the reference
+from ``s`` up to each variant in turn; at each variant it takes a
+:meth:`~genolong.model.stream.PrefillStream.snapshot`, runs one allele's tokens and window,
+restores the snapshot, runs the other allele's, restores again and continues. A block of ``k``
+variants costs ``L + span`` prefix tokens plus ``2 k (window + allele)`` branch tokens.
+
+The first allele token is predicted by the last prefix token's hidden row (kept from the prefix
+segment). Each variant is scored alone against the reference: other variants, overlapping or
+near, are not applied.
+
+Reverse strand (``strands="both"``): the same engine on the reverse complement of the contig
+(:class:`ReverseComplement`, coordinates mirrored ``pos' = length - end``, alleles reverse
+complemented), so the minus strand's prefix is the plus strand's sequence after the variant.
+
+:func:`brute_force_llr` is the oracle: per allele one one-shot forward
+(:meth:`GenoLM.token_nll <genolong.model.lm.GenoLM.token_nll>`) of the whole haplotype from the
+same ``s``. The two agree up to float rounding (the stream splits the KDA recurrence and the
+matrix products at other rows; see :mod:`genolong.model.stream`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..data.alphabet import BASE_MASK, encode, reverse_complement
+from ..errors import InputError
+from ..model.loss import model_inputs, next_token_nll
+from ..model.stream import PrefillStream, check_segment_tokens
+from ..model.vocab import VocabMap
+from .vcf import Variant
+
+__all__ = ["DEFAULT_WINDOW", "STRANDS", "Block", "ReferenceLike", "ReverseComplement", "AlleleScores",
+           "plan_blocks", "score_block", "score_variants_streamed", "brute_force_llr", "haplotype_window"]
+
+#: Reference bases scored after the variant's end (both alleles), unless told otherwise.
+DEFAULT_WINDOW = 128
+#: ``strands`` values: the plus strand only, or the plus and minus strands averaged.
+STRANDS = ("forward", "both")
+
+
+class ReferenceLike(Protocol):
+    """What the scorer reads of a reference (:class:`genolong.evaluation.vcf.Reference`'s duck type)."""
+
+    def length(self, contig: str) -> int:
+        """Bases of ``contig``."""
+        ...
+
+    def tokens(self, contig: str, start: int, end: int) -> np.ndarray:
+        """Store tokens ``[end - start]`` uint8 of ``contig[start:end]`` (case kept)."""
+        ...
+
+
+class ReverseComplement:
+    """The minus strand of a reference: ``tokens(c, s, e)`` are the reverse complement of the plus
+    strand's ``[length - e, length - s)`` (case kept).
+
+    Args:
+        reference: the plus strand (:class:`ReferenceLike`).
+    """
+
+    def __init__(self, reference: ReferenceLike):
+        self.reference = reference
+
+    def length(self, contig: str) -> int:
+        """Bases of ``contig`` (as the plus strand)."""
+        return self.reference.length(contig)
+
+    def tokens(self, contig: str, start: int, end: int) -> np.ndarray:
+        """Minus-strand store tokens ``[end - start]`` uint8 of positions ``[start, end)``."""
+        n = self.reference.length(contig)
+        return reverse_complement(self.reference.tokens(contig, n - end, n - start))
+
+    @staticmethod
+    def mirror(variant: Variant, length: int) -> Variant:
+        """``variant`` on the minus strand of a contig of ``length`` bases (alleles reverse complemented)."""
+        rc = {"A": "T", "C": "G", "G": "C", "T": "A", "N": "N"}
+        flip = "".join(rc[b] for b in reversed(variant.ref)), "".join(rc[b] for b in reversed(variant.alt))
+        return dataclasses.replace(variant, pos=length - variant.end, ref=flip[0], alt=flip[1])
+
+
+@dataclass(frozen=True)
+class Block:
+    """Variants scored from one stream: ``indices`` into the sorted input, ``start`` the stream's first base.
+
+    Attributes:
+        contig: the contig.
+        start: the stream's first reference base ``s = max(0, first.pos - context)``.
+        indices: positions of the block's variants in the list given to :func:`plan_blocks`,
+            by ``(pos, end)`` then input order.
+    """
+
+    contig: str
+    start: int
+    indices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AlleleScores:
+    """The scores of one variant (one strand).
+
+    Attributes:
+        logp_ref: log p of the reference haplotype's scored tokens (nats, float64 sum of fp32 terms).
+        logp_alt: the same for the alternate haplotype.
+        context_used: reference bases before ``pos`` the model read (``pos - s``).
+        window: reference bases after ``end`` scored (``window``, fewer at the contig end).
+    """
+
+    logp_ref: float
+    logp_alt: float
+    context_used: int
+    window: int
+
+    @property
+    def llr(self) -> float:
+        """``logp_alt - logp_ref`` (nats)."""
+        return self.logp_alt - self.logp_ref
+
+
+def plan_blocks(variants: Sequence[Variant], context: int, span: int | None = None) -> list[Block]:
+    """Group variants into prefix-sharing blocks, per contig, in order of position.
+
+    Args:
+        variants: the variants (any order; several contigs allowed).
+        context: ``L``, reference bases before a block's first variant (>= 1).
+        span: the most bases from a block's first variant to its last (default None: ``L``).
+
+    Returns:
+        Blocks in order of contig (first appearance) then position; every variant in exactly one.
+
+    Raises:
+        InputError: ``context < 1`` or ``span < 0``.
+    """
+    if context < 1:
+        raise InputError(f"--context must be at least 1 base, got {context}")
+    span = context if span is None else span
+    if span < 0:
+        raise InputError(f"the block span must be >= 0 bases, got {span}")
+    contigs: dict[str, list[int]] = {}
+    for i, v in enumerate(variants):
+        contigs.setdefault(v.contig, []).append(i)
+    blocks: list[Block] = []
+    for contig, idx in contigs.items():
+        idx.sort(key=lambda i: (variants[i].pos, variants[i].end, i))
+        current: list[int] = []
+        for i in idx:
+            if current and variants[i].pos - variants[current[0]].pos > span:
+                blocks.append(Block(contig, max(0, variants[current[0]].pos - context), tuple(current)))
+                current = []
+            current.append(i)
+        if current:
+            blocks.append(Block(contig, max(0, variants[current[0]].pos - context), tuple(current)))
+    return blocks
+
+
+def _allele_tokens(allele: str, what: str, variant: Variant) -> np.ndarray:
+    try:
+        return encode(allele)
+    except ValueError as err:
+        raise InputError(f"variant {variant.contig}:{variant.input_pos} ({variant.id}): {what} {allele!r} is not "
+                         f"DNA ({err})") from err
+
+
+def haplotype_window(reference: ReferenceLike, variant: Variant, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The store tokens a variant's two haplotypes score: ``(ref [len(ref) + w], alt [len(alt) + w],
+    window [w])`` with ``w = min(window, length - end)``; the ref allele is checked against the reference.
+
+    Raises:
+        InputError: the variant runs past the contig or its REF differs from the reference there.
+    """
+    n = reference.length(variant.contig)
+    if variant.pos < 0 or variant.end > n:
+        raise InputError(f"variant {variant.contig}:{variant.input_pos} ({variant.id}) lies outside the "
+                         f"reference contig ({n} bases): check that the VCF and the FASTA are of one assembly")
+    here = reference.tokens(variant.contig, variant.pos, variant.end) & BASE_MASK
+    ref = _allele_tokens(variant.ref, "REF", variant)
+    if not np.array_equal(here, ref & BASE_MASK):
+        raise InputError(f"variant {variant.contig}:{variant.input_pos} ({variant.id}): REF {variant.ref} differs "
+                         f"from the reference at {variant.pos + 1} (normalise the VCF against this FASTA)")
+    alt = _allele_tokens(variant.alt, "ALT", variant)
+    after = reference.tokens(variant.contig, variant.end, min(n, variant.end + window))
+    return np.concatenate([ref, after]), np.concatenate([alt, after]), after
+
+
+def _logp(nll: torch.Tensor) -> float:
+    """Sum of log p over the counted targets of an NLL row (NaN = not counted), float64."""
+    x = nll.double()
+    return -float(x.nan_to_num(0.0).sum())
+
+
+@torch.no_grad()
+def score_block(model: torch.nn.Module, reference: ReferenceLike, variants: Sequence[Variant], block: Block,
+                window: int = DEFAULT_WINDOW, segment_tokens: int = 65536, vocab: VocabMap | None = None,
+                chunk_size: int = 4096) -> list[AlleleScores]:
+    """Score one block's variants from one stream of the reference.
+
+    Args:
+        model: a GenoLM in eval mode (its device and dtype are used).
+        reference: the reference (:class:`ReferenceLike`).
+        variants: the list the block indexes.
+        block: from :func:`plan_blocks`.
+        window: reference bases scored after each variant's end (default 128).
+        segment_tokens: reference tokens per prefill segment (default 65536; memory of one segment).
+        vocab: base ids -> model ids (default None: nucleotide ids).
+        chunk_size: LM-head rows per chunk (default 4096).
+
+    Returns:
+        One :class:`AlleleScores` per ``block.indices`` entry, in that order.
+    """
+    check_segment_tokens(segment_tokens)
+    if window < 0:
+        raise InputError(f"--window must be >= 0 bases, got {window}")
+    device = next(model.parameters()).device
+    head = model.lm_head.weight
+    s = block.start
+    chosen = [variants[i] for i in block.indices]
+    haplotypes = [haplotype_window(reference, v, window) for v in chosen]
+    last = max(v.pos for v in chosen)
+    longest = max(max(len(r), len(a)) for r, a, _ in haplotypes)
+    stream = PrefillStream(model, 1, capacity=last - s + longest)
+
+    def ids(tokens: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(tokens)).to(device)[None]
+        return model_inputs(t) if vocab is None else vocab.to_model(t)
+
+    # the last prefix token and its hidden row: they predict each allele's first token
+    prev_token: np.ndarray | None = None
+    prev_hidden: torch.Tensor | None = None
+    out: list[AlleleScores] = []
+    for v, (ref_hap, alt_hap, after) in zip(chosen, haplotypes):
+        while s + stream.position < v.pos:  # the reference up to this variant, a segment at a time
+            a = s + stream.position
+            b = min(v.pos, a + segment_tokens)
+            chunk = reference.tokens(v.contig, a, b)
+            hidden = stream.extend(ids(chunk))
+            prev_token, prev_hidden = chunk[-1:], hidden[:, -1:]
+        snap = stream.snapshot()
+        scores = []
+        for hap in (ref_hap, alt_hap) if v.alt != v.ref else (ref_hap,):
+            hidden = stream.extend(ids(hap))
+            targets = torch.from_numpy(hap).to(device)[None]
+            if prev_hidden is None:  # the contig's first base: nothing predicts it
+                nll = next_token_nll(hidden, head, targets, chunk_size, vocab)
+            else:
+                rows = torch.cat([prev_hidden, hidden[:, :-1]], dim=1)
+                rows = F.pad(rows, (0, 0, 0, 1))  # next_token_nll scores rows [:-1]
+                both = torch.cat([torch.from_numpy(prev_token).to(device)[None], targets], dim=1)
+                nll = next_token_nll(rows, head, both, chunk_size, vocab)
+            scores.append(_logp(nll))
+            stream.restore(snap)
+        logp_ref = scores[0]
+        logp_alt = scores[-1]  # REF == ALT: the same number, so the LLR is exactly 0
+        out.append(AlleleScores(logp_ref, logp_alt, v.pos - s, len(after)))
+    return out
+
+
+def score_variants_streamed(model: torch.nn.Module, reference: ReferenceLike, variants: Sequence[Variant],
+                            context: int, window: int = DEFAULT_WINDOW, strand: str = "forward",
+                            span: int | None = None, segment_tokens: int = 65536,
+                            vocab: VocabMap | None = None) -> Iterator[tuple[Block, list[AlleleScores]]]:
+    """Score ``variants`` on one strand, block by block.
+
+    Args:
+        model, reference, window, segment_tokens, vocab: as :func:`score_block`.
+        variants: the variants (plus-strand coordinates).
+        context: ``L`` (see :func:`plan_blocks`).
+        strand: ``"forward"`` (default) or ``"reverse"``: the minus strand (the blocks are then
+            planned on mirrored coordinates; indices still refer to ``variants``).
+        span: block span (default None: ``L``).
+
+    Yields:
+        ``(block, scores)`` per block (``scores[j]`` for ``variants[block.indices[j]]``).
+    """
+    if strand not in ("forward", "reverse"):
+        raise InputError(f"strand must be 'forward' or 'reverse', got {strand!r}")
+    if strand == "reverse":
+        rc = ReverseComplement(reference)
+        lengths = {c: reference.length(c) for c in {v.contig for v in variants}}
+        variants = [ReverseComplement.mirror(v, lengths[v.contig]) for v in variants]
+        reference = rc
+    for block in plan_blocks(variants, context, span):
+        yield block, score_block(model, reference, variants, block, window, segment_tokens, vocab)
+
+
+@torch.no_grad()
+def brute_force_llr(model: torch.nn.Module, reference: ReferenceLike, variant: Variant, start: int,
+                    window: int = DEFAULT_WINDOW, vocab: VocabMap | None = None,
+                    strand: str = "forward") -> AlleleScores:
+    """The oracle: per allele one one-shot forward of the whole haplotype ``reference[start:pos] +
+    allele + window`` (:meth:`GenoLM.token_nll <genolong.model.lm.GenoLM.token_nll>`).
+
+    Args:
+        model, reference, window, vocab: as :func:`score_block`.
+        variant: the variant (plus-strand coordinates).
+        start: the haplotype's first base (the streamed block's ``start``; on the minus strand in
+            minus-strand coordinates).
+        strand: ``"forward"`` or ``"reverse"`` (the minus strand, as :func:`score_variants_streamed`).
+
+    Returns:
+        The variant's :class:`AlleleScores` (2 forwards of ``pos - start + allele + window`` tokens).
+    """
+    if strand == "reverse":
+        variant = ReverseComplement.mirror(variant, reference.length(variant.contig))
+        reference = ReverseComplement(reference)
+    device = next(model.parameters()).device
+    ref_hap, alt_hap, after = haplotype_window(reference, variant, window)
+    prefix = reference.tokens(variant.contig, start, variant.pos)
+    scores = []
+    for hap in (ref_hap, alt_hap):
+        tokens = torch.from_numpy(np.concatenate([prefix, hap])).to(device)[None]
+        nll = model.token_nll(tokens, vocab=vocab)  # [1, T - 1]; entry t scores token t + 1
+        scores.append(_logp(nll[:, max(len(prefix) - 1, 0):]))
+    return AlleleScores(scores[0], scores[1], variant.pos - start, len(after))
