@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.alphabet import BASE_MASK, encode, reverse_complement
+from ..defaults import VARIANT_WINDOW
 from ..errors import InputError
 from ..model.loss import model_inputs, next_token_nll
 from ..model.stream import PrefillStream, check_segment_tokens
@@ -57,8 +58,9 @@ from .vcf import Variant
 __all__ = ["DEFAULT_WINDOW", "STRANDS", "Block", "ReferenceLike", "ReverseComplement", "AlleleScores",
            "plan_blocks", "score_block", "score_variants_streamed", "brute_force_llr", "haplotype_window"]
 
-#: Reference bases scored after the variant's end (both alleles), unless told otherwise.
-DEFAULT_WINDOW = 128
+#: Reference bases scored after the variant's end (both alleles), unless told otherwise (one home:
+#: :data:`genolong.defaults.VARIANT_WINDOW`, which the CLI's help reads without importing torch).
+DEFAULT_WINDOW = VARIANT_WINDOW
 #: ``strands`` values: the plus strand only, or the plus and minus strands averaged.
 STRANDS = ("forward", "both")
 

@@ -372,6 +372,76 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_variants(args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+
+    import torch
+
+    from .errors import InputError
+    from .evaluation.checkpoint import load_eval_model
+    from .evaluation.score import recipe_context
+    from .evaluation.variants import score_variants
+    from .evaluation.vcf import Reference, read_variants, write_annotated_vcf
+    from .model.stream import check_segment_tokens
+
+    if args.contexts is not None:
+        contexts = _int_list(args.contexts, "--contexts")
+    else:
+        context = args.context if args.context is not None else recipe_context(args.checkpoint)
+        if context is None:
+            raise InputError(f"give --context L (or --contexts L1,L2,...): {args.checkpoint} is not a finetune run or "
+                             "checkpoint with a recipe to take it from")
+        contexts = (context,)
+    check_segment_tokens(args.segment_tokens)  # bad settings before the model loads
+    vcf = Path(args.vcf)
+    stem = vcf.name
+    for suffix in (".gz", ".bgz", ".vcf", ".bcf"):
+        stem = stem.removesuffix(suffix)
+    name = _scored_name(args)
+    out = Path(args.out) if args.out else Path("variants") / f"{name}-{stem}-L{'-'.join(map(str, contexts))}"
+    if out.exists() and not args.force:  # before the reading and the model: one line
+        raise InputError(f"{out} already exists; choose another --out or pass --force to replace it")
+    with Reference.open(args.fasta) as reference, tempfile.TemporaryDirectory(prefix="genolong-variants-") as tmp:
+        rejects = Path(tmp) / "rejects.tsv"
+        found = read_variants(vcf, reference, rejects_path=rejects)
+        if not found.variants:
+            raise InputError(f"{vcf}: none of its {found.records} records has an allele genolong can score "
+                             f"(skipped: {_counts(found.rejects)}); see the reasons with bcftools view {vcf}")
+        model, vocab = load_eval_model(args.checkpoint, dtype=getattr(torch, _DTYPES[args.dtype]), device=args.device,
+                                       kernel_backend=args.kernel_backend, adapter=args.adapter)
+        fields = {f"GENOLONG_LLR_L{c}": (f"genolong variants: log p(alt haplotype) - log p(ref haplotype), nats, at "
+                                          f"context {c} ({args.strands} strand{'s averaged' if args.strands == 'both' else ''}; "
+                                          f"the allele and {args.window} bases after it)") for c in contexts}
+
+        def finish(work: Path, table: object) -> None:
+            # the rejects and the annotated copy of the input land in the result before it is renamed
+            shutil.copyfile(rejects, work / "rejects.tsv")
+            values: dict[tuple[int, int], dict[str, float]] = {}
+            for row in table.itertuples(index=False):  # type: ignore[attr-defined]
+                values.setdefault((int(row.record), int(row.allele)), {})[f"GENOLONG_LLR_L{int(row.context)}"] = float(row.llr)
+            write_annotated_vcf(vcf, work / "scored.vcf.gz", values, fields)
+
+        table = score_variants(
+            model, reference, found.variants, out, contexts, window=args.window, strands=args.strands, span=args.span,
+            segment_tokens=args.segment_tokens, vocab=vocab,
+            meta={**_scored_meta(args), "vcf": str(vcf.resolve()), "fasta": str(Path(args.fasta).resolve()),
+                  "records": found.records, "rejects": found.rejects, "dtype": _DTYPES[args.dtype], "device": args.device},
+            finish=finish, progress=None if not args.quiet else False, force=args.force)
+    print(f"genolong variants: {len(found.variants):,} alleles of {found.records:,} records scored at context "
+          f"{', '.join(f'{c:,}' for c in contexts)} -> {out} (scores.tsv, scores.parquet, scored.vcf.gz); "
+          f"{found.rejected:,} skipped{' (' + _counts(found.rejects) + '; rejects.tsv)' if found.rejected else ''}")
+    llr = table["llr"]
+    print(f"LLR (nats): median {llr.median():.4f}, 5%-95% [{llr.quantile(0.05):.4f}, {llr.quantile(0.95):.4f}]; "
+          f"below 0 (alt less likely than ref): {(llr < 0).mean():.1%}")
+    return 0
+
+
+def _counts(counts: dict[str, int]) -> str:
+    """``{"symbolic": 2, "ref_mismatch": 1}`` -> ``"2 symbolic, 1 ref_mismatch"``."""
+    return ", ".join(f"{n:,} {reason}" for reason, n in counts.items()) or "none"
+
+
 def _cmd_tracks(args: argparse.Namespace) -> int:
     from .errors import InputError
     from .evaluation.results import EvalResult
@@ -503,7 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     # help defaults from genolong.defaults, never from the modules that use them: building the
     # parser imports no numpy, zarr, torch or Lightning (tests/test_cli_startup.py)
-    from .defaults import DEFAULT_EVAL_TILES, DEFAULT_MIN_GAP, DEFAULT_PROBE_TILES, DEFAULT_SPLITS, PROBE_CONTEXT
+    from .defaults import (DEFAULT_EVAL_TILES, DEFAULT_MIN_GAP, DEFAULT_PROBE_TILES, DEFAULT_SPLITS, PROBE_CONTEXT,
+                           VARIANT_WINDOW)
 
     parser = argparse.ArgumentParser(prog="genolong", description=_DESCRIPTION, epilog=_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -659,6 +730,53 @@ def build_parser() -> argparse.ArgumentParser:
                           f"(default: {_SEGMENT_TOKENS} in one process; 0 in several)")
     _verbose_argument(prb)
     prb.set_defaults(func=_cmd_probe)
+
+    var = sub.add_parser(
+        "variants",
+        help="variant effect scores at long context: log-likelihood ratio of the alt and the ref haplotype",
+        description=(
+            "Read a VCF/BCF (SNVs, MNVs, indels; multi-allelic records split per ALT; each allele left-aligned and "
+            "trimmed against --fasta as bcftools norm does; symbolic alleles, breakends and REF mismatches skipped "
+            "with a count and a line each in rejects.tsv) and score every allele: LLR = log p(alt haplotype) - "
+            "log p(ref haplotype) over the allele and --window reference bases after it, with at least --context "
+            "bases of reference before it. Nearby variants share one streamed reference prefix (a block), so a "
+            "variant costs about two windows, not two contexts. Writes scores.tsv, scores.parquet, a copy of the VCF "
+            "with GENOLONG_LLR_L<context> INFO fields (scored.vcf.gz), rejects.tsv and meta.json; with several "
+            "--contexts also context_effect.tsv (how much each score moves with context). A killed run resumes at "
+            "the next block."
+        ),
+    )
+    var.add_argument("checkpoint", metavar="CHECKPOINT",
+                     help="a model directory (config.json + safetensors, e.g. runs/NAME/export), a run directory "
+                          "runs/NAME or a runs/NAME/checkpoints/step*.ckpt")
+    var.add_argument("--vcf", required=True, metavar="FILE", help="the variants: VCF (plain, gzip or bgzip) or BCF")
+    var.add_argument("--fasta", required=True, metavar="FILE",
+                     help="the reference they were called against (FASTA: plain, gzip or bgzip; indexed or not)")
+    var.add_argument("--context", type=int, metavar="L",
+                     help="reference bases before each variant, at least (default: the run's eval context when "
+                          "CHECKPOINT is a run or .ckpt)")
+    var.add_argument("--contexts", metavar="L1,L2,...",
+                     help="score the same variants at several contexts and report how much each score moves")
+    var.add_argument("--window", type=int, default=VARIANT_WINDOW, metavar="W",
+                     help="reference bases scored after each variant, in both haplotypes (default: %(default)s)")
+    var.add_argument("--strands", choices=("forward", "both"), default="forward",
+                     help="both: also score the reverse-complement strand and average the two LLRs (twice the cost; "
+                          "default: %(default)s)")
+    var.add_argument("--span", type=int, default=None, metavar="S",
+                     help="variants within S bases of a block's first share its reference prefix, so each sees L to "
+                          "L + S bases before it (default: the context L)")
+    var.add_argument("--segment-tokens", type=int, default=_SEGMENT_TOKENS, metavar="S",
+                     help="stream the reference prefix S tokens at a time (default: %(default)s)")
+    var.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter for CHECKPOINT, merged in memory (as evaluate)")
+    var.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter dtype (default: %(default)s)")
+    var.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")
+    var.add_argument("--kernel-backend", choices=("auto", "torch", "fla", "triton"), default=None,
+                     help="the kernels the model runs (as evaluate; default: the checkpoint's run recipe's, else auto)")
+    var.add_argument("--out", metavar="DIR", help="result directory (default: variants/NAME-VCF-LCONTEXTS)")
+    var.add_argument("--force", action="store_true", help="replace an existing --out")
+    var.add_argument("--quiet", action="store_true", help="no progress bar")
+    _verbose_argument(var)
+    var.set_defaults(func=_cmd_variants)
 
     cmp_ = sub.add_parser(
         "compare",

@@ -8,7 +8,7 @@ here, so each value has one home.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_MIN_GAP", "DEFAULT_SPLITS", "DEFAULT_EVAL_TILES", "DEFAULT_PROBE_TILES", "PROBE_CONTEXT"]
+__all__ = ["DEFAULT_MIN_GAP", "DEFAULT_SPLITS", "DEFAULT_EVAL_TILES", "DEFAULT_PROBE_TILES", "PROBE_CONTEXT", "VARIANT_WINDOW"]
 
 #: ``prepare``: N runs of at least this many bases split a chromosome into segments and are dropped.
 DEFAULT_MIN_GAP = 1000
@@ -23,3 +23,7 @@ DEFAULT_EVAL_TILES = 8
 #: 0.87x on the bundled base, noisy), so the stage adds about 8 evaluation tiles' time in all.
 DEFAULT_PROBE_TILES = 4
 PROBE_CONTEXT = 4096
+
+#: ``variants``: reference bases scored after each variant, in both haplotypes (the allele's effect
+#: on the bases that follow it; Evo 2-style scores sum a similar stretch).
+VARIANT_WINDOW = 128
