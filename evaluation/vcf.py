@@ -270,7 +270,7 @@ class Reference:
             ``[end - start]`` uint8 (a new array), soft-mask flag kept, ambiguity codes as N.
 
         Raises:
-            as :meth:`fetch`.
+            InputError: as :meth:`fetch` (an unknown contig or a range outside it).
         """
         self._check_range(contig, start, end)
         if self.kind == "memory":
