@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -156,8 +157,8 @@ def measure_both(args: argparse.Namespace, context: int) -> tuple[dict[str, Any]
     """The streamed and the brute-force child: one after the other, or (``--concurrent``) at once."""
     if not args.concurrent:
         return measure(args, "streamed", context), measure(args, "brute", context)
-    logs = Path(args.json).with_suffix("")
-    started = [Fresh.start(_command(args, k, context), cwd=ROOT, log=f"{logs}.{k}.log", kind=k) for k in ("streamed", "brute")]
+    logs = Path(tempfile.mkdtemp(prefix="variant_scoring-"))  # the children's output: read back, not kept
+    started = [Fresh.start(_command(args, k, context), cwd=ROOT, log=logs / f"{k}.log", kind=k) for k in ("streamed", "brute")]
     got = {child.extra["kind"]: _figures(run, child.extra["kind"], context) for child, run in wait_any(started)}
     return got["streamed"], got["brute"]
 
