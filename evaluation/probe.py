@@ -460,7 +460,7 @@ def probe(
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    bar = _progress(int(chosen.size), start, progress, f"probe {label or out.name}") if group.is_writer else None
+    bar = _progress(int(chosen.size), start, progress, label or out.name, command="probe") if group.is_writer else None
     stop = SignalFlag()
     stop.install()
     try:

@@ -546,7 +546,10 @@ def _routing_arrays(totals: Mapping[str, RoutingStats], names: Sequence[str], n_
     return load, entropy, count
 
 
-def _progress(total: int, done: int, enabled: bool | None, desc: str) -> Any:
+def _progress(total: int, done: int, enabled: bool | None, desc: str, command: str = "evaluate",
+              unit: str = "tile") -> Any:
+    """A tqdm bar of ``total`` units starting at ``done`` (None when ``enabled`` is False, or None
+    and stderr is not a terminal); ``evaluate``, ``probe`` and ``variants`` share it."""
     import sys
 
     if enabled is None:
@@ -555,7 +558,7 @@ def _progress(total: int, done: int, enabled: bool | None, desc: str) -> Any:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=done, desc=f"evaluate {desc}", unit="tile", leave=True)
+    return tqdm(total=total, initial=done, desc=f"{command} {desc}", unit=unit, leave=True)
 
 
 def kernel_backend_meta(model: torch.nn.Module) -> dict[str, str]:

@@ -40,7 +40,7 @@ from ..files import replace_dir, replace_file, writes_output
 from ..model.stream import check_segment_tokens
 from ..model.vocab import VocabMap
 from ..signals import SignalFlag
-from .score import kernel_backend_meta, model_signature
+from .score import _progress, kernel_backend_meta, model_signature
 from .variant_score import DEFAULT_WINDOW, STRANDS, AlleleScores, ReferenceLike, plan_blocks, score_block, score_variants_streamed
 from .vcf import Variant
 
@@ -134,18 +134,6 @@ def _check_settings(work: Path, settings: Mapping[str, Any]) -> None:
                          f"rerun with the same ones to resume it, or delete {work} to start afresh")
 
 
-def _progress(total: int, done: int, enabled: bool | None, desc: str) -> Any:
-    import sys
-
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=done, desc=f"variants {desc}", unit="block", leave=True)
-
-
 @writes_output("out", work=_partial_dir)
 def score_variants(
     model: torch.nn.Module,
@@ -234,7 +222,7 @@ def score_variants(
 
     was_training = model.training
     model.eval()
-    bar = _progress(len(names), len(done), progress, out.name)
+    bar = _progress(len(names), len(done), progress, out.name, command="variants", unit="block")
     stop = SignalFlag()
     stop.install()
     try:
