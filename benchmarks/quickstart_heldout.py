@@ -18,7 +18,11 @@ compared with the one base, scored once (e.g. the quickstart's and quickstart-lo
 
 Per set: both models' mean loss, the change (fine-tuned - base) with its paired 95% block
 bootstrap interval over tiles (:func:`genolong.evaluation.stats.compare`), and the routing of each
-model's MoE layers on those tiles (load max/mean, dead experts).
+model's MoE layers on those tiles (load max/mean, dead experts). With ``--cut C`` each fine-tuned
+model is also scored with its view cut at ``C`` bases on the same tiles (what the context beyond
+``C`` buys it: full - cut). On a set with soft-masked bases (chr16) both changes are also split by
+soft-masking (:func:`genolong.evaluation.stats.compare_softmask`): repeats (lower case) against
+unique sequence, with the paired gap between the two classes.
 
 Run ``genolong quickstart`` first (its fine-tuned model is ``OUT/runs/quickstart/export``)::
 
@@ -60,6 +64,9 @@ def main() -> None:
                         help=f"held-out sets, comma-separated, of {', '.join(SETS)} (default: %(default)s)")
     parser.add_argument("--context", type=int, default=8192, help="tile length (default: %(default)s, the quickstart's)")
     parser.add_argument("--more-tiles", type=int, default=32, help="chr22 tiles after the quickstart's 8 (default: %(default)s)")
+    parser.add_argument("--cut", type=int, default=None, metavar="C",
+                        help="also score each fine-tuned model with its context cut at C bases, and compare full with cut "
+                             "(the quickstart's cut is 1024; default: off)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="output JSON (default: %(default)s)")
     args = parser.parse_args()
@@ -70,7 +77,7 @@ def main() -> None:
     from genolong.data.store import GenomeStore
     from genolong.data.windows import EvalTiles
     from genolong.evaluation.score import evaluate, load_eval_model
-    from genolong.evaluation.stats import compare
+    from genolong.evaluation.stats import compare, compare_softmask
     from genolong.quickstart import DEFAULT_EVAL_TILES, bundled_base
 
     torch.set_num_threads(args.threads)
@@ -105,6 +112,7 @@ def main() -> None:
         if "chr22-more" in wanted:
             sets.append({"set": "chr22-more", "split": chr22, "first": DEFAULT_EVAL_TILES, "tiles": args.more_tiles})
         rows = []
+        splits: list[dict[str, Any]] = []
         for s in sets:
             results = {}
             for label, model in models.items():
@@ -113,6 +121,29 @@ def main() -> None:
                                           label=label)
             if s["first"]:  # only the tiles after the quickstart's own
                 results = {label: _tail(r, work_dir / f"{s['set']}-{label}", s["first"]) for label, r in results.items()}
+            if args.cut is not None and not s["first"]:
+                for tuned in tuned_dirs:
+                    results[f"{tuned} cut"] = evaluate(models[tuned], s["split"], work_dir / f"{s['set']}-{tuned}-cut",
+                                                       args.context, context_cut=args.cut, max_tiles=s["tiles"],
+                                                       write_tokens=False, progress=False, label=f"{tuned} cut")
+            masked = not s["first"] and int(results["base"].softmask_tokens[:, :, 1].sum()) > 0
+            for tuned in tuned_dirs:
+                pairs = [("base", tuned, f"{tuned} - base")]
+                if f"{tuned} cut" in results:
+                    pairs.append((f"{tuned} cut", tuned, f"{tuned}: full - cut {args.cut}"))
+                for a, b, what in pairs:
+                    row = {"set": s["set"], "comparison": what}
+                    pooled = compare(results[a], results[b]).set_index("bucket")
+                    row["all"] = _change(pooled.loc["all"])
+                    row["buckets"] = {str(k): _change(r) for k, r in pooled.iterrows() if k != "all"}
+                    if masked:
+                        table, gap = compare_softmask(results[a], results[b])
+                        for flag, name in ((False, "unmasked"), (True, "softmasked")):
+                            part = table[table["softmask"] == flag].set_index("bucket")
+                            row[name] = {str(k): {**_change(r), "tokens": int(r.tokens)} for k, r in part.iterrows()}
+                        row["gap_pts"] = {str(r.bucket): {"gap": float(r.gap_pct), "ci": [float(r.gap_ci_lo), float(r.gap_ci_hi)]}
+                                          for r in gap.itertuples(index=False)}
+                    splits.append(row)
             for tuned in tuned_dirs:
                 table = compare(results["base"], results[tuned]).set_index("bucket")
                 overall = table.loc["all"]
@@ -133,13 +164,39 @@ def main() -> None:
         worst = [max(x["load_max_over_mean"] for x in r["routing"][label]) for label in ("base", r["model"])]
         print(f"| {r['set']} | {r['model']} | {r['tiles']} | {r['bases']:,} | {r['base_nats']:.4f} | {r['tuned_nats']:.4f} | "
               f"{r['change_pct']:+.2f}% [{r['ci_lo_pct']:+.2f}, {r['ci_hi_pct']:+.2f}] | {worst[0]:.2f} / {worst[1]:.2f} |")
+    if splits:
+        print("\nBy context bucket (change in %, 95% CI); on soft-masked sets split into unique sequence / repeats, and "
+              "the gap repeats - unique in points:\n")
+        print("| set | comparison | bucket | all bases | unique (upper case) | repeats (lower case) | gap, points |")
+        print("|---|---|---|---|---|---|---|")
+        for r in splits:
+            for bucket in [*r["buckets"], "all"]:
+                pooled = r["all"] if bucket == "all" else r["buckets"][bucket]
+                cells = [_fmt(pooled)]
+                if "gap_pts" in r:
+                    g = r["gap_pts"][bucket]
+                    cells += [_fmt(r["unmasked"][bucket]), _fmt(r["softmasked"][bucket]),
+                              f"{g['gap']:+.2f} [{g['ci'][0]:+.2f}, {g['ci'][1]:+.2f}]"]
+                else:
+                    cells += ["", "", ""]
+                print(f"| {r['set']} | {r['comparison']} | {bucket} | " + " | ".join(cells) + " |")
     tuned_out: Any = {k: str(v) for k, v in tuned_dirs.items()}
     if list(tuned_dirs) == ["fine-tuned"]:
         tuned_out = tuned_out["fine-tuned"]  # one model: the file as before, a path
     out = {"benchmark": "quickstart_heldout", **environment("date", "machine", "torch"), "base": str(base_dir),
-           "tuned": tuned_out, "context": args.context, "rows": rows}
+           "tuned": tuned_out, "context": args.context, "cut": args.cut, "rows": rows, "by_bucket": splits}
     write_json(args.json, out)
     print(f"\nwrote {args.json}")
+
+
+def _change(row: Any) -> dict[str, Any]:
+    """One compare row's relative change: ``{"change_pct", "ci"}`` (percent)."""
+    return {"change_pct": float(row.rel_pct), "ci": [float(row.rel_ci_lo), float(row.rel_ci_hi)]}
+
+
+def _fmt(change: dict[str, Any]) -> str:
+    """``-0.31% [-0.40, -0.21]``."""
+    return f"{change['change_pct']:+.2f}% [{change['ci'][0]:+.2f}, {change['ci'][1]:+.2f}]"
 
 
 def _tail(result: Any, directory: Path, first: int) -> Any:
