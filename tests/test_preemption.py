@@ -90,6 +90,19 @@ def _wait_until(proc: subprocess.Popen, ready, what: str, timeout: float = 240) 
     raise AssertionError(f"{what}: the run ended or timed out first (status {proc.poll()})")
 
 
+def _assert_same_run(straight: Path, run: Path, what: str) -> None:
+    """Every step's training loss of ``run`` equals ``straight``'s (steps 1.._STEPS, exactly), and so
+    does its export, bitwise."""
+    a = read_step_log(straight / "logs" / "steps.jsonl")
+    b = read_step_log(run / "logs" / "steps.jsonl")
+    assert sorted(a) == sorted(b) == list(range(1, _STEPS + 1))
+    for step in range(1, _STEPS + 1):
+        assert b[step]["train/loss"] == a[step]["train/loss"], (step, a[step]["train/loss"], b[step]["train/loss"])
+    sa = GenoLM.from_pretrained(straight / "export").state_dict()
+    sb = GenoLM.from_pretrained(run / "export").state_dict()
+    assert_bitwise_equal(sb, sa, what)
+
+
 @pytest.mark.slow
 def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_rerun_resumes_exactly(sample_store: Path, tmp_path: Path) -> None:
     """SIGTERM once step 1 is logged: the step in progress finishes, its checkpoint is written
@@ -132,14 +145,7 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_rerun_resumes_exactly
     assert not (run / MARKER).exists()
     out, err = straight.communicate(timeout=300)
     assert straight.returncode == 0, err[-3000:]
-    a = read_step_log(tmp_path / "runs" / "straight" / "logs" / "steps.jsonl")
-    b = read_step_log(steps_log)
-    assert sorted(a) == sorted(b) == list(range(1, _STEPS + 1))
-    for step in range(1, _STEPS + 1):
-        assert b[step]["train/loss"] == a[step]["train/loss"], (step, a[step]["train/loss"], b[step]["train/loss"])
-    sa = GenoLM.from_pretrained(tmp_path / "runs" / "straight" / "export").state_dict()
-    sb = GenoLM.from_pretrained(run / "export").state_dict()
-    assert_bitwise_equal(sb, sa, "the stopped-and-resumed run's export")
+    _assert_same_run(tmp_path / "runs" / "straight", run, "the stopped-and-resumed run's export")
 
 
 def test_signal_flag_notes_and_agrees_in_one_process() -> None:
@@ -338,11 +344,4 @@ def test_torchrun_dp2_agent_sigterm_stops_with_a_checkpoint_and_the_same_command
     assert not (run / MARKER).exists()
     _, err = straight.communicate(timeout=300)
     assert straight.returncode == 0, err[-3000:]
-    a = read_step_log(tmp_path / "runs" / "straight" / "logs" / "steps.jsonl")
-    b = read_step_log(steps_log)
-    assert sorted(a) == sorted(b) == list(range(1, _STEPS + 1))
-    for step in range(1, _STEPS + 1):
-        assert b[step]["train/loss"] == a[step]["train/loss"], (step, a[step]["train/loss"], b[step]["train/loss"])
-    sa = GenoLM.from_pretrained(tmp_path / "runs" / "straight" / "export").state_dict()
-    sb = GenoLM.from_pretrained(run / "export").state_dict()
-    assert_bitwise_equal(sb, sa, "the stopped-and-resumed torchrun run's export")
+    _assert_same_run(tmp_path / "runs" / "straight", run, "the stopped-and-resumed torchrun run's export")
