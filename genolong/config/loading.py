@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import os
 import re
+import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -170,16 +171,27 @@ def _hints(cls: Any) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _section_type(tp: Any) -> Any:
+    """``tp`` without its ``| None`` when it is an optional section (``model.lora``,
+    ``data.plant_repeats``), so that errors inside it name its keys; ``tp`` otherwise."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        sections = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if len(sections) == 1 and type(None) in typing.get_args(tp):
+            return sections[0]
+    return tp
+
+
 def _field_types(tp: Any) -> dict[str, Any] | None:
     """The keys a mapping of type ``tp`` may hold (a section, the Recipe, model.overrides) with
     their types; None for a plain value."""
+    tp = _section_type(tp)
     return _hints(tp) if tp is _Overrides or dataclasses.is_dataclass(tp) else None
 
 
 def _unknown_key(prefix: str, name: str, tp: Any) -> str:
     """``unknown key PREFIX.NAME; did you mean ...?`` for a key the mapping type ``tp`` does not hold."""
     note = " (not a ModelConfig field)" if tp is _Overrides else ""
-    return f"unknown key {prefix}{name}{note}; {_suggest(name, list(_hints(tp)), prefix)}"
+    return f"unknown key {prefix}{name}{note}; {_suggest(name, list(_hints(_section_type(tp))), prefix)}"
 
 
 def _input_error(error: Mapping[str, Any], raw: Mapping[str, Any], ctx: _Context) -> InputError:
@@ -194,7 +206,7 @@ def _input_error(error: Mapping[str, Any], raw: Mapping[str, Any], ctx: _Context
         fields = _field_types(tp)
         if fields is None or part not in fields:
             break
-        parent, tp = tp, fields[part]
+        parent, tp = _section_type(tp), fields[part]
         parts.append(part)
         value = value.get(part) if isinstance(value, Mapping) else None
     rest, key = loc[len(parts):], ".".join(parts)
@@ -218,6 +230,8 @@ def _input_error(error: Mapping[str, Any], raw: Mapping[str, Any], ctx: _Context
         message = error["msg"]
     elif kind == "greater_than":  # a bound > x (parallel.timeout_s, model.lora.alpha)
         return ctx.error(key, f"{key} = {_show(value)}: must be > {error.get('ctx', {}).get('gt', 0):g}")
+    elif kind == "less_than_equal":  # an upper bound (a share: data.plant_repeats.share)
+        return ctx.error(key, f"{key} = {_show(value)}: must be <= {error.get('ctx', {}).get('le', 0):g}")
     elif kind in ("greater_than_equal", "finite_number"):
         bound = error.get("ctx", {}).get("ge")
         message = "must be a finite number" if bound is None else "must be at least 1" if bound == 1 else f"must be >= {bound:g}"

@@ -211,6 +211,37 @@ class ModelSection:
     lora: LoraSection | None = None
 
 
+_Share = Annotated[StrictFloat, pydantic.Field(ge=0, le=1)]
+
+
+@_section
+class PlantRepeatsSection:
+    """Diverged copies of earlier material planted into a share of the training windows, so that
+    reading far back pays (:class:`genolong.data.repeats.RepeatPlanting`, whose defaults and
+    meaning these keys carry).
+
+    Attributes:
+        share: probability that a window gets copies. Default 0.5.
+        copies: copies per such window. Default 2.
+        min_length, max_length: copy length in bases, uniform. Defaults 50 and 400.
+        min_distance, max_distance: copy distance ``d``, log-uniform (``max_distance`` None: up
+            to the window). Defaults 64 and None.
+        max_divergence: each copy's edit rate is uniform in ``[0, max_divergence]``. Default 0.2.
+        indel_share: share of the edits that are 1-3 base indels. Default 0.1.
+        inverted: probability that a copy is reverse-complemented. Default 0.5.
+    """
+
+    share: _Share = 0.5
+    copies: _Count = 2
+    min_length: _Count = 50
+    max_length: _Count = 400
+    min_distance: _Count = 64
+    max_distance: _Count | None = None
+    max_divergence: _Share = 0.2
+    indel_share: _Share = 0.1
+    inverted: _Share = 0.5
+
+
 @_section
 class DataSection:
     """The genome store and the training windows (the arguments of :class:`~genolong.data.datamodule.GenomeDataModule`).
@@ -228,6 +259,8 @@ class DataSection:
         windows_per_epoch: training windows per epoch per data-parallel rank, or None for an
             endless stream (``train.max_steps`` ends the run). Default None.
         verify: check every store file's sha256 when opening the store. Default True.
+        plant_repeats: plant diverged copies of earlier material into training windows
+            (:class:`PlantRepeatsSection`), or None (default): the windows as stored.
     """
 
     store: _Path
@@ -239,6 +272,7 @@ class DataSection:
     eval_split: StrictStr | None = "eval"
     windows_per_epoch: _Count | None = None
     verify: StrictBool = True
+    plant_repeats: PlantRepeatsSection | None = None
 
 
 @_section

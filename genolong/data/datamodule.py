@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from ..errors import InputError
 from .alphabet import PAD
 from .store import GenomeStore
+from .repeats import RepeatPlanting
 from .windows import EvalTiles, TrainWindows, Window
 
 __all__ = ["TrainWindowDataset", "EvalTileDataset", "GenomeDataModule", "window_to_item", "collate_windows"]
@@ -209,6 +210,8 @@ class GenomeDataModule(L.LightningDataModule):
             ``i mod dp_size``), each rank's share padded with empty tiles to the same length.
         verify: check every store file's sha256 on open (default True).
         pin_memory: DataLoader ``pin_memory`` (default False).
+        planting: plant diverged copies into the training windows
+            (:class:`~genolong.data.repeats.RepeatPlanting`); default None: windows as stored.
 
     Batches: train ``tokens`` torch.long ``[B, L]`` with lists/tensors of the metadata of
     :func:`window_to_item`; eval as :class:`EvalTileDataset` items, collated.
@@ -236,6 +239,7 @@ class GenomeDataModule(L.LightningDataModule):
         verify: bool = True,
         pin_memory: bool = False,
         eval_max_tiles: int | None = None,
+        planting: RepeatPlanting | None = None,
     ):
         super().__init__()
         if num_workers < 0:
@@ -260,6 +264,7 @@ class GenomeDataModule(L.LightningDataModule):
         if eval_max_tiles is not None and eval_max_tiles < 1:
             raise InputError(f"eval_max_tiles must be >= 1 or None, got {eval_max_tiles}")
         self.eval_max_tiles = eval_max_tiles
+        self.planting = planting
         self.store: GenomeStore | None = None
         self.train_windows: TrainWindows | None = None
         self.eval_tiles: EvalTiles | None = None
@@ -289,6 +294,7 @@ class GenomeDataModule(L.LightningDataModule):
                 rc_prob=self.rc_prob,
                 rank=rank,
                 world_size=size,
+                planting=self.planting,
             )
             if self._pending_state is not None:
                 self.train_windows.load_state_dict(self._pending_state)

@@ -25,6 +25,7 @@ import pandas as pd
 
 from ..errors import InputError
 from .alphabet import reverse_complement
+from .repeats import PLANT_STREAM, RepeatPlanting, plant_repeats
 
 __all__ = [
     "SplitLike",
@@ -135,6 +136,10 @@ class TrainWindows:
         world_size: number of data-parallel ranks (default 1). Context-parallel ranks of one
             data-parallel group must share a rank here (they split each window, see
             :func:`context_parallel_slice`).
+        planting: plant diverged copies of earlier material into a share of the windows
+            (:class:`~genolong.data.repeats.RepeatPlanting`, the recipe's ``data.plant_repeats``);
+            default None: the windows as stored. Planting draws from its own generator, so
+            windows keep their place, strand and order.
 
     Raises:
         InputError: if no segment holds ``length`` tokens (the message names the longest segment
@@ -149,6 +154,7 @@ class TrainWindows:
         rc_prob: float = 0.5,
         rank: int = 0,
         world_size: int = 1,
+        planting: RepeatPlanting | None = None,
     ):
         length, seed = int(length), int(seed)
         if length < 1:
@@ -165,6 +171,7 @@ class TrainWindows:
         self.rc_prob = float(rc_prob)
         self.rank = int(rank)
         self.world_size = int(world_size)
+        self.planting = planting
 
         self._seg = seg = _SegmentTable(split)
         valid = np.maximum(seg.length - length + 1, 0)  # [S] valid starts per segment
@@ -223,6 +230,8 @@ class TrainWindows:
         tokens = _read(self.split, offset, self.length)
         if strand == "-":
             tokens = reverse_complement(tokens)
+        if self.planting is not None:
+            tokens, _ = plant_repeats(tokens, np.random.default_rng([self.seed, int(index), PLANT_STREAM]), self.planting)
         return Window(
             index=int(index),
             tokens=tokens,

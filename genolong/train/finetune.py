@@ -53,6 +53,7 @@ import re
 import shutil
 import sys
 import warnings
+import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -74,6 +75,7 @@ from ..config.schema import LoraSection
 from ..console import is_rank_zero, quiet_run
 from ..data.alphabet import STORE_ALPHABET
 from ..data.datamodule import GenomeDataModule
+from ..data.repeats import RepeatPlanting
 from ..data.store import GenomeStore
 from ..errors import InputError, Stopped
 from ..files import fsync, fsync_tree, writing
@@ -629,6 +631,7 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
         eval_split=d.eval_split if recipe.eval.every_n_steps else None, batch_size=d.batch_size,
         eval_batch_size=recipe.eval.batch_size, seed=recipe.seed, rc_prob=d.rc_prob, num_workers=d.num_workers,
         windows_per_epoch=d.windows_per_epoch, verify=d.verify, eval_max_tiles=recipe.eval.max_tiles,
+        planting=None if d.plant_repeats is None else RepeatPlanting(**dataclasses.asdict(d.plant_repeats)),
     )
     every = recipe.checkpoint.every_n_steps or recipe.train.max_steps
     checkpoints = RunCheckpoint(
