@@ -19,11 +19,14 @@ become the result and the directory is renamed to ``out``:
 
 Several processes (``score_variants(group=...)``, :mod:`genolong.evaluation.distributed`; the CLI's
 ``--recipe R`` / ``--set parallel.KEY=VALUE``) run the same loop: the blocks not yet committed are
-dealt to the data-parallel ranks a round of ``dp`` at a time, each rank streams its block through
+dealt to the data-parallel groups a round of ``dp`` at a time, each rank streams its block through
 the whole model (FSDP2's shards gathered on every rank for the loop), global rank 0 gathers the
-rows and commits the round's parts. The tables equal the one-process ones bit for bit; the layout
-is in the settings (``parallel``), so a resumed run must keep it. Context and expert parallelism
-are refused (:func:`check_layout`).
+scores and commits the round's parts. Without context parallelism the tables equal the
+one-process ones bit for bit. A context-parallel group of ``C`` ranks runs its block's reference
+prefix split ``C`` ways (:func:`~genolong.parallel.cp_prefill.cp_prefill`), every rank ending with
+the whole stream state, then each rank scores every ``C``-th variant of the block: equal to the
+one-process scores up to float rounding. The layout is in the settings (``parallel``), so a
+resumed run must keep it. Expert parallelism is refused (:func:`check_layout`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from ..errors import InputError
 from ..files import replace_dir, replace_file, writes_output
 from ..model.stream import check_segment_tokens
 from ..model.vocab import VocabMap
+from ..parallel.context import apply_context_parallel
+from ..parallel.mesh import cp_group
 from ..signals import SignalFlag
 from ..config import kernel_multiple
 from .distributed import (ScoringGroup, broadcast_from_writer, gather_to_writer, raise_on_every_rank, stop_if_signalled,
@@ -146,29 +151,25 @@ def _check_settings(work: Path, settings: Mapping[str, Any]) -> None:
                          f"rerun with the same ones to resume it, or delete {work} to start afresh")
 
 
-def check_layout(cp: int, ep: int, world: int) -> None:
-    """The layouts variant scoring runs on: whole blocks per data-parallel group.
+def check_layout(ep: int, world: int) -> None:
+    """The layouts variant scoring runs on: each rank streams through the whole model.
 
-    Each rank streams its block through the whole model (:class:`~genolong.model.stream.PrefillStream`
-    calls the layers' parts directly, every rank a different number of times), so a ``dp_shard``
-    group gathers the whole model on every rank (:func:`~genolong.evaluation.distributed.unsharded`);
-    context parallelism (a block's prefix split over ranks) and expert parallelism (tokens sent to
-    other ranks' experts, every rank in step) are not done here.
+    The rank's share of a block runs in a :class:`~genolong.model.stream.PrefillStream`, which
+    calls the layers' parts directly, every rank a different number of times: a ``dp_shard`` group
+    gathers the whole model on every rank (:func:`~genolong.evaluation.distributed.unsharded`), a
+    CP group splits only the block's long prefix (its own collectives,
+    :func:`~genolong.parallel.cp_prefill.cp_prefill`). Expert parallelism would send every token
+    to other ranks' experts, every rank in step: not done here.
 
     Args:
-        cp: ``parallel.cp``.
         ep: ``parallel.ep``.
         world: processes in the job.
 
     Raises:
-        InputError: ``cp > 1``, or ``ep > 1`` on several processes (one line naming the fix).
+        InputError: ``ep > 1`` on several processes (one line naming the fix).
     """
-    if cp > 1:
-        raise InputError("genolong variants streams each block through the whole model on one rank; context "
-                         f"parallelism is not done there: run it with parallel.cp: 1 (got {cp}), the processes then "
-                         "score blocks side by side")
     if ep > 1 and world > 1:
-        raise InputError("genolong variants streams each block on one rank; with parallel.ep > 1 the experts' "
+        raise InputError("genolong variants streams each block on its own ranks; with parallel.ep > 1 the experts' "
                          f"all-to-all would need every rank in step: run it with parallel.ep: 1 (got {ep})")
 
 
@@ -196,19 +197,30 @@ def _open_work(work: Path, settings: Mapping[str, Any]) -> tuple[set[tuple[int, 
 
 def _score_unit(model: torch.nn.Module, reference: ReferenceLike, variants: Sequence[Variant], block: Block,
                 context: int, window: int, strands: str, span: int | None, segment_tokens: int,
-                vocab: VocabMap | None) -> pd.DataFrame:
-    """One block's rows: its variants on the plus strand, and with ``strands="both"`` on the minus
-    strand too (planned again on mirrored coordinates, from the same variants)."""
-    forward = score_block(model, reference, variants, block, window, segment_tokens, vocab)
-    reverse: list[Any] | None = None
+                vocab: VocabMap | None, cp_group: Any = None
+                ) -> tuple[list[AlleleScores | None], list[AlleleScores | None] | None]:
+    """One block's scores: its variants on the plus strand, and with ``strands="both"`` on the minus
+    strand too (planned again on mirrored coordinates, from the same variants). With ``cp_group``
+    this rank's share (None for the other ranks' variants, :func:`score_block`)."""
+    forward = score_block(model, reference, variants, block, window, segment_tokens, vocab, cp_group=cp_group)
+    reverse: list[AlleleScores | None] | None = None
     if strands == "both":
         mine = [variants[i] for i in block.indices]
         reverse = [None] * len(mine)
         for rblock, scores in score_variants_streamed(model, reference, mine, context, window, "reverse",
-                                                      span, segment_tokens, vocab):
+                                                      span, segment_tokens, vocab, cp_group=cp_group):
             for j, s in zip(rblock.indices, scores):
-                reverse[j] = s
-    return _block_rows(variants, block.indices, context, forward, reverse)
+                if s is not None:
+                    reverse[j] = s
+    return forward, reverse
+
+
+def _merge(shares: Sequence[list[AlleleScores | None] | None]) -> list[AlleleScores] | None:
+    """The scores of one block from its CP ranks' shares (each variant scored by exactly one)."""
+    if shares[0] is None:
+        return None
+    merged = [next(s[j] for s in shares if s is not None and s[j] is not None) for j in range(len(shares[0]))]
+    return merged  # type: ignore[return-value]
 
 
 @writes_output("out", work=_partial_dir)
@@ -256,10 +268,13 @@ def score_variants(
             dealt to the data-parallel groups a round of ``dp`` at a time (block ``i`` of the round
             to dp rank ``i mod dp``), each rank streams its block through the whole model (gathered
             on every rank for the loop: :func:`~genolong.evaluation.distributed.unsharded`), global
-            rank 0 gathers the rows and commits the round's parts. Only ``parallel.cp: 1`` and
-            ``parallel.ep: 1`` (:func:`check_layout`). The scores equal the one-process ones bit
-            for bit (the same ops on the same weights, block by block); the layout is in the
-            settings (``parallel``), so a resumed run must keep it. Default None: one process.
+            rank 0 gathers the scores and commits the round's parts. With ``parallel.cp > 1`` a CP
+            group splits its block's prefix and then its variants (``score_block(cp_group=...)``;
+            the model's own CP forms, installed by the loader, are removed for the loop and put
+            back). Only ``parallel.ep: 1`` (:func:`check_layout`). The scores equal the
+            one-process ones bit for bit at ``cp`` 1 (the same ops on the same weights, block by
+            block), to float rounding at ``cp > 1``; the layout is in the settings
+            (``parallel``), so a resumed run must keep it. Default None: one process.
 
     Returns:
         The ``scores`` table (ordered by context as given, then record and allele); None on the
@@ -283,7 +298,7 @@ def score_variants(
     if window < 0:
         raise InputError(f"--window must be >= 0 bases, got {window}")
     check_segment_tokens(segment_tokens)
-    check_layout(group.cp_size, group.layout()["ep"], group.world)
+    check_layout(group.layout()["ep"], group.world)
     settings = {
         "checkpoint": "(in memory)", "reference": "(in memory)",
         **{k: v for k, v in (meta or {}).items()},
@@ -322,6 +337,13 @@ def score_variants(
            if group.is_writer else None)
     stop = SignalFlag()
     stop.install()
+    # a CP group splits each block's prefix by its own collectives (cp_prefill); the streams run
+    # on the layers as one process's: the model's CP forms are removed for the loop
+    cp = cp_group(group.mesh) if group.cp_size > 1 else None
+    installed = next((m.self_attn.cp_group for m in model.layers if getattr(m.self_attn, "cp_group", None) is not None),
+                     None)
+    if installed is not None:
+        apply_context_parallel(model, None)
     try:
         if group.distributed:
             # FSDP2 takes the first unit to run forward as its root: the whole model's, before the
@@ -336,12 +358,12 @@ def score_variants(
                 stop_if_signalled(stop, n_done, len(names), work, device, group, unit="blocks")
                 began = time.perf_counter()
                 mine = round_[group.dp_rank] if group.dp_rank < len(round_) else None  # None: idle this round
-                share: tuple[int, int, pd.DataFrame] | str | None = None
+                share: tuple[int, int, Any, Any] | str | None = None
                 if mine is not None:
                     k, b = todo[mine]
                     try:
-                        share = (k, b, _score_unit(model, reference, variants, plans[k][b], contexts[k], window,
-                                                   strands, span, segment_tokens, vocab))
+                        share = (k, b, *_score_unit(model, reference, variants, plans[k][b], contexts[k], window,
+                                                    strands, span, segment_tokens, vocab, cp))
                     except InputError as error:  # a bad variant: every rank stops, with its message
                         if not group.distributed:
                             raise
@@ -352,11 +374,14 @@ def score_variants(
                     error = next((s for s in shares if isinstance(s, str)), None)
                     if error is None:
                         # the round is committed at once, one part per block: a kill leaves whole blocks
-                        for s in shares:
-                            if s is not None:
-                                k, b, rows = s
-                                replace_file(parts / f"part-{k:03d}-{b:06d}.parquet",
-                                             lambda tmp: rows.to_parquet(tmp, index=False))
+                        for k, b in sorted({(sh[0], sh[1]) for sh in shares if sh is not None}):
+                            ranks = [sh for sh in shares if sh is not None and (sh[0], sh[1]) == (k, b)]
+                            forward = _merge([sh[2] for sh in ranks])
+                            assert forward is not None
+                            rows = _block_rows(variants, plans[k][b].indices, contexts[k], forward,
+                                               _merge([sh[3] for sh in ranks]))
+                            replace_file(parts / f"part-{k:03d}-{b:06d}.parquet",
+                                         lambda tmp: rows.to_parquet(tmp, index=False))
                         timing["seconds"] += time.perf_counter() - began
                         replace_file(work / _TIMING, lambda tmp: tmp.write_text(json.dumps(timing)))
                         if bar is not None:
@@ -365,6 +390,8 @@ def score_variants(
                 n_done += len(round_)
     finally:
         stop.restore()
+        if installed is not None:
+            apply_context_parallel(model, installed)
         model.train(was_training)
         if bar is not None:
             bar.close()

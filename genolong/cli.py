@@ -397,7 +397,7 @@ def _cmd_variants(args: argparse.Namespace) -> int:
     parallel = _parallel_section(args)
     backend = _scoring_backend(args)
     # before the processes start: one line, not one per rank
-    check_layout(parallel.cp, parallel.ep, parallel.world_size)  # type: ignore[attr-defined]
+    check_layout(parallel.ep, parallel.world_size)  # type: ignore[attr-defined]
     vcf = Path(args.vcf)
     stem = vcf.name
     for suffix in (".gz", ".bgz", ".vcf", ".bcf"):
@@ -762,9 +762,11 @@ def build_parser() -> argparse.ArgumentParser:
             "with GENOLONG_LLR_L<context> INFO fields (scored.vcf.gz), rejects.tsv and meta.json; with several "
             "--contexts also context_effect.tsv (how much each score moves with context). A killed run resumes at "
             "the next block. With --recipe (or --set parallel.devices=N ...) it runs on several processes as evaluate "
-            "does: blocks dealt a round at a time to the data-parallel ranks, each streaming its block through the "
-            "whole model (gathered on every rank), rank 0 writing; scores equal the one-process run's. Needs "
-            "parallel.cp 1 and parallel.ep 1; a killed run resumes on the same layout."
+            "does: blocks dealt a round at a time to the data-parallel groups, each streaming its block through the "
+            "whole model (gathered on every rank), rank 0 writing; scores equal the one-process run's. With "
+            "parallel.cp C a group of C ranks runs each block's long reference prefix split C ways, then splits the "
+            "block's variants (scores equal to float rounding). Needs parallel.ep 1; a killed run resumes on the "
+            "same layout."
         ),
     )
     var.add_argument("checkpoint", metavar="CHECKPOINT",

@@ -22,12 +22,16 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pysam
 import pytest
 import torch
 
 from genolong.cli import main
 from genolong.model import PRESETS, GenoLM
+
+from .helpers import run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -115,7 +119,6 @@ def test_the_layouts_variants_cannot_run_are_one_line(inputs: tuple[Path, list[s
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     root, args = inputs
     cases = {
-        ("--set", "parallel.devices=2", "--set", "parallel.cp=2"): "run it with parallel.cp: 1 (got 2)",
         ("--set", "parallel.devices=2", "--set", "parallel.ep=2"): "run it with parallel.ep: 1 (got 2)",
         ("--set", "parallel.cp=x"): "parallel.cp must be an integer",
     }
@@ -126,3 +129,49 @@ def test_the_layouts_variants_cannot_run_are_one_line(inputs: tuple[Path, list[s
         assert message in err and len(err.strip().splitlines()) == 1, err
         assert time.monotonic() - started < 20  # refused before any process starts (or a model loads)
     assert not any(tmp_path.iterdir())
+
+
+def _score_with_context_parallelism(rank: int, world: int, root: Path, out: Path) -> None:
+    """One rank of a cp 2 job: the model sharded as ``load_scoring_model`` shards it (context
+    parallelism installed, FSDP2 over the CP ranks), both strands at context 256."""
+    from genolong.config import ParallelSection
+    from genolong.evaluation.distributed import ScoringGroup, shard_for_scoring
+    from genolong.evaluation.variants import score_variants
+    from genolong.evaluation.vcf import Reference, read_variants
+    from genolong.parallel.mesh import build_mesh
+
+    parallel = ParallelSection(accelerator="cpu", devices=world, cp=world)
+    group = ScoringGroup(build_mesh(parallel, world_size=world), parallel)
+    model = shard_for_scoring(GenoLM.from_pretrained(root / "model").eval(), group)
+    with Reference.open(root / "chr16.fa.gz") as reference:
+        variants = read_variants(root / "calls.vcf", reference).variants
+        score_variants(model, reference, variants, out, [256], window=16, strands="both", segment_tokens=64,
+                       progress=False, group=group)
+    assert all(m.self_attn.cp_group is not None for m in model.layers)  # the model's own CP forms are back
+
+
+@pytest.mark.distributed
+def test_a_context_parallel_group_splits_each_prefix_and_scores_as_one_process(inputs: tuple[Path, list[str]],
+                                                                               tmp_path: Path) -> None:
+    # cp 2: the reference before a block's first variant, cut to whole multiples of 128 tokens
+    # (kernel_multiple(tiny, 2): 2 x 64-token KDA chunks), runs split over the two ranks
+    # (cp_prefill); each rank then streams on alone with its half of the block's variants
+    from genolong.evaluation.variants import score_variants
+    from genolong.evaluation.vcf import Reference, read_variants
+
+    root, _ = inputs
+    run_ranks(_score_with_context_parallelism, 2, tmp_path, root, tmp_path / "cp2", timeout=240)
+    with Reference.open(root / "chr16.fa.gz") as reference:
+        variants = read_variants(root / "calls.vcf", reference).variants
+        one = score_variants(GenoLM.from_pretrained(root / "model").eval(), reference, variants, tmp_path / "one",
+                             [256], window=16, strands="both", segment_tokens=64, progress=False)
+    two = pd.read_parquet(tmp_path / "cp2" / "scores.parquet")
+    scores = ["logp_ref", "logp_alt", "llr", "llr_forward", "llr_reverse"]
+    pd.testing.assert_frame_equal(two.drop(columns=scores), one.drop(columns=scores))  # exact: what was scored
+    assert (one["context_used"] >= 256).all()  # every block ran a 256-token prefix on the CP pair
+    for column in scores:
+        # the fold hands each slice its KDA state by another product order than one sequential pass
+        # (as under CP training): float32 rounding of per-token NLL summed over <= 19 targets (2e-6 seen)
+        np.testing.assert_allclose(two[column], one[column], rtol=0, atol=1e-5, err_msg=column)
+    meta = json.loads((tmp_path / "cp2" / "meta.json").read_text())
+    assert meta["parallel"] == {"world": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 2, "ep": 1}
