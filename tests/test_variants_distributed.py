@@ -8,7 +8,11 @@ same model (`tiny`, seeded) on real human DNA (hg38 chr16, ``tests/data``):
   streamed through the same weights by the same ops, under one thread per process);
 - the resumed run is left an odd number of blocks, so one rank is idle in its last round and
   must still take part in the round's collectives (the run ends instead of hanging);
-- the layouts it refuses (context and expert parallelism) fail in one line before any process starts.
+- context parallelism (two ranks spawned here, gloo): each block's 256-token prefix runs split over
+  the pair, then each rank scores half the block's variants; equal to the one-process streamed
+  scores to 1e-5 nats; a bad variant found inside the loop and a resume with other settings found
+  by the writer alone end both ranks with the one-line error;
+- the layouts it refuses (expert parallelism) fail in one line before any process starts.
 """
 
 from __future__ import annotations
@@ -148,6 +152,23 @@ def _score_with_context_parallelism(rank: int, world: int, root: Path, out: Path
         score_variants(model, reference, variants, out, [256], window=16, strands="both", segment_tokens=64,
                        progress=False, group=group)
     assert all(m.self_attn.cp_group is not None for m in model.layers)  # the model's own CP forms are back
+
+    # a failure inside the loop (a REF that is not the reference's, found by both ranks while the
+    # round's block is scored) and one on the writer alone (a resumed run of other settings) end
+    # every rank with the same one-line error, none left waiting in a collective
+    import dataclasses
+
+    from genolong.errors import InputError
+
+    wrong = dataclasses.replace(variants[4], ref="C" if variants[4].ref != "C" else "G")
+    bad = [*variants[:4], wrong, *variants[5:]]
+    with Reference.open(root / "chr16.fa.gz") as reference:
+        with pytest.raises(InputError, match="differs from the reference"):
+            score_variants(model, reference, bad, out.parent / "bad", [256], window=16, segment_tokens=64,
+                           progress=False, group=group)
+        with pytest.raises(InputError, match="other settings .*window"):
+            score_variants(model, reference, bad, out.parent / "bad", [256], window=8, segment_tokens=64,
+                           progress=False, group=group)
 
 
 @pytest.mark.distributed
