@@ -410,26 +410,27 @@ def _cmd_variants(args: argparse.Namespace) -> int:
                                       f"context {c} ({args.strands} strand{'s averaged' if args.strands == 'both' else ''}; "
                                       f"the allele and {args.window} bases after it)") for c in contexts}
 
-    def work(group: object) -> int:
-        # every rank reads the VCF (the same variants, in the same order) and the reference it streams
-        with Reference.open(args.fasta) as reference, tempfile.TemporaryDirectory(prefix="genolong-variants-") as tmp:
-            rejects = Path(tmp) / "rejects.tsv"
-            found = read_variants(vcf, reference, rejects_path=rejects)
-            if not found.variants:
-                raise InputError(f"{vcf}: none of its {found.records} records has an allele genolong can score "
-                                 f"(skipped: {_counts(found.rejects)}); see the reasons with bcftools view {vcf}")
+    # read before the processes start (a bad file: one line, not one per rank); each process reads
+    # them itself (Lightning reruns this command line for the other ranks), the same variants in order
+    with Reference.open(args.fasta) as reference, tempfile.TemporaryDirectory(prefix="genolong-variants-") as tmp:
+        rejects = Path(tmp) / "rejects.tsv"
+        found = read_variants(vcf, reference, rejects_path=rejects)
+        if not found.variants:
+            raise InputError(f"{vcf}: none of its {found.records} records has an allele genolong can score "
+                             f"(skipped: {_counts(found.rejects)}); see the reasons with bcftools view {vcf}")
+
+        def finish(work: Path, table: object) -> None:
+            # the rejects and the annotated copy of the input land in the result before it is renamed
+            shutil.copyfile(rejects, work / "rejects.tsv")
+            values: dict[tuple[int, int], dict[str, float]] = {}
+            for row in table.itertuples(index=False):  # type: ignore[attr-defined]
+                values.setdefault((int(row.record), int(row.allele)), {})[f"GENOLONG_LLR_L{int(row.context)}"] = float(row.llr)
+            write_annotated_vcf(vcf, work / "scored.vcf.gz", values, fields)
+
+        def work(group: object) -> int:
             model, vocab = load_scoring_model(args.checkpoint, group, dtype=getattr(torch, _DTYPES[args.dtype]),  # type: ignore[arg-type]
                                               device=_scoring_device(args, group), kernel_backend=backend,
                                               adapter=args.adapter)
-
-            def finish(work: Path, table: object) -> None:
-                # the rejects and the annotated copy of the input land in the result before it is renamed
-                shutil.copyfile(rejects, work / "rejects.tsv")
-                values: dict[tuple[int, int], dict[str, float]] = {}
-                for row in table.itertuples(index=False):  # type: ignore[attr-defined]
-                    values.setdefault((int(row.record), int(row.allele)), {})[f"GENOLONG_LLR_L{int(row.context)}"] = float(row.llr)
-                write_annotated_vcf(vcf, work / "scored.vcf.gz", values, fields)
-
             table = score_variants(
                 model, reference, found.variants, out, contexts, window=args.window, strands=args.strands, span=args.span,
                 segment_tokens=args.segment_tokens, vocab=vocab,
@@ -437,17 +438,17 @@ def _cmd_variants(args: argparse.Namespace) -> int:
                       "records": found.records, "rejects": found.rejects, "dtype": _DTYPES[args.dtype], "device": args.device},
                 finish=finish, progress=None if not args.quiet else False, force=args.force,
                 group=group)  # type: ignore[arg-type]
-        if table is None:  # not the writer
+            if table is None:  # not the writer
+                return 0
+            print(f"genolong variants: {len(found.variants):,} alleles of {found.records:,} records scored at context "
+                  f"{', '.join(f'{c:,}' for c in contexts)} -> {out} (scores.tsv, scores.parquet, scored.vcf.gz); "
+                  f"{found.rejected:,} skipped{' (' + _counts(found.rejects) + '; rejects.tsv)' if found.rejected else ''}")
+            llr = table["llr"]
+            print(f"LLR (nats): median {llr.median():.4f}, 5%-95% [{llr.quantile(0.05):.4f}, {llr.quantile(0.95):.4f}]; "
+                  f"below 0 (alt less likely than ref): {(llr < 0).mean():.1%}")
             return 0
-        print(f"genolong variants: {len(found.variants):,} alleles of {found.records:,} records scored at context "
-              f"{', '.join(f'{c:,}' for c in contexts)} -> {out} (scores.tsv, scores.parquet, scored.vcf.gz); "
-              f"{found.rejected:,} skipped{' (' + _counts(found.rejects) + '; rejects.tsv)' if found.rejected else ''}")
-        llr = table["llr"]
-        print(f"LLR (nats): median {llr.median():.4f}, 5%-95% [{llr.quantile(0.05):.4f}, {llr.quantile(0.95):.4f}]; "
-              f"below 0 (alt less likely than ref): {(llr < 0).mean():.1%}")
-        return 0
 
-    return launch(parallel, work)
+        return launch(parallel, work)
 
 
 def _counts(counts: dict[str, int]) -> str:

@@ -119,12 +119,15 @@ def test_two_processes_score_as_one_and_resume_after_a_kill(inputs: tuple[Path, 
     assert one["parallel"]["world"] == 1 and two["blocks"] == one["blocks"] and two["rows"] == one["rows"] == 30
 
 
-def test_the_layouts_variants_cannot_run_are_one_line(inputs: tuple[Path, list[str]], tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_refused_layouts_and_a_missing_fasta_are_one_line_before_any_process_starts(
+        inputs: tuple[Path, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root, args = inputs
     cases = {
         ("--set", "parallel.devices=2", "--set", "parallel.ep=2"): "run it with parallel.ep: 1 (got 2)",
         ("--set", "parallel.cp=x"): "parallel.cp must be an integer",
+        # the FASTA is read before Lightning starts the second process: one line, not one per rank
+        ("--fasta", str(root / "missing.fa.gz"), "--set", "parallel.accelerator=cpu", "--set", "parallel.devices=2"):
+            "missing.fa.gz: no such file",
     }
     for extra, message in cases.items():
         started = time.monotonic()
