@@ -239,6 +239,7 @@ def score_block(model: torch.nn.Module, reference: ReferenceLike, variants: Sequ
         cp_group: a context-parallel process group of ``W`` ranks (every rank calls this with the
             same block): the reference before the first variant, cut to a multiple of
             :func:`~genolong.config.kernel_multiple` ``(config, W)``, runs split over the group
+            in stretches of about ``segment_tokens`` per rank
             (:func:`~genolong.parallel.cp_prefill.cp_prefill`), then rank ``r`` scores the block's
             variants ``j`` with ``j mod W = r`` from its own copy of the stream (equal to the
             one-process scores up to float rounding). Default None: one process, every variant.
@@ -269,11 +270,14 @@ def score_block(model: torch.nn.Module, reference: ReferenceLike, variants: Sequ
     world, rank = 1, 0
     if cp_group is not None:
         world, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
-        multiple = kernel_multiple(model.config, world)
-        aligned = (chosen[0].pos - s) // multiple * multiple  # whole KDA chunks and DSA pools per rank
-        if aligned:
-            n = aligned // world
-            chunk = reference.tokens(block.contig, s, s + aligned)
+        multiple = kernel_multiple(model.config, world)  # whole KDA chunks and DSA pools per rank
+        aligned = (chosen[0].pos - s) // multiple * multiple
+        # stretches of about segment_tokens per rank: one segment's memory, as in one process
+        step = max(multiple, segment_tokens * world // multiple * multiple)
+        for a in range(0, aligned, step):
+            b = min(aligned, a + step)
+            n = (b - a) // world
+            chunk = reference.tokens(block.contig, s + a, s + b)
             prev_hidden = cp_prefill(stream, ids(chunk[rank * n:(rank + 1) * n]), cp_group)
             prev_token = chunk[-1:]
     out: list[AlleleScores | None] = []

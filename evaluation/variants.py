@@ -46,6 +46,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ..config import kernel_multiple
 from ..errors import InputError
 from ..files import replace_dir, replace_file, writes_output
 from ..model.stream import check_segment_tokens
@@ -53,7 +54,6 @@ from ..model.vocab import VocabMap
 from ..parallel.context import apply_context_parallel
 from ..parallel.mesh import cp_group
 from ..signals import SignalFlag
-from ..config import kernel_multiple
 from .distributed import (ScoringGroup, broadcast_from_writer, gather_to_writer, raise_on_every_rank, stop_if_signalled,
                           tile_rounds, unsharded)
 from .score import _progress, kernel_backend_meta, model_signature

@@ -9,7 +9,7 @@ same model (`tiny`, seeded) on real human DNA (hg38 chr16, ``tests/data``):
 - the resumed run is left an odd number of blocks, so one rank is idle in its last round and
   must still take part in the round's collectives (the run ends instead of hanging);
 - context parallelism (two ranks spawned here, gloo): each block's 256-token prefix runs split over
-  the pair, then each rank scores half the block's variants; equal to the one-process streamed
+  the pair in two stretches, then each rank scores half the block's variants; equal to the one-process streamed
   scores to 1e-5 nats; a bad variant found inside the loop and a resume with other settings found
   by the writer alone end both ranks with the one-line error;
 - the layouts it refuses (expert parallelism) fail in one line before any process starts.
@@ -178,8 +178,9 @@ def _score_with_context_parallelism(rank: int, world: int, root: Path, out: Path
 def test_a_context_parallel_group_splits_each_prefix_and_scores_as_one_process(inputs: tuple[Path, list[str]],
                                                                                tmp_path: Path) -> None:
     # cp 2: the reference before a block's first variant, cut to whole multiples of 128 tokens
-    # (kernel_multiple(tiny, 2): 2 x 64-token KDA chunks), runs split over the two ranks
-    # (cp_prefill); each rank then streams on alone with its half of the block's variants
+    # (kernel_multiple(tiny, 2): 2 x 64-token KDA chunks), runs split over the two ranks in
+    # stretches of 2 x 64 (--segment-tokens 64; cp_prefill twice per block: the second from the
+    # stream the first left); each rank then streams on alone with its half of the block's variants
     from genolong.evaluation.variants import score_variants
     from genolong.evaluation.vcf import Reference, read_variants
 
