@@ -48,7 +48,7 @@ from .checkpoint import _DCP_META, _local_box, check_adapter, load_eval_model, m
 
 __all__ = [
     "ScoringGroup", "assemble_nll", "broadcast_from_writer", "gather_to_writer", "launch", "load_scoring_model",
-    "padded_length", "padding_tile", "shard_for_scoring", "share_nll", "stop_if_signalled", "tile_rounds", "unsharded",
+    "padded_length", "padding_tile", "raise_on_every_rank", "shard_for_scoring", "share_nll", "stop_if_signalled", "tile_rounds", "unsharded",
 ]
 
 _T = TypeVar("_T")
@@ -474,12 +474,25 @@ def _reshards_after_forward(unit: torch.nn.Module) -> bool:
     return group is not None and group.post_forward_mesh_info is not None
 
 
-def stop_if_signalled(stop: SignalFlag, done: int, total: int, work: Path, device: Any, group: ScoringGroup) -> None:
+def stop_if_signalled(stop: SignalFlag, done: int, total: int, work: Path, device: Any, group: ScoringGroup,
+                      unit: str = "tiles") -> None:
     """Raise :class:`~genolong.errors.Stopped` (the CLI: one line, status 75) if a stop signal
     reached any rank (:meth:`SignalFlag.agree`; a collective in a job of several processes: every
-    rank calls it at the same round). Call it at a round boundary: ``done`` tiles of ``total`` are
-    committed in ``work``, where a rerun of the same command resumes."""
+    rank calls it at the same round). Call it at a round boundary: ``done`` work items (``unit``,
+    default "tiles") of ``total`` are committed in ``work``, where a rerun of the same command resumes."""
     got = stop.agree(device=device) if group.distributed else stop.local()
     if got:
-        raise Stopped(f"stopped by {SignalFlag.names(got)} after {done} of {total} tiles; they are kept in {work}, "
+        raise Stopped(f"stopped by {SignalFlag.names(got)} after {done} of {total} {unit}; they are kept in {work}, "
                       "where the same command resumes", show=group.is_writer)
+
+
+def raise_on_every_rank(error: str | None, group: ScoringGroup) -> None:
+    """Raise :class:`~genolong.errors.InputError` with the writer's ``error`` on every rank, or
+    return when it is None (a collective: every rank calls it, the others' ``error`` is ignored).
+
+    A failure one process finds (a resumed run's other settings, a bad variant in its share) must
+    end every rank: the others would otherwise wait in the next collective until
+    ``parallel.timeout_s``. In one process: raise ``error`` if given."""
+    error = broadcast_from_writer(error, group)
+    if error is not None:
+        raise InputError(error)

@@ -34,6 +34,10 @@ complemented), so the minus strand's prefix is the plus strand's sequence after 
 (:meth:`GenoLM.token_nll <genolong.model.lm.GenoLM.token_nll>`) of the whole haplotype from the
 same ``s``. The two agree up to float rounding (the stream splits the KDA recurrence and the
 matrix products at other rows; see :mod:`genolong.model.stream`).
+
+Context parallelism (``score_block(cp_group=...)``): the ranks of a CP group run the block's prefix
+split between them (:func:`~genolong.parallel.cp_prefill.cp_prefill`), each ending with the whole
+stream state, then each scores its share of the block's variants from its own copy.
 """
 
 from __future__ import annotations
@@ -41,18 +45,21 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..config import kernel_multiple
 from ..data.alphabet import BASE_MASK, encode, reverse_complement
 from ..defaults import VARIANT_WINDOW
 from ..errors import InputError
 from ..model.loss import model_inputs, next_token_nll
 from ..model.stream import PrefillStream, check_segment_tokens
 from ..model.vocab import VocabMap
+from ..parallel.cp_prefill import cp_prefill
 from .vcf import Variant
 
 __all__ = ["DEFAULT_WINDOW", "STRANDS", "Block", "ReferenceLike", "ReverseComplement", "AlleleScores",
@@ -217,7 +224,7 @@ def _logp(nll: torch.Tensor) -> float:
 @torch.no_grad()
 def score_block(model: torch.nn.Module, reference: ReferenceLike, variants: Sequence[Variant], block: Block,
                 window: int = DEFAULT_WINDOW, segment_tokens: int = 65536, vocab: VocabMap | None = None,
-                chunk_size: int = 4096) -> list[AlleleScores]:
+                chunk_size: int = 4096, cp_group: Any = None) -> list[AlleleScores | None]:
     """Score one block's variants from one stream of the reference.
 
     Args:
@@ -229,9 +236,17 @@ def score_block(model: torch.nn.Module, reference: ReferenceLike, variants: Sequ
         segment_tokens: reference tokens per prefill segment (default 65536; memory of one segment).
         vocab: base ids -> model ids (default None: nucleotide ids).
         chunk_size: LM-head rows per chunk (default 4096).
+        cp_group: a context-parallel process group of ``W`` ranks (every rank calls this with the
+            same block): the reference before the first variant, cut to a multiple of
+            :func:`~genolong.config.kernel_multiple` ``(config, W)``, runs split over the group
+            in stretches of about ``segment_tokens`` per rank
+            (:func:`~genolong.parallel.cp_prefill.cp_prefill`), then rank ``r`` scores the block's
+            variants ``j`` with ``j mod W = r`` from its own copy of the stream (equal to the
+            one-process scores up to float rounding). Default None: one process, every variant.
 
     Returns:
-        One :class:`AlleleScores` per ``block.indices`` entry, in that order.
+        One :class:`AlleleScores` per ``block.indices`` entry, in that order (with ``cp_group``,
+        None for the variants of the other ranks of the group).
     """
     check_segment_tokens(segment_tokens)
     if window < 0:
@@ -252,8 +267,24 @@ def score_block(model: torch.nn.Module, reference: ReferenceLike, variants: Sequ
     # the last prefix token and its hidden row: they predict each allele's first token
     prev_token: np.ndarray | None = None
     prev_hidden: torch.Tensor | None = None
-    out: list[AlleleScores] = []
-    for v, (ref_hap, alt_hap, after) in zip(chosen, haplotypes):
+    world, rank = 1, 0
+    if cp_group is not None:
+        world, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+        multiple = kernel_multiple(model.config, world)  # whole KDA chunks and DSA pools per rank
+        aligned = (chosen[0].pos - s) // multiple * multiple
+        # stretches of about segment_tokens per rank: one segment's memory, as in one process
+        step = max(multiple, segment_tokens * world // multiple * multiple)
+        for a in range(0, aligned, step):
+            b = min(aligned, a + step)
+            n = (b - a) // world
+            chunk = reference.tokens(block.contig, s + a, s + b)
+            prev_hidden = cp_prefill(stream, ids(chunk[rank * n:(rank + 1) * n]), cp_group)
+            prev_token = chunk[-1:]
+    out: list[AlleleScores | None] = []
+    for j, (v, (ref_hap, alt_hap, after)) in enumerate(zip(chosen, haplotypes)):
+        if j % world != rank:  # another rank of the CP group scores it
+            out.append(None)
+            continue
         while s + stream.position < v.pos:  # the reference up to this variant, a segment at a time
             a = s + stream.position
             b = min(v.pos, a + segment_tokens)
@@ -283,7 +314,8 @@ def score_block(model: torch.nn.Module, reference: ReferenceLike, variants: Sequ
 def score_variants_streamed(model: torch.nn.Module, reference: ReferenceLike, variants: Sequence[Variant],
                             context: int, window: int = DEFAULT_WINDOW, strand: str = "forward",
                             span: int | None = None, segment_tokens: int = 65536,
-                            vocab: VocabMap | None = None) -> Iterator[tuple[Block, list[AlleleScores]]]:
+                            vocab: VocabMap | None = None,
+                            cp_group: Any = None) -> Iterator[tuple[Block, list[AlleleScores | None]]]:
     """Score ``variants`` on one strand, block by block.
 
     Args:
@@ -293,6 +325,7 @@ def score_variants_streamed(model: torch.nn.Module, reference: ReferenceLike, va
         strand: ``"forward"`` (default) or ``"reverse"``: the minus strand (the blocks are then
             planned on mirrored coordinates; indices still refer to ``variants``).
         span: block span (default None: ``L``).
+        cp_group: as :func:`score_block` (default None: one process).
 
     Yields:
         ``(block, scores)`` per block (``scores[j]`` for ``variants[block.indices[j]]``).
@@ -305,7 +338,7 @@ def score_variants_streamed(model: torch.nn.Module, reference: ReferenceLike, va
         variants = [ReverseComplement.mirror(v, lengths[v.contig]) for v in variants]
         reference = rc
     for block in plan_blocks(variants, context, span):
-        yield block, score_block(model, reference, variants, block, window, segment_tokens, vocab)
+        yield block, score_block(model, reference, variants, block, window, segment_tokens, vocab, cp_group=cp_group)
 
 
 @torch.no_grad()

@@ -379,9 +379,9 @@ def _cmd_variants(args: argparse.Namespace) -> int:
     import torch
 
     from .errors import InputError
-    from .evaluation.checkpoint import load_eval_model
+    from .evaluation.distributed import launch, load_scoring_model
     from .evaluation.score import recipe_context
-    from .evaluation.variants import score_variants
+    from .evaluation.variants import check_layout, score_variants
     from .evaluation.vcf import Reference, read_variants, write_annotated_vcf
     from .model.stream import check_segment_tokens
 
@@ -394,6 +394,10 @@ def _cmd_variants(args: argparse.Namespace) -> int:
                              "checkpoint with a recipe to take it from")
         contexts = (context,)
     check_segment_tokens(args.segment_tokens)  # bad settings before the model loads
+    parallel = _parallel_section(args)
+    backend = _scoring_backend(args)
+    # before the processes start: one line, not one per rank
+    check_layout(parallel.ep, parallel.world_size)  # type: ignore[attr-defined]
     vcf = Path(args.vcf)
     stem = vcf.name
     for suffix in (".gz", ".bgz", ".vcf", ".bcf"):
@@ -402,17 +406,18 @@ def _cmd_variants(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("variants") / f"{name}-{stem}-L{'-'.join(map(str, contexts))}"
     if out.exists() and not args.force:  # before the reading and the model: one line
         raise InputError(f"{out} already exists; choose another --out or pass --force to replace it")
+    fields = {f"GENOLONG_LLR_L{c}": (f"genolong variants: log p(alt haplotype) - log p(ref haplotype), nats, at "
+                                      f"context {c} ({args.strands} strand{'s averaged' if args.strands == 'both' else ''}; "
+                                      f"the allele and {args.window} bases after it)") for c in contexts}
+
+    # read before the processes start (a bad file: one line, not one per rank); each process reads
+    # them itself (Lightning reruns this command line for the other ranks), the same variants in order
     with Reference.open(args.fasta) as reference, tempfile.TemporaryDirectory(prefix="genolong-variants-") as tmp:
         rejects = Path(tmp) / "rejects.tsv"
         found = read_variants(vcf, reference, rejects_path=rejects)
         if not found.variants:
             raise InputError(f"{vcf}: none of its {found.records} records has an allele genolong can score "
                              f"(skipped: {_counts(found.rejects)}); see the reasons with bcftools view {vcf}")
-        model, vocab = load_eval_model(args.checkpoint, dtype=getattr(torch, _DTYPES[args.dtype]), device=args.device,
-                                       kernel_backend=args.kernel_backend, adapter=args.adapter)
-        fields = {f"GENOLONG_LLR_L{c}": (f"genolong variants: log p(alt haplotype) - log p(ref haplotype), nats, at "
-                                          f"context {c} ({args.strands} strand{'s averaged' if args.strands == 'both' else ''}; "
-                                          f"the allele and {args.window} bases after it)") for c in contexts}
 
         def finish(work: Path, table: object) -> None:
             # the rejects and the annotated copy of the input land in the result before it is renamed
@@ -422,19 +427,28 @@ def _cmd_variants(args: argparse.Namespace) -> int:
                 values.setdefault((int(row.record), int(row.allele)), {})[f"GENOLONG_LLR_L{int(row.context)}"] = float(row.llr)
             write_annotated_vcf(vcf, work / "scored.vcf.gz", values, fields)
 
-        table = score_variants(
-            model, reference, found.variants, out, contexts, window=args.window, strands=args.strands, span=args.span,
-            segment_tokens=args.segment_tokens, vocab=vocab,
-            meta={**_scored_meta(args), "vcf": str(vcf.resolve()), "fasta": str(Path(args.fasta).resolve()),
-                  "records": found.records, "rejects": found.rejects, "dtype": _DTYPES[args.dtype], "device": args.device},
-            finish=finish, progress=None if not args.quiet else False, force=args.force)
-    print(f"genolong variants: {len(found.variants):,} alleles of {found.records:,} records scored at context "
-          f"{', '.join(f'{c:,}' for c in contexts)} -> {out} (scores.tsv, scores.parquet, scored.vcf.gz); "
-          f"{found.rejected:,} skipped{' (' + _counts(found.rejects) + '; rejects.tsv)' if found.rejected else ''}")
-    llr = table["llr"]
-    print(f"LLR (nats): median {llr.median():.4f}, 5%-95% [{llr.quantile(0.05):.4f}, {llr.quantile(0.95):.4f}]; "
-          f"below 0 (alt less likely than ref): {(llr < 0).mean():.1%}")
-    return 0
+        def work(group: object) -> int:
+            model, vocab = load_scoring_model(args.checkpoint, group, dtype=getattr(torch, _DTYPES[args.dtype]),  # type: ignore[arg-type]
+                                              device=_scoring_device(args, group), kernel_backend=backend,
+                                              adapter=args.adapter)
+            table = score_variants(
+                model, reference, found.variants, out, contexts, window=args.window, strands=args.strands, span=args.span,
+                segment_tokens=args.segment_tokens, vocab=vocab,
+                meta={**_scored_meta(args), "vcf": str(vcf.resolve()), "fasta": str(Path(args.fasta).resolve()),
+                      "records": found.records, "rejects": found.rejects, "dtype": _DTYPES[args.dtype], "device": args.device},
+                finish=finish, progress=None if not args.quiet else False, force=args.force,
+                group=group)  # type: ignore[arg-type]
+            if table is None:  # not the writer
+                return 0
+            print(f"genolong variants: {len(found.variants):,} alleles of {found.records:,} records scored at context "
+                  f"{', '.join(f'{c:,}' for c in contexts)} -> {out} (scores.tsv, scores.parquet, scored.vcf.gz); "
+                  f"{found.rejected:,} skipped{' (' + _counts(found.rejects) + '; rejects.tsv)' if found.rejected else ''}")
+            llr = table["llr"]
+            print(f"LLR (nats): median {llr.median():.4f}, 5%-95% [{llr.quantile(0.05):.4f}, {llr.quantile(0.95):.4f}]; "
+                  f"below 0 (alt less likely than ref): {(llr < 0).mean():.1%}")
+            return 0
+
+        return launch(parallel, work)
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -506,6 +520,15 @@ def _scoring_arguments(parser: argparse.ArgumentParser, out_default: str, bucket
     parser.add_argument("--out", metavar="DIR", help=f"result directory (default: {out_default})")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    _parallel_arguments(parser)
+    parser.add_argument("--kernel-backend", choices=("auto", "torch", "fla", "triton"), default=None,
+                        help="the kernels the model runs, as in finetune: auto = genolong's Triton / fla-core GPU kernels "
+                             "on a GPU, the torch reference on a CPU (default: --recipe's model.overrides.kernel_backend, "
+                             "else the checkpoint's run recipe's, else auto); recorded in the results' metadata")
+
+
+def _parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--recipe`` / ``--set``: the processes a scoring command runs on (:func:`_parallel_section`)."""
     parser.add_argument("--recipe", metavar="RECIPE",
                         help="run on this recipe's parallel section (devices, num_nodes, accelerator, cp, dp_shard, "
                              "dp_replicate, ep), as `genolong finetune RECIPE` does: Lightning starts parallel.devices "
@@ -515,10 +538,6 @@ def _scoring_arguments(parser: argparse.ArgumentParser, out_default: str, bucket
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a key of --recipe, or without it set the parallel section alone, e.g. "
                              "--set parallel.devices=4 --set parallel.cp=2 (repeatable)")
-    parser.add_argument("--kernel-backend", choices=("auto", "torch", "fla", "triton"), default=None,
-                        help="the kernels the model runs, as in finetune: auto = genolong's Triton / fla-core GPU kernels "
-                             "on a GPU, the torch reference on a CPU (default: --recipe's model.overrides.kernel_backend, "
-                             "else the checkpoint's run recipe's, else auto); recorded in the results' metadata")
 
 
 def _by_argument(parser: argparse.ArgumentParser, what: str) -> None:
@@ -743,7 +762,12 @@ def build_parser() -> argparse.ArgumentParser:
             "variant costs about two windows, not two contexts. Writes scores.tsv, scores.parquet, a copy of the VCF "
             "with GENOLONG_LLR_L<context> INFO fields (scored.vcf.gz), rejects.tsv and meta.json; with several "
             "--contexts also context_effect.tsv (how much each score moves with context). A killed run resumes at "
-            "the next block."
+            "the next block. With --recipe (or --set parallel.devices=N ...) it runs on several processes as evaluate "
+            "does: blocks dealt a round at a time to the data-parallel groups, each streaming its block through the "
+            "whole model (gathered on every rank), rank 0 writing; scores equal the one-process run's. With "
+            "parallel.cp C a group of C ranks runs each block's long reference prefix split C ways, then splits the "
+            "block's variants (scores equal to float rounding). Needs parallel.ep 1; a killed run resumes on the "
+            "same layout."
         ),
     )
     var.add_argument("checkpoint", metavar="CHECKPOINT",
@@ -771,7 +795,9 @@ def build_parser() -> argparse.ArgumentParser:
     var.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter dtype (default: %(default)s)")
     var.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")
     var.add_argument("--kernel-backend", choices=("auto", "torch", "fla", "triton"), default=None,
-                     help="the kernels the model runs (as evaluate; default: the checkpoint's run recipe's, else auto)")
+                     help="the kernels the model runs (as evaluate; default: --recipe's model.overrides.kernel_backend, "
+                          "else the checkpoint's run recipe's, else auto)")
+    _parallel_arguments(var)
     var.add_argument("--out", metavar="DIR", help="result directory (default: variants/NAME-VCF-LCONTEXTS)")
     var.add_argument("--force", action="store_true", help="replace an existing --out")
     var.add_argument("--quiet", action="store_true", help="no progress bar")
