@@ -163,3 +163,15 @@ def test_the_recipe_key_reaches_the_windows(tmp_path) -> None:
     text.write_text("name: r\nmodel:\n  preset: tiny\ndata:\n  store: genome\n  context: 1024\n  plant_repeats:\n    share: 2.0\ntrain:\n  max_steps: 1\n")
     with pytest.raises(InputError, match=r"data\.plant_repeats\.share = 2\.0: must be <= 1$"):
         load_recipe(text)
+
+
+def test_the_recipe_section_and_the_planting_settings_have_the_same_keys_and_defaults() -> None:
+    """``data.plant_repeats`` (the schema's section, with bounds for the JSON Schema) is turned into
+    :class:`RepeatPlanting` key for key by ``finetune``: the two must not drift apart."""
+    import dataclasses
+
+    from genolong.config.schema import PlantRepeatsSection
+
+    section = {f.name: f.default for f in dataclasses.fields(PlantRepeatsSection)}
+    settings = {f.name: f.default for f in dataclasses.fields(RepeatPlanting)}
+    assert section == settings
