@@ -284,7 +284,8 @@ def score_variants(
         InputError: ``out`` exists (without ``force``); bad contexts, window, strands or span; a
             ``.<out>.partial`` of other settings; a variant whose REF differs from the reference;
             a layout :func:`check_layout` refuses.
-        Stopped: a stop signal (SIGTERM, SIGINT...) arrived; the committed blocks stay for a rerun.
+        Stopped: a stop signal (SIGTERM, SIGUSR1: :data:`~genolong.signals.DEFAULT_STOP_SIGNALS`) arrived;
+            the committed blocks stay for a rerun (the CLI: one line, status 75).
     """
     group = group or ScoringGroup()
     out = Path(out)

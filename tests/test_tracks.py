@@ -1,5 +1,8 @@
 """Browser tracks of evaluation results (genolong tracks, evaluate --tracks): bigWig and bedGraph.
 
+A 2-process ``evaluate --tracks`` (``parallel.devices=2``, Lightning starts rank 1) writes the
+tracks of the one-process run, from rank 0 alone.
+
 Oracles: the per-token parquet table (read with pyarrow, not through the tracks module), the
 sample FASTA's own ``.fai`` index for the chromosome sizes, pyBigWig reading the files back, and
 pandas parsing the bedGraph.
@@ -8,6 +11,7 @@ pandas parsing the bedGraph.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -235,3 +239,62 @@ def test_tracks_is_a_light_command(runs: Path, tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "HEAVY 0 ['pandas']" in proc.stdout, proc.stdout  # pandas: the check sees what the command imports
+
+
+def _files(directory: Path) -> list[str]:
+    """Every path under ``directory``, relative to it, sorted."""
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+
+
+# `genolong evaluate` (a script file: Lightning reruns this command line for rank 1) that notes in
+# $TRACK_CALLS which ranks write tracks: every call of the writers evaluate can reach
+_SPY = """
+import os, sys
+from pathlib import Path
+import genolong.evaluation.score as score
+import genolong.evaluation.tracks as tracks
+
+def spy(name, real):
+    def call(*args, **kwargs):
+        rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "?"))
+        (Path(os.environ["TRACK_CALLS"]) / f"{name}-rank{rank}-pid{os.getpid()}").touch()
+        return real(*args, **kwargs)
+    return call
+
+tracks.write_tracks = spy("write_tracks", tracks.write_tracks)
+score.write_result_tracks = spy("write_result_tracks", score.write_result_tracks)
+from genolong.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_process_evaluate_writes_the_one_process_tracks_from_rank_0(runs: Path, sample_store: Path,
+                                                                        tmp_path: Path) -> None:
+    script, calls, out = tmp_path / "evaluate.py", tmp_path / "calls", tmp_path / "jobs" / "two"
+    script.write_text(_SPY)
+    calls.mkdir()
+    out.parent.mkdir()
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TRACK_CALLS": str(calls)}
+    run = subprocess.run([sys.executable, str(script), "evaluate", str(runs / "model"), "--store", str(sample_store),
+                          *_COMMON, "--context", "256", "--label", "tiny full", "--tracks", "--out", str(out),
+                          "--set", "parallel.accelerator=cpu", "--set", "parallel.devices=2"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert json.loads((out / "meta.json").read_text())["parallel"]["world"] == 2  # two ranks did run
+    # rank 0 alone wrote tracks, once; nothing beside the result, the result's files the one-process ones
+    assert sorted(p.name.rsplit("-pid", 1)[0] for p in calls.iterdir()) == ["write_result_tracks-rank0",
+                                                                           "write_tracks-rank0"]
+    assert [p.name for p in out.parent.iterdir()] == ["two"]
+    assert _files(out) == _files(runs / "full")
+    one, two = runs / "full" / "tracks", out / "tracks"
+    assert sorted(p.name for p in two.iterdir()) == ["chrom.sizes", "tiny_full.nll.bedGraph", "tiny_full.nll.bw"]
+    # the same tracks: header, bases and values of the bigWig (read back by pyBigWig), the bedGraph's text
+    chroms_one, entries_one = _bigwig(one / "tiny_full.nll.bw")
+    chroms_two, entries_two = _bigwig(two / "tiny_full.nll.bw")
+    assert chroms_two == chroms_one == {"chr22": 21_000_000} and len(entries_two) > 700
+    pd.testing.assert_frame_equal(entries_two, entries_one, check_exact=True)  # exact: see below
+    # exact: each tile runs through the same (gathered) weights by the same ops in one thread on either layout
+    assert (two / "tiny_full.nll.bedGraph").read_text() == (one / "tiny_full.nll.bedGraph").read_text()
+    assert (two / "chrom.sizes").read_text() == (one / "chrom.sizes").read_text()

@@ -5,6 +5,10 @@ at two contexts and written as tables, an annotated VCF and a rejects file.
 Oracles: pysam reading the annotated VCF back; :func:`brute_force_llr` (one-shot forwards of the
 whole haplotypes) for the scores; a padded and a right-shifted spelling of one deletion, which
 must score as the left-aligned one does.
+
+Stopped by SIGTERM after its first committed blocks (issue 28): exit status 75, one line saying how
+to resume, whole blocks kept in ``.<out>.partial``, no ``out``; the same command then finishes with
+the tables of the uninterrupted run, byte for byte (one torch thread in both).
 """
 
 from __future__ import annotations
@@ -12,6 +16,11 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +30,7 @@ import pytest
 import torch
 
 from genolong.cli import main
+from genolong.errors import PREEMPTED_EXIT_CODE
 from genolong.evaluation.variant_score import brute_force_llr
 from genolong.evaluation.vcf import Reference, read_variants
 from genolong.model import PRESETS, GenoLM
@@ -85,10 +95,17 @@ def _write_vcf(path: Path, seq: str) -> dict[str, int]:
     return index
 
 
+def _args(root: Path) -> list[str]:
+    """The ``variants`` arguments of the module's run (all but ``--out``)."""
+    return ["variants", str(root / "model"), "--vcf", str(root / "calls.vcf.gz"), "--fasta", str(root / "chr16.fa.gz"),
+            "--contexts", ",".join(map(str, CONTEXTS)), "--window", str(WINDOW), "--segment-tokens", "64", "--quiet"]
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
+def run(one_thread: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
     """A tiny random model and a chr16-only FASTA whose first base is genomic position 1 (the slice
-    shifted: a VCF's positions are the FASTA's), scored at contexts 96 and 256."""
+    shifted: a VCF's positions are the FASTA's), scored at contexts 96 and 256 (in one torch thread,
+    as the stopped run's test compares byte for byte)."""
     root = tmp_path_factory.mktemp("variants")
     torch.manual_seed(0)
     GenoLM(PRESETS["tiny"]).save_pretrained(root / "model")
@@ -97,9 +114,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]
         handle.write(">chr16\n" + "\n".join(seq[i:i + 60] for i in range(0, len(seq), 60)) + "\n")
     index = _write_vcf(root / "calls.vcf", seq)
     pysam.tabix_compress(str(root / "calls.vcf"), str(root / "calls.vcf.gz"))
-    status = main(["variants", str(root / "model"), "--vcf", str(root / "calls.vcf.gz"), "--fasta",
-                   str(root / "chr16.fa.gz"), "--contexts", ",".join(map(str, CONTEXTS)), "--window", str(WINDOW),
-                   "--segment-tokens", "64", "--quiet", "--out", str(root / "out")])
+    status = main([*_args(root), "--out", str(root / "out")])
     assert status == 0
     return root, index
 
@@ -173,3 +188,70 @@ def test_an_existing_out_and_a_vcf_of_nothing_scorable_are_one_line(run: tuple[P
     assert len(err) == 1 and "1 symbolic" in err[0], err
     assert not (tmp_path / "none").exists() and not any(p.name.startswith(".none") for p in tmp_path.iterdir())
     assert math.isfinite(pd.read_parquet(root / "out" / "scores.parquet")["llr"].sum())
+
+
+# `genolong variants` in one thread whose blocks after the first wait (up to 60 s) until the process
+# has noted a SIGTERM (the handler `SignalFlag` installs, read back here): the test's signal lands
+# while the second block is scored, however slow the machine, so the run stops after exactly 2
+_HELD = """
+import signal, sys, time
+import torch
+torch.set_num_threads(1)
+import genolong.evaluation.variants as v
+real, calls = v._score_unit, []
+def held(*args, **kwargs):
+    if calls:
+        flag = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+        deadline = time.monotonic() + 60
+        while flag is not None and not flag.received and time.monotonic() < deadline:
+            time.sleep(0.01)
+    calls.append(1)
+    return real(*args, **kwargs)
+v._score_unit = held
+from genolong.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+_PLAIN = "import sys, torch; torch.set_num_threads(1); from genolong.cli import main; sys.exit(main(sys.argv[1:]))"
+_ENV = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@pytest.mark.slow
+def test_sigterm_stops_after_a_committed_block_and_the_same_command_finishes(run: tuple[Path, dict[str, int]],
+                                                                              tmp_path: Path) -> None:
+    root, _ = run
+    args = [*_args(root), "--out", str(tmp_path / "stopped")]
+    blocks = sum(json.loads((root / "out" / "meta.json").read_text())["blocks"])
+    assert blocks >= 6  # several blocks, so that stopping after 2 leaves work to resume
+    work = tmp_path / ".stopped.partial"
+    parts = work / "parts"
+    proc = subprocess.Popen([sys.executable, "-c", _HELD, *args], env=_ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and not list(parts.glob("part-*.parquet")):
+        time.sleep(0.01)
+    assert proc.poll() is None, f"the run ended before its first block was committed: {proc.communicate()[1][-3000:]}"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == PREEMPTED_EXIT_CODE == 75, err[-3000:]
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and sum("stopped" in line for line in lines) == 1, err
+    assert lines[-1] == (f"genolong variants: stopped by SIGTERM after 2 of {blocks} blocks; they are kept in {work}, "
+                         "where the same command resumes"), err
+    # nothing under the result name; in the work directory its settings, timing and the 2 blocks, whole
+    assert not (tmp_path / "stopped").exists()
+    assert sorted(p.name for p in work.iterdir()) == ["parts", "settings.json", "timing.json"]
+    committed = sorted(parts.iterdir())
+    assert [p.name for p in committed] == ["part-000-000000.parquet", "part-000-000001.parquet"]
+    whole = pd.read_parquet(root / "out" / "scores.parquet")
+    for part in committed:
+        rows = pd.read_parquet(part)
+        assert len(rows) > 0 and (rows["context"] == CONTEXTS[0]).all()
+        mine = whole.set_index(["context", "record", "allele"]).loc[list(zip(rows["context"], rows["record"], rows["allele"]))]
+        assert np.array_equal(mine["llr"].to_numpy(), rows["llr"].to_numpy())  # exact: one thread, the same ops
+
+    again = subprocess.run([sys.executable, "-c", _PLAIN, *args], env=_ENV, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert not work.exists()
+    for name in ("scores.tsv", "scores.parquet", "context_effect.tsv", "rejects.tsv"):
+        # exact: the same blocks through the same weights by the same ops, one thread in every run
+        assert (tmp_path / "stopped" / name).read_bytes() == (root / "out" / name).read_bytes(), name
