@@ -50,7 +50,6 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..config import kernel_multiple
 from ..data.alphabet import BASE_MASK, encode, reverse_complement
@@ -233,7 +232,8 @@ def score_block(model: torch.nn.Module, reference: ReferenceLike, variants: Sequ
         variants: the list the block indexes.
         block: from :func:`plan_blocks`.
         window: reference bases scored after each variant's end (default 128).
-        segment_tokens: reference tokens per prefill segment (default 65536; memory of one segment).
+        segment_tokens: reference tokens per prefill segment (default 65536; memory of one
+            segment), rounded down to whole KDA chunks and DSA pools (at least one).
         vocab: base ids -> model ids (default None: nucleotide ids).
         chunk_size: LM-head rows per chunk (default 4096).
         cp_group: a context-parallel process group of ``W`` ranks (every rank calls this with the
@@ -280,29 +280,40 @@ def score_block(model: torch.nn.Module, reference: ReferenceLike, variants: Sequ
             chunk = reference.tokens(block.contig, s + a, s + b)
             prev_hidden = cp_prefill(stream, ids(chunk[rank * n:(rank + 1) * n]), cp_group)
             prev_token = chunk[-1:]
+    # The main stream stops on the one-shot forward's grid (whole KDA chunks and DSA pools counted
+    # from the block's start), and each allele branch runs the few reference bases from the grid
+    # point to the variant first: every chunk the stream computes is then a chunk of the brute
+    # force's one-shot forward, so the two agree to BLAS rounding of matrices of other row counts
+    # (bitwise here) instead of by a recurrence walked over other chunks (~1e-5 nats per LLR).
+    # Costs up to grid - 1 extra tokens per branch (on average 31 of ~130 for the small presets).
+    grid = kernel_multiple(model.config, 1)
+    segment = max(grid, segment_tokens // grid * grid)
     out: list[AlleleScores | None] = []
     for j, (v, (ref_hap, alt_hap, after)) in enumerate(zip(chosen, haplotypes)):
         if j % world != rank:  # another rank of the CP group scores it
             out.append(None)
             continue
-        while s + stream.position < v.pos:  # the reference up to this variant, a segment at a time
+        g = s + (v.pos - s) // grid * grid  # the last grid point at or before the variant
+        while s + stream.position < g:  # the reference up to that point, a segment at a time
             a = s + stream.position
-            b = min(v.pos, a + segment_tokens)
+            b = min(g, a + segment)
             chunk = reference.tokens(v.contig, a, b)
             hidden = stream.extend(ids(chunk))
             prev_token, prev_hidden = chunk[-1:], hidden[:, -1:]
+        lead = reference.tokens(v.contig, g, v.pos)  # [0, grid) reference bases before the variant
         snap = stream.snapshot()
         scores = []
         for hap in (ref_hap, alt_hap) if v.alt != v.ref else (ref_hap,):
-            hidden = stream.extend(ids(hap))
-            targets = torch.from_numpy(hap).to(device)[None]
-            if prev_hidden is None:  # the contig's first base: nothing predicts it
-                nll = next_token_nll(hidden, head, targets, chunk_size, vocab)
-            else:
-                rows = torch.cat([prev_hidden, hidden[:, :-1]], dim=1)
-                rows = F.pad(rows, (0, 0, 0, 1))  # next_token_nll scores rows [:-1]
-                both = torch.cat([torch.from_numpy(prev_token).to(device)[None], targets], dim=1)
-                nll = next_token_nll(rows, head, both, chunk_size, vocab)
+            branch = np.concatenate([lead, hap])
+            hidden = stream.extend(ids(branch))
+            tokens = torch.from_numpy(branch).to(device)[None]
+            if prev_hidden is not None:  # the stream's last row predicts the branch's first token
+                hidden = torch.cat([prev_hidden, hidden], dim=1)
+                tokens = torch.cat([torch.from_numpy(prev_token).to(device)[None], tokens], dim=1)
+            # the rows that predict the allele and the window (the row before each of their tokens)
+            # and, at a contig's first base, nothing predicts it: next_token_nll scores rows[:-1]
+            keep = min(len(hap) + 1, hidden.shape[1])
+            nll = next_token_nll(hidden[:, -keep:], head, tokens[:, -keep:], chunk_size, vocab)
             scores.append(_logp(nll))
             stream.restore(snap)
         logp_ref = scores[0]
