@@ -147,7 +147,7 @@ def child(args: argparse.Namespace) -> None:
             per_block.append({"block": plan.index(block), "start": block.start, "variants": len(block.indices),
                               "prefix_tokens": max(variants[i].pos for i in block.indices) - block.start,
                               "seconds": time.perf_counter() - t, "cpu_seconds": time.process_time() - c})
-            _progress(per_block[-1])
+            _progress({**per_block[-1], "llr": {str(i): s.llr for i, s in zip(block.indices, scores)}})
         seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
         print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "variants": len(chosen), "blocks": len(blocks),
                           "plan_blocks": len(plan), "prefix_tokens": sum(b["prefix_tokens"] for b in per_block),
@@ -164,7 +164,7 @@ def child(args: argparse.Namespace) -> None:
             t, c = time.perf_counter(), time.process_time()
             llr_list.append(brute_force_llr(model, ref, variants[i], starts[i], args.window, vocab).llr)
             per_variant.append({"variant": i, "tokens": variants[i].pos - starts[i], "seconds": time.perf_counter() - t,
-                                "cpu_seconds": time.process_time() - c})
+                                "cpu_seconds": time.process_time() - c, "llr": llr_list[-1]})
             _progress(per_variant[-1])
         seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
         print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "variants": len(pick), "picked": pick,
