@@ -104,7 +104,10 @@ def random_variants(ref: _Reference, contig: str, start: int, end: int, n: int, 
 
 
 def _select(blocks: list[Any], args: argparse.Namespace) -> list[Any]:
-    """The blocks measured: all, the first ``--max-blocks`` or ``--spread-blocks`` evenly spaced over the plan."""
+    """The blocks measured: all, those listed in ``--blocks`` (indices into the plan), the first
+    ``--max-blocks`` or ``--spread-blocks`` evenly spaced over the plan."""
+    if args.blocks:  # e.g. the blocks an earlier --spread-blocks run left out
+        return [blocks[int(i)] for i in args.blocks.split(",") if int(i) < len(blocks)]
     if args.max_blocks:  # the first blocks of the whole plan: the variants' density and the blocks are the full run's
         return blocks[:args.max_blocks]
     if args.spread_blocks and args.spread_blocks < len(blocks):  # over the whole region: not only its start
@@ -176,7 +179,7 @@ def _command(args: argparse.Namespace, kind: str, context: int) -> list[str]:
            "--region-bases", args.region_bases, "--brute", args.brute, "--contig", args.contig, "--fasta", args.fasta,
            "--checkpoint", args.checkpoint, "--window", args.window, "--segment-tokens", args.segment_tokens,
            "--seed", args.seed, "--threads", args.threads, "--max-blocks", args.max_blocks,
-           "--spread-blocks", args.spread_blocks, "--span", args.span]
+           "--spread-blocks", args.spread_blocks, "--span", args.span, "--blocks", args.blocks]
     return [str(c) for c in cmd]
 
 
@@ -228,6 +231,8 @@ def main() -> None:
                    help="score only the first N blocks of the plan (and brute-force variants of those); 0: all")
     p.add_argument("--spread-blocks", type=int, default=0,
                    help="score only N blocks evenly spaced over the plan (first and last included); 0: all")
+    p.add_argument("--blocks", default="",
+                   help="score only these blocks of the plan, e.g. 1,3,5 (indices from 0); default: all")
     p.add_argument("--span", type=int, default=0,
                    help="block span in bases (plan_blocks; default 0: the context); "
                         "a small span keeps a 1M block's prefix near 1M")
