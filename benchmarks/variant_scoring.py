@@ -20,8 +20,8 @@ so that its peak RSS (``os.wait4``) is its own:
 The ratio is (brute seconds per variant) / (streamed seconds per variant), wall and CPU (the
 steadier figure on a shared machine). ``--brute 0`` runs the streamed child only (throughput and
 peak RSS); ``--contexts`` adds streamed-only rows at other contexts. ``--spread-blocks N`` scores N
-blocks evenly spaced over the plan (``--max-blocks N``: the first N); ``--span`` bounds a block's
-extent (a small one keeps a 1M block's prefix near ``L``). The children print a ``progress``
+blocks evenly spaced over the plan (``--max-blocks N``: the first N; ``--blocks 1,3``: those);
+``--span`` bounds a block's extent (a small one keeps a 1M block's prefix near ``L``). The children print a ``progress``
 line per block or brute-force variant into their logs (``--logs DIR`` keeps them), so a run cut
 short still shows what it measured; the JSON has the per-block and per-variant times.
 
