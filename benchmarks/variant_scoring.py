@@ -17,14 +17,24 @@ so that its peak RSS (``os.wait4``) is its own:
   exactly ``L`` bases before them too, so the two LLRs are compared (the other variants of a block
   read up to ``2L`` bases in the streamed run: more context than the baseline, at no extra cost).
 
-The ratio is (brute seconds per variant) / (streamed seconds per variant). ``--contexts`` adds
-streamed-only throughput rows at other contexts.
+The ratio is (brute seconds per variant) / (streamed seconds per variant), wall and CPU (the
+steadier figure on a shared machine). ``--brute 0`` runs the streamed child only (throughput and
+peak RSS); ``--contexts`` adds streamed-only rows at other contexts. ``--spread-blocks N`` scores N
+blocks evenly spaced over the plan (``--max-blocks N``: the first N; ``--blocks 1,3``: those);
+``--span`` bounds a block's extent (a small one keeps a 1M block's prefix near ``L``). The children print a ``progress``
+line per block or brute-force variant into their logs (``--logs DIR`` keeps them), so a run cut
+short still shows what it measured; the JSON has the per-block and per-variant times.
 
-Usage (the default run takes minutes on 2 cores; the issue's run is the second)::
+Usage (the default run takes minutes on 2 cores; the issue's runs are the next three)::
 
     python benchmarks/variant_scoring.py
-    python benchmarks/variant_scoring.py --context 65536 --variants 1000 --region-bases 900000 --brute 5 \\
-        --contexts 8192 --contig chr3:42000000-44000000
+    python benchmarks/variant_scoring.py --context 65536 --variants 1000 --region-bases 1000000 --brute 8 \
+        --threads 1 --concurrent --json benchmarks/results/variant_scoring_65k.json
+    python benchmarks/variant_scoring.py --context 8192 --variants 1000 --region-bases 1000000 --spread-blocks 33 \
+        --brute 0 --threads 1 --json benchmarks/results/variant_scoring_8k.json
+    python benchmarks/variant_scoring.py --contig chr3:42000000-44000000 --context 1048576 --variants 1000 \
+        --region-bases 950000 --span 32768 --max-blocks 1 --brute 0 --threads 1 \
+        --json benchmarks/results/variant_scoring_1m.json
 
 Prints a table and writes JSON (default benchmarks/results/variant_scoring.json).
 """
@@ -93,8 +103,26 @@ def random_variants(ref: _Reference, contig: str, start: int, end: int, n: int, 
     return out
 
 
+def _select(blocks: list[Any], args: argparse.Namespace) -> list[Any]:
+    """The blocks measured: all, those listed in ``--blocks`` (indices into the plan), the first
+    ``--max-blocks`` or ``--spread-blocks`` evenly spaced over the plan."""
+    if args.blocks:  # e.g. the blocks an earlier --spread-blocks run left out
+        return [blocks[int(i)] for i in args.blocks.split(",") if int(i) < len(blocks)]
+    if args.max_blocks:  # the first blocks of the whole plan: the variants' density and the blocks are the full run's
+        return blocks[:args.max_blocks]
+    if args.spread_blocks and args.spread_blocks < len(blocks):  # over the whole region: not only its start
+        keep = sorted({int(round(x)) for x in np.linspace(0, len(blocks) - 1, args.spread_blocks)})
+        return [blocks[i] for i in keep]
+    return blocks
+
+
+def _progress(doc: dict[str, Any]) -> None:
+    """One line per finished block or variant on stderr: a run cut short still leaves its figures in its log."""
+    print("progress " + json.dumps(doc), file=sys.stderr, flush=True)
+
+
 def child(args: argparse.Namespace) -> None:
-    """One measured run: print one JSON line."""
+    """One measured run: print one JSON line (and a ``progress`` line on stderr per block or variant)."""
     import torch
 
     from genolong.allocator import keep_freed_memory
@@ -108,20 +136,25 @@ def child(args: argparse.Namespace) -> None:
     start = args.context
     end = min(start + args.region_bases, ref.length(args.contig) - 1)
     variants = random_variants(ref, args.contig, start, end, args.variants, args.seed)
-    blocks = plan_blocks(variants, args.context)
-    if args.max_blocks:  # the first blocks of the whole plan: the variants' density and the blocks are the full run's
-        blocks = blocks[:args.max_blocks]
+    plan = plan_blocks(variants, args.context, args.span or None)
+    blocks = _select(plan, args)
     chosen = sorted(i for b in blocks for i in b.indices)
     began, cpu = time.perf_counter(), time.process_time()
     if args.child == "streamed":
         llr: dict[int, float] = {}
+        per_block = []
         for block in blocks:
+            t, c = time.perf_counter(), time.process_time()
             scores = score_block(model, ref, variants, block, args.window, args.segment_tokens, vocab)
             llr.update({i: s.llr for i, s in zip(block.indices, scores)})
+            per_block.append({"block": plan.index(block), "start": block.start, "variants": len(block.indices),
+                              "prefix_tokens": max(variants[i].pos for i in block.indices) - block.start,
+                              "seconds": time.perf_counter() - t, "cpu_seconds": time.process_time() - c})
+            _progress({**per_block[-1], "llr": {str(i): s.llr for i, s in zip(block.indices, scores)}})
         seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
-        prefix = sum(max(variants[i].pos for i in b.indices) - b.start for b in blocks)
         print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "variants": len(chosen), "blocks": len(blocks),
-                          "prefix_tokens": prefix, "llr": {str(i): llr[i] for i in chosen}}))
+                          "plan_blocks": len(plan), "prefix_tokens": sum(b["prefix_tokens"] for b in per_block),
+                          "per_block": per_block, "llr": {str(i): llr[i] for i in chosen}}))
     else:
         # each block's first variant: its haplotype starts L bases before it (the naive scorer's
         # cost, 2 (L + window) tokens) and the streamed score of it reads the same tokens
@@ -129,16 +162,24 @@ def child(args: argparse.Namespace) -> None:
         pick = sorted(np.random.default_rng(args.seed + 1).choice(firsts, min(args.brute, len(firsts)),
                                                                   replace=False).tolist())
         starts = {b.indices[0]: b.start for b in blocks}
-        llr = {i: brute_force_llr(model, ref, variants[i], starts[i], args.window, vocab).llr for i in pick}
+        llr_list, per_variant = [], []
+        for i in pick:
+            t, c = time.perf_counter(), time.process_time()
+            llr_list.append(brute_force_llr(model, ref, variants[i], starts[i], args.window, vocab).llr)
+            per_variant.append({"variant": i, "tokens": variants[i].pos - starts[i], "seconds": time.perf_counter() - t,
+                                "cpu_seconds": time.process_time() - c, "llr": llr_list[-1]})
+            _progress(per_variant[-1])
         seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
-        print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "variants": len(pick), "picked": pick, "llr": [llr[i] for i in pick]}))
+        print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "variants": len(pick), "picked": pick,
+                          "llr": llr_list, "per_variant": per_variant}))
 
 
 def _command(args: argparse.Namespace, kind: str, context: int) -> list[str]:
     cmd = [sys.executable, __file__, "--child", kind, "--context", context, "--variants", args.variants,
            "--region-bases", args.region_bases, "--brute", args.brute, "--contig", args.contig, "--fasta", args.fasta,
            "--checkpoint", args.checkpoint, "--window", args.window, "--segment-tokens", args.segment_tokens,
-           "--seed", args.seed, "--threads", args.threads, "--max-blocks", args.max_blocks]
+           "--seed", args.seed, "--threads", args.threads, "--max-blocks", args.max_blocks,
+           "--spread-blocks", args.spread_blocks, "--span", args.span, "--blocks", args.blocks]
     return [str(c) for c in cmd]
 
 
@@ -148,17 +189,27 @@ def _figures(run: FreshRun, kind: str, context: int) -> dict[str, Any]:
     return doc
 
 
+def _logs(args: argparse.Namespace) -> Path:
+    """Where the children write (``--logs``, kept: their per-block progress; default a temporary folder)."""
+    if args.logs:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
+        return Path(args.logs)
+    return Path(tempfile.mkdtemp(prefix="variant_scoring-"))
+
+
 def measure(args: argparse.Namespace, kind: str, context: int) -> dict[str, Any]:
     """One child run to its end: its printed figures, peak RSS and wall time."""
-    return _figures(run_fresh(_command(args, kind, context), cwd=ROOT), kind, context)
+    log = _logs(args) / f"{kind}-{context}.log"
+    return _figures(run_fresh(_command(args, kind, context), cwd=ROOT, log=log), kind, context)
 
 
 def measure_both(args: argparse.Namespace, context: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The streamed and the brute-force child: one after the other, or (``--concurrent``) at once."""
     if not args.concurrent:
         return measure(args, "streamed", context), measure(args, "brute", context)
-    logs = Path(tempfile.mkdtemp(prefix="variant_scoring-"))  # the children's output: read back, not kept
-    started = [Fresh.start(_command(args, k, context), cwd=ROOT, log=logs / f"{k}.log", kind=k) for k in ("streamed", "brute")]
+    logs = _logs(args)
+    started = [Fresh.start(_command(args, k, context), cwd=ROOT, log=logs / f"{k}-{context}.log", kind=k)
+               for k in ("streamed", "brute")]
     got = {child.extra["kind"]: _figures(run, child.extra["kind"], context) for child, run in wait_any(started)}
     return got["streamed"], got["brute"]
 
@@ -169,7 +220,8 @@ def main() -> None:
     p.add_argument("--contexts", default="", help="more contexts for streamed-only throughput rows, e.g. 8192,1048576")
     p.add_argument("--variants", type=int, default=40, help="random variants (default 40)")
     p.add_argument("--region-bases", type=int, default=20000, help="the region the variants lie in (default 20,000)")
-    p.add_argument("--brute", type=int, default=3, help="variants the brute force scores (default 3)")
+    p.add_argument("--brute", type=int, default=3,
+                   help="variants the brute force scores (default 3; 0: the streamed run only)")
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--segment-tokens", type=int, default=16384)
     p.add_argument("--contig", default="chr22:20000001-21000000")
@@ -177,6 +229,15 @@ def main() -> None:
     p.add_argument("--checkpoint", default=str(ROOT / "data" / "sample" / "base"))
     p.add_argument("--max-blocks", type=int, default=0,
                    help="score only the first N blocks of the plan (and brute-force variants of those); 0: all")
+    p.add_argument("--spread-blocks", type=int, default=0,
+                   help="score only N blocks evenly spaced over the plan (first and last included); 0: all")
+    p.add_argument("--blocks", default="",
+                   help="score only these blocks of the plan, e.g. 1,3,5 (indices from 0); default: all")
+    p.add_argument("--span", type=int, default=0,
+                   help="block span in bases (plan_blocks; default 0: the context); "
+                        "a small span keeps a 1M block's prefix near 1M")
+    p.add_argument("--logs", default="",
+                   help="a folder for the children's logs (kept: a progress line per block); default temporary")
     p.add_argument("--concurrent", action="store_true",
                    help="run the streamed and the brute-force child at the same time (a busy machine: the same load)")
     p.add_argument("--seed", type=int, default=0)
@@ -189,26 +250,33 @@ def main() -> None:
         return
     doc: dict[str, Any] = {"environment": environment(), "args": {k: v for k, v in vars(args).items() if k != "child"},
                            "runs": []}
-    streamed, brute = measure_both(args, args.context)
-    doc["runs"] += [streamed, brute]
-    per_s = streamed["seconds"] / streamed["variants"]
-    per_b = brute["seconds"] / brute["variants"]
-    diff = max(abs(streamed["llr"][str(i)] - b) for i, b in zip(brute["picked"], brute["llr"]))
-    cpu_s = streamed["cpu_seconds"] / streamed["variants"]
-    cpu_b = brute["cpu_seconds"] / brute["variants"]
-    doc["comparison"] = {"context": args.context, "streamed_s_per_variant": per_s, "brute_s_per_variant": per_b,
-                         "ratio": per_b / per_s, "streamed_cpu_s_per_variant": cpu_s, "brute_cpu_s_per_variant": cpu_b,
-                         "cpu_ratio": cpu_b / cpu_s, "max_abs_llr_diff": diff}
+    if args.brute:
+        streamed, brute = measure_both(args, args.context)
+        doc["runs"] += [streamed, brute]
+        per_s = streamed["seconds"] / streamed["variants"]
+        per_b = brute["seconds"] / brute["variants"]
+        diff = max(abs(streamed["llr"][str(i)] - b) for i, b in zip(brute["picked"], brute["llr"]))
+        cpu_s = streamed["cpu_seconds"] / streamed["variants"]
+        cpu_b = brute["cpu_seconds"] / brute["variants"]
+        doc["comparison"] = {"context": args.context, "streamed_s_per_variant": per_s, "brute_s_per_variant": per_b,
+                             "ratio": per_b / per_s, "streamed_cpu_s_per_variant": cpu_s,
+                             "brute_cpu_s_per_variant": cpu_b, "cpu_ratio": cpu_b / cpu_s, "max_abs_llr_diff": diff}
+    else:  # throughput only
+        doc["runs"].append(measure(args, "streamed", args.context))
     write_json(args.json, doc)
     for c in [int(x) for x in args.contexts.split(",") if x]:
         doc["runs"].append(measure(args, "streamed", c))
         write_json(args.json, doc)
-    print("| context | run | variants | blocks | wall s | CPU s | wall s / variant | variants / s (wall) | peak RSS |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| context | run | variants | blocks | prefix tokens | wall s | CPU s | CPU s / variant | variants / CPU s "
+          "| variants / wall s | peak RSS |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in doc["runs"]:
-        print(f"| {r['context']:,} | {r['kind']} | {r['variants']} | {r.get('blocks', '')} | {r['seconds']:.1f} | "
-              f"{r['cpu_seconds']:.1f} | {r['seconds'] / r['variants']:.3f} | {r['variants'] / r['seconds']:.3f} | "
-              f"{r['peak_rss_bytes'] / GiB:.2f} GiB |")
+        print(f"| {r['context']:,} | {r['kind']} | {r['variants']} | {r.get('blocks', '')} | "
+              f"{r.get('prefix_tokens', '')} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} | "
+              f"{r['cpu_seconds'] / r['variants']:.3f} | {r['variants'] / r['cpu_seconds']:.3f} | "
+              f"{r['variants'] / r['seconds']:.3f} | {r['peak_rss_bytes'] / GiB:.2f} GiB |")
+    if "comparison" not in doc:
+        return
     c = doc["comparison"]
     print(f"\nat context {c['context']:,}: brute force / streamed time per variant = {c['ratio']:.1f}x (wall), "
           f"{c['cpu_ratio']:.1f}x (CPU); max |LLR diff| {c['max_abs_llr_diff']:.2e} nats")
