@@ -41,9 +41,10 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py
-from _bench import Fresh, environment, run_fresh, wait_any, write_json  # noqa: E402
+from _bench import Fresh, environment, wait_any, write_json  # noqa: E402
 
-ROOT = HERE.parent
+from genolong.data.alphabet import BASE_MASK, A, T  # noqa: E402
+
 DEFAULT_JSON = HERE / "results" / "copy_emergence.json"
 
 
@@ -55,11 +56,9 @@ def doubled(tokens: np.ndarray, half: int, divergence: float, rng: np.random.Gen
     copy = first.copy()
     hit = np.flatnonzero(rng.random(half) < divergence)
     if hit.size:
-        from genolong.data.alphabet import BASE_MASK
-
         base = copy[hit] & BASE_MASK
         shift = rng.integers(1, 4, hit.size).astype(np.uint8)  # 1-3 steps round A,C,G,T: another base
-        new = np.where((base >= 1) & (base <= 4), (base - 1 + shift) % 4 + 1, base).astype(np.uint8)
+        new = np.where((base >= A) & (base <= T), (base - A + shift) % 4 + A, base).astype(np.uint8)
         copy[hit] = (copy[hit] & np.uint8(0xFF ^ BASE_MASK)) | new
     return np.concatenate([first, copy])
 
@@ -67,7 +66,6 @@ def doubled(tokens: np.ndarray, half: int, divergence: float, rng: np.random.Gen
 def heldout_pairs(store: Path, half: int, n_tiles: int) -> tuple[np.ndarray, np.ndarray]:
     """``n_tiles`` held-out chr22 tiles of ``2 * half`` bases with no N, spread evenly over the eval
     split: (stored ``[n, 2H]``, doubled-second-half ``[n, 2H]``) uint8."""
-    from genolong.data.alphabet import BASE_MASK, A, T
     from genolong.data.store import GenomeStore
     from genolong.data.windows import EvalTiles
 
@@ -110,9 +108,9 @@ def worker(args: argparse.Namespace) -> None:
         held, copy = pairs
         model.eval()
         targets = slice(length - 1, 2 * length - 1)  # token_nll[i] predicts token i + 1: the second half
-        with torch.no_grad():
-            a = torch.cat([model.token_nll(torch.from_numpy(copy[i:i + 8]).long()) for i in range(0, len(copy), 8)])
-            b = torch.cat([model.token_nll(torch.from_numpy(held[i:i + 8]).long()) for i in range(0, len(held), 8)])
+        # token_nll runs without gradient; 8 tiles a forward
+        a = torch.cat([model.token_nll(torch.from_numpy(copy[i:i + 8]).long()) for i in range(0, len(copy), 8)])
+        b = torch.cat([model.token_nll(torch.from_numpy(held[i:i + 8]).long()) for i in range(0, len(held), 8)])
         model.train()
         a, b = a[:, targets].numpy().astype(np.float64), b[:, targets].numpy().astype(np.float64)
         counted = ~np.isnan(a) & ~np.isnan(b)
@@ -186,8 +184,9 @@ def main() -> None:
         store = args.store
         if store is None:
             store = work / "genome"
-            run_fresh([sys.executable, "-m", "genolong.cli", "prepare", str(ROOT / "data" / "sample" / "sample.fa.gz"),
-                       "--out", str(store), "--train", "chr1,chr3,chr4,chr5", "--eval", "chr22", "--force"], env=env).check()
+            from genolong.quickstart import prepare_sample
+
+            prepare_sample(store, progress=False)  # the quickstart's own store: chr1,3,4,5 train, chr22 held out
         started = []
         for h in halves:
             cmd = [sys.executable, __file__, "--worker", "--half", str(h), "--store", str(store), *_forward(args)]
