@@ -178,7 +178,7 @@ def main() -> None:
     halves = [int(h) for h in args.halves.split(",")]
     if any(h < 8 or (2 * h) % 64 for h in halves):
         sys.exit(f"--halves {args.halves}: each H must make a window 2H that is a multiple of 64 (the KDA chunk), e.g. 32,128")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GENOLONG_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         store = args.store

@@ -35,7 +35,7 @@ import pandas as pd
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py
-from _bench import Fresh, environment, run_fresh, wait_any, write_json  # noqa: E402
+from _bench import Fresh, environment, wait_any, write_json  # noqa: E402
 
 ROOT = HERE.parent
 DEFAULT_JSON = HERE / "results" / "planted_recall.json"
@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = p.parse_args()
     plant = args.plant or list(DEFAULT_PLANT)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GENOLONG_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
@@ -95,8 +95,9 @@ def main() -> None:
         if store is None:
             store = work / "genome"
             if not (store / "manifest.json").exists():
-                run_fresh(genolong("prepare", ROOT / "data" / "sample" / "sample.fa.gz", "--out", store,
-                                   "--train", "chr1,chr3,chr4,chr5", "--eval", "chr22", "--force"), env=env).check()
+                from genolong.quickstart import prepare_sample
+
+                prepare_sample(store, progress=False)  # the quickstart's own store: chr1,3,4,5 train, chr22 held out
         runs = {"stored": [], "planted": plant}
         started = [Fresh.start(finetune_cmd(f"recall-{label}", args, store, kv), env=env, cwd=work,
                                log=work / f"{label}.log") for label, kv in runs.items()]
