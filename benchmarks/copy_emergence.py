@@ -82,11 +82,42 @@ def heldout_pairs(store: Path, half: int, n_tiles: int) -> tuple[np.ndarray, np.
     return stored, np.concatenate([second, second], axis=1)
 
 
+def copy_gain(model: Any, pairs: tuple[np.ndarray, np.ndarray], length: int) -> dict[str, float]:
+    """The paired copy gain of ``length``-base halves on held-out ``pairs`` (see the module docstring).
+
+    Args:
+        model: a :class:`~genolong.model.GenoLM`; scored in eval mode (left there: a training
+            caller switches back).
+        pairs: :func:`heldout_pairs`' ``(stored [n, 2H], doubled [n, 2H])`` uint8 tokens.
+        length: ``H``.
+
+    Returns:
+        ``after_other`` and ``after_copy`` (mean NLL of the second half, nats per base), ``gain``
+        (their difference) and its paired 95% bootstrap interval over tiles ``gain_lo``, ``gain_hi``.
+    """
+    import torch
+
+    from genolong.evaluation.bootstrap import paired_bootstrap
+
+    held, copy = pairs
+    model.eval()
+    targets = slice(length - 1, 2 * length - 1)  # token_nll[i] predicts token i + 1: the second half
+    # token_nll runs without gradient; 8 tiles a forward
+    a = torch.cat([model.token_nll(torch.from_numpy(copy[i:i + 8]).long()) for i in range(0, len(copy), 8)])
+    b = torch.cat([model.token_nll(torch.from_numpy(held[i:i + 8]).long()) for i in range(0, len(held), 8)])
+    a, b = a[:, targets].numpy().astype(np.float64), b[:, targets].numpy().astype(np.float64)
+    counted = ~np.isnan(a) & ~np.isnan(b)
+    tokens = counted.sum(1, keepdims=True).astype(np.float64)
+    ci = paired_bootstrap(tokens, np.where(counted, a, 0).sum(1, keepdims=True), tokens,
+                          np.where(counted, b, 0).sum(1, keepdims=True), n_boot=2000, seed=0)
+    return {"after_other": float(ci.b_mean[0]), "after_copy": float(ci.a_mean[0]), "gain": float(ci.diff[0]),
+            "gain_lo": float(ci.diff_lo[0]), "gain_hi": float(ci.diff_hi[0])}
+
+
 def worker(args: argparse.Namespace) -> None:
     """One configuration: train on doubled windows and print the copy-gain curve as a JSON line."""
     import torch
 
-    from genolong.evaluation.bootstrap import paired_bootstrap
     from genolong.data.store import GenomeStore
     from genolong.data.windows import TrainWindows
     from genolong.model import GenoLM
@@ -103,26 +134,10 @@ def worker(args: argparse.Namespace) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
 
-    def copy_gain(pairs: tuple[np.ndarray, np.ndarray], length: int) -> dict[str, float]:
-        """The paired copy gain of ``length``-base halves on held-out ``pairs`` (see the module docstring)."""
-        held, copy = pairs
-        model.eval()
-        targets = slice(length - 1, 2 * length - 1)  # token_nll[i] predicts token i + 1: the second half
-        # token_nll runs without gradient; 8 tiles a forward
-        a = torch.cat([model.token_nll(torch.from_numpy(copy[i:i + 8]).long()) for i in range(0, len(copy), 8)])
-        b = torch.cat([model.token_nll(torch.from_numpy(held[i:i + 8]).long()) for i in range(0, len(held), 8)])
-        model.train()
-        a, b = a[:, targets].numpy().astype(np.float64), b[:, targets].numpy().astype(np.float64)
-        counted = ~np.isnan(a) & ~np.isnan(b)
-        tokens = counted.sum(1, keepdims=True).astype(np.float64)
-        ci = paired_bootstrap(tokens, np.where(counted, a, 0).sum(1, keepdims=True), tokens,
-                              np.where(counted, b, 0).sum(1, keepdims=True), n_boot=2000, seed=0)
-        return {"after_other": float(ci.b_mean[0]), "after_copy": float(ci.a_mean[0]), "gain": float(ci.diff[0]),
-                "gain_lo": float(ci.diff_lo[0]), "gain_hi": float(ci.diff_hi[0])}
-
     def evaluate(step: int, seconds: float) -> dict[str, Any]:
         row = {"half": half, "step": step, "tokens": step * batch * 2 * half, "train_s": round(seconds, 1),
-               **copy_gain((stored, copied), half)}
+               **copy_gain(model, (stored, copied), half)}
+        model.train()
         print(json.dumps(row), file=sys.stderr, flush=True)
         return row
 
@@ -144,7 +159,7 @@ def worker(args: argparse.Namespace) -> None:
     # does the copying learned at H reach further back? the final model on longer (and shorter) halves
     reach = {}
     for length in args.reach:
-        reach[str(length)] = copy_gain(heldout_pairs(args.store, length, args.reach_tiles), length)
+        reach[str(length)] = copy_gain(model, heldout_pairs(args.store, length, args.reach_tiles), length)
         print(json.dumps({"half": half, "reach": length, **reach[str(length)]}), file=sys.stderr, flush=True)
     if args.save is not None:
         model.save_pretrained(args.save / f"h{half}")
