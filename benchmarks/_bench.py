@@ -277,6 +277,19 @@ def environment(*keys: str) -> dict[str, Any]:
     return {k: _FIELDS[k]() for k in (keys or DEFAULT_FIELDS)}
 
 
+def sample_store(store: Path | None, work: Path) -> Path:
+    """``store`` when given, else the bundled sample prepared as the quickstart prepares it
+    (chr1,3,4,5 train, chr22 held out) in ``work/genome``; one already there is reused."""
+    if store is not None:
+        return store
+    store = work / "genome"
+    if not (store / "manifest.json").exists():
+        from genolong.quickstart import prepare_sample
+
+        prepare_sample(store, progress=False)
+    return store
+
+
 def write_json(path: str | Path, doc: Any, indent: int | None = 1, **dumps: Any) -> Path:
     """Write ``doc`` as JSON (``indent``, a final newline, ``json.dumps`` keywords such as
     ``default`` or ``allow_nan``) to ``path`` atomically: a temporary sibling renamed into place,

@@ -41,7 +41,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py
-from _bench import Fresh, environment, wait_any, write_json  # noqa: E402
+from _bench import Fresh, environment, sample_store, wait_any, write_json  # noqa: E402
 
 from genolong.data.alphabet import BASE_MASK, A, T  # noqa: E402
 
@@ -142,7 +142,6 @@ def worker(args: argparse.Namespace) -> None:
         return row
 
     curve = [evaluate(0, 0.0)]
-    model.train()
     seconds = 0.0
     for step in range(1, args.steps + 1):
         t0 = time.process_time()
@@ -196,12 +195,7 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        store = args.store
-        if store is None:
-            store = work / "genome"
-            from genolong.quickstart import prepare_sample
-
-            prepare_sample(store, progress=False)  # the quickstart's own store: chr1,3,4,5 train, chr22 held out
+        store = sample_store(args.store, work)
         started = []
         for h in halves:
             cmd = [sys.executable, __file__, "--worker", "--half", str(h), "--store", str(store), *_forward(args)]

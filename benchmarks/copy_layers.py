@@ -30,7 +30,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py
-from _bench import environment, write_json  # noqa: E402
+from _bench import environment, sample_store, write_json  # noqa: E402
 from copy_emergence import copy_gain, heldout_pairs  # noqa: E402
 
 DEFAULT_JSON = HERE / "results" / "copy_layers.json"
@@ -74,12 +74,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = GenoLM.from_pretrained(args.model)
     with tempfile.TemporaryDirectory() as tmp:
-        store = args.store
-        if store is None:
-            from genolong.quickstart import prepare_sample
-
-            store = Path(tmp) / "genome"
-            prepare_sample(store, progress=False)  # the quickstart's own store: chr1,3,4,5 train, chr22 held out
+        store = sample_store(args.store, Path(tmp))
         results = {str(h): silenced_gains(model, heldout_pairs(store, h, args.tiles), h) for h in halves}
     print(f"{args.model}: copy gain on {args.tiles} held-out chr22 tiles per H, with one layer's mixer silenced "
           "(nats per base, 95% CI)")

@@ -35,7 +35,7 @@ import pandas as pd
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py
-from _bench import Fresh, environment, wait_any, write_json  # noqa: E402
+from _bench import Fresh, environment, sample_store, wait_any, write_json  # noqa: E402
 
 ROOT = HERE.parent
 DEFAULT_JSON = HERE / "results" / "planted_recall.json"
@@ -91,13 +91,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        store = args.store
-        if store is None:
-            store = work / "genome"
-            if not (store / "manifest.json").exists():
-                from genolong.quickstart import prepare_sample
-
-                prepare_sample(store, progress=False)  # the quickstart's own store: chr1,3,4,5 train, chr22 held out
+        store = sample_store(args.store, work)
         runs = {"stored": [], "planted": plant}
         started = [Fresh.start(finetune_cmd(f"recall-{label}", args, store, kv), env=env, cwd=work,
                                log=work / f"{label}.log") for label, kv in runs.items()]
