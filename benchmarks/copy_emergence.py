@@ -82,6 +82,15 @@ def heldout_pairs(store: Path, half: int, n_tiles: int) -> tuple[np.ndarray, np.
     return stored, np.concatenate([second, second], axis=1)
 
 
+def silence_output(module: Any, inputs: Any, output: Any) -> Any:
+    """A forward hook that zeroes a token mixer's output (``layers[i].self_attn``): the layer's
+    residual stream and feed-forward network still run. A DSA mixer returns ``(out, selected
+    indices)``; the indices are kept because a shared-indexer layer after it reads them."""
+    if isinstance(output, tuple):
+        return (output[0] * 0, *output[1:])
+    return output * 0
+
+
 def copy_gain(model: Any, pairs: tuple[np.ndarray, np.ndarray], length: int) -> dict[str, float]:
     """The paired copy gain of ``length``-base halves on held-out ``pairs`` (see the module docstring).
 
@@ -122,16 +131,23 @@ def worker(args: argparse.Namespace) -> None:
     from genolong.data.windows import TrainWindows
     from genolong.model import GenoLM
     from genolong.model.config import PRESETS
+    from genolong.train.module import freeze_parameters
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     half = args.half
     batch = max(1, args.tokens_per_step // (2 * half))
     model = GenoLM(PRESETS[args.preset]) if args.init == "fresh" else GenoLM.from_pretrained(args.init)
+    if args.freeze:
+        freeze_parameters(model, args.freeze)
+    for i in args.silence:  # for the whole run, training and scoring: the other layers must copy without them
+        model.layers[i].self_attn.register_forward_hook(silence_output)
+        model.layers[i].self_attn.requires_grad_(False)  # no gradient reaches it; nor should weight decay
     windows = TrainWindows(GenomeStore.open(args.store).split("train"), 2 * half, seed=args.seed, rc_prob=0.5)
     rng = np.random.default_rng([args.seed, half])
     stored, copied = heldout_pairs(args.store, half, args.eval_tiles)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
 
     def evaluate(step: int, seconds: float) -> dict[str, Any]:
@@ -149,7 +165,7 @@ def worker(args: argparse.Namespace) -> None:
         nll, weight = model.loss(torch.from_numpy(x).long())
         optimizer.zero_grad(set_to_none=True)
         (nll / weight).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
         schedule.step()
         seconds += time.process_time() - t0
@@ -179,6 +195,11 @@ def main() -> None:
     p.add_argument("--reach", type=lambda v: [int(x) for x in v.split(",")], default=[32, 128, 512, 2048],
                    help="after training, the copy gain at these halves H (comma-separated; default 32,128,512,2048)")
     p.add_argument("--reach-tiles", type=int, default=16, help="held-out tiles per --reach length (default 16)")
+    p.add_argument("--freeze", action="append", default=[],
+                   help="train with the parameters matching this glob frozen (repeatable), e.g. 'layers.0.self_attn.*'")
+    p.add_argument("--silence", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                   help="layers whose token mixer is silenced (output zeroed) for the whole run, training and scoring, "
+                        "e.g. 0,1,4,5,6 (the KDA layers of small): which copying the others learn alone")
     p.add_argument("--save", type=Path, default=None, help="keep each run's final model here (DIR/hH, a checkpoint for genolong probe)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--store", type=Path, default=None, help="the sample store (default: prepare the bundled sample in a temporary directory)")
@@ -206,7 +227,10 @@ def main() -> None:
             results[child.extra["half"]] = {**figures.last_json(), "cpu_s": figures.user_s + figures.system_s,
                                             "wall_s": figures.wall_s, "peak_rss_bytes": figures.peak_rss_bytes}
     print(f"{args.preset} ({args.init}), {args.steps} steps of {args.tokens_per_step} tokens, lr {args.lr}, "
-          f"copies diverged {args.divergence}; copy gain on {args.eval_tiles} held-out chr22 tiles (nats per base, 95% CI)")
+          f"copies diverged {args.divergence}"
+          + (f", frozen {' '.join(args.freeze)}" if args.freeze else "")
+          + (f", mixers of layers {','.join(map(str, args.silence))} silenced" if args.silence else "")
+          + f"; copy gain on {args.eval_tiles} held-out chr22 tiles (nats per base, 95% CI)")
     print(f"{'H':>5} {'batch':>5} {'step':>5} {'tokens':>9} {'after other':>11} {'after copy':>10}  gain [95% CI]")
     for h in halves:
         r = results[h]
@@ -220,7 +244,8 @@ def main() -> None:
         print(f"{h:>9} " + " ".join(f"{c['gain']:+.4f} [{c['gain_lo']:+.4f}, {c['gain_hi']:+.4f}]" for c in cells))
     write_json(args.json, {"environment": environment(), "preset": args.preset, "init": args.init, "steps": args.steps,
                            "tokens_per_step": args.tokens_per_step, "lr": args.lr, "divergence": args.divergence,
-                           "seed": args.seed, "eval_tiles": args.eval_tiles, "reach_tiles": args.reach_tiles,
+                           "seed": args.seed, "freeze": args.freeze, "silence": args.silence,
+                           "eval_tiles": args.eval_tiles, "reach_tiles": args.reach_tiles,
                            "runs": {str(h): results[h] for h in halves}})
 
 
@@ -230,6 +255,7 @@ def _forward(args: argparse.Namespace) -> list[str]:
             "--divergence", str(args.divergence), "--preset", args.preset, "--init", args.init,
             "--eval-every", str(args.eval_every), "--eval-tiles", str(args.eval_tiles), "--seed", str(args.seed),
             "--reach", ",".join(map(str, args.reach)), "--reach-tiles", str(args.reach_tiles),
+            "--silence", ",".join(map(str, args.silence)), *(f"--freeze={g}" for g in args.freeze),
             *(["--save", str(args.save)] if args.save is not None else [])]
 
 

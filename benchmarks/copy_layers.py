@@ -31,7 +31,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py
 from _bench import environment, sample_store, write_json  # noqa: E402
-from copy_emergence import copy_gain, heldout_pairs  # noqa: E402
+from copy_emergence import copy_gain, heldout_pairs, silence_output  # noqa: E402
 
 DEFAULT_JSON = HERE / "results" / "copy_layers.json"
 
@@ -40,15 +40,9 @@ def silenced_gains(model: Any, pairs: Any, length: int) -> list[dict[str, Any]]:
     """The copy gain of ``model`` at halves of ``length`` intact (``layer`` None) and with each
     layer's mixer output zeroed in turn (``layer`` i, ``mixer`` its type), on the same ``pairs``
     (:func:`copy_emergence.heldout_pairs`). Each row: :func:`copy_emergence.copy_gain`'s figures."""
-
-    def silence(module: Any, inputs: Any, output: Any) -> Any:
-        if isinstance(output, tuple):  # DSA: (out, selected indices); a shared-indexer layer still reads the indices
-            return (output[0] * 0, *output[1:])
-        return output * 0
-
     rows = [{"layer": None, "mixer": None, **copy_gain(model, pairs, length)}]
     for i, block in enumerate(model.layers):
-        hook = block.self_attn.register_forward_hook(silence)
+        hook = block.self_attn.register_forward_hook(silence_output)
         try:
             rows.append({"layer": i, "mixer": model.config.layer_types[i], **copy_gain(model, pairs, length)})
         finally:

@@ -84,3 +84,24 @@ def test_worker_curve(sample_store: Path) -> None:
     for cell in result["reach"].values():
         assert cell["gain"] == pytest.approx(cell["after_other"] - cell["after_copy"], abs=1e-9)
         assert cell["gain_lo"] <= cell["gain"] <= cell["gain_hi"]
+
+
+def test_worker_freeze_and_silence(sample_store: Path, tmp_path: Path) -> None:
+    """--freeze and --silence leave those parameters as initialised while the rest trains."""
+    import torch
+
+    from genolong.model import GenoLM
+    from genolong.model.config import PRESETS
+
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "copy_emergence.py"), "--worker", "--half", "32", "--store",
+           str(sample_store), "--preset", "tiny", "--steps", "2", "--eval-every", "2", "--eval-tiles", "4",
+           "--tokens-per-step", "128", "--reach", "32", "--reach-tiles", "4", "--silence", "0",
+           "--freeze=layers.2.self_attn.*", "--save", str(tmp_path)]
+    subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True,
+                   env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    torch.manual_seed(0)  # the worker's seed: the same initial weights
+    initial = GenoLM(PRESETS["tiny"]).state_dict()
+    trained = GenoLM.from_pretrained(tmp_path / "h32").state_dict()
+    kept = [k for k in initial if k.startswith(("layers.0.self_attn.", "layers.2.self_attn."))]
+    assert kept and all(torch.equal(trained[k], initial[k]) for k in kept)  # exact: never updated
+    assert not torch.equal(trained["layers.1.self_attn.o_proj.weight"], initial["layers.1.self_attn.o_proj.weight"])
