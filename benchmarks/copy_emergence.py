@@ -22,6 +22,12 @@ Usage (the defaults take about 40 minutes on 2 cores)::
 
     python benchmarks/copy_emergence.py
     python benchmarks/copy_emergence.py --halves 32,128 --steps 300 --divergence 0.05
+    python benchmarks/copy_emergence.py --halves 32 --steps 800 --freeze 'layers.[01456].self_attn.*'
+
+``--freeze GLOB`` keeps the matching parameters at their initial values; ``--silence 0,1,4,5,6``
+zeroes those layers' token mixers for the whole run. With them the question becomes which copying
+the other layers learn when the KDA layers cannot (``small``: a DSA induction circuit, see
+BENCHMARKS.md).
 
 Prints a table and writes JSON (default benchmarks/results/copy_emergence.json).
 """
@@ -140,6 +146,9 @@ def worker(args: argparse.Namespace) -> None:
     model = GenoLM(PRESETS[args.preset]) if args.init == "fresh" else GenoLM.from_pretrained(args.init)
     if args.freeze:
         freeze_parameters(model, args.freeze)
+    if any(not 0 <= i < len(model.layers) for i in args.silence):
+        sys.exit(f"--silence {','.join(map(str, args.silence))}: the model has layers 0-{len(model.layers) - 1}; "
+                 "name the layers whose mixer to silence, e.g. 0,1,4,5,6")
     for i in args.silence:  # for the whole run, training and scoring: the other layers must copy without them
         model.layers[i].self_attn.register_forward_hook(silence_output)
         model.layers[i].self_attn.requires_grad_(False)  # no gradient reaches it; nor should weight decay

@@ -106,3 +106,11 @@ def test_worker_freeze_and_silence(sample_store: Path, tmp_path: Path) -> None:
     assert kept and all(torch.equal(trained[k], initial[k]) for k in kept)  # exact: never updated
     moved = "layers.1.self_attn.o_proj.weight"  # a mixer neither frozen nor silenced: trained
     assert not torch.equal(trained[moved], initial[moved])  # exact: two AdamW steps move every trained weight
+
+
+def test_worker_refuses_a_missing_layer(sample_store: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "copy_emergence.py"), "--worker", "--half", "32", "--store",
+           str(sample_store), "--preset", "tiny", "--steps", "1", "--silence", "0,8"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].startswith("--silence 0,8: the model has layers 0-7;")
