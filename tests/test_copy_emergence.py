@@ -65,12 +65,17 @@ def test_heldout_pairs(sample_store: Path) -> None:
     assert len({bytes(row) for row in stored}) == 12  # distinct tiles, spread over the split
 
 
-def test_worker_curve(sample_store: Path) -> None:
+def _run_worker(store: Path, *options: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """One copy_emergence worker on ``tiny`` at H = 32, one thread, with ``options`` added."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "copy_emergence.py"), "--worker", "--half", "32", "--store",
-           str(sample_store), "--preset", "tiny", "--steps", "2", "--eval-every", "1", "--eval-tiles", "6",
-           "--tokens-per-step", "256", "--divergence", "0.1", "--reach", "32,64", "--reach-tiles", "4"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True,
+           str(store), "--preset", "tiny", *options]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=check,
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+
+
+def test_worker_curve(sample_store: Path) -> None:
+    done = _run_worker(sample_store, "--steps", "2", "--eval-every", "1", "--eval-tiles", "6", "--tokens-per-step", "256",
+                       "--divergence", "0.1", "--reach", "32,64", "--reach-tiles", "4")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["half"] == 32 and result["batch"] == 4
     curve = result["curve"]
@@ -93,12 +98,9 @@ def test_worker_freeze_and_silence(sample_store: Path, tmp_path: Path) -> None:
     from genolong.model import GenoLM
     from genolong.model.config import PRESETS
 
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "copy_emergence.py"), "--worker", "--half", "32", "--store",
-           str(sample_store), "--preset", "tiny", "--steps", "2", "--eval-every", "2", "--eval-tiles", "4",
-           "--tokens-per-step", "128", "--reach", "32", "--reach-tiles", "4", "--silence", "0",
-           "--freeze=layers.2.self_attn.*", "--save", str(tmp_path)]
-    subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True,
-                   env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    _run_worker(sample_store, "--steps", "2", "--eval-every", "2", "--eval-tiles", "4", "--tokens-per-step", "128",
+                "--reach", "32", "--reach-tiles", "4", "--silence", "0", "--freeze=layers.2.self_attn.*",
+                "--save", str(tmp_path))
     torch.manual_seed(0)  # the worker's seed: the same initial weights
     initial = GenoLM(PRESETS["tiny"]).state_dict()
     trained = GenoLM.from_pretrained(tmp_path / "h32").state_dict()
@@ -109,8 +111,6 @@ def test_worker_freeze_and_silence(sample_store: Path, tmp_path: Path) -> None:
 
 
 def test_worker_refuses_a_missing_layer(sample_store: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "copy_emergence.py"), "--worker", "--half", "32", "--store",
-           str(sample_store), "--preset", "tiny", "--steps", "1", "--silence", "0,8"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    done = _run_worker(sample_store, "--steps", "1", "--silence", "0,8", check=False)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1].startswith("--silence 0,8: the model has layers 0-7;")
