@@ -6,7 +6,9 @@ and backward (gradients of q, k, v, g, beta, initial_state).
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -183,6 +185,35 @@ def test_final_state_only_when_requested_and_short_sequences() -> None:
     o1, s1 = chunk_kda(*(a[:, :2] for a in args), initial_state=x["h0"], output_final_state=True)
     o2, s2 = chunk_kda(*(a[:, 2:] for a in args), initial_state=s1, output_final_state=True)
     assert rms_ratio(o_r, torch.cat([o1, o2], 1)) < 1e-12 and rms_ratio(s_r, s2) < 1e-12
+
+
+class _Held:
+    """What a pack hook that keeps the saved tensor itself returns (as ``lambda x: x`` does)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+@pytest.mark.parametrize("T", [1, 37, 64, 65, 200])
+def test_chunk_without_final_state_leaves_nothing_saved_after_backward(T: int) -> None:
+    # without output_final_state the last chunk's state transition is not computed: it fed no
+    # output, and under a pack hook that keeps its tensors (a saved output closes a cycle through
+    # C++) its graph, never differentiated, was never freed; at T <= 64 that was every step
+    x = make_inputs(1, T, 2, 8, 4, torch.float32, seed=2)
+    args = [x[name].requires_grad_(True) for name in ("q", "k", "v", "g", "beta")]
+    held: list[weakref.ref] = []
+
+    def pack(tensor: torch.Tensor) -> _Held:
+        packed = _Held(tensor)
+        held.append(weakref.ref(packed))
+        return packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed.tensor):
+        o, state = chunk_kda(*args)
+        o.sum().backward()
+    del o
+    gc.collect()
+    assert state is None and held and not [r for r in held if r() is not None]
 
 
 # --- input checks --------------------------------------------------------------------------------

@@ -234,6 +234,24 @@ def test_meter_counts_a_known_tensor_once() -> None:
     assert meter.peak_rss_bytes is not None and meter.peak_rss_bytes > 0
 
 
+def test_meter_frees_a_graph_that_never_runs_backward() -> None:
+    # exp saves its output; a packed object that held the output itself would close a cycle
+    # through C++ (grad_fn -> saved variable -> packed -> output -> grad_fn) that gc cannot
+    # break, so a branch the loss does not use kept its saved tensors for good (a training run at
+    # 64 tokens per window grew by about 58 MB per step)
+    x = torch.randn(1000, requires_grad=True)
+    with ActivationMeter() as meter:
+        for _ in range(3):
+            unused = x.exp()                     # 4,000 bytes saved, never differentiated
+            assert meter.resident_bytes == 4000
+            del unused
+            assert meter.resident_bytes == 0
+        used = x.exp()
+        used.sum().backward()                    # the saved output still serves backward
+    assert torch.allclose(x.grad, x.detach().exp())  # exact: the same exp, forward and backward
+    assert meter.resident_bytes == 0 and meter.peak_resident_bytes == 4000
+
+
 def test_meter_attributes_to_layers_and_excludes_parameters() -> None:
     class Toy(nn.Module):
         def __init__(self) -> None:

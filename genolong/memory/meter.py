@@ -229,6 +229,12 @@ class ActivationMeter:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if tensor.device.type == "meta" or tensor.is_sparse or tensor.is_nested or self.is_parameter(tensor):
             return tensor
+        # Keep a detached alias, not the tensor itself: a saved *output* carries the grad_fn that
+        # owns this packed object, and holding it would close a cycle through C++ (grad_fn ->
+        # SavedVariable -> _Resident -> tensor -> grad_fn) that Python's gc cannot see. A graph
+        # that never runs backward (a branch the loss does not use) then leaks every step.
+        # Lossless: autograd restores the grad_fn when it unpacks a saved output.
+        tensor = tensor.detach()
         key = _storage_key(tensor)
         with self._lock:
             entry = self._live.get(key)
