@@ -248,7 +248,7 @@ def test_meter_frees_a_graph_that_never_runs_backward() -> None:
             assert meter.resident_bytes == 0
         used = x.exp()
         used.sum().backward()                    # the saved output still serves backward
-    assert torch.allclose(x.grad, x.detach().exp())  # exact: the same exp, forward and backward
+    assert torch.allclose(x.grad, x.detach().exp())  # d exp(x) / dx = exp(x): the saved output served backward
     assert meter.resident_bytes == 0 and meter.peak_resident_bytes == 4000
 
 
