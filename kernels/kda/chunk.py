@@ -195,26 +195,29 @@ def chunk_kda(
     bcol = bc.unsqueeze(-1)
     u = Tm @ (bcol * vc)                                     # [BH, N, C, V]
     w = Tm @ (bcol * torch.exp(G) * kc)                      # [BH, N, C, K]
-    # the state transitions: the last chunk's only makes the final state, so without it only the
-    # first N - 1 (an unused transition would build a graph that backward never frees in time,
-    # and at T <= C it is all the transition work there is)
-    Nt = N if output_final_state else N - 1
+    # One chunk and no final state asked for: no state transition feeds anything, so none is
+    # computed (that graph would never be differentiated, and a saved-tensor hook that keeps its
+    # tensors, as a saved output's packing does, would then keep it for good).
+    transitions = N > 1 or output_final_state
+    if transitions:
+        G_last = G[..., C - 1:, :]                           # [BH, N, 1, K]
+        kd = (kc * torch.exp(G_last - G)).transpose(-1, -2)  # [BH, N, K, C]
+        M = torch.diag_embed(torch.exp(G_last.squeeze(-2))) - kd @ w   # [BH, N, K, K] chunk transition
+        U = kd @ u                                           # [BH, N, K, V]
     q_eff = qc * torch.exp(G) - Aqk @ w                      # [BH, N, C, K] reads S0
     o_intra = Aqk @ u                                        # [BH, N, C, V]
 
     S = qc.new_zeros(BH, K, V)
     if initial_state is not None:
         S = S + initial_state.to(cdt).reshape(BH, K, V)
-    starts: list[torch.Tensor] = [S]
-    if Nt:
-        G_last = G[:, :Nt, C - 1:, :]                        # [BH, Nt, 1, K]
-        kd = (kc[:, :Nt] * torch.exp(G_last - G[:, :Nt])).transpose(-1, -2)  # [BH, Nt, K, C]
-        M = torch.diag_embed(torch.exp(G_last.squeeze(-2))) - kd @ w[:, :Nt]  # [BH, Nt, K, K] chunk transition
-        U = kd @ u[:, :Nt]                                   # [BH, Nt, K, V]
+    starts: list[torch.Tensor] = []
+    if transitions:
         for M_n, U_n in zip(M.transpose(0, 1).unbind(0), U.transpose(0, 1).unbind(0)):
-            S = torch.baddbmm(U_n, M_n, S)                   # [BH, K, V]
             starts.append(S)
-    S_start = torch.stack(starts[:N], dim=1)                 # [BH, N, K, V]
+            S = torch.baddbmm(U_n, M_n, S)                   # [BH, K, V]
+    else:
+        starts.append(S)
+    S_start = torch.stack(starts, dim=1)                     # [BH, N, K, V]
     o = q_eff @ S_start + o_intra                            # [BH, N, C, V]
     o = o.reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)  # [B, T, H, V]
     final = S.reshape(B, H, K, V) if output_final_state else None
