@@ -236,8 +236,8 @@ def _metered(block: Block, fn: Any, T: int | torch.Tensor, rebuilt: _RebuiltByte
 def _plain_saved_bytes(block: Block, streams: torch.Tensor, final_state: bool = False) -> int:
     """What the plain (unsegmented, not recomputed) half saves for backward beyond its input; with
     ``final_state`` the KDA mixer also returns its state after the last token and the graph uses
-    it, as a segment's state feeds the next segment (without it the last chunk's state transition
-    is not computed)."""
+    it, as a segment's state feeds the next segment (without it a one-chunk half computes no
+    state transition)."""
     leaf = streams.clone().requires_grad_(True)
     with ActivationMeter(block) as meter:
         if final_state:

@@ -196,9 +196,10 @@ class _Held:
 
 @pytest.mark.parametrize("T", [1, 37, 64, 65, 200])
 def test_chunk_without_final_state_leaves_nothing_saved_after_backward(T: int) -> None:
-    # without output_final_state the last chunk's state transition is not computed: it fed no
-    # output, and under a pack hook that keeps its tensors (a saved output closes a cycle through
-    # C++) its graph, never differentiated, was never freed; at T <= 64 that was every step
+    # with one chunk (T <= 64) and no final state asked for, no state transition is computed: it
+    # fed no output, and under a pack hook that keeps its tensors (a saved output closes a cycle
+    # through C++) its graph, never differentiated, was never freed; longer T keep the multi-chunk
+    # path, whose unused last update saves only inputs and is freed
     x = make_inputs(1, T, 2, 8, 4, torch.float32, seed=2)
     args = [x[name].requires_grad_(True) for name in ("q", "k", "v", "g", "beta")]
     held: list[weakref.ref] = []
