@@ -155,6 +155,7 @@ class _Story:
     cut: int
     tiles: int
     recipe: Any
+    base: Path = field(default_factory=bundled_base)  # the checkpoint the fine-tune starts from and is compared with
     results: dict[str, Any] = field(default_factory=dict)  # name -> EvalResult
     comparisons: list[tuple[str, str, str, pd.DataFrame]] = field(default_factory=list)  # (a, b, question, table)
     softmask: list[tuple[str, str, str, pd.DataFrame]] = field(default_factory=list)  # (a, b, question, gap table)
@@ -171,12 +172,6 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
     from .evaluation.stats import compare, compare_softmask
     from .train.finetune import run
 
-    base = bundled_base()
-    if not (base / "config.json").is_file():
-        raise GenolongError(
-            f"the bundled base model is missing ({base}); reinstall genolong, or train it with "
-            "`genolong finetune recipes/sample-base.yaml` and copy runs/sample-base/export there"
-        )
     if eval_tiles < 1:
         raise GenolongError(f"--eval-tiles must be at least 1, got {eval_tiles}")
     if probe_tiles < 0:
@@ -186,7 +181,7 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
 
     def recipe_for(name: str, extra: Sequence[str] = ()) -> Any:
         settings = [
-            f"name={name}", f"model.checkpoint={base}", f"data.store={out / 'genome'}",
+            f"name={name}", f"model.checkpoint={bundled_base()}", f"data.store={out / 'genome'}",
             f"checkpoint.dir={runs / name / 'checkpoints'}", f"logging.dir={runs / name / 'logs'}",
             *([] if progress is None else [f"logging.progress_bar={str(bool(progress)).lower()}"]),
             *overrides, *extra,
@@ -196,8 +191,21 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
         return recipe
 
     recipe = recipe_for("quickstart")
+    # the model the fine-tune starts from is the base every comparison is made against: the bundled
+    # one, or the checkpoint a `--set model.checkpoint=DIR` names
+    if recipe.model.checkpoint is None:
+        raise GenolongError("the quickstart fine-tunes a base model, but model.checkpoint is null; "
+                            "name a checkpoint directory (config.json + safetensors) or leave the bundled one")
+    base = Path(recipe.model.checkpoint)
+    if not (base / "config.json").is_file():
+        raise GenolongError(
+            f"the base model is missing ({base}); " + (
+                "reinstall genolong, or train it with the recipes/sample-base*.yaml chain (data/sample/README.md) "
+                "and copy runs/sample-base/export there" if base == bundled_base().resolve() else
+                "model.checkpoint must name a directory with config.json and the safetensors weights")
+        )
     cut = base_context()
-    story = _Story(context=recipe.eval_context, cut=cut, tiles=eval_tiles, recipe=recipe)
+    story = _Story(context=recipe.eval_context, cut=cut, tiles=eval_tiles, recipe=recipe, base=base)
     heldout = store.split(recipe.data.eval_split or "eval")
     shutil.rmtree(out / "eval", ignore_errors=True)
 
@@ -383,7 +391,7 @@ def _trained_share(story: _Story) -> str:
     from .train.module import freeze_parameters
 
     with torch.device("meta"):
-        model = GenoLM(ModelConfig.from_pretrained(bundled_base()))
+        model = GenoLM(ModelConfig.from_pretrained(story.base))
     freeze_parameters(model, story.recipe.model.freeze)
     total = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -473,7 +481,8 @@ def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
         "",
         f"- Held-out data: the first {story.tiles} tiles of {story.context:,} tokens of the bundled chr22:20-21 Mb "
         f"(GRCh37) slice, {first.tokens:,} scored bases (N bases are never scored).",
-        f"- Base model: the bundled `small` preset (data/sample/base), trained from scratch at {story.cut:,} tokens.",
+        (f"- Base model: the bundled `small` preset (data/sample/base), trained from scratch at {story.cut:,} tokens."
+         if story.base.resolve() == bundled_base().resolve() else f"- Base model: {story.base} (model.checkpoint)."),
         f"- Fine-tuned: {r.train.max_steps} steps of {r.data.batch_size} x {r.data.context:,}-token windows of the "
         f"sample's training split (chr1, chr3, chr4, chr5 slices), lr {r.train.lr:g} (recipes/quickstart.yaml)"
         + (f", training {_trained_share(story)}" if r.model.freeze else "") + ".",

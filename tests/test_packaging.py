@@ -17,7 +17,7 @@ from genolong.cli import main
 from genolong.evaluation.probe import ProbeResult
 from genolong.evaluation.results import EvalResult
 from genolong.evaluation.stats import compare
-from genolong.quickstart import sample_fasta
+from genolong.quickstart import bundled_base, sample_fasta
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,18 +107,24 @@ def test_quickstart_command(tmp_path: Path) -> None:
     2,048 tokens and 2 held-out tiles: prepare, evaluate the base, fine-tune, evaluate full and cut,
     train and evaluate the control, compare, plot, REPORT.md. Run twice into the same directory:
     first the cheapest run (1 step, 1 tile, no probe, no control), then the full one, which replaces
-    its store, runs and results (the first run's step-1 checkpoint must be gone)."""
+    its store, runs and results (the first run's step-1 checkpoint must be gone). The second run
+    starts from the first one's export (`--set model.checkpoint`): that checkpoint, not the bundled
+    base, is what it scores and reports as the base."""
     common = [sys.executable, "-m", "genolong.cli", "quickstart", "--out", str(tmp_path / "qs"), "--quiet",
               "--set", "data.context=2048"]
     first = ["--eval-tiles", "1", "--probe-tiles", "0", "--set", "train.max_steps=1", "--set", "train.warmup_steps=0",
              "--set", "eval.every_n_steps=1", "--set", "checkpoint.every_n_steps=1"]
     second = ["--control", "--eval-tiles", "2", "--probe-tiles", "1", "--set", "train.max_steps=2",
               "--set", "train.warmup_steps=1", "--set", "eval.every_n_steps=2", "--set", "checkpoint.every_n_steps=2"]
-    for extra in (first, second):
+    started_from = tmp_path / "one-step"
+    for extra in (first, [*second, "--set", f"model.checkpoint={started_from}"]):
         run = subprocess.run([*common, *extra], capture_output=True, text=True)
         assert run.returncode == 0, run.stderr[-3000:]
         if extra is first:
             assert sorted(p.name for p in (tmp_path / "qs" / "runs" / "quickstart" / "checkpoints").iterdir())[0] == "step0000001.ckpt"
+            first_base = EvalResult.load(tmp_path / "qs" / "eval" / "base")
+            assert Path(first_base.meta["checkpoint"]) == bundled_base().resolve()
+            shutil.copytree(tmp_path / "qs" / "runs" / "quickstart" / "export", started_from)
     assert "train: 6,179,943 tokens in 5 segments" in run.stdout
     assert "eval: 900,000 tokens in 2 segments" in run.stdout
     assert "[9/9 |" in run.stdout and "genolong quickstart: done in" in run.stdout
@@ -128,6 +134,8 @@ def test_quickstart_command(tmp_path: Path) -> None:
         assert (qs / "runs" / name / "export" / "model.safetensors").is_file()
         assert sorted(p.name for p in (qs / "runs" / name / "checkpoints").iterdir()) == ["step0000002.ckpt", "step0000002.ckpt.checksums.json"]
     results = {name: EvalResult.load(qs / "eval" / name) for name in ("base", "tuned", "tuned-cut", "control")}
+    # the base scored is the checkpoint the fine-tune started from (one step past the bundled base)
+    assert results["base"].meta["checkpoint"] == str(started_from)
     assert len({r.fingerprint for r in results.values()}) == 1  # the same tokens everywhere
     assert results["tuned-cut"].context_cut == 1024 and results["tuned"].context_cut is None
     assert results["tuned"].tokens == results["base"].tokens > 4000
