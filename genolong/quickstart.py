@@ -62,6 +62,11 @@ def bundled_base() -> Path:
     return Path(str(files("genolong.bundled.sample") / "base"))
 
 
+def _is_bundled(checkpoint: Path) -> bool:
+    """Whether ``checkpoint`` is the bundled base directory (:func:`bundled_base`)."""
+    return checkpoint.resolve() == bundled_base().resolve()
+
+
 def base_context() -> int:
     """The context the bundled base model was trained at (``recipes/sample-base.yaml``'s data.context)."""
     recipe = yaml.safe_load((files("genolong.recipes") / "sample-base.yaml").read_text())
@@ -200,8 +205,8 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
     if not (base / "config.json").is_file():
         raise GenolongError(
             f"the base model is missing ({base}); " + (
-                "reinstall genolong, or train it with the recipes/sample-base*.yaml chain (data/sample/README.md) "
-                "and copy runs/sample-base/export there" if base == bundled_base().resolve() else
+                "reinstall genolong, or train it with `genolong finetune recipes/sample-base.yaml` and copy "
+                "runs/sample-base/export there" if _is_bundled(base) else
                 "model.checkpoint must name a directory with config.json and the safetensors weights")
         )
     cut = base_context()
@@ -482,7 +487,7 @@ def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
         f"- Held-out data: the first {story.tiles} tiles of {story.context:,} tokens of the bundled chr22:20-21 Mb "
         f"(GRCh37) slice, {first.tokens:,} scored bases (N bases are never scored).",
         (f"- Base model: the bundled `small` preset (data/sample/base), trained from scratch at {story.cut:,} tokens."
-         if story.base.resolve() == bundled_base().resolve() else f"- Base model: {story.base} (model.checkpoint)."),
+         if _is_bundled(story.base) else f"- Base model: {story.base} (model.checkpoint)."),
         f"- Fine-tuned: {r.train.max_steps} steps of {r.data.batch_size} x {r.data.context:,}-token windows of the "
         f"sample's training split (chr1, chr3, chr4, chr5 slices), lr {r.train.lr:g} (recipes/quickstart.yaml)"
         + (f", training {_trained_share(story)}" if r.model.freeze else "") + ".",
