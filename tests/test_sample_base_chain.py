@@ -1,0 +1,50 @@
+"""benchmarks/sample_base_chain.py: every stage's keys make a valid recipe out of
+recipes/sample-base.yaml, and each stage freezes what its description says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from benchmarks.sample_base_chain import CHAINS, STAGES, stage_command
+from genolong.config import Recipe, load_recipe
+from genolong.model import GenoLM
+from genolong.model.config import ModelConfig
+from genolong.train.module import freeze_parameters
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _recipe(name: str, start: Path | None) -> Recipe:
+    cmd = stage_command(name, Path("/work/stage"), start, Path("/data/genome"))
+    return load_recipe(ROOT / "recipes" / "sample-base.yaml", [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"])
+
+
+def _trained(recipe: Recipe) -> set[str]:
+    with torch.device("meta"):
+        model = GenoLM(ModelConfig.from_preset(recipe.model.preset))
+    freeze_parameters(model, recipe.model.freeze)
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def test_stages_are_recipes_and_freeze_what_they_say() -> None:
+    assert all(stage in STAGES for chain in CHAINS.values() for stage in chain)
+    config = ModelConfig.from_preset("small")
+    kda = {i for i, kind in enumerate(config.layer_types) if kind == "linear_attention"}
+    with torch.device("meta"):
+        every = {name for name, _ in GenoLM(config).named_parameters()}
+    for name in STAGES:
+        recipe = _recipe(name, None if name == "1-copy" else Path("/work/before/export"))
+        assert recipe.name == name and recipe.data.store == Path("/data/genome") and recipe.data.plant_repeats is not None
+        assert recipe.checkpoint.dir == Path("/work/stage/checkpoints") and recipe.eval.every_n_steps == 0
+        assert recipe.model.checkpoint == (None if name == "1-copy" else Path("/work/before/export"))
+        trained = _trained(recipe)
+        if name.startswith("routers"):  # the routers, and layer 0's dense FFN (the freeze list names the experts)
+            assert {n for n in trained if not n.endswith("mlp.gate.weight")} == {n for n in every if n.startswith("layers.0.mlp.")}
+            continue
+        frozen = every - trained
+        # the KDA mixers never train; with -fr the routers stay as the stage before left them too
+        assert {int(n.split(".")[1]) for n in frozen if ".self_attn." in n} == kda
+        assert {n for n in frozen if ".self_attn." not in n} == ({n for n in every if n.endswith("mlp.gate.weight")}
+                                                                 if name.endswith("-fr") else set())
