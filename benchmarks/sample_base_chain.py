@@ -19,7 +19,8 @@ A stage whose export exists is reused, so chains that share stages train them on
 stage resumes when rerun (its checkpoint). After a chain: per stage the training log's MoE load
 (the busiest expert over the mean per layer, mean of the last 50 steps); for the last stage
 ``genolong evaluate`` (8 held-out chr22 tiles of 8,192, the quickstart's) and ``genolong probe``
-(the drop for a 100-base copy d bases back, ``--probe-context`` tiles).
+(the drop for a 100-base copy d bases back, ``--probe-context`` tiles), and how much its routers
+tell tokens apart (:func:`router_token_spread`; also for the bundled base and stage 1).
 
 Usage (about 75 minutes for chain F on one core; stage times in BENCHMARKS.md)::
 
@@ -126,6 +127,35 @@ def train_routing(out: Path, last: int = 50) -> list[float]:
     return [round(float(frame[c].mean()), 3) for c in columns]
 
 
+def router_token_spread(checkpoint: Path, store: Path, bases: int = 2048) -> list[dict[str, Any]]:
+    """How much each MoE layer's routing depends on the token, on the first ``bases`` held-out bases:
+    ``score_token_std`` (the std over tokens of each expert's sigmoid score, mean over experts),
+    ``choice_gap`` (the mean gap between a token's 2nd and 3rd highest score + bias: below one
+    routing-bias step, the bias and not the token picks the experts) and ``bias_std``."""
+    import numpy as np
+    import torch
+
+    from genolong.data.store import GenomeStore
+    from genolong.model import GenoLM
+
+    model = GenoLM.from_pretrained(checkpoint).eval()
+    tokens = torch.as_tensor(np.asarray(GenomeStore.open(store, verify=False).split("eval").tokens[:bases]).astype(np.int64))[None]
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    hooks = [module.register_forward_hook(lambda mod, args, out, name=name: seen.__setitem__(name, (out[0], mod.e_score_correction_bias.clone())))
+             for name, module in model.named_modules() if name.endswith("mlp.gate")]
+    with torch.no_grad():
+        model(tokens)
+    for hook in hooks:
+        hook.remove()
+    rows = []
+    for name, (logits, bias) in seen.items():
+        scores = logits.sigmoid()
+        choice = (scores + bias).sort(-1, descending=True).values
+        rows.append({"layer": int(name.split(".")[1]), "score_token_std": round(float(scores.std(0).mean()), 5),
+                     "choice_gap": round(float((choice[:, 1] - choice[:, 2]).mean()), 5), "bias_std": round(float(bias.std()), 5)})
+    return rows
+
+
 def run(cmd: list[str], log: Path, env: dict[str, str]) -> float:
     """Run ``cmd`` with its output in ``log``; the wall-clock seconds. A failure names the log."""
     began = time.perf_counter()
@@ -176,11 +206,15 @@ def main() -> None:
                         for r in held.meta["routing"]],
             "probe": [{"distance": int(r.distance), "drop": round(float(r.drop), 4), "ci": [round(float(r.drop_ci_lo), 4),
                        round(float(r.drop_ci_hi), 4)]} for r in probe.itertuples()],
+            "router_token_spread": router_token_spread(start, store),
         }
         res = doc["chains"][chain]
         print(f"{chain}: held-out " + " ".join(f"{k} {v:.4f}" for k, v in res["heldout_chr22_8x8192"].items()))
         print("  routing (busiest/mean, dead): " + " ".join(f"{r['load_max_over_mean']:.2f} ({r['dead_experts']})" for r in res["routing"]))
         print("  probe drop: " + " ".join(f"d={r['distance']} {r['drop']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]" for r in res["probe"]))
+        print("  router score std over tokens: " + " ".join(f"{r['score_token_std']:.4f}" for r in res["router_token_spread"]))
+    doc["bundled_base_router_token_spread"] = router_token_spread(ROOT / "data" / "sample" / "base", store)
+    doc["stage1_router_token_spread"] = router_token_spread(args.work / CHAINS["F"][0] / "export", store)
     write_json(args.json, doc)
     print(f"wrote {args.json}")
 

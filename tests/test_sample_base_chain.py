@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from benchmarks.sample_base_chain import CHAINS, STAGES, stage_command
@@ -48,3 +49,23 @@ def test_stages_are_recipes_and_freeze_what_they_say() -> None:
         assert {int(n.split(".")[1]) for n in frozen if ".self_attn." in n} == kda
         assert {n for n in frozen if ".self_attn." not in n} == ({n for n in every if n.endswith("mlp.gate.weight")}
                                                                  if name.endswith("-fr") else set())
+
+
+def test_router_token_spread_reads_the_routers(sample_store: Path, tmp_path: Path) -> None:
+    from benchmarks.sample_base_chain import router_token_spread
+    from genolong.model.config import PRESETS
+    from genolong.model.moe import Router
+
+    torch.manual_seed(0)
+    model = GenoLM(PRESETS["tiny"])
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    with torch.no_grad():
+        routers[0].weight.zero_()  # every token the same scores (0.5): only the bias picks
+        routers[0].e_score_correction_bias.copy_(torch.linspace(0.0, 0.1, routers[0].num_experts))
+    model.save_pretrained(tmp_path / "model")
+    rows = router_token_spread(tmp_path / "model", sample_store, bases=256)
+    assert len(rows) == len(routers)
+    step = 0.1 / (routers[0].num_experts - 1)
+    assert rows[0]["score_token_std"] == 0.0 and rows[0]["choice_gap"] == pytest.approx(step, abs=1e-5)
+    assert rows[0]["bias_std"] == pytest.approx(float(routers[0].e_score_correction_bias.std()), abs=1e-5)
+    assert all(r["score_token_std"] > 0 for r in rows[1:])  # random routers tell tokens apart
