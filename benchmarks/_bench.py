@@ -277,6 +277,11 @@ def environment(*keys: str) -> dict[str, Any]:
     return {k: _FIELDS[k]() for k in (keys or DEFAULT_FIELDS)}
 
 
+def genolong_command(*args: Any) -> list[str]:
+    """The ``genolong`` command line with ``args`` (made strings), run by this interpreter."""
+    return [sys.executable, "-m", "genolong.cli", *map(str, args)]
+
+
 def sample_store(store: Path | None, work: Path) -> Path:
     """``store`` when given, else the bundled sample prepared as the quickstart prepares it
     (chr1,3,4,5 train, chr22 held out) in ``work/genome``; one already there is reused."""

@@ -35,16 +35,12 @@ import pandas as pd
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py
-from _bench import Fresh, environment, sample_store, wait_any, write_json  # noqa: E402
+from _bench import Fresh, environment, genolong_command, sample_store, wait_any, write_json  # noqa: E402
 
 ROOT = HERE.parent
 DEFAULT_JSON = HERE / "results" / "planted_recall.json"
 DEFAULT_PLANT = ("share=1.0", "copies=3", "min_length=50", "max_length=200", "max_divergence=0.1", "inverted=0.0")
 
-
-def genolong(*args: Any) -> list[str]:
-    """The ``genolong`` command line of this interpreter."""
-    return [sys.executable, "-m", "genolong.cli", *map(str, args)]
 
 
 def finetune_cmd(name: str, args: argparse.Namespace, store: Path, plant: list[str]) -> list[str]:
@@ -54,7 +50,7 @@ def finetune_cmd(name: str, args: argparse.Namespace, store: Path, plant: list[s
             f"logging.dir=runs/{name}/logs", "logging.progress_bar=false", "logging.tensorboard=false",
             f"eval.every_n_steps={args.steps}", f"seed={args.seed}"]
     sets += [f"data.plant_repeats.{kv}" for kv in plant]
-    cmd = genolong("finetune", ROOT / "recipes" / "sample-base.yaml")
+    cmd = genolong_command("finetune", ROOT / "recipes" / "sample-base.yaml")
     for s in sets:
         cmd += ["--set", s]
     return cmd
@@ -107,7 +103,7 @@ def main() -> None:
         rows = []
         for label, model in models.items():
             out = work / f"probe-{label}"
-            run_fresh(genolong("probe", model, "--store", store, "--context", args.probe_context, "--max-tiles",
+            run_fresh(genolong_command("probe", model, "--store", store, "--context", args.probe_context, "--max-tiles",
                                args.probe_tiles, "--distances", args.distances, "--out", out, "--force", "--quiet"),
                       env=env).check()
             table = json.loads((out / "probe.json").read_text())

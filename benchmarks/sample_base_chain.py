@@ -44,7 +44,7 @@ import pandas as pd
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py
-from _bench import environment, sample_store, write_json  # noqa: E402
+from _bench import environment, genolong_command, sample_store, write_json  # noqa: E402
 
 ROOT = HERE.parent
 DEFAULT_JSON = HERE / "results" / "sample_base_chain.json"
@@ -96,10 +96,6 @@ CHAINS: dict[str, list[str]] = {
 }
 
 
-def genolong(*args: Any) -> list[str]:
-    """The ``genolong`` command line of this interpreter."""
-    return [sys.executable, "-m", "genolong.cli", *map(str, args)]
-
 
 def _yaml(value: Any) -> str:
     """A ``--set`` value: YAML flow style (lists and mappings on one line)."""
@@ -113,9 +109,9 @@ def stage_command(name: str, out: Path, start: Path | None, store: Path) -> list
     keys = {**STAGES[name], "name": name, "model.checkpoint": start, "data.store": store, "eval.every_n_steps": 0,
             "checkpoint.dir": out / "checkpoints", "checkpoint.every_n_steps": 100, "logging.dir": out / "logs",
             "logging.progress_bar": False, "logging.tensorboard": False}
-    cmd = genolong("finetune", ROOT / "recipes" / "sample-base.yaml")
+    cmd = genolong_command("finetune", ROOT / "recipes" / "sample-base.yaml")
     for key, value in keys.items():
-        cmd += ["--set", f"{key}={'null' if value is None else _yaml(str(value) if isinstance(value, Path) else value)}"]
+        cmd += ["--set", f"{key}={_yaml(str(value) if isinstance(value, Path) else value)}"]  # None: null
     return cmd
 
 
@@ -192,16 +188,17 @@ def main() -> None:
                 seconds = round(run(stage_command(name, out, start, store), out / "finetune.log", env), 1)
             stages.append({"stage": name, "train_routing_last50": train_routing(out), "wall_s": seconds})
             start = out / "export"
-        run(genolong("evaluate", start, "--store", store, "--context", 8192, "--max-tiles", args.eval_tiles,
+        run(genolong_command("evaluate", start, "--store", store, "--context", 8192, "--max-tiles", args.eval_tiles,
                      "--out", out / "eval", "--quiet", "--force"), out / "evaluate.log", env)
-        run(genolong("probe", start, "--store", store, "--context", args.probe_context, "--distances", args.distances,
+        run(genolong_command("probe", start, "--store", store, "--context", args.probe_context, "--distances", args.distances,
                      "--max-tiles", args.eval_tiles, "--out", out / "probe", "--label", chain, "--quiet", "--force"),
             out / "probe.log", env)
         held = EvalResult.load(out / "eval")
+        buckets = held.bucket_table()
         probe = ProbeResult.load(out / "probe").table()
         doc["chains"][chain] = {
             "stages": stages,
-            "heldout_chr22_8x8192": {b: round(float(n), 4) for b, n in zip(held.bucket_table()["bucket"], held.bucket_table()["nats"])},
+            "heldout_chr22_8x8192": {b: round(float(n), 4) for b, n in zip(buckets["bucket"], buckets["nats"])},
             "routing": [{"layer": r["layer"], "load_max_over_mean": round(r["load_max_over_mean"], 3), "dead_experts": r["dead_experts"]}
                         for r in held.meta["routing"]],
             "probe": [{"distance": int(r.distance), "drop": round(float(r.drop), 4), "ci": [round(float(r.drop_ci_lo), 4),
