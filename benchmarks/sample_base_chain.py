@@ -13,7 +13,10 @@ The chains differ in how they keep the routing balanced (:data:`CHAINS`):
 - ``G``: as ``P`` in stage 1, then the routers frozen at stage 1's weights in stages 2-4 (the bias
   still moves);
 - ``F``: as ``G``, with stage 4 at 4,096 bases and copies up to 4,000 back;
-- ``Fa``, ``Fb``: ``F`` with a stronger last stage (bias step 0.01; balance loss 1.0).
+- ``Fa``, ``Fb``: ``F`` with a stronger last stage (bias step 0.01; balance loss 1.0);
+- ``I``: as ``G`` with the routers frozen from the first step (at their initial weights);
+- ``B``: as ``I`` but started from the bundled base (``recipes/sample-base.yaml`` as it is: its
+  routers already tell tokens apart), instead of fresh weights.
 
 A stage whose export exists is reused, so chains that share stages train them once; a killed
 stage resumes when rerun (its checkpoint). After a chain: per stage the training log's MoE load
@@ -71,6 +74,8 @@ def _stage(freeze: list[str], context: int, batch: int, plant: dict[str, Any], l
             "train.moe_bias_update": "proportional", "train.moe_bias_update_rate": bias, "train.moe_balance_loss_weight": balance}
 
 
+#: A chain's first entry: start from the bundled base (``recipes/sample-base.yaml`` as it is) instead of fresh weights.
+BUNDLED = "bundled"
 FROZEN_ROUTERS = [KDA, "layers.*.mlp.gate.weight"]
 DIVERGED = _plant(0.5, 3, (24, 200), (32, 960), 0.1)
 #: name -> the keys it sets. Stage 1 starts from fresh weights; the rest from the stage before.
@@ -79,6 +84,7 @@ STAGES: dict[str, dict[str, Any]] = {
     "2-match": _stage([KDA], 128, 8, _plant(1.0, 1, (24, 40), (32, 96), 0.0), 3e-3, 3e-3, 20, 400),
     "3-far": _stage([KDA], 1024, 1, _plant(1.0, 6, (24, 64), (32, 960), 0.0), 3e-3, 3e-3, 20, 300),
     "4-diverged": _stage([KDA], 1024, 1, DIVERGED, 1e-3, 1e-4, 10, 300),
+    "1-copy-fr": _stage(FROZEN_ROUTERS, 64, 16, _plant(1.0, 1, (31, 31), (32, 32), 0.0), 3e-3, 3e-3, 20, 800),
     "2-match-fr": _stage(FROZEN_ROUTERS, 128, 8, _plant(1.0, 1, (24, 40), (32, 96), 0.0), 3e-3, 3e-3, 20, 400),
     "3-far-fr": _stage(FROZEN_ROUTERS, 1024, 1, _plant(1.0, 6, (24, 64), (32, 960), 0.0), 3e-3, 3e-3, 20, 300),
     "4-diverged-fr": _stage(FROZEN_ROUTERS, 1024, 1, DIVERGED, 1e-3, 1e-4, 10, 300),
@@ -93,6 +99,8 @@ CHAINS: dict[str, list[str]] = {
     "F": ["1-copy", "2-match-fr", "3-far-fr", "4-far4k-fr", "routers"],
     "Fa": ["1-copy", "2-match-fr", "3-far-fr", "4-far4k-fr", "routers-bias01"],
     "Fb": ["1-copy", "2-match-fr", "3-far-fr", "4-far4k-fr", "routers-balance1"],
+    "I": ["1-copy-fr", "2-match-fr", "3-far-fr", "4-diverged-fr", "routers"],
+    "B": [BUNDLED, "1-copy-fr", "2-match-fr", "3-far-fr", "4-diverged-fr", "routers"],
 }
 
 
@@ -179,14 +187,18 @@ def main() -> None:
 
     doc: dict[str, Any] = {"environment": environment(), "command": " ".join(sys.argv), "stages": STAGES, "chains": {}}
     for chain in args.chain or ["F"]:
-        out, start, stages = args.work, None, []
+        out, start, stages, first_export = args.work, None, [], None
         for name in CHAINS[chain]:
             out = out / name
+            if name == BUNDLED:
+                start = ROOT / "data" / "sample" / "base"
+                continue
             seconds = None
             if not (out / "export" / "config.json").exists():
                 out.mkdir(parents=True, exist_ok=True)
                 seconds = round(run(stage_command(name, out, start, store), out / "finetune.log", env), 1)
             stages.append({"stage": name, "train_routing_last50": train_routing(out), "wall_s": seconds})
+            first_export = first_export or out / "export"
             start = out / "export"
         run(genolong_command("evaluate", start, "--store", store, "--context", 8192, "--max-tiles", args.eval_tiles,
                      "--out", out / "eval", "--quiet", "--force"), out / "evaluate.log", env)
@@ -204,6 +216,7 @@ def main() -> None:
             "probe": [{"distance": int(r.distance), "drop": round(float(r.drop), 4), "ci": [round(float(r.drop_ci_lo), 4),
                        round(float(r.drop_ci_hi), 4)]} for r in probe.itertuples()],
             "router_token_spread": router_token_spread(start, store),
+            "stage1_router_token_spread": router_token_spread(first_export, store),
         }
         res = doc["chains"][chain]
         print(f"{chain}: held-out " + " ".join(f"{k} {v:.4f}" for k, v in res["heldout_chr22_8x8192"].items()))
@@ -211,7 +224,6 @@ def main() -> None:
         print("  probe drop: " + " ".join(f"d={r['distance']} {r['drop']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]" for r in res["probe"]))
         print("  router score std over tokens: " + " ".join(f"{r['score_token_std']:.4f}" for r in res["router_token_spread"]))
     doc["bundled_base_router_token_spread"] = router_token_spread(ROOT / "data" / "sample" / "base", store)
-    doc["stage1_router_token_spread"] = router_token_spread(args.work / CHAINS["F"][0] / "export", store)
     write_json(args.json, doc)
     print(f"wrote {args.json}")
 
