@@ -43,8 +43,17 @@ DEFAULT_PLANT = ("share=1.0", "copies=3", "min_length=50", "max_length=200", "ma
 
 
 
+#: ``recipes/sample-base.yaml`` is the routers-only last stage of the bundled base's chain; these
+#: keys put back a plain run (every weight trained, windows as stored, the default routing balance)
+#: before the benchmark's own keys, so that the two runs differ in ``data.plant_repeats`` only.
+PLAIN_RUN = ("model.freeze=[]", "data.batch_size=1", "data.plant_repeats=null", "train.min_lr=1.0e-4",
+             "train.moe_bias_update_rate=0.01", "train.moe_balance_loss_weight=0.01")
+
+
 def finetune_cmd(name: str, args: argparse.Namespace, store: Path, plant: list[str]) -> list[str]:
-    sets = [f"name={name}", f"model.checkpoint={args.base}", f"data.store={store}", f"data.context={args.context}",
+    """The ``genolong finetune`` command of one run: ``recipes/sample-base.yaml`` made a plain run
+    (:data:`PLAIN_RUN`), then ``plant`` as ``data.plant_repeats`` keys (empty: windows as stored)."""
+    sets = [*PLAIN_RUN, f"name={name}", f"model.checkpoint={args.base}", f"data.store={store}", f"data.context={args.context}",
             f"train.max_steps={args.steps}", f"train.lr={args.lr}", f"train.warmup_steps={max(1, args.steps // 10)}",
             f"checkpoint.dir=runs/{name}/checkpoints", f"checkpoint.every_n_steps={args.steps}",
             f"logging.dir=runs/{name}/logs", "logging.progress_bar=false", "logging.tensorboard=false",

@@ -2,8 +2,8 @@
 
 1. Prepare the bundled sample genome (GRCh37/hg19 slices of chr1, chr3, chr4 and chr5 for
    training, chr22:20-21 Mb held out) into ``OUT/genome``.
-2. Evaluate the bundled base model (the ``small`` preset trained at 1k context by
-   ``recipes/sample-base.yaml``, in ``data/sample/base``) on the first held-out chr22 tiles at
+2. Evaluate the bundled base model (the ``small`` preset trained at up to 1k context by the
+   ``recipes/sample-base*.yaml`` chain, in ``data/sample/base``) on the first held-out chr22 tiles at
    long context (``genolong evaluate``; ``OUT/eval/base``).
 3. Fine-tune it at long context with ``recipes/quickstart.yaml`` (``OUT/runs/quickstart``).
 4. Evaluate the fine-tuned model on the same tiles, with full context and with its context cut
@@ -390,9 +390,9 @@ def _softmask_section(story: _Story) -> list[str]:
 
 
 def _trained_share(story: _Story) -> str:
-    """'the attention layers only (2.1M of 9.3M parameters)': what the recipe's freeze leaves trained."""
+    """'the DSA attention layers only (610.0K of 9.3M parameters)': what the recipe's freeze leaves trained."""
     from .model import GenoLM
-    from .model.config import ModelConfig
+    from .model.config import INDEXED_ATTENTION, LINEAR_ATTENTION, ModelConfig
     from .train.module import freeze_parameters
 
     with torch.device("meta"):
@@ -401,7 +401,10 @@ def _trained_share(story: _Story) -> str:
     total = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     names = {n.split(".")[2] if n.startswith("layers.") else n.split(".")[0] for n, p in model.named_parameters() if p.requires_grad}
-    what = "the attention layers only" if names == {"self_attn"} else "the parameters not frozen"
+    kinds = {model.config.layer_types[int(n.split(".")[1])] for n, p in model.named_parameters() if p.requires_grad and n.startswith("layers.")}
+    what = ("the parameters not frozen" if names != {"self_attn"} else
+            "the DSA attention layers only" if kinds == {INDEXED_ATTENTION} else
+            "the KDA attention layers only" if kinds == {LINEAR_ATTENTION} else "the attention layers only")
     return f"{what} ({format_count(trained)} of {format_count(total)} parameters; model.freeze)"
 
 
@@ -486,7 +489,8 @@ def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
         "",
         f"- Held-out data: the first {story.tiles} tiles of {story.context:,} tokens of the bundled chr22:20-21 Mb "
         f"(GRCh37) slice, {first.tokens:,} scored bases (N bases are never scored).",
-        (f"- Base model: the bundled `small` preset (data/sample/base), trained from scratch at {story.cut:,} tokens."
+        (f"- Base model: the bundled `small` preset (data/sample/base), trained from scratch at up to {story.cut:,} tokens, "
+         "with planted copies of earlier bases in its windows (recipes/sample-base*.yaml)."
          if _is_bundled(story.base) else f"- Base model: {story.base} (model.checkpoint)."),
         f"- Fine-tuned: {r.train.max_steps} steps of {r.data.batch_size} x {r.data.context:,}-token windows of the "
         f"sample's training split (chr1, chr3, chr4, chr5 slices), lr {r.train.lr:g} (recipes/quickstart.yaml)"

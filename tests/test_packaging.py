@@ -144,7 +144,7 @@ def test_quickstart_command(tmp_path: Path) -> None:
     report = (qs / "REPORT.md").read_text()
     for what in ("## Held-out loss by preceding context", "fine-tuned vs base", "full vs cut at 1,024",
                  "fine-tuned vs short-context control", "figures/position_loss.png", "figures/relative_change.png",
-                 "training the attention layers only (2.1M of 9.3M parameters", "How much held-out DNA the intervals rest on: 2 tiles",
+                 "training the DSA attention layers only (610.0K of 9.3M parameters", "How much held-out DNA the intervals rest on: 2 tiles",
                  "## MoE routing on the held-out tiles", "## Long-range recall: planted repeats (genolong probe)",
                  "figures/probe.png"):
         assert what in report, what

@@ -165,7 +165,10 @@ def test_reduce_scatter_moves_trained_parameters_only(tmp_path: Path) -> None:
     rows = {r.name.split(" (")[0]: r for r in frozen.rows}
     expected = sum((S - 1) * math.ceil(n / S) * 4 for n in by_unit.values() if n)
     assert rows["FSDP gradient reduce-scatter"].total == expected
-    assert rows["FSDP gradient reduce-scatter"].layers == sum(1 for n in by_unit.values() if n) == cfg.num_hidden_layers
+    trained_units = sum(1 for n in by_unit.values() if n)
+    # the quickstart freezes whole layers (the KDA ones: their mixers stay as the base has them)
+    assert 0 < trained_units < cfg.num_hidden_layers
+    assert rows["FSDP gradient reduce-scatter"].layers == trained_units
     gathers = [r.total for r in frozen.rows if "all-gather" in r.name]
     assert gathers == [r.total for r in plain.rows if "all-gather" in r.name]  # fp32 run: frozen weights gathered as before
     p = plan(plan_recipe(tmp_path, model={"freeze": QUICKSTART_FREEZE}, parallel={"devices": S}))
