@@ -205,8 +205,8 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
     if not (base / "config.json").is_file():
         raise GenolongError(
             f"the base model is missing ({base}); " + (
-                "reinstall genolong, or train it with `genolong finetune recipes/sample-base.yaml` and copy "
-                "runs/sample-base/export there" if _is_bundled(base) else
+                "reinstall genolong, or train it with the five recipes/sample-base*.yaml stages (data/sample/README.md) "
+                "and copy runs/sample-base/export there" if _is_bundled(base) else
                 "model.checkpoint must name a directory with config.json and the safetensors weights")
         )
     cut = base_context()
@@ -223,7 +223,7 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
         r = story.results[name]
         print(f"  {label}: {r.mean_nll:.4f} nats/base over {r.tokens:,} bases ({r.meta['tokens_per_second']:,.0f} tokens/s)")
 
-    stages.start(f"evaluating the base model ({base.name}, trained at {cut:,} tokens) on {eval_tiles} held-out "
+    stages.start(f"evaluating the base model ({base.name}, trained at up to {cut:,} tokens) on {eval_tiles} held-out "
                  f"chr22 tiles of {story.context:,} tokens")
     score("base", "base", base, load_eval_model(base)[0])
     stages.start(f"fine-tuning at {recipe.data.context:,} tokens for {recipe.train.max_steps} steps "
@@ -459,11 +459,17 @@ def _probe_section(story: _Story) -> list[str]:
     lines += [markdown_table(rows, header), "", "(* the drop's interval excludes 0.)", ""]
     for name, t in tables.items():
         label = story.probes[name].label
-        yes = [f"{int(r.distance):,} ({r.drop:+.4f})" for r in t.itertuples() if r.supported and r.drop > 0]
-        lines.append(f"- {label}: " + (f"drop interval above 0 at d = {', '.join(yes)} nats/base" if yes else
-                                       f"no distance with a drop interval above 0 on {tiles} tiles")
-                     + "; a recalled copy would save most of the ~1.3 nats/base, a few thousandths is not recall.")
-    lines += [f"- The base was trained at {story.cut:,} tokens and the fine-tuned model at {story.recipe.data.context:,}: "
+        recalled = [r for r in t.itertuples() if r.supported and r.drop > 0]
+        if not recalled:
+            lines.append(f"- {label}: no distance with a drop interval above 0 on {tiles} tiles: no recall.")
+            continue
+        yes = ", ".join(f"{int(r.distance):,} ({r.drop:+.4f})" for r in recalled)
+        # the drop as a share of what the copy costs without its source: ~100% is a perfect copy
+        best = max(recalled, key=lambda r: r.drop / r.cut_nats)
+        lines.append(f"- {label}: drop interval above 0 at d = {yes} nats/base; at most {best.drop / best.cut_nats:.0%} "
+                     f"(d = {int(best.distance):,}) of the {best.cut_nats:.2f} nats/base the copy costs without its source "
+                     "in view: a copy recalled in full would save nearly all of it.")
+    lines += [f"- The base was trained at up to {story.cut:,} tokens and the fine-tuned model at {story.recipe.data.context:,}: "
               "a drop at distances beyond a model's training context means it recalls further than it was trained "
               "to; none there is what a model bound to its training length shows.",
               f"- {tiles} tiles: the intervals say how sure these tiles are, nothing more.", ""]

@@ -209,3 +209,16 @@ def spy_on_launches(monkeypatch: pytest.MonkeyPatch, kernel: Any) -> list[list[t
 
     monkeypatch.setattr(kernel, "run", run)
     return seen
+
+
+def trained_parameter_names(recipe: Any) -> set[str]:
+    """The names of the parameters of ``recipe.model.preset`` that ``recipe.model.freeze`` leaves
+    trained (built on the meta device: no memory, no weights)."""
+    from genolong.model import GenoLM
+    from genolong.model.config import ModelConfig
+    from genolong.train.module import freeze_parameters
+
+    with torch.device("meta"):
+        model = GenoLM(ModelConfig.from_preset(recipe.model.preset))
+    freeze_parameters(model, recipe.model.freeze)
+    return {name for name, p in model.named_parameters() if p.requires_grad}

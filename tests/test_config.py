@@ -23,6 +23,7 @@ from genolong.config import (
 from genolong.errors import InputError
 from genolong.model.config import ModelConfig
 from genolong.model.vocab import VocabMap
+from .helpers import trained_parameter_names
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 SHIPPED = sorted(RECIPES.glob("*.yaml"))
@@ -110,19 +111,6 @@ def test_gpu_recipes_mirror_the_reference() -> None:
 SAMPLE_BASE_CHAIN = ("sample-base-1-copy", "sample-base-2-match", "sample-base-3-far", "sample-base-4-diverged", "sample-base")
 
 
-def _trained(recipe: Recipe) -> set[str]:
-    """The ``small`` preset's parameter names that ``recipe.model.freeze`` leaves trained."""
-    import torch
-
-    from genolong.model import GenoLM
-    from genolong.train.module import freeze_parameters
-
-    with torch.device("meta"):
-        model = GenoLM(ModelConfig.from_preset(recipe.model.preset))
-    freeze_parameters(model, recipe.model.freeze)
-    return {name for name, p in model.named_parameters() if p.requires_grad}
-
-
 def test_sample_base_chain_starts_fresh_and_each_stage_continues_the_one_before() -> None:
     from genolong.quickstart import base_context
 
@@ -133,22 +121,22 @@ def test_sample_base_chain_starts_fresh_and_each_stage_continues_the_one_before(
     assert all(s.seed == stages[0].seed and s.data.store == stages[0].data.store for s in stages)
     config = ModelConfig.from_preset("small")
     kda = {i for i, kind in enumerate(config.layer_types) if kind == "linear_attention"}
-    all_names = _trained(dataclasses.replace(stages[0], model=dataclasses.replace(stages[0].model, freeze=())))
+    all_names = trained_parameter_names(dataclasses.replace(stages[0], model=dataclasses.replace(stages[0].model, freeze=())))
     routers = {n for n in all_names if n.endswith("mlp.gate.weight")}
     for stage in stages[:-1]:
         # every weight trains but the KDA mixers and the MoE routers, which stay at their initial weights
-        frozen = all_names - _trained(stage) - routers
-        assert routers <= all_names - _trained(stage), stage.name
+        frozen = all_names - trained_parameter_names(stage) - routers
+        assert routers <= all_names - trained_parameter_names(stage), stage.name
         assert frozen and {int(n.split(".")[1]) for n in frozen} == kda, stage.name
         assert all(".self_attn." in n for n in frozen) and stage.data.plant_repeats is not None
     # the last stage trains the MoE routers and the one dense FFN (layer 0's: its freeze list names
     # the experts), at the context the quickstart cuts to
     dense = {i for i, kind in enumerate(config.mlp_layer_types) if kind == "dense"}
-    assert _trained(stages[-1]) == {n for n in all_names if n.endswith("mlp.gate.weight")
+    assert trained_parameter_names(stages[-1]) == {n for n in all_names if n.endswith("mlp.gate.weight")
                                     or (n.startswith("layers.") and int(n.split(".")[1]) in dense and ".mlp." in n)}
     assert stages[-1].data.context == base_context() and stages[-1].data.plant_repeats == stages[-2].data.plant_repeats
     # the quickstart fine-tunes the DSA attention layers alone: the KDA mixers stay as the base has them
-    tuned = _trained(load_recipe(RECIPES / "quickstart.yaml"))
+    tuned = trained_parameter_names(load_recipe(RECIPES / "quickstart.yaml"))
     assert tuned and {config.layer_types[int(n.split(".")[1])] for n in tuned} == {"indexed_attention"}
     assert all(".self_attn." in n for n in tuned)
 

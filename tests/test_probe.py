@@ -167,13 +167,21 @@ def test_quickstart_report_probe_section(tiny: GenoLM, tmp_path: Path) -> None:
     t = probes["tuned"].table()
     assert "## Long-range recall: planted repeats" in text and "| 128 |" in text
     assert f"{t['drop'].iloc[1]:+.4f} [{t.drop_ci_lo.iloc[1]:+.4f}, {t.drop_ci_hi.iloc[1]:+.4f}]" in text
-    assert "base trained at 64" not in text and "trained at 64 tokens and the fine-tuned model at 256" in text
+    assert "base trained at 64" not in text and "trained at up to 64 tokens and the fine-tuned model at 256" in text
     written = save_probe_figure(list(probes.values()), tmp_path / "fig", marks=[(64, "base trained at 64")])
     assert sorted(written) == ["probe.pdf", "probe.png", "probe_series.csv"]
     assert (tmp_path / "fig" / "probe.png").read_bytes().startswith(b"\x89PNG")
     series = pd.read_csv(written["probe_series.csv"])
     assert list(series["run"]) == ["base", "base", "fine-tuned", "fine-tuned"]
-    assert "no distance with a drop interval above 0 on 1 tiles" in text or "drop interval above 0 at d =" in text
+    for name, label in (("base", "base"), ("tuned", "fine-tuned")):
+        table = probes[name].table()
+        recalled = table[table.supported & (table["drop"] > 0)]
+        if recalled.empty:
+            assert f"- {label}: no distance with a drop interval above 0 on 1 tiles: no recall." in text
+        else:  # the largest drop as a share of the copy's cost without its source, at its distance
+            share = recalled["drop"] / recalled.cut_nats
+            best = recalled.loc[share.idxmax()]
+            assert (f"at most {share.max():.0%} (d = {int(best.distance):,}) of the {best.cut_nats:.2f} nats/base") in text
 
 
 def test_probe_sees_recall_at_trained_distances_and_none_beyond(tmp_path: Path) -> None:

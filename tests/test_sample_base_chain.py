@@ -12,7 +12,7 @@ from benchmarks.sample_base_chain import BUNDLED, CHAINS, STAGES, stage_command
 from genolong.config import Recipe, load_recipe
 from genolong.model import GenoLM
 from genolong.model.config import ModelConfig
-from genolong.train.module import freeze_parameters
+from .helpers import trained_parameter_names
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,13 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def _recipe(name: str, start: Path | None) -> Recipe:
     cmd = stage_command(name, Path("/work/stage"), start, Path("/data/genome"))
     return load_recipe(ROOT / "recipes" / "sample-base.yaml", [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"])
-
-
-def _trained(recipe: Recipe) -> set[str]:
-    with torch.device("meta"):
-        model = GenoLM(ModelConfig.from_preset(recipe.model.preset))
-    freeze_parameters(model, recipe.model.freeze)
-    return {name for name, p in model.named_parameters() if p.requires_grad}
 
 
 def test_stages_are_recipes_and_freeze_what_they_say() -> None:
@@ -42,7 +35,7 @@ def test_stages_are_recipes_and_freeze_what_they_say() -> None:
         assert recipe.name == name and recipe.data.store == Path("/data/genome") and recipe.data.plant_repeats is not None
         assert recipe.checkpoint.dir == Path("/work/stage/checkpoints") and recipe.eval.every_n_steps == 0
         assert recipe.model.checkpoint == (None if first else Path("/work/before/export"))
-        trained = _trained(recipe)
+        trained = trained_parameter_names(recipe)
         if name.startswith("routers"):  # the routers, and layer 0's dense FFN (the freeze list names the experts)
             assert {n for n in trained if not n.endswith("mlp.gate.weight")} == {n for n in every if n.startswith("layers.0.mlp.")}
             continue
