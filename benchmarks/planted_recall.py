@@ -42,7 +42,6 @@ DEFAULT_JSON = HERE / "results" / "planted_recall.json"
 DEFAULT_PLANT = ("share=1.0", "copies=3", "min_length=50", "max_length=200", "max_divergence=0.1", "inverted=0.0")
 
 
-
 #: ``recipes/sample-base.yaml`` is the routers-only last stage of the bundled base's chain; these
 #: keys put back a plain run (every weight trained, windows as stored, the default routing balance)
 #: before the benchmark's own keys, so that the two runs differ in ``data.plant_repeats`` only.

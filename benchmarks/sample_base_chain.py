@@ -104,7 +104,6 @@ CHAINS: dict[str, list[str]] = {
 }
 
 
-
 def _yaml(value: Any) -> str:
     """A ``--set`` value: YAML flow style (lists and mappings on one line)."""
     import yaml
@@ -184,6 +183,7 @@ def main() -> None:
     store = sample_store(args.store, args.work)
     from genolong.evaluation.probe_result import ProbeResult
     from genolong.evaluation.results import EvalResult
+    from genolong.quickstart import bundled_base
 
     doc: dict[str, Any] = {"environment": environment(), "command": " ".join(sys.argv), "stages": STAGES, "chains": {}}
     for chain in args.chain or ["F"]:
@@ -191,7 +191,7 @@ def main() -> None:
         for name in CHAINS[chain]:
             out = out / name
             if name == BUNDLED:
-                start = ROOT / "data" / "sample" / "base"
+                start = bundled_base()
                 continue
             seconds = None
             if not (out / "export" / "config.json").exists():
@@ -223,7 +223,7 @@ def main() -> None:
         print("  routing (busiest/mean, dead): " + " ".join(f"{r['load_max_over_mean']:.2f} ({r['dead_experts']})" for r in res["routing"]))
         print("  probe drop: " + " ".join(f"d={r['distance']} {r['drop']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]" for r in res["probe"]))
         print("  router score std over tokens: " + " ".join(f"{r['score_token_std']:.4f}" for r in res["router_token_spread"]))
-    doc["bundled_base_router_token_spread"] = router_token_spread(ROOT / "data" / "sample" / "base", store)
+    doc["bundled_base_router_token_spread"] = router_token_spread(bundled_base(), store)
     write_json(args.json, doc)
     print(f"wrote {args.json}")
 
