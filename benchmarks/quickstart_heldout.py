@@ -13,6 +13,10 @@ quickstart never trains on or reports:
   quickstart's own region: the tiles after the ones it reports);
 - ``chr22`` (only with ``--sets``): the 8 tiles the quickstart reports, scored again here.
 
+A fine-tuned model whose config reads the weights differently from the base's (its recipe's
+``model.overrides``, e.g. the quickstart's ``index_topk: 2048``) is also compared with the base
+read that way (:func:`genolong.config.reading_changes`): the reading alone, then the training alone.
+
 ``--tuned`` may be given several times (``LABEL=DIR`` or ``DIR``): each fine-tuned model is
 compared with the one base, scored once (e.g. the quickstart's and quickstart-lora's exports).
 
@@ -73,11 +77,13 @@ def main() -> None:
 
     import torch
 
+    from genolong.config import reading_changes
     from genolong.data.prepare import prepare_genome
     from genolong.data.store import GenomeStore
     from genolong.data.windows import EvalTiles
     from genolong.evaluation.score import evaluate, load_eval_model
     from genolong.evaluation.stats import compare, compare_softmask
+    from genolong.model.config import ModelConfig
     from genolong.quickstart import DEFAULT_EVAL_TILES, bundled_base
 
     torch.set_num_threads(args.threads)
@@ -95,6 +101,15 @@ def main() -> None:
     if unknown := [s for s in wanted if s not in SETS]:
         parser.error(f"--sets: unknown {', '.join(unknown)}; choose from {', '.join(SETS)}")
     models = {"base": load_eval_model(base_dir)[0], **{label: load_eval_model(d)[0] for label, d in tuned_dirs.items()}}
+    # a fine-tuned model that reads the weights differently from the base (its recipe's model.overrides,
+    # e.g. a wider DSA key budget): the base is also scored that way, to tell the reading from the training
+    base_config = ModelConfig.from_pretrained(base_dir)
+    read_as: dict[str, str] = {}  # fine-tuned label -> label of the base read as that model reads
+    for label, tuned_dir in tuned_dirs.items():
+        if changes := reading_changes(base_config, ModelConfig.from_pretrained(tuned_dir)):
+            read_as[label] = "base, " + ", ".join(f"{k} {v}" for k, v in changes.items())
+            if read_as[label] not in models:
+                models[read_as[label]] = load_eval_model(base_dir, overrides=changes)[0]
     sets: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="genolong-heldout-") as work:
         work_dir = Path(work)
@@ -129,6 +144,9 @@ def main() -> None:
             masked = not s["first"] and int(results["base"].softmask_tokens[:, :, 1].sum()) > 0
             for tuned in tuned_dirs:
                 pairs = [("base", tuned, f"{tuned} - base")]
+                if tuned in read_as:  # the reading alone, then the training alone
+                    pairs += [("base", read_as[tuned], f"{read_as[tuned]} - base"),
+                              (read_as[tuned], tuned, f"{tuned} - {read_as[tuned]}")]
                 if f"{tuned} cut" in results:
                     pairs.append((f"{tuned} cut", tuned, f"{tuned}: full - cut {args.cut}"))
                 for a, b, what in pairs:

@@ -24,6 +24,7 @@ import torch
 from ..data.alphabet import VOCAB_SIZE
 from ..errors import InputError
 from ..integrity import check_weights
+from ..model.config import ModelConfig
 from ..model.lm import GenoLM
 from ..model.lora import LoraSettings, apply_lora, merge_lora
 from ..model.vocab import VocabMap
@@ -34,7 +35,8 @@ __all__ = ["check_adapter", "load_eval_model", "merge_adapter", "recipe_context"
 def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu",
                     kernel_backend: str | None = None,
-                    adapter: str | os.PathLike[str] | None = None) -> tuple[GenoLM, VocabMap | None]:
+                    adapter: str | os.PathLike[str] | None = None,
+                    overrides: Mapping[str, Any] | None = None) -> tuple[GenoLM, VocabMap | None]:
     """The model to evaluate and its vocabulary map, from any of:
 
     - a GLM-5.3-Flash-format directory (config.json + safetensors; e.g. a run's ``export/``);
@@ -52,6 +54,10 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
             else ``auto``: the GPU kernels on a GPU, torch on a CPU), as ``genolong finetune`` runs it.
         adapter: a PEFT LoRA adapter directory (``runs/NAME/adapter``) for the base ``checkpoint``,
             merged into the loaded weights in memory (:func:`merge_adapter`); default None.
+        overrides: ModelConfig fields to read the weights with instead of the checkpoint's own
+            (no parameter shape may change), e.g. ``{"index_topk": 2048}``: the base read as a
+            fine-tune that widened its key budget reads (:func:`genolong.config.reading_changes`);
+            default None.
 
     Returns:
         (model in eval mode, VocabMap or None for the nucleotide vocabulary).
@@ -64,7 +70,8 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
     """
     if adapter is not None:
         check_adapter(checkpoint, adapter)  # before the base loads
-        model, vocab = load_eval_model(checkpoint, dtype=dtype, device=device, kernel_backend=kernel_backend)
+        model, vocab = load_eval_model(checkpoint, dtype=dtype, device=device, kernel_backend=kernel_backend,
+                                       overrides=overrides)
         merge_adapter(model, adapter)
         return model, vocab
     from ..config import parse_recipe
@@ -74,7 +81,8 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
     if path.is_dir() and not (path / "config.json").is_file() and (path / "export" / "config.json").is_file():
         path = path / "export"
     if path.is_dir() and (path / "config.json").is_file():
-        model = GenoLM.from_pretrained(path, dtype=dtype, device=device, kernel_backend=kernel_backend)
+        config = _with_overrides(ModelConfig.from_pretrained(path), overrides, path)
+        model = GenoLM.from_pretrained(path, dtype=dtype, device=device, kernel_backend=kernel_backend, config=config)
         vocab = None
         if model.config.vocab_size != VOCAB_SIZE:  # a text LLM checkpoint: bases through its tokenizer
             vocab = VocabMap.from_tokenizer(path, pad=model.config.pad_token_id, bos=model.config.bos_token_id)
@@ -88,7 +96,7 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
             raise InputError(f"{path} is not a genolong finetune checkpoint (no recipe or state_dict inside); "
                              "give a run's export/ directory or a step*.ckpt written by genolong finetune")
         recipe = parse_recipe(recipe_data, source=str(path))
-        config = recipe.model_config().replace(kernel_backend=kernel_backend)
+        config = _with_overrides(recipe.model_config(), overrides, path).replace(kernel_backend=kernel_backend)
         if dtype != torch.float32:
             raise InputError(f"{path}: a Lightning checkpoint is evaluated in float32; for --dtype {dtype} evaluate "
                              "the run's export/ directory (genolong finetune writes it at the end)")
@@ -117,6 +125,21 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
 # Lightning's file of everything but the model and optimiser in a sharded (DCP) checkpoint directory
 _DCP_META = "meta.pt"
 
+
+def _with_overrides(config: ModelConfig, overrides: Mapping[str, Any] | None, checkpoint: Path) -> ModelConfig:
+    """``config`` with ``overrides`` applied; an override that would change a parameter shape (or
+    is no ModelConfig field) is refused, naming the checkpoint."""
+    if not overrides:
+        return config
+    from ..config import SHAPE_FIELDS
+
+    if shaped := sorted(set(overrides) & set(SHAPE_FIELDS)):
+        raise InputError(f"{checkpoint}: cannot read its weights with another {', '.join(shaped)} (a parameter shape); "
+                         "override only fields such as index_topk")
+    try:
+        return config.replace(**overrides)
+    except TypeError as exc:
+        raise InputError(f"{checkpoint}: overrides {dict(overrides)} are not ModelConfig fields ({exc})") from None
 
 def _load_sharded_weights(model: GenoLM, path: Path) -> None:
     """Fill ``model`` in place from a multi-process run's sharded checkpoint directory

@@ -166,12 +166,14 @@ class _Story:
     softmask: list[tuple[str, str, str, pd.DataFrame]] = field(default_factory=list)  # (a, b, question, gap table)
     figures: dict[str, Path] = field(default_factory=dict)
     probes: dict[str, Any] = field(default_factory=dict)  # name -> ProbeResult
+    reading: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields the fine-tune reads differently from the base
 
 
 def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bool | None, control: bool,
            eval_tiles: int, stages: _Stages, probe_tiles: int = 0) -> None:
-    from .config import load_recipe
+    from .config import load_recipe, reading_changes
     from .evaluation.plots import plot_results
+    from .model.config import ModelConfig
     from .evaluation.report import format_compare_table
     from .evaluation.score import evaluate, load_eval_model
     from .evaluation.stats import compare, compare_softmask
@@ -226,6 +228,15 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
     stages.start(f"evaluating the base model ({base.name}, trained at up to {cut:,} tokens) on {eval_tiles} held-out "
                  f"chr22 tiles of {story.context:,} tokens")
     score("base", "base", base, load_eval_model(base)[0])
+    # a recipe that reads the weights differently from the base's config.json (model.overrides, e.g.
+    # a wider DSA key budget): the base is scored that way too, so that the comparisons separate what
+    # the new reading does from what the training does
+    story.reading = reading_changes(ModelConfig.from_pretrained(base), recipe.model_config())
+    if story.reading:
+        stages.total += 1
+        stages.start(f"evaluating the base model read as the fine-tune reads it ({_reading_text(story)})")
+        score("base-read", f"base, {_reading_text(story, short=True)}", base,
+              load_eval_model(base, overrides=story.reading)[0])
     stages.start(f"fine-tuning at {recipe.data.context:,} tokens for {recipe.train.max_steps} steps "
                  f"({recipe.memory.recompute} recompute) -> {runs / 'quickstart'}")
     tuned = run(recipe)
@@ -235,8 +246,17 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
     score("tuned", "fine-tuned", tuned.export, tuned_model)
     stages.start(f"evaluating the fine-tuned model with its context cut at {cut:,} bases (same tokens)")
     score("tuned-cut", f"fine-tuned, cut at {cut:,}", tuned.export, tuned_model, context_cut=cut)
+    story.comparisons.append(
+        ("base", "tuned", "What did fine-tuning at long context change? (fine-tuned vs base, both with full context)", None))
+    if story.reading:
+        short = _reading_text(story, short=True)
+        steps = f"{recipe.train.max_steps} training step" + ("" if recipe.train.max_steps == 1 else "s")
+        story.comparisons += [
+            ("base", "base-read", f"How much of that does the new reading do alone? (the base read with {short} vs base, "
+             "no training)", None),
+            ("base-read", "tuned", f"What did the {steps} change? (fine-tuned vs base, both read with {short})", None),
+        ]
     story.comparisons += [
-        ("base", "tuned", "What did fine-tuning at long context change? (fine-tuned vs base, both with full context)", None),
         ("tuned-cut", "tuned", f"What does context beyond {cut:,} bases buy the fine-tuned model? (full vs cut at {cut:,}, same model)", None),
     ]
     if control:
@@ -280,7 +300,7 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
     for a, b, _, gap in story.softmask:
         for line in _softmask_reading(gap, story.results[a].label, story.results[b].label):
             print(f"  {line}")
-    order = ["base", "tuned", "tuned-cut", "control"]
+    order = ["base", "base-read", "tuned", "tuned-cut", "control"]
     shutil.rmtree(out / "figures", ignore_errors=True)
     story.figures = plot_results([story.results[n] for n in order if n in story.results], out / "figures",
                                  by="softmask" if masked else None)
@@ -387,6 +407,23 @@ def _softmask_section(story: _Story) -> list[str]:
         lines += [f"### {question}", "", f"A = {la}, B = {lb}.", "", format_gap_table(gap), ""]
         lines += [f"- {line}" for line in _softmask_reading(gap, la, lb)] + [""]
     return lines
+
+
+def _reading_text(story: _Story, short: bool = False) -> str:
+    """How the fine-tune reads the weights differently from the base (:attr:`_Story.reading`):
+    ``'2,048 keys per DSA query (index_topk; the base's config.json: 512)'``, or with ``short``
+    ``'2,048 DSA keys'``; other fields as ``name = value``."""
+    from .model.config import ModelConfig
+
+    base = ModelConfig.from_pretrained(story.base)
+    parts = []
+    for name, value in story.reading.items():
+        if name == "index_topk":
+            parts.append(f"{value:,} DSA keys" if short else
+                         f"{value:,} keys per DSA query (index_topk; the base's config.json: {base.index_topk:,})")
+        else:
+            parts.append(f"{name} = {value}" if short else f"{name} = {value} (the base's config.json: {getattr(base, name)})")
+    return ", ".join(parts)
 
 
 def _trained_share(story: _Story) -> str:
@@ -502,6 +539,11 @@ def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
         f"sample's training split (chr1, chr3, chr4, chr5 slices), lr {r.train.lr:g} (recipes/quickstart.yaml)"
         + (f", training {_trained_share(story)}" if r.model.freeze else "") + ".",
     ]
+    if story.reading:
+        lines.append(f"- Read with {_reading_text(story)}: recipes/quickstart.yaml's model.overrides, which the fine-tune "
+                     "trains and is scored with. The base is scored both ways ('base': its own config.json; 'base, "
+                     f"{_reading_text(story, short=True)}': the same weights read as the fine-tune reads them), so the "
+                     "comparisons separate what the new reading does from what the training does.")
     if "control" in results:
         lines.append(f"- Control: the same recipe, seed, windows and steps with `train.context_cut: {story.cut}` "
                      f"(each target trained with at most {story.cut:,} bases of context).")

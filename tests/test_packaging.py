@@ -109,7 +109,8 @@ def test_quickstart_command(tmp_path: Path) -> None:
     first the cheapest run (1 step, 1 tile, no probe, no control), then the full one, which replaces
     its store, runs and results (the first run's step-1 checkpoint must be gone). The second run
     starts from the first one's export (`--set model.checkpoint`): that checkpoint, not the bundled
-    base, is what it scores and reports as the base."""
+    base, is what it scores and reports as the base. The first run also scores the bundled base read
+    with the recipe's wider DSA key budget; the second's base already has it, so it does not."""
     common = [sys.executable, "-m", "genolong.cli", "quickstart", "--out", str(tmp_path / "qs"), "--quiet",
               "--set", "data.context=2048"]
     first = ["--eval-tiles", "1", "--probe-tiles", "0", "--set", "train.max_steps=1", "--set", "train.warmup_steps=0",
@@ -124,6 +125,16 @@ def test_quickstart_command(tmp_path: Path) -> None:
             assert sorted(p.name for p in (tmp_path / "qs" / "runs" / "quickstart" / "checkpoints").iterdir())[0] == "step0000001.ckpt"
             first_base = EvalResult.load(tmp_path / "qs" / "eval" / "base")
             assert Path(first_base.meta["checkpoint"]) == bundled_base().resolve()
+            # the recipe reads with 2,048 DSA keys (model.overrides), the bundled base's config.json with
+            # 512: the base is also scored read that way, and the report separates the two
+            read = EvalResult.load(tmp_path / "qs" / "eval" / "base-read")
+            assert read.label == "base, 2,048 DSA keys" and read.mean_nll != first_base.mean_nll
+            assert read.fingerprint == first_base.fingerprint
+            first_report = (tmp_path / "qs" / "REPORT.md").read_text()
+            for what in ("Read with 2,048 keys per DSA query (index_topk; the base's config.json: 512)",
+                         "(the base read with 2,048 DSA keys vs base, no training)",
+                         "What did the 1 training step change? (fine-tuned vs base, both read with 2,048 DSA keys)"):
+                assert what in first_report, what
             shutil.copytree(tmp_path / "qs" / "runs" / "quickstart" / "export", started_from)
     assert "train: 6,179,943 tokens in 5 segments" in run.stdout
     assert "eval: 900,000 tokens in 2 segments" in run.stdout
@@ -134,6 +145,7 @@ def test_quickstart_command(tmp_path: Path) -> None:
         assert (qs / "runs" / name / "export" / "model.safetensors").is_file()
         assert sorted(p.name for p in (qs / "runs" / name / "checkpoints").iterdir()) == ["step0000002.ckpt", "step0000002.ckpt.checksums.json"]
     results = {name: EvalResult.load(qs / "eval" / name) for name in ("base", "tuned", "tuned-cut", "control")}
+    assert not (qs / "eval" / "base-read").exists()  # the base it started from already reads with 2,048 keys
     # the base scored is the checkpoint the fine-tune started from (one step past the bundled base)
     assert results["base"].meta["checkpoint"] == str(started_from)
     assert len({r.fingerprint for r in results.values()}) == 1  # the same tokens everywhere

@@ -39,7 +39,7 @@ The package, one way (a module imports only the ones listed before it):
 - ``messages``: the wording of an error (a value as YAML writes it, what a type needs, the nearest
   valid key, a field's help line); it knows nothing of the schema.
 - ``schema``: the eight section classes, their field types and bounds, :data:`KDA_CHUNK`,
-  :data:`SHAPE_FIELDS` and :func:`kernel_multiple`.
+  :data:`SHAPE_FIELDS`, :func:`kernel_multiple` and :func:`reading_changes`.
 - ``recipe``: :class:`Recipe`, :func:`recipe_schema` and the checks after validation.
 - ``loading``: the YAML loader, ``--set``, :func:`load_recipe`, :func:`parse_recipe`,
   :func:`parse_set`, :func:`recipe_diff`, and pydantic's errors as one-line ``InputError``.
@@ -64,6 +64,7 @@ from .schema import (
     ParallelSection,
     TrainSection,
     kernel_multiple,
+    reading_changes,
 )
 
 __all__ = [
@@ -84,6 +85,7 @@ __all__ = [
     "parse_recipe",
     "parse_set",
     "kernel_multiple",
+    "reading_changes",
     "recipe_diff",
     "recipe_schema",
 ]

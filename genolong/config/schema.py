@@ -52,6 +52,30 @@ SHAPE_FIELDS = (
     "mlp_layer_types", "indexer_types",
 )
 
+#: ModelConfig fields that are bookkeeping or say how, not what, the model computes: never a
+#: difference in how a checkpoint is read (:func:`reading_changes`).
+_NOT_READING_FIELDS = ("extra", "wrapper", "kernel_backend")
+
+
+def reading_changes(base: ModelConfig, other: ModelConfig) -> dict[str, Any]:
+    """The ModelConfig fields in which ``other`` differs from ``base`` while every parameter shape
+    stays the same (not :data:`SHAPE_FIELDS`): what to change to read ``base``'s weights as
+    ``other``'s model reads its own, e.g. ``{"index_topk": 2048}`` when a fine-tune widens the DSA
+    layers' key budget (``model.overrides``). Empty when the two differ in shapes only or not at
+    all; ``kernel_backend`` (the same numbers by another implementation) never counts.
+
+    Args:
+        base: e.g. a checkpoint's config.json.
+        other: e.g. a recipe's :meth:`Recipe.model_config` over that checkpoint.
+
+    Returns:
+        ``{field: other's value}`` in field order.
+    """
+    skip = set(SHAPE_FIELDS) | set(_NOT_READING_FIELDS)
+    return {f.name: getattr(other, f.name) for f in dataclasses.fields(ModelConfig)
+            if f.name not in skip and getattr(other, f.name) != getattr(base, f.name)}
+
+
 _VOCAB_MAP_MODES = ("auto", "identity", "tokenizer")
 _VOCAB_MAP_KEYS = ("A", "C", "G", "T", "N", "pad", "bos", "eos")
 # ModelConfig fields a recipe may override: all but the config.json bookkeeping, plus the
