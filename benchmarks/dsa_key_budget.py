@@ -34,11 +34,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
 from _bench import environment, write_json  # noqa: E402
+from quickstart_heldout import CHR16, CHRM  # noqa: E402  (the held-out FASTAs in tests/data)
 
-ROOT = HERE.parent
 DEFAULT_JSON = HERE / "results" / "dsa_key_budget.json"
-CHR16 = ROOT / "tests" / "data" / "hg38_chr16_186964-397118.softmasked.fa.gz"
-CHRM = ROOT / "tests" / "data" / "chrM_rCRS.fa.gz"
 SETS = ("chr22", "chr16")
 
 

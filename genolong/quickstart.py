@@ -4,7 +4,10 @@
    training, chr22:20-21 Mb held out) into ``OUT/genome``.
 2. Evaluate the bundled base model (the ``small`` preset trained at up to 1k context by the
    ``recipes/sample-base*.yaml`` chain, in ``data/sample/base``) on the first held-out chr22 tiles at
-   long context (``genolong evaluate``; ``OUT/eval/base``).
+   long context (``genolong evaluate``; ``OUT/eval/base``). Where the recipe reads the weights
+   differently from the base's config.json (``model.overrides`` such as the shipped
+   ``index_topk: 2048``: :func:`genolong.config.reading_changes`), the base is scored that way too
+   (``OUT/eval/base-read``), so that the report separates the new reading from the training.
 3. Fine-tune it at long context with ``recipes/quickstart.yaml`` (``OUT/runs/quickstart``).
 4. Evaluate the fine-tuned model on the same tiles, with full context and with its context cut
    at the base's training length (``OUT/eval/tuned``, ``OUT/eval/tuned-cut``).
@@ -133,7 +136,8 @@ def run_quickstart(out: Path = Path("genolong-quickstart"), progress: bool | Non
     Raises:
         GenolongError: the bundled base model is missing, or a bad override.
     """
-    stages = _Stages(1 + (5 + 2 * control + (probe_tiles > 0) if train else 0))
+    reads_base_twice = train and _reads_differently(overrides)  # one more evaluation: the base read as the fine-tune reads
+    stages = _Stages(1 + (5 + reads_base_twice + 2 * control + (probe_tiles > 0) if train else 0))
     out.mkdir(parents=True, exist_ok=True)
     stages.start(f"preparing the bundled human sample {sample_fasta().name} -> {out / 'genome'}")
     result = prepare_sample(out / "genome", progress=progress)
@@ -150,6 +154,20 @@ def run_quickstart(out: Path = Path("genolong-quickstart"), progress: bool | Non
     stages.finish()
     print(f"\ngenolong quickstart: done in {stages.elapsed()}")
     return store
+
+
+def _reads_differently(overrides: Sequence[str]) -> bool:
+    """Whether ``recipes/quickstart.yaml`` with ``overrides`` reads its base's weights differently
+    from the base's config.json (:func:`genolong.config.reading_changes`); False when the base is
+    missing (the quickstart names that after preparing the store)."""
+    from .config import load_recipe, reading_changes
+    from .model.config import ModelConfig
+
+    recipe = load_recipe(quickstart_recipe(), [f"model.checkpoint={bundled_base()}", *overrides])
+    base = recipe.model.checkpoint
+    if base is None or not (Path(base) / "config.json").is_file():
+        return False
+    return bool(reading_changes(ModelConfig.from_pretrained(base), recipe.model_config()))
 
 
 @dataclass
@@ -233,8 +251,7 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
     # the new reading does from what the training does
     story.reading = reading_changes(ModelConfig.from_pretrained(base), recipe.model_config())
     if story.reading:
-        stages.total += 1
-        stages.start(f"evaluating the base model read as the fine-tune reads it ({_reading_text(story)})")
+        stages.start(f"evaluating the base model read as the fine-tune reads it: {_reading_text(story)}")
         score("base-read", f"base, {_reading_text(story, short=True)}", base,
               load_eval_model(base, overrides=story.reading)[0])
     stages.start(f"fine-tuning at {recipe.data.context:,} tokens for {recipe.train.max_steps} steps "

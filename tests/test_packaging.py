@@ -126,7 +126,8 @@ def test_quickstart_command(tmp_path: Path) -> None:
             first_base = EvalResult.load(tmp_path / "qs" / "eval" / "base")
             assert Path(first_base.meta["checkpoint"]) == bundled_base().resolve()
             # the recipe reads with 2,048 DSA keys (model.overrides), the bundled base's config.json with
-            # 512: the base is also scored read that way, and the report separates the two
+            # 512: the base is also scored read that way (one stage more), and the report separates the two
+            assert "[7/7 |" in run.stdout and "/8 |" not in run.stdout
             read = EvalResult.load(tmp_path / "qs" / "eval" / "base-read")
             assert read.label == "base, 2,048 DSA keys" and read.mean_nll != first_base.mean_nll
             assert read.fingerprint == first_base.fingerprint
