@@ -191,10 +191,10 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
            eval_tiles: int, stages: _Stages, probe_tiles: int = 0) -> None:
     from .config import load_recipe, reading_changes
     from .evaluation.plots import plot_results
-    from .model.config import ModelConfig
     from .evaluation.report import format_compare_table
     from .evaluation.score import evaluate, load_eval_model
     from .evaluation.stats import compare, compare_softmask
+    from .model.config import ModelConfig
     from .train.finetune import run
 
     if eval_tiles < 1:

@@ -191,16 +191,20 @@ def test_an_existing_out_and_a_vcf_of_nothing_scorable_are_one_line(run: tuple[P
 
 
 # `genolong variants` in one thread whose blocks after the first wait (up to 60 s) until the process
-# has noted a SIGTERM (the handler `SignalFlag` installs, read back here): the test's signal lands
-# while the second block is scored, however slow the machine, so the run stops after exactly 2
+# has noted a SIGTERM (the handler `SignalFlag` installs, read back here), after touching the file
+# $HELD_MARKER: the test signals once that file exists, so its signal lands while the second block
+# is scored (past the stop check between blocks, however slow the machine) and the run stops after
+# exactly 2. (Signalling when the first block's part appears raced that check on a loaded machine:
+# the run stopped after 1.)
 _HELD = """
-import signal, sys, time
+import os, pathlib, signal, sys, time
 import torch
 torch.set_num_threads(1)
 import genolong.evaluation.variants as v
 real, calls = v._score_unit, []
 def held(*args, **kwargs):
     if calls:
+        pathlib.Path(os.environ["HELD_MARKER"]).touch()
         flag = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
         deadline = time.monotonic() + 60
         while flag is not None and not flag.received and time.monotonic() < deadline:
@@ -224,12 +228,14 @@ def test_sigterm_stops_after_a_committed_block_and_the_same_command_finishes(run
     assert blocks >= 6  # several blocks, so that stopping after 2 leaves work to resume
     work = tmp_path / ".stopped.partial"
     parts = work / "parts"
-    proc = subprocess.Popen([sys.executable, "-c", _HELD, *args], env=_ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    marker = tmp_path / "second-block-started"
+    proc = subprocess.Popen([sys.executable, "-c", _HELD, *args], env={**_ENV, "HELD_MARKER": str(marker)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None and not list(parts.glob("part-*.parquet")):
+    while time.monotonic() < deadline and proc.poll() is None and not marker.exists():
         time.sleep(0.01)
-    assert proc.poll() is None, f"the run ended before its first block was committed: {proc.communicate()[1][-3000:]}"
+    assert proc.poll() is None, f"the run ended before its second block began: {proc.communicate()[1][-3000:]}"
+    assert [p.name for p in parts.iterdir()] == ["part-000-000000.parquet"]  # the first block, committed
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == PREEMPTED_EXIT_CODE == 75, err[-3000:]
