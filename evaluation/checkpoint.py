@@ -141,6 +141,7 @@ def _with_overrides(config: ModelConfig, overrides: Mapping[str, Any] | None, ch
     except TypeError as exc:
         raise InputError(f"{checkpoint}: overrides {dict(overrides)} are not ModelConfig fields ({exc})") from None
 
+
 def _load_sharded_weights(model: GenoLM, path: Path) -> None:
     """Fill ``model`` in place from a multi-process run's sharded checkpoint directory
     (torch.distributed.checkpoint, written by Lightning's ``ModelParallelStrategy``: the model

@@ -136,7 +136,8 @@ def run_quickstart(out: Path = Path("genolong-quickstart"), progress: bool | Non
     Raises:
         GenolongError: the bundled base model is missing, or a bad override.
     """
-    reads_base_twice = train and _reads_differently(overrides)  # one more evaluation: the base read as the fine-tune reads
+    # one more evaluation where the recipe reads the base differently: the base read as the fine-tune reads
+    reads_base_twice = train and bool(_recipe_reading(_load_quickstart_recipe(overrides)))
     stages = _Stages(1 + (5 + reads_base_twice + 2 * control + (probe_tiles > 0) if train else 0))
     out.mkdir(parents=True, exist_ok=True)
     stages.start(f"preparing the bundled human sample {sample_fasta().name} -> {out / 'genome'}")
@@ -156,18 +157,24 @@ def run_quickstart(out: Path = Path("genolong-quickstart"), progress: bool | Non
     return store
 
 
-def _reads_differently(overrides: Sequence[str]) -> bool:
-    """Whether ``recipes/quickstart.yaml`` with ``overrides`` reads its base's weights differently
-    from the base's config.json (:func:`genolong.config.reading_changes`); False when the base is
-    missing (the quickstart names that after preparing the store)."""
-    from .config import load_recipe, reading_changes
+def _load_quickstart_recipe(overrides: Sequence[str]) -> Any:
+    """``recipes/quickstart.yaml`` over the bundled base, with the ``--set`` ``overrides``."""
+    from .config import load_recipe
+
+    return load_recipe(quickstart_recipe(), [f"model.checkpoint={bundled_base()}", *overrides])
+
+
+def _recipe_reading(recipe: Any) -> dict[str, Any]:
+    """How ``recipe`` reads its base's weights differently from the base's config.json
+    (:func:`genolong.config.reading_changes`); empty when the base is missing (the quickstart
+    names that after preparing the store)."""
+    from .config import reading_changes
     from .model.config import ModelConfig
 
-    recipe = load_recipe(quickstart_recipe(), [f"model.checkpoint={bundled_base()}", *overrides])
     base = recipe.model.checkpoint
     if base is None or not (Path(base) / "config.json").is_file():
-        return False
-    return bool(reading_changes(ModelConfig.from_pretrained(base), recipe.model_config()))
+        return {}
+    return reading_changes(ModelConfig.from_pretrained(base), recipe.model_config())
 
 
 @dataclass
@@ -189,12 +196,11 @@ class _Story:
 
 def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bool | None, control: bool,
            eval_tiles: int, stages: _Stages, probe_tiles: int = 0) -> None:
-    from .config import load_recipe, reading_changes
+    from .config import load_recipe
     from .evaluation.plots import plot_results
     from .evaluation.report import format_compare_table
     from .evaluation.score import evaluate, load_eval_model
     from .evaluation.stats import compare, compare_softmask
-    from .model.config import ModelConfig
     from .train.finetune import run
 
     if eval_tiles < 1:
@@ -249,7 +255,7 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
     # a recipe that reads the weights differently from the base's config.json (model.overrides, e.g.
     # a wider DSA key budget): the base is scored that way too, so that the comparisons separate what
     # the new reading does from what the training does
-    story.reading = reading_changes(ModelConfig.from_pretrained(base), recipe.model_config())
+    story.reading = _recipe_reading(recipe)
     if story.reading:
         stages.start(f"evaluating the base model read as the fine-tune reads it: {_reading_text(story)}")
         score("base-read", f"base, {_reading_text(story, short=True)}", base,
