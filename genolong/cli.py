@@ -14,11 +14,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from .allocator import keep_freed_memory
 from .errors import PREEMPTED_EXIT_CODE, GenolongError, Stopped
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "entry", "main"]
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
@@ -987,5 +988,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def entry() -> NoReturn:
+    """The ``genolong`` console script (and ``python -m genolong.cli``): :func:`main` with this
+    process's arguments, then exit with its code.
+
+    A process that is still a rank of a torch.distributed job at the end (the processes Lightning,
+    torchrun or SLURM start for a multi-process ``finetune`` / ``evaluate`` / ``variants``) exits
+    through :func:`genolong.parallel.shutdown.exit_process`, without the interpreter's finalization,
+    where gloo's worker threads can abort a run whose work is done.
+    """
+    code = main()
+    from .parallel.shutdown import exit_process, in_process_group
+
+    if in_process_group():
+        exit_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -1,4 +1,8 @@
-"""genolong.parallel: memory techniques applied over the plain model.
+"""genolong.parallel: memory techniques applied over the plain model, and the distributed job.
+
+The distributed side lives in its submodules: ``mesh`` (the device mesh), ``context`` / ``cp_*``
+(context parallelism), ``expert`` (expert parallelism), ``timeout`` (stalled ranks), ``shutdown``
+(how a rank exits). The memory techniques:
 
 - :func:`parallelize` applies them in a fixed order (MoE token chunks, recompute, offload);
 - :func:`apply_recompute`: none | selective (per module kind) | full activation recomputation;
