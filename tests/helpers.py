@@ -4,6 +4,7 @@ bitwise comparison of floating-point results, the transformers child process, th
 
 from __future__ import annotations
 
+import faulthandler
 import gzip
 import re
 import time
@@ -18,6 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from genolong.parallel.shutdown import exit_process
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_DATA = Path(__file__).resolve().parent / "data"
@@ -159,16 +162,22 @@ def run_transformers(script: str, *args: str, stdin: str = "") -> str:
 def _rank_entry(rank: int, fn: Callable[..., None], world: int, init_file: str, args: tuple[Any, ...]) -> None:
     # one intra-op thread per process: the machine's cores are shared by all ranks
     torch.set_num_threads(1)
+    # a rank that aborts in C++ prints where its Python threads stood (none: finalization)
+    faulthandler.enable(all_threads=True)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
         fn(rank, world, *args)
         # every rank past its last collective before any rank closes its connections: a gloo send
-        # can complete before the peer has read it, and a rank whose peer vanished mid-read aborts
-        # (seen once in CI: "terminate called without an active exception", SIGABRT)
+        # can complete before the peer has read it
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # a rank whose work is done ends without the interpreter's finalization, where the gloo worker
+    # threads of groups torch still holds aborted finished ranks (SIGABRT, "terminate called
+    # without an active exception": twice in CI, 4 in 120 2-rank FSDP2 runs of
+    # benchmarks/rank_exit.py); a rank that raised has its traceback written by spawn already
+    exit_process(0)
 
 
 def run_ranks(fn: Callable[..., None], world: int, tmp_path: Path, *args: Any, timeout: float = 120.0) -> None:
