@@ -175,8 +175,9 @@ def _rank_entry(rank: int, fn: Callable[..., None], world: int, init_file: str, 
         dist.destroy_process_group()
     # a rank whose work is done ends without the interpreter's finalization, where the gloo worker
     # threads of groups torch still holds aborted finished ranks (SIGABRT, "terminate called
-    # without an active exception": twice in CI, 4 in 120 2-rank FSDP2 runs of
-    # benchmarks/rank_exit.py); a rank that raised has its traceback written by spawn already
+    # without an active exception": twice in CI; 3 in 140 2-rank FSDP2 jobs of
+    # benchmarks/rank_exit.py ended by barrier + destroy as here, 0 in 140 with exit_process after
+    # them); a rank that raised has its traceback written by spawn already
     exit_process(0)
 
 
