@@ -107,7 +107,8 @@ class ActivationOffloader:
     """Moves each layer's saved activations of at least ``min_bytes`` to host memory.
 
     Args:
-        min_bytes: smallest tensor (bytes) worth a copy (default 1 MiB); smaller ones stay.
+        min_bytes: smallest tensor (bytes) worth a copy (default 1 MiB); smaller ones, and empty
+            ones whatever the threshold, stay.
         prefetch: during backward, fetch the previous layer's tensors while the current layer
             computes (default True).
 
@@ -202,8 +203,11 @@ class ActivationOffloader:
     def _pack(self, tensor: torch.Tensor) -> Any:
         group = self._stack[-1][1]
         assert group is not None
+        # an empty tensor is never worth a copy, whatever min_bytes says (torch 2.11's checkpoint
+        # saves one per recomputed layer: offloading it cost a D2H and an H2D launch for 0 bytes)
         if (tensor.device.type == "meta" or tensor.is_sparse or tensor.is_nested or isinstance(tensor, nn.Parameter)
-                or isinstance(tensor._base, nn.Parameter) or tensor.numel() * tensor.element_size() < self.min_bytes
+                or isinstance(tensor._base, nn.Parameter) or tensor.numel() == 0
+                or tensor.numel() * tensor.element_size() < self.min_bytes
                 or self._is_parameter(tensor, group)):
             return track_saved(tensor)
         key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
