@@ -297,12 +297,15 @@ def test_key_major_backward_odd_shapes_float32(name: str) -> None:
 @pytest.mark.parametrize("share", [False, True], ids=["separate_kv", "k_is_v"])
 def test_split_key_tiles_and_head_splits_match_the_oracle(monkeypatch: pytest.MonkeyPatch, share: bool) -> None:
     """The paths the GLM-5.3-Flash shapes take, at interpreter sizes: key tiles whose query lists
-    are split into segments (float32 partials summed by the reduction kernel), a key-major step
+    are split into segments (float32 partials summed by the reduction kernel, its columns split over
+    programs), a key-major step
     holding part of one query's heads (head group 32 > 16 rows) and the dQ head group split over
     two programs. fp32 within 1e-5 of the float64 oracle; the split run equals the unsplit one up
     to float32 summation order."""
     monkeypatch.setattr(triton_attention, "_DKV_ROWS", 16)
     monkeypatch.setattr(triton_attention, "_DQ_ACC_ELEMS", 256)
+    # the reduction's columns over two programs (16 = 2 x 8), as the 256-512 wide latents run on a GPU
+    monkeypatch.setattr(triton_attention, "_DKV_REDUCE_COLS", 8)
     assert triton_attention._dq_config(32, 12, 16, 16, 4)[0] == 2
     assert triton_attention._key_major_config(32, 16, 16, 4)[1] == 16
     B, T, H, HK, D, K = 1, 19, 32, 1, 16, 7
