@@ -46,3 +46,37 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def _interpreter_numpy_problem() -> str | None:
+    """Why Triton's interpreter cannot run genolong's kernels with the installed versions, or None.
+
+    triton 3.6's interpreter turns a loop bound computed from ``tl.program_id`` into a Python int
+    through ``int()`` of a one-element array, which numpy 2.4 refuses ("only 0-dimensional arrays
+    can be converted to Python scalars"); triton >= 3.7 does not. torch 2.11's CUDA builds pin
+    triton 3.6.0 (pyproject.toml's floor), so that combination is a supported one with numpy < 2.4.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        from importlib.metadata import version
+
+        import numpy
+        triton_version = version("triton")
+    except Exception:  # no triton: the kernel tests say so themselves
+        return None
+
+    def release(v: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in v.split("+")[0].split(".")[:2] if p.isdigit())
+
+    if release(triton_version) < (3, 7) and release(numpy.__version__) >= (2, 4):
+        return (f"triton {triton_version}'s interpreter cannot run genolong's kernel tests with numpy "
+                f"{numpy.__version__}: install numpy < 2.4 (pip install 'numpy<2.4') or triton >= 3.7")
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One line, before any test runs, for a version combination the kernel tests cannot run on."""
+    problem = _interpreter_numpy_problem()
+    if problem is not None:
+        raise pytest.UsageError(problem)
