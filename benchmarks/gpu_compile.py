@@ -20,8 +20,8 @@ specialisation attributes (16-divisibility) and the options the wrapper chose (`
 kernel is picked up as it is launched.
 
 Triton releases: this runs on every release from 3.3.0 to 3.9.0; genolong's kernels pass its checks
-from 3.7 on, which is pyproject.toml's lower bound (BENCHMARKS.md, "Triton, fla-core and
-transformers versions checked"). The few things this needs that are not Triton's public API (where
+from 3.6 on (torch 2.11's pin), which is pyproject.toml's lower bound (BENCHMARKS.md, "Triton,
+fla-core and transformers versions checked"; the 3.6.0 run: ``benchmarks/results/gpu_compile_triton36.json``). The few things this needs that are not Triton's public API (where
 the cache hook and the active driver live, the ptxas command line) moved between releases; the
 functions of the "Triton versions" section handle each release explicitly, older ones included, so
 that it can say what fails on them.

@@ -139,6 +139,30 @@ def assert_bitwise_equal(actual: Any, expected: Any, what: str) -> None:
 _TRANSFORMERS_PRELUDE = 'import sys\nsys.modules["fla"] = None\n'
 
 
+_FRAME = re.compile(r'^\s*File "([^"]+)", line \d+', re.MULTILINE)
+
+
+def genolong_frames(text: str) -> list[str]:
+    """The traceback frames in ``text`` (``File "PATH", line N``) whose file lies in genolong's own
+    code (the ``genolong``, ``genolong.kernels`` and ``genolong.evaluation`` package folders).
+
+    A frame is matched by its file, not by any path that contains the project's name: a checkout
+    in a folder named ``genolong`` (what ``git clone`` makes) puts ``/genolong/`` in every path of
+    its virtualenv, Lightning's hints included.
+    """
+    import genolong
+    import genolong.evaluation
+    import genolong.kernels
+
+    roots = [Path(p).resolve() for pkg in (genolong, genolong.kernels, genolong.evaluation) for p in pkg.__path__]
+    frames = []
+    for path in _FRAME.findall(text):
+        resolved = Path(path).resolve()
+        if any(resolved.is_relative_to(root) for root in roots):
+            frames.append(path)
+    return frames
+
+
 def run_transformers(script: str, *args: str, stdin: str = "") -> str:
     """Run a transformers reference ``script`` (with ``args`` in ``sys.argv[1:]`` and ``stdin``)
     in a child process where fla cannot be imported; returns its stdout.

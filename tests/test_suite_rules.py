@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .helpers import assert_bitwise_equal
+from .helpers import assert_bitwise_equal, genolong_frames
 
 # this module sets the thread count itself where it matters (test_assert_bitwise_equal_needs_one_thread)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -174,3 +174,23 @@ def test_assert_bitwise_equal_needs_one_thread() -> None:
             assert_bitwise_equal(x, x.double(), "x")
     finally:
         torch.set_num_threads(threads)
+
+
+def test_genolong_frames_match_the_package_not_a_checkout_named_genolong() -> None:
+    """A checkout in a folder named ``genolong`` (what ``git clone`` makes) puts ``/genolong/`` in
+    every path of its virtualenv: only frames of genolong's own code count as genolong's."""
+    import genolong.cli
+    import genolong.kernels.backends
+
+    own = genolong.cli.__file__
+    kernel = genolong.kernels.backends.__file__
+    text = "\n".join([
+        "Traceback (most recent call last):",
+        '  File "/home/me/genolong/.venv/lib/python3.11/site-packages/lightning/fabric/strategies/ddp.py", line 9, in f',
+        '  File "/home/me/genolong/.venv/bin/torchrun", line 8, in <module>',
+        "srun is available, see /home/me/genolong/.venv/bin/python",
+        f'  File "{own}", line 12, in entry',
+        f'  File "{kernel}", line 40, in get_backend',
+    ])
+    assert genolong_frames(text) == [own, kernel]
+    assert genolong_frames(text.split(f'  File "{own}"')[0]) == []
