@@ -30,7 +30,6 @@ Importing this module does not import torch (``genolong tracks`` is a light comm
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import shutil
@@ -76,6 +75,8 @@ class Track:
         value: ``[n]`` float32 values (nats).
         end: ``[n]`` int64 0-based exclusive ends of each value's interval (a binned track,
             :func:`bin_track`); default None: one base each, ``position + 1``.
+        bin_size: the bin size of a binned track (each interval inside ``[k*bin_size,
+            (k+1)*bin_size)``); 1 for a per-base track.
     """
 
     name: str
@@ -86,6 +87,7 @@ class Track:
     position: np.ndarray
     value: np.ndarray
     end: np.ndarray | None = None
+    bin_size: int = 1
 
     @property
     def ends(self) -> np.ndarray:
@@ -340,7 +342,7 @@ def bin_track(track: Track, size: int, sizes: Mapping[str, int]) -> Track:
     contig = track.contig[starts]
     begin = bin_index[starts] * size
     limit = np.array([sizes[c] for c in contig], np.int64)
-    return replace(track, contig=contig, position=begin, end=np.minimum(begin + size, limit),
+    return replace(track, contig=contig, position=begin, end=np.minimum(begin + size, limit), bin_size=size,
                    value=(total / count).astype(np.float32),
                    title=f"{track.title} ({size:,}-base mean)",
                    description=f"{track.description}; mean per {size:,}-base bin")
@@ -361,36 +363,24 @@ def _header_order(sizes: Mapping[str, int]) -> list[str]:
 
 
 def write_bigwig(path: str | os.PathLike[str], track: Track, sizes: Mapping[str, int]) -> None:
-    """Write ``track`` as bigWig with pybigtools: one ``(start, end, value)`` interval per value
-    (per base, or per bin), float32, and zoom levels whose summaries (bases, minimum, maximum,
-    sum, sum of squares of each zoom bin) are those of the values.
-
-    Why not pyBigWig (libBigWig): its writer stores a zoom record's sum only when the next record
-    begins, so the last record of every zoom level, and the last of every zoom block, read
-    ``sum = 0`` with their count, minimum and maximum set; a zoomed-out mean (a browser's
-    overview, ``pyBigWig.stats()``) was then wrong. As with UCSC ``bedGraphToBigWig``, the
-    header lists the chromosomes that hold values (``chrom.sizes`` beside it lists all).
+    """Write ``track`` as bigWig (:func:`genolong.evaluation.bigwig.write_bigwig_file`): one
+    interval per value (per base, or per bin), float32, every chromosome of ``sizes`` in the header
+    (byte order of the name), and zoom levels computed exactly from the values: each zoom bin's
+    bases, minimum, maximum, sum and sum of squares are those of its bases (pyBigWig's and
+    pybigtools' writers get them wrong; see that module).
 
     Raises:
         InputError: the track holds no value (a bigWig must hold one).
     """
-    import pybigtools
+    from .bigwig import write_bigwig_file
 
     if not len(track.position):
         raise InputError(f"track {track.name} holds no value; nothing to write")
     rank = {name: i for i, name in enumerate(_header_order(sizes))}
     runs = sorted(_runs(track.contig), key=lambda run: rank[run[0]])
-    ends = track.ends
-
-    def entries() -> Any:
-        for name, first, stop in runs:
-            # Python ints and floats: pybigtools takes tuples; float64 of a float32 is exact, and
-            # it stores float32 again
-            yield from zip(itertools.repeat(name), track.position[first:stop].tolist(), ends[first:stop].tolist(),
-                           track.value[first:stop].astype(np.float64).tolist())
-
-    used = {name for name, _, _ in runs}
-    pybigtools.open(str(path), "w").write({name: int(sizes[name]) for name in rank if name in used}, entries())
+    order = np.concatenate([np.arange(first, stop) for _, first, stop in runs])  # chromosomes in byte order
+    write_bigwig_file(path, sizes, track.contig[order], track.position[order], track.ends[order], track.value[order],
+                      bin_size=track.bin_size)
 
 
 def write_bedgraph(path: str | os.PathLike[str], track: Track) -> None:
