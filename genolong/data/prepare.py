@@ -461,6 +461,7 @@ def prepare_genome(
         raise InputError(f"--min-gap must be at least 1, got {min_gap}")
     if names not in NAMES:
         raise InputError(f"--names must be one of {', '.join(NAMES)}, got {names!r}")
+    name_style = names  # `names` is reused below for each split's list
     requested = {"train": _parse_names(train), "eval": _parse_names(eval)}
     assignment: dict[str, str] = {}
     for split, names in requested.items():
@@ -501,7 +502,7 @@ def prepare_genome(
     try:
         # a full disk or a file-size limit: one error naming --out and the store's expected size
         with writing(out, needed=_expected_store_bytes(paths), work=tmp):
-            manifest, stats = _build(tmp, sources, paths, requested, assignment, min_gap, progress, names)
+            manifest, stats = _build(tmp, sources, paths, requested, assignment, min_gap, progress, name_style)
             for entry, digest in zip(manifest["sources"], source_digests):
                 entry["sha256"] = digest.result()
             fsync_tree(tmp)
@@ -552,7 +553,7 @@ def _build(
     assignment: dict[str, str],
     min_gap: int,
     progress: bool | None,
-    names: str = "source",
+    name_style: str = "source",
 ) -> tuple[dict[str, Any], list[tuple[str, _ContigStats]]]:
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="genolong-write")
     writers = {split: _SplitWriter(tmp / f"{split}.zarr", min_gap, executor) for split in requested}
@@ -579,7 +580,7 @@ def _build(
                     continue
                 split = assignment[info.region.contig]
                 writer = writers[split]
-                output = source_name(info.name) if names == "source" else info.region.contig
+                output = source_name(info.name) if name_style == "source" else info.region.contig
                 contig = _ContigStats(name=info.region.contig, record=info.name, source=source.path.name,
                                       start=info.region.start, output_name=output)
                 t0 = time.perf_counter()
@@ -628,7 +629,7 @@ def _build(
         "alphabet": {str(k): v for k, v in STORE_ALPHABET.items()},
         "softmask_flag": SOFTMASK,
         "min_gap": min_gap,
-        "names": names,
+        "names": name_style,
         "chunk_tokens": CHUNK_TOKENS,
         "shard_tokens": SHARD_TOKENS,
         "requested": requested,
