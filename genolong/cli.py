@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from .allocator import keep_freed_memory
-from .cli_tracks import add_names_argument, add_tracks_parser
+from .cli_tracks import add_names_argument, add_regions_argument, add_tracks_parser, split_regions
 from .errors import PREEMPTED_EXIT_CODE, GenolongError, Stopped
 
 __all__ = ["build_parser", "entry", "main"]
@@ -182,6 +182,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         raise InputError("--tracks are drawn from the per-token table: drop --no-tokens, or drop --tracks")
     store = GenomeStore.open(args.store)
     split = store.split(args.split)
+    regions = split_regions(args.regions, split, store.path) if args.regions else None  # before the model loads
     dtype = getattr(torch, _DTYPES[args.dtype])
     name = _scored_name(args)
     cut = f"-cut{args.context_cut}" if args.context_cut is not None else ""
@@ -197,7 +198,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
             meta={**_scored_meta(args), "store": str(store.path.resolve()), "split": args.split,
                   "dtype": _DTYPES[args.dtype], "device": args.device},
             force=args.force, progress=None if not args.quiet else False,
-            segment_tokens=segment_tokens, group=group, tracks=args.tracks,  # type: ignore[arg-type]
+            segment_tokens=segment_tokens, group=group, tracks=args.tracks, regions=regions,  # type: ignore[arg-type]
         )
         if result is None:  # not the writer
             return 0
@@ -703,6 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--no-tokens", action="store_true", help="do not write the per-token table (aggregates only)")
     ev.add_argument("--tracks", action="store_true",
                     help="also write the per-base loss as bigWig and bedGraph into OUT/tracks (see `genolong tracks`)")
+    add_regions_argument(ev)
     ev.add_argument("--segment-tokens", type=int, default=None, metavar="S",
                     help="stream a tile longer than S tokens through the model S at a time, carrying the KDA states "
                          "and DSA caches (peak memory of one segment plus the caches; equal to the one-shot forward "

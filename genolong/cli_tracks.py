@@ -7,9 +7,14 @@ calls :func:`add_tracks_parser` and :func:`add_names_argument`.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["add_names_argument", "add_tracks_parser", "cmd_tracks"]
+__all__ = ["add_names_argument", "add_regions_argument", "add_tracks_parser", "cmd_tracks", "split_regions"]
+
+if TYPE_CHECKING:
+    from .data.regions import Regions
 
 
 def add_names_argument(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +23,24 @@ def add_names_argument(parser: argparse.ArgumentParser) -> None:
                         help="chromosome names the store's outputs (tracks) use: source = the input's own (a b37 `>20` "
                              "stays 20), ucsc = chr20; any alias (20, chr20, NC_000020.10) finds it either way "
                              "(default: %(default)s)")
+
+
+def add_regions_argument(parser: argparse.ArgumentParser) -> None:
+    """``evaluate --regions BED``."""
+    parser.add_argument("--regions", metavar="BED",
+                        help="score only the tiles that share a base with these regions (BED: 0-based, half-open; any "
+                             "alias of a chromosome name); each tile whole, with its context")
+
+
+def split_regions(path: str | os.PathLike[str], split: Any, store: str | os.PathLike[str]) -> Regions:
+    """``evaluate --regions``: the BED file read against the split's chromosomes (their store
+    ``name`` s, reached through any alias; a region off them or past their end is an error)."""
+    from .data.regions import read_bed
+
+    sizes: dict[str, int] = {}
+    for record in split.contigs:
+        sizes[str(record["name"])] = max(sizes.get(str(record["name"]), 0), int(record["start"]) + int(record["length"]))
+    return read_bed(path, sizes, where=f"split {split.name!r} of {store}")
 
 
 def add_tracks_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]

@@ -306,6 +306,37 @@ def test_tracks_formats_bin_and_regions(runs: Path, tmp_path: Path, capsys: pyte
     assert not (tmp_path / "x").exists()
 
 
+def test_evaluate_regions_scores_the_tiles_they_touch(runs: Path, sample_store: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """evaluate --regions: only the tiles sharing a base with a region, each whole; their losses
+    those of the same tiles in a run over every tile (one thread: bitwise)."""
+    tiles = pd.read_parquet(runs / "full" / "tiles.parquet")
+    second, third = tiles.iloc[1], tiles.iloc[2]
+    regions = tmp_path / "r.bed"
+    # a base at the second tile's end, the third tile's first base (any alias, 0-based half-open)
+    regions.write_text(f"22\t{second.start + second.length - 1}\t{second.start + second.length}\n"
+                       f"NC_000022.10\t{third.start}\t{third.start + 1}\n")
+    out = tmp_path / "reg"
+    assert main(["evaluate", str(runs / "model"), "--store", str(sample_store), *_COMMON, "--context", "256",
+                 "--label", "tiny full", "--regions", str(regions), "--out", str(out)]) == 0
+    chosen = pd.read_parquet(out / "tiles.parquet")
+    assert chosen[["contig", "start", "length"]].values.tolist() == tiles.iloc[1:3][["contig", "start", "length"]].values.tolist()
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["regions"]["bases"] == 2 and meta["regions"]["path"] == str(regions)
+    every, some = _tokens(runs / "full"), _tokens(out)
+    inside = every["position"].between(second.start, third.start + third.length - 1)
+    np.testing.assert_array_equal(some["position"].to_numpy(), every["position"][inside].to_numpy())
+    np.testing.assert_array_equal(some["nll"].to_numpy(), every["nll"][inside].to_numpy())
+    # regions off the store: one line, before the model is loaded, nothing written
+    regions.write_text("chr1\t0\t10\n")
+    _one_line_error(capsys, ["evaluate", str(tmp_path / "no-model"), "--store", str(sample_store), "--context", "64",
+                             "--regions", str(regions), "--out", str(tmp_path / "x")], "--regions", "chr1", "not in")
+    regions.write_text("chr22\t20999000\t21000001\n")
+    _one_line_error(capsys, ["evaluate", str(tmp_path / "no-model"), "--store", str(sample_store), "--context", "64",
+                             "--regions", str(regions), "--out", str(tmp_path / "x")], "past the end")
+    assert not (tmp_path / "x").exists()
+
+
 def _files(directory: Path) -> list[str]:
     """Every path under ``directory``, relative to it, sorted."""
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))

@@ -17,6 +17,7 @@ Importing it loads numpy only.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -63,6 +64,14 @@ class Regions:
     def bases(self) -> int:
         """The number of bases the regions cover."""
         return int(sum(int((iv[:, 1] - iv[:, 0]).sum()) for iv in self.intervals.values()))
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the merged intervals (names and coordinates): equal digests, equal regions."""
+        h = hashlib.sha256()
+        for name in sorted(self.intervals):
+            h.update(name.encode() + b"\0" + self.intervals[name].astype("<i8").tobytes())
+        return h.hexdigest()
 
     def contains(self, contig: np.ndarray, position: np.ndarray) -> np.ndarray:
         """Whether each base lies inside a region.
