@@ -12,6 +12,16 @@ output directory (default ``RESULT_DIR/tracks``):
   (negative: B predicts the base better than A);
 - ``chrom.sizes``: the chromosome names and sizes the files were written with (UCSC format).
 
+``--formats`` chooses bigWig, bedGraph or both (default both); ``--bin N`` writes the mean of each
+``N``-base bin (:func:`bin_track`); ``--regions BED`` keeps the bases inside the regions
+(:func:`restrict_track`, :mod:`genolong.data.regions`). The bigWig is written by
+:mod:`genolong.evaluation.bigwig`, whose zoom levels are exact (pyBigWig's and pybigtools' are not).
+
+Names: the files name each chromosome as the sizes do (:func:`rename_to_sizes`): the store's
+output names (the source FASTA's, ``20`` for a b37 ``>20``, unless prepared with ``--names
+ucsc``) or a ``--chrom-sizes`` file's (a UCSC ``chrom.sizes`` or the FASTA's ``.fai``), matched
+to the per-token table's store names (UCSC, ``chr20``) through the aliases.
+
 Coordinates are the store's genomic ones (a base at 0-based position ``p`` is the bedGraph
 interval ``p  p+1``, displayed 1-based as ``p + 1``). The chromosome sizes are those of the source
 FASTA as the store's manifest records them: a whole-chromosome record's length, and for a

@@ -24,6 +24,8 @@ import pytest
 
 from genolong.evaluation.tracks import Track, bin_track, write_tracks
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # the suite's rule for modules that compare bitwise
+
 _RTOL = 1e-6  # float32 storage of a zoom record's sum (see the module docstring)
 
 
