@@ -47,6 +47,7 @@ import pyarrow.parquet as pq
 import torch
 
 from ..data.alphabet import BASE_MASK, SOFTMASK
+from ..data.regions import Regions
 from ..config import kernel_multiple
 from ..data.windows import EvalTiles, SplitLike, context_cut_spans
 from ..errors import InputError
@@ -331,6 +332,7 @@ def evaluate(
     segment_tokens: int | None = None,
     group: ScoringGroup | None = None,
     tracks: bool = False,
+    regions: Regions | None = None,
 ) -> EvalResult | None:
     """Score the first ``max_tiles`` tiles of ``context`` tokens of ``split`` and write ``out``.
 
@@ -365,6 +367,10 @@ def evaluate(
         tracks: also write the per-base loss as bigWig and bedGraph into ``out/tracks``
             (:mod:`genolong.evaluation.tracks`; needs ``write_tokens`` and a store split, whose
             contig records give the chromosome sizes); default False.
+        regions: score only the tiles that share a base with these regions
+            (:func:`genolong.data.regions.read_bed` against the split's contig ``name`` s; each
+            tile whole, with its full context; ``max_tiles`` counts among them); recorded in the
+            settings. Default None: every tile.
 
     Returns:
         The result, as saved in ``out`` (None on the ranks other than global rank 0).
@@ -390,6 +396,13 @@ def evaluate(
         raise InputError("--context-cut scores short windows one process can hold: evaluate it with parallel.cp: 1")
     edges = bucket_edges(context, first_bucket)
     tiles = EvalTiles(split, context)
+    if regions is not None:
+        frame = tiles.tiles
+        tiles = tiles.select(regions.overlaps(frame["contig"].to_numpy(), frame["start"].to_numpy(),
+                                              (frame["start"] + frame["length"]).to_numpy()))
+        if not len(tiles):
+            raise InputError(f"--regions {regions.source}: no tile of the split holds a base of the regions (they "
+                             "fall in N gaps); give regions of the held-out chromosomes' sequence")
     n_tiles = len(tiles) if max_tiles is None else min(max_tiles, len(tiles))
     settings = {
         # what the result is of; the CLI names real paths, a library caller may not have them
@@ -398,7 +411,10 @@ def evaluate(
         "model_signature": model_signature(model),
         **kernel_backend_meta(model),  # GPU kernels and the torch reference differ by float rounding
         "context": int(context), "context_cut": None if context_cut is None else int(context_cut),
-        "tiles": n_tiles, "bucket_edges": edges.tolist(), "write_tokens": bool(write_tokens),
+        "tiles": n_tiles, "bucket_edges": edges.tolist(),
+        # which regions chose the tiles: a resumed run must use the same
+        "regions": None if regions is None else {"path": regions.source, "bases": regions.bases,
+                                                 "sha256": regions.digest}, "write_tokens": bool(write_tokens),
         "chunk_size": int(chunk_size),
         # streamed and one-shot scores differ by float rounding: a resumed run must not mix them
         "segment_tokens": None if segment_tokens is None else int(segment_tokens),

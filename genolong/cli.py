@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from .allocator import keep_freed_memory
+from .cli_tracks import add_names_argument, add_regions_argument, add_tracks_parser, split_regions
 from .errors import PREEMPTED_EXIT_CODE, GenolongError, Stopped
 
 __all__ = ["build_parser", "entry", "main"]
@@ -32,6 +33,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         eval=args.eval,
         min_gap=args.min_gap,
         force=args.force,
+        names=args.names,
         progress=None if not args.quiet else False,
     )
     if not args.quiet:
@@ -180,6 +182,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         raise InputError("--tracks are drawn from the per-token table: drop --no-tokens, or drop --tracks")
     store = GenomeStore.open(args.store)
     split = store.split(args.split)
+    regions = split_regions(args.regions, split, store.path) if args.regions else None  # before the model loads
     dtype = getattr(torch, _DTYPES[args.dtype])
     name = _scored_name(args)
     cut = f"-cut{args.context_cut}" if args.context_cut is not None else ""
@@ -195,7 +198,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
             meta={**_scored_meta(args), "store": str(store.path.resolve()), "split": args.split,
                   "dtype": _DTYPES[args.dtype], "device": args.device},
             force=args.force, progress=None if not args.quiet else False,
-            segment_tokens=segment_tokens, group=group, tracks=args.tracks,  # type: ignore[arg-type]
+            segment_tokens=segment_tokens, group=group, tracks=args.tracks, regions=regions,  # type: ignore[arg-type]
         )
         if result is None:  # not the writer
             return 0
@@ -457,23 +460,6 @@ def _counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{n:,} {reason}" for reason, n in counts.items()) or "none"
 
 
-def _cmd_tracks(args: argparse.Namespace) -> int:
-    from .errors import InputError
-    from .evaluation.results import EvalResult
-    from .evaluation.tracks import TRACKS_DIR, read_chrom_sizes, tracks_for_results, write_tracks
-
-    results = [EvalResult.load(d) for d in args.results]
-    out = Path(args.out) if args.out else Path(args.results[-1]) / TRACKS_DIR
-    if out.exists() and not args.force:
-        raise InputError(f"{out} already exists; pass --force to replace it, or choose another --out")
-    sizes = read_chrom_sizes(args.chrom_sizes) if args.chrom_sizes else None
-    tracks, sizes, source = tracks_for_results(results, sizes, args.store)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    written = write_tracks(out, tracks, sizes, source)
-    print(f"genolong tracks: {len(written)} files in {out}: {', '.join(p.name for p in written)}")
-    return 0
-
-
 def _cmd_recipe(args: argparse.Namespace) -> int:
     import json
 
@@ -619,6 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated held-out chromosomes (default: %(default)s)")
     prep.add_argument("--min-gap", type=int, default=DEFAULT_MIN_GAP, metavar="N",
                       help="runs of at least N unknown bases (N) split a chromosome and are dropped (default: %(default)s)")
+    add_names_argument(prep)
     prep.add_argument("--force", action="store_true", help="replace an existing store at --out")
     prep.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     prep.set_defaults(func=_cmd_prepare)
@@ -717,6 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--no-tokens", action="store_true", help="do not write the per-token table (aggregates only)")
     ev.add_argument("--tracks", action="store_true",
                     help="also write the per-base loss as bigWig and bedGraph into OUT/tracks (see `genolong tracks`)")
+    add_regions_argument(ev)
     ev.add_argument("--segment-tokens", type=int, default=None, metavar="S",
                     help="stream a tile longer than S tokens through the model S at a time, carrying the KDA states "
                          "and DSA caches (peak memory of one segment plus the caches; equal to the one-shot forward "
@@ -841,25 +829,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "two panels)")
     plot.set_defaults(func=_cmd_plot, format=None)
 
-    trk = sub.add_parser(
-        "tracks",
-        help="genome-browser tracks (bigWig, bedGraph) of the per-base loss of a result, or of B - A for two",
-        description=(
-            "From the per-token table of `genolong evaluate` results: the per-base loss (nats) of RESULT_DIR as "
-            "NAME.nll.bw and NAME.nll.bedGraph (NAME: the result's label, file-safe); with a second result B on the "
-            "same tiles also B's and the per-base difference B - A (NAMEB-minus-NAMEA.diff.*; negative: B predicts "
-            "the base better), plus chrom.sizes. Genomic coordinates of the store; chromosome sizes from the store's "
-            "manifest (the source FASTA's records) or --chrom-sizes. Unscored bases have no value."
-        ),
-    )
-    trk.add_argument("results", nargs="+", metavar="RESULT_DIR",
-                     help="one evaluate result, or two: A (reference, e.g. the base or the cut run) then B")
-    trk.add_argument("--out", metavar="DIR", help="output directory (default: the last RESULT_DIR/tracks)")
-    trk.add_argument("--chrom-sizes", metavar="FILE",
-                     help="UCSC chrom.sizes file (name<TAB>length) instead of the sizes the store records")
-    trk.add_argument("--store", metavar="DIR", help="the genome store evaluated, if it moved since (default: from the result)")
-    trk.add_argument("--force", action="store_true", help="replace an existing --out")
-    trk.set_defaults(func=_cmd_tracks)
+    add_tracks_parser(sub)
 
     chk = sub.add_parser(
         "check-logprobs",

@@ -241,6 +241,102 @@ def test_tracks_is_a_light_command(runs: Path, tmp_path: Path) -> None:
     assert "HEAVY 0 ['pandas']" in proc.stdout, proc.stdout  # pandas: the check sees what the command imports
 
 
+def test_evaluate_tracks_zoom_levels_equal_the_per_token_table(runs: Path) -> None:
+    """The zoom levels of `evaluate --tracks` agree with the parquet's per-base loss (issue 46;
+    the wider layouts are in test_tracks_zoom.py)."""
+    from tests.test_tracks_zoom import _check_zooms
+
+    table = _tokens(runs / "full")
+    track = Track("t", "nll", "t", "t", table["contig"].to_numpy(object), table["position"].to_numpy(np.int64),
+                  table["nll"].to_numpy(np.float32))
+    assert _check_zooms(runs / "full" / "tracks" / "tiny_full.nll.bw", track, {"chr22": 21_000_000},
+                        np.random.default_rng(0), ranges=10) >= 20
+
+
+def test_tracks_formats_bin_and_regions(runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    table = _tokens(runs / "full")
+    position, nll = table["position"].to_numpy(), table["nll"].to_numpy()
+    # --formats: one of the two files, or both (the default)
+    assert main(["tracks", str(runs / "full"), "--formats", "bigwig", "--out", str(tmp_path / "bw")]) == 0
+    assert sorted(p.name for p in (tmp_path / "bw").iterdir()) == ["chrom.sizes", "tiny_full.nll.bw"]
+    assert main(["tracks", str(runs / "full"), "--formats", "bedGraph", "--out", str(tmp_path / "bg")]) == 0
+    assert sorted(p.name for p in (tmp_path / "bg").iterdir()) == ["chrom.sizes", "tiny_full.nll.bedGraph"]
+    _one_line_error(capsys, ["tracks", str(runs / "full"), "--formats", "bigwig,wig", "--out", str(tmp_path / "x")],
+                    "--formats", "bigwig, bedgraph")
+    # --bin 64: one interval per 64-base bin of the chromosome, the mean of its scored bases
+    assert main(["tracks", str(runs / "full"), "--bin", "64", "--out", str(tmp_path / "bin")]) == 0
+    line, bed = _bedgraph(tmp_path / "bin" / "tiny_full.nll.bedGraph")
+    assert "64-base" in line
+    bins = position // 64
+    want = pd.Series(nll.astype(np.float64)).groupby(bins).mean()
+    assert bed["start"].tolist() == [int(b) * 64 for b in want.index] and (bed["end"] - bed["start"] == 64).all()
+    np.testing.assert_array_equal(bed["value"].to_numpy().astype(np.float32), want.to_numpy().astype(np.float32))
+    chroms, entries = _bigwig(tmp_path / "bin" / "tiny_full.nll.bw")
+    np.testing.assert_array_equal(entries["value"].to_numpy(np.float32), want.to_numpy().astype(np.float32))
+    bw = pyBigWig.open(str(tmp_path / "bin" / "tiny_full.nll.bw"))
+    lo, hi = int(want.index[0]) * 64, (int(want.index[-1]) + 1) * 64  # whole bins: the zoomed mean is the bins' mean
+    assert bw.stats("chr22", lo, hi)[0] == pytest.approx(want.mean(), rel=1e-6)  # float32 zoom sums
+    bw.close()
+    _one_line_error(capsys, ["tracks", str(runs / "full"), "--bin", "0", "--out", str(tmp_path / "x")], "--bin")
+    # --regions: 0-based half-open, any alias of the name; only the bases inside are written
+    first = int(position[0])
+    regions = tmp_path / "r.bed"
+    regions.write_text(f"track name=r\n22\t{first + 10}\t{first + 30}\nNC_000022.10\t{first + 300}\t{first + 301}\n"
+                       f"chr22\t{first + 25}\t{first + 40}\n")
+    assert main(["tracks", str(runs / "full"), "--regions", str(regions), "--out", str(tmp_path / "reg")]) == 0
+    inside = ((position >= first + 10) & (position < first + 40)) | (position == first + 300)
+    _, bed = _bedgraph(tmp_path / "reg" / "tiny_full.nll.bedGraph")
+    np.testing.assert_array_equal(bed["start"].to_numpy(), position[inside])
+    np.testing.assert_array_equal(bed["value"].to_numpy().astype(np.float32), nll[inside])
+    _, entries = _bigwig(tmp_path / "reg" / "tiny_full.nll.bw")
+    np.testing.assert_array_equal(entries["start"].to_numpy(), position[inside])
+    # regions and bins together: bins of the bases inside
+    assert main(["tracks", str(runs / "full"), "--regions", str(regions), "--bin", "1000", "--formats", "bedgraph",
+                 "--out", str(tmp_path / "both")]) == 0
+    _, bed = _bedgraph(tmp_path / "both" / "tiny_full.nll.bedGraph")
+    assert bed["value"].to_numpy().astype(np.float32).tolist() == pd.Series(nll[inside].astype(np.float64)).groupby(
+        position[inside] // 1000).mean().to_numpy().astype(np.float32).tolist()
+    # a region off the store, past its chromosome's end, or holding no scored base: one line, nothing written
+    for text, words in ((f"chr1\t0\t10\n", ("chr1", "not in")), ("chr22\t20999990\t21000010\n", ("past the end",)),
+                        ("chr22\t5\t3\n", ("not below",)), ("chr22\tfive\t9\n", ("line 1",)),
+                        (f"chr22\t{first - 5}\t{first}\n", ("no scored base",))):
+        regions.write_text(text)
+        _one_line_error(capsys, ["tracks", str(runs / "full"), "--regions", str(regions), "--out", str(tmp_path / "x")],
+                        "--regions", *words)
+    assert not (tmp_path / "x").exists()
+
+
+def test_evaluate_regions_scores_the_tiles_they_touch(runs: Path, sample_store: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """evaluate --regions: only the tiles sharing a base with a region, each whole; their losses
+    those of the same tiles in a run over every tile (one thread: bitwise)."""
+    tiles = pd.read_parquet(runs / "full" / "tiles.parquet")
+    second, third = tiles.iloc[1], tiles.iloc[2]
+    regions = tmp_path / "r.bed"
+    # a base at the second tile's end, the third tile's first base (any alias, 0-based half-open)
+    regions.write_text(f"22\t{second.start + second.length - 1}\t{second.start + second.length}\n"
+                       f"NC_000022.10\t{third.start}\t{third.start + 1}\n")
+    out = tmp_path / "reg"
+    assert main(["evaluate", str(runs / "model"), "--store", str(sample_store), *_COMMON, "--context", "256",
+                 "--label", "tiny full", "--regions", str(regions), "--out", str(out)]) == 0
+    chosen = pd.read_parquet(out / "tiles.parquet")
+    assert chosen[["contig", "start", "length"]].values.tolist() == tiles.iloc[1:3][["contig", "start", "length"]].values.tolist()
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["regions"]["bases"] == 2 and meta["regions"]["path"] == str(regions)
+    every, some = _tokens(runs / "full"), _tokens(out)
+    inside = every["position"].between(second.start, third.start + third.length - 1)
+    np.testing.assert_array_equal(some["position"].to_numpy(), every["position"][inside].to_numpy())
+    np.testing.assert_array_equal(some["nll"].to_numpy(), every["nll"][inside].to_numpy())
+    # regions off the store: one line, before the model is loaded, nothing written
+    regions.write_text("chr1\t0\t10\n")
+    _one_line_error(capsys, ["evaluate", str(tmp_path / "no-model"), "--store", str(sample_store), "--context", "64",
+                             "--regions", str(regions), "--out", str(tmp_path / "x")], "--regions", "chr1", "not in")
+    regions.write_text("chr22\t20999000\t21000001\n")
+    _one_line_error(capsys, ["evaluate", str(tmp_path / "no-model"), "--store", str(sample_store), "--context", "64",
+                             "--regions", str(regions), "--out", str(tmp_path / "x")], "past the end")
+    assert not (tmp_path / "x").exists()
+
+
 def _files(directory: Path) -> list[str]:
     """Every path under ``directory``, relative to it, sorted."""
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["ACCESSIONS", "CHROMOSOMES", "Region", "canonical_name", "parse_record_name", "same_chromosome"]
+__all__ = ["ACCESSIONS", "CHROMOSOMES", "Region", "canonical_name", "parse_record_name", "same_chromosome", "source_name"]
 
 #: UCSC names of the human chromosomes, in karyotype order.
 CHROMOSOMES: tuple[str, ...] = tuple([f"chr{i}" for i in range(1, 23)] + ["chrX", "chrY", "chrM"])
@@ -132,3 +132,18 @@ def parse_record_name(record: str) -> Region:
         if 1 <= start <= end:
             return Region(record=record, contig=canonical_name(m.group("name")), start=start - 1, length=end - start + 1)
     return Region(record=record, contig=canonical_name(record))
+
+
+def source_name(record: str) -> str:
+    """The chromosome name as a record writes it, without a ``:START-END`` slice suffix.
+
+    ``"22:20000001-21000000"`` -> ``"22"``, ``"chr20"`` -> ``"chr20"``, ``"NC_000020.10"`` ->
+    ``"NC_000020.10"``: the name the user's own files (FASTA, VCF, BED) use for it, where
+    :func:`canonical_name` gives the UCSC one.
+    """
+    if m := _REGION_RE.match(record):
+        start = int(m.group("start").replace(",", ""))
+        end = int(m.group("end").replace(",", ""))
+        if 1 <= start <= end:
+            return m.group("name")
+    return record

@@ -36,7 +36,7 @@ from ..files import fsync, fsync_tree, writing
 from ..units import format_bytes
 from .alphabet import BASE_MASK, N, SOFTMASK, STORE_ALPHABET
 from .fasta import BLOCK_BYTES, RecordInfo, SequenceSource, open_source
-from .names import canonical_name
+from .names import canonical_name, source_name
 from .store import (
     CHUNK_TOKENS,
     MANIFEST_NAME,
@@ -50,7 +50,11 @@ from .store import (
     write_segments,
 )
 
-__all__ = ["DEFAULT_MIN_GAP", "DEFAULT_SPLITS", "PrepareResult", "prepare_genome", "format_summary"]
+__all__ = ["DEFAULT_MIN_GAP", "DEFAULT_SPLITS", "NAMES", "PrepareResult", "prepare_genome", "format_summary"]
+
+#: ``--names``: which chromosome names a store's outputs use. ``source``: the input's own (``20``
+#: stays ``20``); ``ucsc``: the UCSC form (``chr20``). Either way every alias finds the chromosome.
+NAMES = ("source", "ucsc")
 
 
 #: Tokens a split writer stages before handing them to the writer thread: a quarter shard (16 whole
@@ -74,6 +78,7 @@ class _ContigStats:
     record: str
     source: str
     start: int  # genomic coordinate of the record's first base
+    output_name: str = ""  # the name outputs (tracks) use: the record's own, or the UCSC one (--names)
     length: int = 0
     kept: int = 0
     n: int = 0
@@ -87,7 +92,8 @@ class _ContigStats:
 
     def as_manifest(self) -> dict[str, Any]:
         return {
-            "name": self.name, "record": self.record, "source": self.source, "start": self.start,
+            "name": self.name, "output_name": self.output_name or self.name, "record": self.record,
+            "source": self.source, "start": self.start,
             "length": self.length, "kept": self.kept, "n": self.n, "softmasked": self.softmasked,
             "ambiguous": self.ambiguous, "dropped": self.dropped, "gaps": self.gaps,
             "segments": self.segments,
@@ -421,6 +427,7 @@ def prepare_genome(
     force: bool = False,
     progress: bool | None = None,
     block_bytes: int = BLOCK_BYTES,
+    names: str = "source",
 ) -> PrepareResult:
     """Build a genome store from FASTA (or GenBank/EMBL) files.
 
@@ -434,6 +441,10 @@ def prepare_genome(
         force: replace an existing store at ``out``.
         progress: show a progress bar (default: when stderr is a terminal).
         block_bytes: input bytes handled per step (default 2 MiB; small values only for tests).
+        names: the chromosome names the store's outputs use, recorded per contig as
+            ``output_name`` (:data:`NAMES`; default ``"source"``: the record's name without a
+            ``:START-END`` suffix, ``20`` for ``>20``; ``"ucsc"``: ``chr20``). The store looks
+            chromosomes up by their UCSC ``name`` and every alias either way.
 
     Returns:
         A :class:`PrepareResult`.
@@ -448,6 +459,9 @@ def prepare_genome(
         raise InputError("no input files; give at least one FASTA file")
     if min_gap < 1:
         raise InputError(f"--min-gap must be at least 1, got {min_gap}")
+    if names not in NAMES:
+        raise InputError(f"--names must be one of {', '.join(NAMES)}, got {names!r}")
+    name_style = names  # `names` is reused below for each split's list
     requested = {"train": _parse_names(train), "eval": _parse_names(eval)}
     assignment: dict[str, str] = {}
     for split, names in requested.items():
@@ -488,7 +502,7 @@ def prepare_genome(
     try:
         # a full disk or a file-size limit: one error naming --out and the store's expected size
         with writing(out, needed=_expected_store_bytes(paths), work=tmp):
-            manifest, stats = _build(tmp, sources, paths, requested, assignment, min_gap, progress)
+            manifest, stats = _build(tmp, sources, paths, requested, assignment, min_gap, progress, name_style)
             for entry, digest in zip(manifest["sources"], source_digests):
                 entry["sha256"] = digest.result()
             fsync_tree(tmp)
@@ -539,6 +553,7 @@ def _build(
     assignment: dict[str, str],
     min_gap: int,
     progress: bool | None,
+    name_style: str = "source",
 ) -> tuple[dict[str, Any], list[tuple[str, _ContigStats]]]:
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="genolong-write")
     writers = {split: _SplitWriter(tmp / f"{split}.zarr", min_gap, executor) for split in requested}
@@ -565,7 +580,9 @@ def _build(
                     continue
                 split = assignment[info.region.contig]
                 writer = writers[split]
-                contig = _ContigStats(name=info.region.contig, record=info.name, source=source.path.name, start=info.region.start)
+                output = source_name(info.name) if name_style == "source" else info.region.contig
+                contig = _ContigStats(name=info.region.contig, record=info.name, source=source.path.name,
+                                      start=info.region.start, output_name=output)
                 t0 = time.perf_counter()
                 bar.start(f"{split}:{contig.name}", info.length)
                 writer.begin(contig)
@@ -612,6 +629,7 @@ def _build(
         "alphabet": {str(k): v for k, v in STORE_ALPHABET.items()},
         "softmask_flag": SOFTMASK,
         "min_gap": min_gap,
+        "names": name_style,
         "chunk_tokens": CHUNK_TOKENS,
         "shard_tokens": SHARD_TOKENS,
         "requested": requested,

@@ -15,6 +15,7 @@ Only two things of a split are used: slicing ``split.tokens[a:b]`` (returns a nu
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -409,6 +410,16 @@ class EvalTiles:
     def __iter__(self) -> Iterator[Tile]:
         for index in range(len(self)):
             yield self[index]
+
+    def select(self, keep: np.ndarray) -> EvalTiles:
+        """The tiles where ``keep`` (``[N]`` bool) is true, in order, numbered afresh from 0
+        (``evaluate --regions``: the tiles that overlap the regions)."""
+        keep = np.asarray(keep, bool)
+        chosen = copy.copy(self)
+        chosen.tiles = self.tiles[keep].reset_index(drop=True)
+        chosen._contig, chosen._start = self._contig[keep], self._start[keep]
+        chosen._offset, chosen._length, chosen._segment = self._offset[keep], self._length[keep], self._segment[keep]
+        return chosen
 
     def __repr__(self) -> str:
         return f"EvalTiles(L={self.length}, tiles={len(self)}, split={_split_name(self.split)})"
