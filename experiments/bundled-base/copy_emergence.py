@@ -27,7 +27,7 @@ Usage (the defaults take about 40 minutes on 2 cores)::
 ``--freeze GLOB`` keeps the matching parameters at their initial values; ``--silence 0,1,4,5,6``
 zeroes those layers' token mixers for the whole run. With them the question becomes which copying
 the other layers learn when the KDA layers cannot (``small``: a DSA induction circuit, see
-BENCHMARKS.md).
+LOG.md).
 
 Prints a table and writes JSON (default experiments/bundled-base/results/copy_emergence.json).
 """

@@ -5,7 +5,7 @@ Every stage is ``recipes/sample-base.yaml`` with the keys of :data:`STAGES` set 
 from the export of the stage before it (the first from fresh weights). The stages teach the
 ``small`` preset to find and copy earlier material: windows of 64 to 4,096 bases with planted
 copies of their own bases (``data.plant_repeats``), the KDA mixers frozen at their initial weights
-throughout (BENCHMARKS.md, "A copier that matches content"), and a last stage that trains the MoE
+throughout (LOG.md, "A copier that matches content"), and a last stage that trains the MoE
 routers (and layer 0's dense FFN, which its freeze list does not name) to balance the experts.
 The chains differ in how they keep the routing balanced (:data:`CHAINS`):
 
@@ -25,7 +25,7 @@ stage resumes when rerun (its checkpoint). After a chain: per stage the training
 (the drop for a 100-base copy d bases back, ``--probe-context`` tiles), and how much its routers
 tell tokens apart (:func:`router_token_spread`; also for the bundled base and stage 1).
 
-Usage (about 75 minutes for chain F on one core; stage times in BENCHMARKS.md)::
+Usage (about 75 minutes for chain F on one core; stage times in LOG.md)::
 
     python experiments/bundled-base/sample_base_chain.py --chain F --work runs/chains
     python experiments/bundled-base/sample_base_chain.py --chain P --chain G --work runs/chains --json /tmp/pg.json
