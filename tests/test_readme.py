@@ -1,9 +1,10 @@
 """The README stays a short front page, and the README's and the docs' links lead somewhere.
 
 The README is what a newcomer reads first (and PyPI shows): under 12 KB, its first screen says
-what genolong is and shows the quickstart figure and the command table, its two set-up commands
-are there as written, and CI (``.ci/run``) runs its test command verbatim and builds the docs
-strictly. Every relative link in
+what genolong is and shows the two set-up commands as written, the quickstart figure with a
+one-sentence caption, the command table and the links, and CI (``.ci/run``) runs its test command
+verbatim and builds the docs strictly. Every percentage and ratio the README and the docs quote
+is a row of BENCHMARKS.md's claims table, which opens that page (<= 40 KB). Every relative link in
 README.md and docs/*.md names a file of the repository (``mkdocs build --strict`` checks the
 anchors and the API reference's cross-references; this needs no docs extra).
 """
