@@ -20,7 +20,7 @@ specialisation attributes (16-divisibility) and the options the wrapper chose (`
 kernel is picked up as it is launched.
 
 Triton releases: this runs on every release from 3.3.0 to 3.9.0; genolong's kernels pass its checks
-from 3.6 on (torch 2.11's pin), which is pyproject.toml's lower bound (BENCHMARKS.md, "Triton,
+from 3.6 on (torch 2.11's pin), which is pyproject.toml's lower bound (docs/contributing.md, "Triton,
 fla-core and transformers versions checked"; the 3.6.0 run: ``benchmarks/results/gpu_compile_triton36.json``). The few things this needs that are not Triton's public API (where
 the cache hook and the active driver live, the ptxas command line) moved between releases; the
 functions of the "Triton versions" section handle each release explicitly, older ones included, so
@@ -182,7 +182,7 @@ def routed_wrappers() -> list[tuple[str, str]]:
 # ----------------------------------------------------------------------------- Triton versions
 
 # Everything this needs of Triton that is not public API moved between releases (3.3.0 to 3.9.0 each
-# checked: BENCHMARKS.md, "Triton, fla-core and transformers versions checked"); each piece below
+# checked: docs/contributing.md, "Triton, fla-core and transformers versions checked"); each piece below
 # says where it lives in which release.
 
 

@@ -3,7 +3,7 @@
 1. Prepare the bundled sample genome (GRCh37/hg19 slices of chr1, chr3, chr4 and chr5 for
    training, chr22:20-21 Mb held out) into ``OUT/genome``.
 2. Evaluate the bundled base model (the ``small`` preset trained at up to 1k context by the
-   ``recipes/sample-base*.yaml`` chain, in ``data/sample/base``) on the first held-out chr22 tiles at
+   chain of ``experiments/bundled-base/reproduce.sh``, in ``data/sample/base``) on the first held-out chr22 tiles at
    long context (``genolong evaluate``; ``OUT/eval/base``). Where the recipe reads the weights
    differently from the base's config.json (``model.overrides`` such as the shipped
    ``index_topk: 2048``: :func:`genolong.config.reading_changes`), the base is scored that way too
@@ -231,7 +231,7 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
     if not (base / "config.json").is_file():
         raise GenolongError(
             f"the base model is missing ({base}); " + (
-                "reinstall genolong, or train it with the five recipes/sample-base*.yaml stages (data/sample/README.md) "
+                "reinstall genolong, or train it with experiments/bundled-base/reproduce.sh (data/sample/README.md) "
                 "and copy runs/sample-base/export there" if _is_bundled(base) else
                 "model.checkpoint must name a directory with config.json and the safetensors weights")
         )
@@ -556,7 +556,7 @@ def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
         f"- Held-out data: the first {story.tiles} tiles of {story.context:,} tokens of the bundled chr22:20-21 Mb "
         f"(GRCh37) slice, {first.tokens:,} scored bases (N bases are never scored).",
         (f"- Base model: the bundled `small` preset (data/sample/base), trained from scratch at up to {story.cut:,} tokens, "
-         "with planted copies of earlier bases in its windows (recipes/sample-base*.yaml)."
+         "with planted copies of earlier bases in its windows (experiments/bundled-base/)."
          if _is_bundled(story.base) else f"- Base model: {story.base} (model.checkpoint)."),
         f"- Fine-tuned: {r.train.max_steps} steps of {r.data.batch_size} x {r.data.context:,}-token windows of the "
         f"sample's training split (chr1, chr3, chr4, chr5 slices), lr {r.train.lr:g} (recipes/quickstart.yaml)"

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.moe_collapse import sample_windows, train_collapsed
+from .scenarios import sample_windows, train_collapsed
 from genolong.model import PRESETS
 from genolong.model.layers import clamped_swiglu
 from genolong.model.moe import MoE, RoutingStats, capacity_keep
@@ -161,7 +161,7 @@ def test_routing_stats_summary() -> None:
     assert s["router_entropy"] == pytest.approx(0.8) and s["dropped_fraction"] == pytest.approx(4 / 20)
 
 
-# -- a collapsed router on tiny (the scenario of benchmarks/moe_collapse.py) --------------------------
+# -- a collapsed router on tiny (tests/scenarios.py; experiments/bundled-base/moe_collapse.py) ----
 
 
 def test_collapsed_router_recovers_with_the_balance_loss_not_with_the_sign_rule(caplog: pytest.LogCaptureFixture) -> None:

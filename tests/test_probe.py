@@ -186,10 +186,10 @@ def test_quickstart_report_probe_section(tiny: GenoLM, tmp_path: Path) -> None:
 
 def test_probe_sees_recall_at_trained_distances_and_none_beyond(tmp_path: Path) -> None:
     """The target of issue 17: a model trained on planted repeats (one KDA layer of `tiny`'s
-    geometry, from scratch, random DNA turning periodic with periods <= 8: benchmarks/probe_planted.py's
-    small version) shows a drop whose paired interval is above zero at the trained distance 8 and no
+    geometry, from scratch, random DNA turning periodic with periods <= 8: the small
+    version of tests/scenarios.py) shows a drop whose paired interval is above zero at the trained distance 8 and no
     recall (no interval above zero) at 16, beyond every distance it was trained on."""
-    from benchmarks.probe_planted import SMALL, planted_probe, train_planted
+    from .scenarios import SMALL, planted_probe, train_planted
 
     model, curve = train_planted(**SMALL)
     assert curve[-1]["loss"] < 1.25 < curve[0]["loss"]  # it learnt to copy (ln 4 = 1.386 without)

@@ -1,9 +1,10 @@
 """The README stays a short front page, and the README's and the docs' links lead somewhere.
 
 The README is what a newcomer reads first (and PyPI shows): under 12 KB, its first screen says
-what genolong is and shows the quickstart figure and the command table, its two set-up commands
-are there as written, and CI (``.ci/run``) runs its test command verbatim and builds the docs
-strictly. Every relative link in
+what genolong is and shows the two set-up commands as written, the quickstart figure with a
+one-sentence caption, the command table and the links, and CI (``.ci/run``) runs its test command
+verbatim and builds the docs strictly. Every percentage and ratio the README and the docs quote
+is a row of BENCHMARKS.md's claims table, which opens that page (<= 40 KB). Every relative link in
 README.md and docs/*.md names a file of the repository (``mkdocs build --strict`` checks the
 anchors and the API reference's cross-references; this needs no docs extra).
 """
@@ -19,6 +20,9 @@ from .helpers import ROOT
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
+BENCHMARKS = ROOT / "BENCHMARKS.md"
+#: "BENCHMARKS.md as a results page (<= 40 KB)", issue 48
+MAX_BENCHMARKS_BYTES = 40_000
 #: "under 12 KB", in bytes as stored
 MAX_README_BYTES = 12_000
 #: a screen of a terminal or of a repository page
@@ -62,10 +66,12 @@ def broken_links(path: Path) -> list[str]:
 
 
 def setup_block(readme: str) -> list[str]:
-    """The lines of the first code block under the README's ``## Set up`` heading."""
-    section = readme.split("\n## Set up", 1)[1]
-    block = re.search(r"^```[a-z]*\n(.*?)^```", section, re.MULTILINE | re.DOTALL)
-    assert block is not None, "no code block under ## Set up"
+    """The lines of the README's first code block, which must stand on its first screen (the
+    ``## Set up`` section further down explains the two commands)."""
+    first = "\n".join(readme.splitlines()[:FIRST_SCREEN_LINES])
+    block = re.search(r"^```[a-z]*\n(.*?)^```", first, re.MULTILINE | re.DOTALL)
+    assert block is not None, "no code block on the README's first screen"
+    assert "\n## Set up" in readme, "the README keeps its ## Set up section"
     return [line for line in block.group(1).splitlines() if line.strip()]
 
 
@@ -85,6 +91,10 @@ def test_first_screen_says_what_it_is_and_shows_the_figure_and_the_command_table
     assert (ROOT / FIGURE).read_bytes().startswith(b"\x89PNG")
     caption = first[first.index(figures[0]) + 2]
     assert caption.startswith("*From `genolong quickstart`"), "the figure keeps its caption"
+    # one sentence: the intervals live in docs/index.md and BENCHMARKS.md, not under the figure
+    assert caption.endswith(".*") and ". " not in caption and not re.search(r"\d\.\d+%", caption), caption
+    links = [line for line in first if line.startswith("[Documentation](docs/index.md)")]
+    assert len(links) == 1 and "(BENCHMARKS.md)" in links[0], "the first screen links the docs and the benchmarks"
     assert "| command | what it does |" in first
     rows = {line.split("|")[1].strip() for line in first if line.startswith("| `genolong")}
     for command in ("quickstart", "prepare", "plan", "finetune", "evaluate", "compare", "probe",
@@ -129,3 +139,74 @@ def test_link_finder_sees_links_and_ignores_code(tmp_path: Path) -> None:
     )
     assert relative_links(page.read_text()) == ["here.md", "missing.png", "gone.md"]
     assert broken_links(page) == ["missing.png", "gone.md", "no-such-file.md"]
+
+
+# -- every quoted figure is a row of BENCHMARKS.md's claims table ----------------------------------
+
+#: a percentage or a ratio ("1.20%", "-0.43%", "68x", "0.29x"); the sign is not part of the figure
+_FIGURE = re.compile(r"(?<![\w.])[-+]?(\d[\d,]*(?:\.\d+)?(?:%|x))(?![\w%])")
+#: a paragraph of the docs that cites a measurement
+_CITES = re.compile(r"BENCHMARKS\.md|benchmarks\.md|benchmarks/\w+\.py")
+#: figures that are not measurements of genolong, with the reason
+NOT_MEASURED = {
+    "95%": "the confidence level of an interval",
+    "4.8%": "the published reference result genolong reproduces (GLM-5.3-Flash, 80 steps)",
+}
+#: pages that quote no claim of their own: the page that includes BENCHMARKS.md, the version
+#: checks (dated notes, not claims) and the generated import map
+NOT_CLAIMS = {"benchmarks.md", "contributing.md", "architecture.md"}
+
+
+def claims_table(text: str) -> list[dict[str, str]]:
+    """The rows of the table under ``## Claims`` in BENCHMARKS.md's text, as dicts by column."""
+    section = text.split("\n## Claims\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (c.strip() for c in line.strip().strip("|").split("|")))) for line in lines[2:]]
+
+
+def quoted_figures(markdown: str, every_paragraph: bool) -> set[str]:
+    """The percentages and ratios of ``markdown``'s prose (code blocks left out), unsigned: of every
+    paragraph (the README) or of the paragraphs that cite a benchmark (the docs)."""
+    found: set[str] = set()
+    for paragraph in _FENCE.sub("", markdown).split("\n\n"):
+        if every_paragraph or _CITES.search(paragraph):
+            found |= set(_FIGURE.findall(paragraph))
+    return found - set(NOT_MEASURED)
+
+
+def untraced(pages: dict[str, tuple[str, bool]], benchmarks: str) -> list[str]:
+    """``"PAGE: FIGURE"`` for each figure quoted by ``pages`` (name -> (text, every paragraph?))
+    that no row of the claims table shows in its figure column."""
+    table = {f for row in claims_table(benchmarks) for f in _FIGURE.findall(row["figure"])}
+    return [f"{name}: {figure}" for name, (text, every) in pages.items()
+            for figure in sorted(quoted_figures(text, every)) if figure not in table]
+
+
+def test_benchmarks_opens_with_the_claims_table_and_stays_under_40_kb() -> None:
+    text = BENCHMARKS.read_text()
+    size = len(text.encode())
+    assert size <= MAX_BENCHMARKS_BYTES, f"BENCHMARKS.md is {size:,} bytes (limit {MAX_BENCHMARKS_BYTES:,})"
+    assert [line for line in text.splitlines() if line.startswith("## ")][0] == "## Claims"
+    rows = claims_table(text)
+    assert rows and list(rows[0]) == ["claim", "figure", "baseline", "command", "date"]
+    for row in rows:
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", row["date"]), row
+        assert row["command"].startswith("`") and row["figure"], row
+
+
+def test_every_figure_the_readme_and_docs_quote_is_in_the_claims_table() -> None:
+    pages = {"README.md": (README.read_text(), True)}
+    pages |= {f"docs/{p.name}": (p.read_text(), False) for p in sorted(DOCS.glob("*.md")) if p.name not in NOT_CLAIMS}
+    assert untraced(pages, BENCHMARKS.read_text()) == []
+
+
+def test_the_trace_finds_a_figure_missing_from_the_table() -> None:
+    """The check can fail: a README figure absent from the table is reported, a docs paragraph
+    without a citation is not read, the sign and the confidence level do not count."""
+    benchmarks = "# B\n\n## Claims\n\n| claim | figure | baseline | command | date |\n|---|---|---|---|---|\n" \
+                 "| a | 1.20%, 68x | b | `c` | 2026-12-07 |\n\n## Prepare\n\n| 9.9x |\n"
+    readme = "loss -1.20% [95% CI 0.9, 1.4], 68x less CPU, 3.7x less memory, 9.9x\n"
+    docs = "quiet 5.5x\n\nloud 2.5% ([B](benchmarks.md#x)) and +1.20%\n"
+    assert untraced({"README.md": (readme, True), "docs/x.md": (docs, False)}, benchmarks) == [
+        "README.md: 3.7x", "README.md: 9.9x", "docs/x.md: 2.5%"]

@@ -20,16 +20,16 @@ the loss itself (~1.3) is a copying model; ~0 is none.
 
 Usage (the defaults take about 40 minutes on 2 cores)::
 
-    python benchmarks/copy_emergence.py
-    python benchmarks/copy_emergence.py --halves 32,128 --steps 300 --divergence 0.05
-    python benchmarks/copy_emergence.py --halves 32 --steps 800 --freeze 'layers.[01456].self_attn.*'
+    python experiments/bundled-base/copy_emergence.py
+    python experiments/bundled-base/copy_emergence.py --halves 32,128 --steps 300 --divergence 0.05
+    python experiments/bundled-base/copy_emergence.py --halves 32 --steps 800 --freeze 'layers.[01456].self_attn.*'
 
 ``--freeze GLOB`` keeps the matching parameters at their initial values; ``--silence 0,1,4,5,6``
 zeroes those layers' token mixers for the whole run. With them the question becomes which copying
 the other layers learn when the KDA layers cannot (``small``: a DSA induction circuit, see
-BENCHMARKS.md).
+LOG.md).
 
-Prints a table and writes JSON (default benchmarks/results/copy_emergence.json).
+Prints a table and writes JSON (default experiments/bundled-base/results/copy_emergence.json).
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.append(str(HERE))  # benchmarks/_bench.py
+BENCH = HERE.parents[1] / "benchmarks"
+sys.path.append(str(BENCH))  # benchmarks/_bench.py (and benchmarks/quickstart_heldout.py)
+sys.path.append(str(HERE))  # the other scripts of experiments/bundled-base/
 from _bench import Fresh, environment, sample_store, wait_any, write_json  # noqa: E402
 
 from genolong.data.alphabet import BASE_MASK, A, T  # noqa: E402

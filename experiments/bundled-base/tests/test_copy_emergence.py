@@ -1,4 +1,4 @@
-"""benchmarks/copy_emergence.py's pieces: the doubled training window (an exact or diverged copy of
+"""experiments/bundled-base/copy_emergence.py's pieces: the doubled training window (an exact or diverged copy of
 its first half, case kept, only A/C/G/T substituted, each by another base) and the held-out pairs
 (the same second half after the stored first half and after itself), and one worker run end to end
 on `tiny` (a JSON curve with a paired interval around each gain, and the final model's reach)."""
@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.copy_emergence import doubled, heldout_pairs
+from copy_emergence import doubled, heldout_pairs
 from genolong.data.alphabet import BASE_MASK, SOFTMASK, A, N, T
 
-ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parents[1]  # experiments/bundled-base/
 
 
 def _bases(n: int, seed: int) -> np.ndarray:
@@ -67,7 +67,7 @@ def test_heldout_pairs(sample_store: Path) -> None:
 
 def _run_worker(store: Path, *options: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """One copy_emergence worker on ``tiny`` at H = 32, one thread, with ``options`` added."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "copy_emergence.py"), "--worker", "--half", "32", "--store",
+    cmd = [sys.executable, str(HERE / "copy_emergence.py"), "--worker", "--half", "32", "--store",
            str(store), "--preset", "tiny", *options]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=check,
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})

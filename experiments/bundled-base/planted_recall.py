@@ -15,10 +15,10 @@ planting costs at short range.
 
 Usage (the defaults take about 15-20 minutes on 2 cores)::
 
-    python benchmarks/planted_recall.py
-    python benchmarks/planted_recall.py --steps 400 --context 512 --plant copies=2 --plant max_length=150
+    python experiments/bundled-base/planted_recall.py
+    python experiments/bundled-base/planted_recall.py --steps 400 --context 512 --plant copies=2 --plant max_length=150
 
-Prints a table and writes JSON (default benchmarks/results/planted_recall.json).
+Prints a table and writes JSON (default experiments/bundled-base/results/planted_recall.json).
 """
 
 from __future__ import annotations
@@ -34,10 +34,12 @@ from typing import Any
 import pandas as pd
 
 HERE = Path(__file__).resolve().parent
-sys.path.append(str(HERE))  # benchmarks/_bench.py
+BENCH = HERE.parents[1] / "benchmarks"
+sys.path.append(str(BENCH))  # benchmarks/_bench.py (and benchmarks/quickstart_heldout.py)
+sys.path.append(str(HERE))  # the other scripts of experiments/bundled-base/
 from _bench import Fresh, environment, genolong_command, sample_store, wait_any, write_json  # noqa: E402
 
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
 DEFAULT_JSON = HERE / "results" / "planted_recall.json"
 DEFAULT_PLANT = ("share=1.0", "copies=3", "min_length=50", "max_length=200", "max_divergence=0.1", "inverted=0.0")
 

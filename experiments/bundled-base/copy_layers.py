@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Which layers copy: a model's copy gain with each layer's token mixer silenced in turn.
 
-``benchmarks/copy_emergence.py`` measures whether a model copies (the copy gain of doubled
+``experiments/bundled-base/copy_emergence.py`` measures whether a model copies (the copy gain of doubled
 held-out windows ``[S | S]`` against ``[R | S]``); this asks where. For a saved model (a
 ``--save`` directory of copy_emergence, a run's ``export/`` or the bundled base) it scores the copy
 gain at each ``--halves`` length ``H`` on the same held-out chr22 pairs, first intact, then with
@@ -14,10 +14,10 @@ of bases back in a model this small.
 
 Usage::
 
-    python benchmarks/copy_emergence.py --steps 800 --save /tmp/copy   # the H = 32 copy model
-    python benchmarks/copy_layers.py /tmp/copy/h32 --halves 32,128
+    python experiments/bundled-base/copy_emergence.py --steps 800 --save /tmp/copy   # the H = 32 copy model
+    python experiments/bundled-base/copy_layers.py /tmp/copy/h32 --halves 32,128
 
-Prints a table and writes JSON (default benchmarks/results/copy_layers.json).
+Prints a table and writes JSON (default experiments/bundled-base/results/copy_layers.json).
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.append(str(HERE))  # benchmarks/_bench.py
+BENCH = HERE.parents[1] / "benchmarks"
+sys.path.append(str(BENCH))  # benchmarks/_bench.py (and benchmarks/quickstart_heldout.py)
+sys.path.append(str(HERE))  # the other scripts of experiments/bundled-base/
 from _bench import environment, sample_store, write_json  # noqa: E402
 from copy_emergence import copy_gain, heldout_pairs, silence_output  # noqa: E402
 

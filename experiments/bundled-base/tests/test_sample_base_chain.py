@@ -1,4 +1,4 @@
-"""benchmarks/sample_base_chain.py: every stage's keys make a valid recipe out of
+"""experiments/bundled-base/sample_base_chain.py: every stage's keys make a valid recipe out of
 recipes/sample-base.yaml, and each stage freezes what its description says."""
 
 from __future__ import annotations
@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.sample_base_chain import BUNDLED, CHAINS, STAGES, stage_command
+from sample_base_chain import BUNDLED, CHAINS, STAGES, stage_command
 from genolong.config import Recipe, load_recipe
 from genolong.model import GenoLM
 from genolong.model.config import ModelConfig
-from .helpers import trained_parameter_names
+from tests.helpers import ROOT, trained_parameter_names
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _recipe(name: str, start: Path | None) -> Recipe:
@@ -47,7 +46,7 @@ def test_stages_are_recipes_and_freeze_what_they_say() -> None:
 
 
 def test_router_token_spread_reads_the_routers(sample_store: Path, tmp_path: Path) -> None:
-    from benchmarks.sample_base_chain import router_token_spread
+    from sample_base_chain import router_token_spread
     from genolong.model.config import PRESETS
     from genolong.model.moe import Router
 

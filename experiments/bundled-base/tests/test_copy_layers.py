@@ -1,4 +1,4 @@
-"""benchmarks/copy_layers.py: a layer's silenced mixer is that mixer contributing nothing (the same
+"""experiments/bundled-base/copy_layers.py: a layer's silenced mixer is that mixer contributing nothing (the same
 NLL as the model with that mixer's output projection zeroed), the hook is gone afterwards, and
 every layer of the model gets its row."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.copy_emergence import copy_gain, heldout_pairs
-from benchmarks.copy_layers import silenced_gains
+from copy_emergence import copy_gain, heldout_pairs
+from copy_layers import silenced_gains
 from genolong.model import GenoLM
 from genolong.model.config import PRESETS
 

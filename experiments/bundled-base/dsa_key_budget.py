@@ -15,11 +15,11 @@ Sets: ``chr22``, the quickstart's 8 reported tiles of the bundled chr22:20-21 Mb
 prepared sample store: ``--store``, e.g. genolong-quickstart/genome); ``chr16``, hg38
 chr16:186,964-397,118 from tests/data (26 tiles of 8,192).
 
-    python benchmarks/dsa_key_budget.py --store genolong-quickstart/genome
-    python benchmarks/dsa_key_budget.py --store /tmp/qs/genome --model base --model tuned=/tmp/qs/runs/quickstart/export \\
+    python experiments/bundled-base/dsa_key_budget.py --store genolong-quickstart/genome
+    python experiments/bundled-base/dsa_key_budget.py --store /tmp/qs/genome --model base --model tuned=/tmp/qs/runs/quickstart/export \\
         --sets chr22,chr16 --topk 1024,2048,4096 --cut 1024
 
-Prints a table and writes JSON (default benchmarks/results/dsa_key_budget.json).
+Prints a table and writes JSON (default experiments/bundled-base/results/dsa_key_budget.json).
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
+BENCH = HERE.parents[1] / "benchmarks"
+sys.path.append(str(BENCH))  # benchmarks/_bench.py (and benchmarks/quickstart_heldout.py)
+sys.path.append(str(HERE))  # the other scripts of experiments/bundled-base/
 from _bench import environment, write_json  # noqa: E402
 from quickstart_heldout import CHR16, CHRM  # noqa: E402  (the held-out FASTAs in tests/data)
 

@@ -5,7 +5,7 @@ Every stage is ``recipes/sample-base.yaml`` with the keys of :data:`STAGES` set 
 from the export of the stage before it (the first from fresh weights). The stages teach the
 ``small`` preset to find and copy earlier material: windows of 64 to 4,096 bases with planted
 copies of their own bases (``data.plant_repeats``), the KDA mixers frozen at their initial weights
-throughout (BENCHMARKS.md, "A copier that matches content"), and a last stage that trains the MoE
+throughout (LOG.md, "A copier that matches content"), and a last stage that trains the MoE
 routers (and layer 0's dense FFN, which its freeze list does not name) to balance the experts.
 The chains differ in how they keep the routing balanced (:data:`CHAINS`):
 
@@ -25,12 +25,12 @@ stage resumes when rerun (its checkpoint). After a chain: per stage the training
 (the drop for a 100-base copy d bases back, ``--probe-context`` tiles), and how much its routers
 tell tokens apart (:func:`router_token_spread`; also for the bundled base and stage 1).
 
-Usage (about 75 minutes for chain F on one core; stage times in BENCHMARKS.md)::
+Usage (about 75 minutes for chain F on one core; stage times in LOG.md)::
 
-    python benchmarks/sample_base_chain.py --chain F --work runs/chains
-    python benchmarks/sample_base_chain.py --chain P --chain G --work runs/chains --json /tmp/pg.json
+    python experiments/bundled-base/sample_base_chain.py --chain F --work runs/chains
+    python experiments/bundled-base/sample_base_chain.py --chain P --chain G --work runs/chains --json /tmp/pg.json
 
-Prints a table and writes JSON (default benchmarks/results/sample_base_chain.json).
+Prints a table and writes JSON (default experiments/bundled-base/results/sample_base_chain.json).
 """
 
 from __future__ import annotations
@@ -46,10 +46,12 @@ from typing import Any
 import pandas as pd
 
 HERE = Path(__file__).resolve().parent
-sys.path.append(str(HERE))  # benchmarks/_bench.py
+BENCH = HERE.parents[1] / "benchmarks"
+sys.path.append(str(BENCH))  # benchmarks/_bench.py (and benchmarks/quickstart_heldout.py)
+sys.path.append(str(HERE))  # the other scripts of experiments/bundled-base/
 from _bench import environment, genolong_command, sample_store, write_json  # noqa: E402
 
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
 DEFAULT_JSON = HERE / "results" / "sample_base_chain.json"
 
 #: The KDA mixers of the ``small`` preset (layers 0, 1, 4, 5, 6 of KKDDKKKD).
