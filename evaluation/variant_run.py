@@ -70,7 +70,7 @@ def check_ref_mismatch(vcf: Path, reference: Any, found: Any, rejects: Path, max
         max_share: the largest share scored (0 to 1).
 
     Returns:
-        ``{"mismatched", "compared", "share", "max_share"}`` for ``meta.json`` (a line is printed).
+        ``{"mismatched", "compared", "share", "max_share"}`` for ``meta.json`` (a line on stderr).
 
     Raises:
         InputError: ``max_share`` outside [0, 1], or a share above it (one line: the share, the
@@ -94,7 +94,7 @@ def check_ref_mismatch(vcf: Path, reference: Any, found: Any, rejects: Path, max
 
     if is_rank_zero():  # each process of a job reads the VCF: one line
         print(f"genolong variants: REF matches {reference.path} at {compared - mismatched:,} of {compared:,} alleles "
-              f"({share:.2%} mismatched; the limit --max-ref-mismatch is {max_share:g})")
+              f"({share:.2%} mismatched; the limit --max-ref-mismatch is {max_share:g})", file=sys.stderr)
     return report
 
 

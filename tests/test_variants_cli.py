@@ -331,7 +331,7 @@ def test_another_build_stops_in_one_line_and_writes_nothing(run: tuple[Path, dic
     assert main(["variants", *common, "--out", str(tmp_path / "scored"), "--max-ref-mismatch", "1"]) == 0
     meta = json.loads((tmp_path / "scored" / "meta.json").read_text())
     assert meta["ref_mismatch"]["compared"] == 40 and meta["ref_mismatch"]["share"] > 0.5
-    assert "% mismatched" in capsys.readouterr().out
+    assert "% mismatched" in capsys.readouterr().err
 
 
 def test_regions_an_unsorted_input_and_htslib_quiet(run: tuple[Path, dict[str, int]], tmp_path: Path,
