@@ -5,7 +5,8 @@ the build check, regions, and the scored VCF's INFO fields and provenance header
   :data:`DEFAULT_MAX_REF_MISMATCH`, 5%) of the alleles compared against the FASTA having another
   REF, the VCF was called on something else (another build, contigs named another way, 0-based
   positions): one line naming the likely cause, non-zero exit, nothing written. The share is
-  reported either way (a line, and ``meta.json``'s ``ref_mismatch``).
+  reported either way (a line, and ``meta.json``'s ``ref_mismatch``). It is checked before
+  "nothing scorable" (which it also raises): a VCF whose every REF differs is another build.
 - :func:`in_regions`: ``--regions BED`` keeps the records whose POS lies in a region
   (:mod:`~genolong.evaluation.bed`; as ``bcftools view -T``), all their ALTs together.
 - :func:`write_scored_vcf`: ``scored.vcf.gz`` with per context ``GENOLONG_LLR_L<c>``,
@@ -74,7 +75,8 @@ def check_ref_mismatch(vcf: Path, reference: Any, found: Any, rejects: Path, max
 
     Raises:
         InputError: ``max_share`` outside [0, 1], or a share above it (one line: the share, the
-            likely causes, the fix).
+            likely causes, the fix); then no allele to score at all (one line: the counts per
+            reason).
     """
     if not 0.0 <= max_share <= 1.0:
         raise InputError(f"--max-ref-mismatch must be a share between 0 and 1 (e.g. 0.05), got {max_share}")
@@ -90,6 +92,10 @@ def check_ref_mismatch(vcf: Path, reference: Any, found: Any, rejects: Path, max
             "likely called on another build (e.g. GRCh37 against GRCh38), against contigs named the same but of "
             "another assembly (chr20 vs 20 renamed), or writes 0-based positions; give the FASTA it was called on "
             f"(see `bcftools norm -c e -f FASTA {vcf}`) or raise --max-ref-mismatch to score the matching rest")
+    if not found.variants:
+        skipped = ", ".join(f"{n:,} {reason}" for reason, n in found.rejects.items()) or "none"
+        raise InputError(f"{vcf}: none of its {found.records} records has an allele genolong can score "
+                         f"(skipped: {skipped}); see the reasons with bcftools view {vcf}")
     from ..console import is_rank_zero
 
     if is_rank_zero():  # each process of a job reads the VCF: one line

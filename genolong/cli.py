@@ -413,9 +413,7 @@ def _cmd_variants(args: argparse.Namespace) -> int:
     with Reference.open(args.fasta) as reference, tempfile.TemporaryDirectory(prefix="genolong-variants-") as tmp:
         rejects = Path(tmp) / "rejects.tsv"
         found = read_variants(vcf, reference, rejects_path=rejects)
-        if not found.variants:
-            raise InputError(f"{vcf}: none of its {found.records} records has an allele genolong can score "
-                             f"(skipped: {_counts(found.rejects)}); see the reasons with bcftools view {vcf}")
+        # another build (too many REF mismatches), then nothing scorable: one line each
         extra = {"ref_mismatch": check_ref_mismatch(vcf, reference, found, rejects, args.max_ref_mismatch)}
         if args.regions is not None:
             found, extra["regions"] = in_regions(found, args.regions)

@@ -327,6 +327,14 @@ def test_another_build_stops_in_one_line_and_writes_nothing(run: tuple[Path, dic
     assert "--max-ref-mismatch 0.05" in err[0] and "another build" in err[0] and "0-based" in err[0], err
     assert "one base to the right" in err[0], err  # the shift recognised
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shifted.vcf"]  # nothing written
+    # every REF wrong: that is another build too, not "nothing scorable"
+    wrong = tmp_path / "wrong.vcf"
+    wrong.write_text("\n".join(lines[:2] + [f"chr16\t{p + 1}\tw{k}\t{'C' if seq[p] != 'C' else 'G'}\t{seq[p]}\t.\t.\t."
+                                          for k, p in enumerate(range(1_000, 19_000, 450))]) + "\n")
+    assert main(["variants", *common[:-1], str(wrong), "--out", str(tmp_path / "scored")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "at 40 of 40 alleles (100.0%" in err[0] and "another build" in err[0], err
+    wrong.unlink()
     # the limit is an option: at 100% the matching few are scored
     assert main(["variants", *common, "--out", str(tmp_path / "scored"), "--max-ref-mismatch", "1"]) == 0
     meta = json.loads((tmp_path / "scored" / "meta.json").read_text())
