@@ -12,15 +12,19 @@ model's loss never counts them, :func:`genolong.model.loss.next_token_nll`); the
 contig has no prediction and counts in neither. ``REF == ALT`` scores exactly 0.
 
 Cost. A naive score runs two forwards of the whole haplotype per variant (``2 (L + window)``
-tokens). Here the variants of one contig, sorted, are grouped into blocks
-(:func:`plan_blocks`): a block starts one :class:`~genolong.model.stream.PrefillStream` at ``s =
-max(0, first.pos - L)`` and takes the next variants while ``pos - first.pos <= span`` (default
-``span = L``), so every variant sees between ``L`` and ``L + span`` bases of reference before it
-(fewer only near a contig start; reported as ``context_used``). The stream runs the reference
-from ``s`` up to each variant in turn; at each variant it takes a
+tokens). Here the variants of one contig are grouped into blocks on a fixed grid of the genome
+(:func:`plan_blocks`, :func:`block_start`): cells of ``span`` bases (default ``span = L``) from
+the contig's first base; the block of cell ``k`` starts one
+:class:`~genolong.model.stream.PrefillStream` at ``s = max(0, k span - L)`` and takes every variant
+with ``pos // span = k``, so every variant sees between ``L`` and ``L + span - 1`` bases of
+reference before it (fewer only near a contig start; reported as ``context_used``), and which,
+depends on its position alone: a variant scores the same alone, in its whole file or in any shard
+of it (bitwise under one thread away from N runs, see below). ``span = 0``: each position its own
+stream from ``max(0, pos - L)``, exactly ``L`` bases. The stream runs the reference from ``s`` up to
+each variant in turn; at each variant it takes a
 :meth:`~genolong.model.stream.PrefillStream.snapshot`, runs one allele's tokens and window,
 restores the snapshot, runs the other allele's, restores again and continues. A block of ``k``
-variants costs ``L + span`` prefix tokens plus ``2 k (window + allele)`` branch tokens.
+variants costs at most ``L + span`` prefix tokens plus ``2 k (window + allele)`` branch tokens.
 
 The first allele token is predicted by the last prefix token's hidden row (kept from the prefix
 segment). Each variant is scored alone against the reference: other variants, overlapping or
@@ -62,7 +66,7 @@ from ..parallel.cp_prefill import cp_prefill
 from .vcf import Variant
 
 __all__ = ["DEFAULT_WINDOW", "STRANDS", "Block", "ReferenceLike", "ReverseComplement", "AlleleScores",
-           "plan_blocks", "score_block", "score_variants_streamed", "brute_force_llr", "haplotype_window"]
+           "block_start", "layout_rule", "plan_blocks", "score_block", "score_variants_streamed", "brute_force_llr", "haplotype_window"]
 
 #: Reference bases scored after the variant's end (both alleles), unless told otherwise (one home:
 #: :data:`genolong.defaults.VARIANT_WINDOW`, which the CLI's help reads without importing torch).
@@ -117,7 +121,7 @@ class Block:
 
     Attributes:
         contig: the contig.
-        start: the stream's first reference base ``s = max(0, first.pos - context)``.
+        start: the stream's first reference base (:func:`block_start` of its variants' positions).
         indices: positions of the block's variants in the list given to :func:`plan_blocks`,
             by ``(pos, end)`` then input order.
     """
@@ -149,16 +153,57 @@ class AlleleScores:
         return self.logp_alt - self.logp_ref
 
 
+def block_start(pos: int, context: int, span: int) -> int:
+    """The first reference base of the block a variant at 0-based ``pos`` belongs to (the layout rule).
+
+    The genome is cut into a fixed grid of cells of ``span`` bases counted from each contig's first
+    base; the block of cell ``k = pos // span`` starts ``context`` bases before the cell:
+    ``s = max(0, (pos // span) * span - context)``, so a variant sees ``pos - s`` in
+    ``[context, context + span)`` bases before it (fewer only near the contig start), a function of
+    its own position: the same whatever other variants the file holds. ``span = 0``: every variant
+    its own exact context, ``s = max(0, pos - context)``.
+    """
+    if span == 0:
+        return max(0, pos - context)
+    return max(0, pos // span * span - context)
+
+
+def layout_rule(context: int | None = None, span: int | None = None) -> str:
+    """The block layout in words (for the VCF header and ``meta.json``): how ``context_used`` follows
+    from a variant's position (:func:`block_start`).
+
+    Args:
+        context: ``L`` (default None: written as the letter L, for several contexts).
+        span: the grid's cell (default None: ``L``; 0: each variant its own stream).
+    """
+    ell = "L" if context is None else str(context)
+    if span == 0:
+        return (f"each variant its own stream from max(0, pos0 - {ell}), pos0 the 0-based normalised POS (minus "
+                f"strand: mirrored): context_used = {ell}, less within {ell} of the contig start")
+    cell = (ell if span is None else str(span))
+    top = (f"{context + (context if span is None else span) - 1}" if context is not None
+           else f"{ell} + {cell} - 1")
+    return (f"fixed grid of {cell}-base cells from each contig start: a variant at 0-based normalised POS pos0 "
+            f"(minus strand: mirrored) reads from max(0, floor(pos0 / {cell}) * {cell} - {ell}), so context_used = "
+            f"{ell} to {top} by its position alone (less near the contig start)")
+
+
 def plan_blocks(variants: Sequence[Variant], context: int, span: int | None = None) -> list[Block]:
-    """Group variants into prefix-sharing blocks, per contig, in order of position.
+    """Group variants into prefix-sharing blocks on a fixed grid of each contig (:func:`block_start`).
+
+    A variant's block, and so the reference it reads, depends only on its own position (not on
+    which other variants are in the list): a variant scored alone, in a whole file or in a shard of
+    it gets the same stream start.
 
     Args:
         variants: the variants (any order; several contigs allowed).
-        context: ``L``, reference bases before a block's first variant (>= 1).
-        span: the most bases from a block's first variant to its last (default None: ``L``).
+        context: ``L``, reference bases before a block's grid cell (>= 1).
+        span: the grid's cell, in bases (default None: ``L``); 0: one block per position, exactly
+            ``L`` bases before each variant.
 
     Returns:
-        Blocks in order of contig (first appearance) then position; every variant in exactly one.
+        Blocks in order of contig (first appearance) then position; every variant in exactly one;
+        only cells that hold variants.
 
     Raises:
         InputError: ``context < 1`` or ``span < 0``.
@@ -168,20 +213,14 @@ def plan_blocks(variants: Sequence[Variant], context: int, span: int | None = No
     span = context if span is None else span
     if span < 0:
         raise InputError(f"the block span must be >= 0 bases, got {span}")
-    contigs: dict[str, list[int]] = {}
+    cells: dict[tuple[str, int], list[int]] = {}
     for i, v in enumerate(variants):
-        contigs.setdefault(v.contig, []).append(i)
-    blocks: list[Block] = []
-    for contig, idx in contigs.items():
+        cells.setdefault((v.contig, block_start(v.pos, context, span)), []).append(i)
+    contig_order = {c: k for k, c in enumerate(dict.fromkeys(v.contig for v in variants))}
+    blocks = []
+    for (contig, start), idx in sorted(cells.items(), key=lambda kv: (contig_order[kv[0][0]], kv[0][1])):
         idx.sort(key=lambda i: (variants[i].pos, variants[i].end, i))
-        current: list[int] = []
-        for i in idx:
-            if current and variants[i].pos - variants[current[0]].pos > span:
-                blocks.append(Block(contig, max(0, variants[current[0]].pos - context), tuple(current)))
-                current = []
-            current.append(i)
-        if current:
-            blocks.append(Block(contig, max(0, variants[current[0]].pos - context), tuple(current)))
+        blocks.append(Block(contig, start, tuple(idx)))
     return blocks
 
 

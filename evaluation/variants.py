@@ -1,7 +1,8 @@
 """``genolong variants``' runner: score variants at one or more contexts, resumably, and write the tables.
 
-For each context of ``contexts`` the variants are grouped into prefix-sharing blocks
-(:func:`~genolong.evaluation.variant_score.plan_blocks`) and scored block by block
+For each context of ``contexts`` the variants are grouped into prefix-sharing blocks on a fixed grid
+of the genome (:func:`~genolong.evaluation.variant_score.plan_blocks`: a variant's block, and so its
+scores, depend on its position alone; the rule is ``meta.json``'s ``layout``) and scored block by block
 (:func:`~genolong.evaluation.variant_score.score_block`). Work happens in ``.<out>.partial`` next
 to ``out``: each finished block is committed as one parquet part written atomically
 (:func:`genolong.files.replace_file`), so a killed run, rerun with the same settings, resumes at
@@ -57,8 +58,8 @@ from ..signals import SignalFlag
 from .distributed import (ScoringGroup, broadcast_from_writer, gather_to_writer, raise_on_every_rank, stop_if_signalled,
                           tile_rounds, unsharded)
 from .score import _progress, kernel_backend_meta, model_signature
-from .variant_score import (DEFAULT_WINDOW, STRANDS, AlleleScores, Block, ReferenceLike, plan_blocks, score_block,
-                            score_variants_streamed)
+from .variant_score import (DEFAULT_WINDOW, STRANDS, AlleleScores, Block, ReferenceLike, layout_rule, plan_blocks,
+                            score_block, score_variants_streamed)
 from .vcf import Variant
 
 __all__ = ["COLUMNS", "check_layout", "score_variants", "context_effect"]
@@ -254,7 +255,9 @@ def score_variants(
         contexts: context lengths ``L`` (each >= 1; distinct).
         window: reference bases scored after each variant (default 128).
         strands: ``"forward"`` (default) or ``"both"`` (plus and minus strand averaged).
-        span: block span (default None: each context ``L``).
+        span: the block grid's cell in bases (default None: each context ``L``; 0: each variant
+            exactly ``L``; :func:`~genolong.evaluation.variant_score.plan_blocks`). A variant's
+            scores depend on its own position only, not on the other variants.
         segment_tokens: prefill segment (default 65536).
         vocab: base ids -> model ids (default None: nucleotide ids).
         meta: plain data for ``meta.json`` (checkpoint, reference, VCF...); part of the settings a
@@ -301,12 +304,16 @@ def score_variants(
     check_segment_tokens(segment_tokens)
     check_layout(group.layout()["ep"], group.world)
     settings = {
-        "checkpoint": "(in memory)", "reference": "(in memory)",
+        # the reference file when it is one (vcf.Reference), else what it is
+        "checkpoint": "(in memory)",
+        "reference": (str(Path(reference.path).resolve()) if getattr(reference, "path", None) is not None
+                      else f"(in memory: {type(reference).__name__})"),
         **{k: v for k, v in (meta or {}).items()},
         "model_signature": model_signature(model),
         **kernel_backend_meta(model),
         "contexts": contexts, "window": int(window), "strands": strands,
-        "span": None if span is None else int(span), "segment_tokens": int(segment_tokens),
+        "span": None if span is None else int(span), "layout": layout_rule(None, span),
+        "segment_tokens": int(segment_tokens),
         "variants": len(variants), "variants_sha256": _variants_digest(variants),
         # the scores do not depend on it (whole blocks on whole models), but the model signature of
         # a sharded model may (sums over shards), and a resumed run keeps its layout as evaluate's does

@@ -35,9 +35,11 @@ from ..data.alphabet import decode, encode
 from ..data.fasta import detect_format, open_source
 from ..errors import InputError
 from ..files import replace_file, unique_sibling, writing
+from .hts_messages import htslib_messages, report
 
 __all__ = [
     "REJECT_REASONS",
+    "AnnotatedVCF",
     "Reference",
     "Variant",
     "VariantSet",
@@ -468,33 +470,43 @@ def _gzip_damage(path: Path) -> str | None:
 
 
 def _read_records(path: Path) -> tuple[list[_Record], dict[str, int | None]]:
-    """Every record of the file, and the header's contig lengths (None where not given)."""
+    """Every record of the file, and the header's contig lengths (None where not given). htslib's
+    messages are captured (:mod:`~genolong.evaluation.hts_messages`): those that matter are printed
+    as genolong's lines, or named in the error."""
     records: list[_Record] = []
-    with _open_vcf(path) as vcf:
-        contigs = {name: vcf.header.contigs[name].length for name in vcf.header.contigs}
-        iterator = iter(vcf)
-        while True:
-            try:
-                rec = next(iterator)
-            except StopIteration:
-                break
-            except (OSError, ValueError) as exc:
-                where = f"record {len(records) + 1}"
-                header = None if vcf.is_bcf else _header_lines(path)
-                if header is not None:
-                    where += f" (line {header + len(records) + 1})"
-                raise InputError(
-                    f"{path}: cannot read {where}: htslib says {exc!s}, the file is truncated or malformed "
-                    f"(htslib's message above names the problem); check it with `bcftools view {path} > /dev/null`"
-                ) from None
-            index = len(records)
-            ref = rec.ref or ""
-            if ref in ("", "."):
-                raise InputError(
-                    f"{path}: record {index + 1} ({rec.chrom}:{rec.pos}) has no REF ('.'); every record needs "
-                    "its reference bases: fill them in from the reference (e.g. `bcftools norm -c s -f REF.fa`)"
-                )
-            records.append(_Record(index, rec.chrom, rec.pos, rec.id or ".", ref, tuple(rec.alts or (".",))))
+    failure: tuple[str, Exception] | None = None
+    with htslib_messages() as said:
+        with _open_vcf(path) as vcf:
+            contigs = {name: vcf.header.contigs[name].length for name in vcf.header.contigs}
+            iterator = iter(vcf)
+            while True:
+                try:
+                    rec = next(iterator)
+                except StopIteration:
+                    break
+                except (OSError, ValueError) as exc:
+                    where = f"record {len(records) + 1}"
+                    header = None if vcf.is_bcf else _header_lines(path)
+                    if header is not None:
+                        where += f" (line {header + len(records) + 1})"
+                    failure = (where, exc)
+                    break
+                index = len(records)
+                ref = rec.ref or ""
+                if ref in ("", "."):
+                    raise InputError(
+                        f"{path}: record {index + 1} ({rec.chrom}:{rec.pos}) has no REF ('.'); every record needs "
+                        "its reference bases: fill them in from the reference (e.g. `bcftools norm -c s -f REF.fa`)"
+                    )
+                records.append(_Record(index, rec.chrom, rec.pos, rec.id or ".", ref, tuple(rec.alts or (".",))))
+    if failure is not None:
+        where, exc = failure
+        detail = "; ".join(line.strip() for line in dict.fromkeys(said) if line.strip())
+        raise InputError(
+            f"{path}: cannot read {where}: htslib says {exc!s}{f' ({detail})' if detail else ''}, the file is "
+            f"truncated or malformed; check it with `bcftools view {path} > /dev/null`"
+        )
+    report(said, str(path))
     return records, contigs
 
 
@@ -676,38 +688,63 @@ def _text_lines(path: Path) -> Iterator[str]:
 
 
 def _bcf_lines(path: Path) -> Iterator[str]:
-    with _open_vcf(path) as vcf:
-        yield from str(vcf.header).splitlines(keepends=True)
-        for rec in vcf:
-            yield str(rec)
+    with htslib_messages() as said, _open_vcf(path) as vcf:
+        lines = str(vcf.header).splitlines(keepends=True) + [str(rec) for rec in vcf]
+    report(said, str(path))
+    yield from lines
+
+
+@dataclass(frozen=True)
+class AnnotatedVCF:
+    """What :func:`write_annotated_vcf` wrote.
+
+    Attributes:
+        path: the VCF.
+        index: its ``.tbi`` / ``.csi``, or None (a plain ``.vcf``).
+        sorted: True when the input's records were out of order and the copy was sorted (by the
+            header's ``##contig`` order, then first appearance, then POS; input order among equals).
+    """
+
+    path: Path
+    index: Path | None
+    sorted: bool
 
 
 def write_annotated_vcf(input_vcf: str | os.PathLike[str], out_path: str | os.PathLike[str],
-                        values: Mapping[tuple[int, int], Mapping[str, float]], fields: Mapping[str, str]) -> None:
+                        values: Mapping[tuple[int, int], Mapping[str, float]], fields: Mapping[str, str],
+                        types: Mapping[str, str] | None = None, header: Iterable[str] = ()) -> AnnotatedVCF:
     """Write a copy of ``input_vcf`` with per-ALT INFO fields added (e.g. the variant scores).
 
-    The records stay as they are, in the same order (a VCF's text is copied; a BCF is written as
-    VCF text); each gets every field of ``fields`` (``Number=A,Type=Float``), one value per ALT:
-    ``values[(record, allele)][field]`` (``record`` 0-based in file order, ``allele`` 1-based, as
-    in :class:`Variant`), ``.`` where missing (or NaN). A record with ALT ``.`` gets none. Floats
-    are written as the shortest text that reads back as the same float32.
+    The records keep their text (a VCF's is copied; a BCF is written as VCF text); each gets every
+    field of ``fields`` (``Number=A``), one value per ALT: ``values[(record, allele)][field]``
+    (``record`` 0-based in file order, ``allele`` 1-based, as in :class:`Variant`), ``.`` where
+    missing (or NaN). A record with ALT ``.`` gets none. ``Float`` values are written as the
+    shortest text that reads back as the same float32, ``Integer`` ones as integers.
 
-    ``out_path`` ending in ``.vcf``: plain text. Ending in ``.vcf.gz`` or ``.vcf.bgz``: bgzip, with
-    a tabix index (``.tbi``; ``.csi`` past 2^29 bases) when the records are sorted (each contig in
-    one block, POS non-decreasing); an old index beside an output that cannot be indexed is
-    removed. Written in a temporary directory beside ``out_path`` and renamed into place.
+    ``out_path`` ending in ``.vcf``: plain text, in input order. Ending in ``.vcf.gz`` or
+    ``.vcf.bgz``: bgzip with a tabix index (``.tbi``; ``.csi`` past 2^29 bases); records out of
+    order (a contig in two blocks, or POS decreasing) are sorted for the copy so that it can be
+    indexed (see :class:`AnnotatedVCF`). Written in a temporary directory beside ``out_path`` and
+    renamed into place.
 
     Args:
         input_vcf: the VCF/BCF the values belong to (the one :func:`read_variants` read).
         out_path: the output file.
         values: per ``(record, allele)``, a value per field name (absent fields: missing).
         fields: INFO field name -> description (the header's ``Description``), in output order.
+        types: INFO field name -> ``Float`` (the default for a field not named) or ``Integer``.
+        header: meta-information lines (``##key=value``, no newline) added before ``#CHROM``
+            (e.g. provenance); default none.
+
+    Returns:
+        The :class:`AnnotatedVCF`.
 
     Raises:
         InputError: a field the input already defines (remove it first), an out_path that is not
             ``.vcf``/``.vcf.gz``/``.vcf.bgz``, or an unreadable input.
-        ValueError: a field name that is not a valid INFO ID, or a ``values`` key that names no
-            (record, ALT) of the input.
+        ValueError: a field name that is not a valid INFO ID, a type other than Float/Integer, a
+            header line not starting with ``##``, or a ``values`` key that names no (record, ALT)
+            of the input.
     """
     source, out = Path(input_vcf), Path(out_path)
     if out.name.endswith(".vcf"):
@@ -716,95 +753,127 @@ def write_annotated_vcf(input_vcf: str | os.PathLike[str], out_path: str | os.Pa
         compressed = True
     else:
         raise InputError(f"{out}: name the annotated VCF *.vcf (plain) or *.vcf.gz (bgzip and indexed)")
+    types = {name: (types or {}).get(name, "Float") for name in fields}
     for name in fields:
         if not _INFO_ID.fullmatch(name):
             raise ValueError(f"INFO field name {name!r} is not a valid VCF ID ([A-Za-z_][0-9A-Za-z_.]*)")
+        if types[name] not in ("Float", "Integer"):
+            raise ValueError(f"INFO field {name}: type {types[name]!r} is neither Float nor Integer")
+    extra = list(header)
+    for line in extra:
+        if not line.startswith("##") or "\n" in line:
+            raise ValueError(f"a VCF header line starts with '##' and is one line, got {line!r}")
     work = unique_sibling(out, "tmp")
     work.mkdir()
     try:
         with writing(out, work=work):
             written = work / out.name
-            sorted_, max_pos = _write_annotated(source, written, compressed, values, fields)
+            sorted_, max_pos = _write_annotated(source, written, compressed, values, fields, types, extra)
             index: Path | None = None
-            if compressed and sorted_:
+            if compressed:
                 import pysam
 
                 csi = max_pos >= _TBI_MAX_POS
-                pysam.tabix_index(str(written), preset="vcf", csi=csi, force=True)
+                with htslib_messages() as said:
+                    pysam.tabix_index(str(written), preset="vcf", csi=csi, force=True)
+                report(said, str(out))
                 index = Path(f"{written}.{'csi' if csi else 'tbi'}")
             for suffix in (".tbi", ".csi"):  # an old index must not describe the new file
                 Path(f"{out}{suffix}").unlink(missing_ok=True)
             os.replace(written, out)
             if index is not None:
-                os.replace(index, Path(f"{out}{index.suffix}"))
+                index = Path(f"{out}{index.suffix}")
+                os.replace(Path(f"{written}{index.suffix}"), index)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return AnnotatedVCF(out, index, sorted_)
+
+
+def _format_value(value: float | None, type_: str) -> str:
+    if type_ == "Integer":
+        return "." if value is None or (isinstance(value, float) and math.isnan(value)) else str(int(value))
+    return _format_float(value)
 
 
 def _write_annotated(source: Path, dest: Path, compressed: bool, values: Mapping[tuple[int, int], Mapping[str, float]],
-                     fields: Mapping[str, str]) -> tuple[bool, int]:
-    """Copy ``source`` to ``dest`` with the INFO fields added. Returns (sorted, largest POS)."""
+                     fields: Mapping[str, str], types: Mapping[str, str], extra: list[str]) -> tuple[bool, int]:
+    """Copy ``source`` to ``dest`` with the INFO fields and header lines added; with ``compressed``
+    the records are sorted if they are out of order. Returns (sorted here, largest POS)."""
     import pysam
 
-    out: IO[bytes] = pysam.BGZFile(str(dest), "wb") if compressed else open(dest, "wb")  # type: ignore[assignment]
     names = list(fields)
     used: set[tuple[int, int]] = set()
     record = -1
-    seen: set[str] = set()
+    seen: dict[str, int] = {}  # contig -> first appearance
+    declared: dict[str, int] = {}  # contig -> place among the header's ##contig lines
     last: tuple[str, int] = ("", -1)
     in_order, max_pos = True, 0
-    try:
-        for line in _text_lines(source):
-            if line.startswith("##"):
-                match = re.match(r"##INFO=<ID=([^,>]+)", line)
-                if match and match.group(1) in fields:
-                    raise InputError(
-                        f"{source}: already has INFO/{match.group(1)} (scored before?); give the unscored VCF "
-                        f"or remove the field with `bcftools annotate -x INFO/{match.group(1)}`"
-                    )
-                out.write(line.encode())
-                continue
-            if line.startswith("#"):
-                for name in names:
-                    out.write(f'##INFO=<ID={name},Number=A,Type=Float,Description="{_escape(fields[name])}">\n'.encode())
-                out.write(line.encode())
-                continue
-            if not line.strip():
-                continue
-            record += 1
-            body = line.rstrip("\r\n")
-            ending = line[len(body):] or "\n"
-            cols = body.split("\t", 8)
-            if len(cols) < 8:
-                raise InputError(f"{source}: record {record + 1} has {len(cols)} columns, a VCF record needs 8 or more; "
-                                 f"check it with `bcftools view {source} > /dev/null`")
-            chrom, pos = cols[0], int(cols[1])
-            if chrom != last[0]:
-                in_order = in_order and chrom not in seen
-                seen.add(chrom)
-            elif pos < last[1]:
-                in_order = False
-            last = (chrom, pos)
-            max_pos = max(max_pos, pos)
-            if cols[4] != "." and names:
-                alleles = range(1, cols[4].count(",") + 2)
-                entries = []
-                for name in names:
-                    got = []
-                    for allele in alleles:
-                        per = values.get((record, allele))
-                        if per is not None:
-                            used.add((record, allele))
-                        got.append(_format_float(per.get(name) if per is not None else None))
-                    entries.append(f"{name}={','.join(got)}")
-                added = ";".join(entries)
-                cols[7] = added if cols[7] in (".", "") else f"{cols[7]};{added}"
-            out.write(("\t".join(cols) + ending).encode())
-    finally:
-        out.close()
+    head: list[str] = []
+    body: list[tuple[str, int, str]] = []  # (contig, POS, line)
+    for line in _text_lines(source):
+        if line.startswith("##"):
+            match = re.match(r"##INFO=<ID=([^,>]+)", line)
+            if match and match.group(1) in fields:
+                raise InputError(
+                    f"{source}: already has INFO/{match.group(1)} (scored before?); give the unscored VCF "
+                    f"or remove the field with `bcftools annotate -x INFO/{match.group(1)}`"
+                )
+            contig = re.match(r"##contig=<ID=([^,>]+)", line)
+            if contig:
+                declared.setdefault(contig.group(1), len(declared))
+            head.append(line)
+            continue
+        if line.startswith("#"):
+            for name in names:
+                head.append(f'##INFO=<ID={name},Number=A,Type={types[name]},Description="{_escape(fields[name])}">\n')
+            head.extend(f"{x}\n" for x in extra)
+            head.append(line)
+            continue
+        if not line.strip():
+            continue
+        record += 1
+        text = line.rstrip("\r\n")
+        ending = line[len(text):] or "\n"
+        cols = text.split("\t", 8)
+        if len(cols) < 8:
+            raise InputError(f"{source}: record {record + 1} has {len(cols)} columns, a VCF record needs 8 or more; "
+                             f"check it with `bcftools view {source} > /dev/null`")
+        chrom, pos = cols[0], int(cols[1])
+        if chrom != last[0]:
+            in_order = in_order and chrom not in seen
+            seen.setdefault(chrom, len(seen))
+        elif pos < last[1]:
+            in_order = False
+        last = (chrom, pos)
+        max_pos = max(max_pos, pos)
+        if cols[4] != "." and names:
+            alleles = range(1, cols[4].count(",") + 2)
+            entries = []
+            for name in names:
+                got = []
+                for allele in alleles:
+                    per = values.get((record, allele))
+                    if per is not None:
+                        used.add((record, allele))
+                    got.append(_format_value(per.get(name) if per is not None else None, types[name]))
+                entries.append(f"{name}={','.join(got)}")
+            added = ";".join(entries)
+            cols[7] = added if cols[7] in (".", "") else f"{cols[7]};{added}"
+        body.append((chrom, pos, "\t".join(cols) + ending))
     stray = set(values) - used
     if stray:
         first = min(stray)
         raise ValueError(f"values for (record {first[0]}, allele {first[1]}) match no ALT of {source} "
                          f"({record + 1} records): values from another VCF?")
-    return in_order, max_pos
+    resort = compressed and not in_order
+    if resort:  # an index needs each contig in one block, POS non-decreasing: the header's order, then first seen
+        rank = {c: declared.get(c, len(declared) + seen[c]) for c in seen}
+        body.sort(key=lambda entry: (rank[entry[0]], entry[1]))  # stable: input order among equals
+    out: IO[bytes] = pysam.BGZFile(str(dest), "wb") if compressed else open(dest, "wb")  # type: ignore[assignment]
+    try:
+        out.write("".join(head).encode())
+        for _, _, text in body:
+            out.write(text.encode())
+    finally:
+        out.close()
+    return resort, max_pos

@@ -385,8 +385,9 @@ def _cmd_variants(args: argparse.Namespace) -> int:
     from .errors import InputError
     from .evaluation.distributed import launch, load_scoring_model
     from .evaluation.score import recipe_context
+    from .evaluation.variant_run import check_ref_mismatch, in_regions, write_scored_vcf
     from .evaluation.variants import check_layout, score_variants
-    from .evaluation.vcf import Reference, read_variants, write_annotated_vcf
+    from .evaluation.vcf import Reference, read_variants
     from .model.stream import check_segment_tokens
 
     if args.contexts is not None:
@@ -410,26 +411,20 @@ def _cmd_variants(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("variants") / f"{name}-{stem}-L{'-'.join(map(str, contexts))}"
     if out.exists() and not args.force:  # before the reading and the model: one line
         raise InputError(f"{out} already exists; choose another --out or pass --force to replace it")
-    fields = {f"GENOLONG_LLR_L{c}": (f"genolong variants: log p(alt haplotype) - log p(ref haplotype), nats, at "
-                                      f"context {c} ({args.strands} strand{'s averaged' if args.strands == 'both' else ''}; "
-                                      f"the allele and {args.window} bases after it)") for c in contexts}
-
     # read before the processes start (a bad file: one line, not one per rank); each process reads
     # them itself (Lightning reruns this command line for the other ranks), the same variants in order
     with Reference.open(args.fasta) as reference, tempfile.TemporaryDirectory(prefix="genolong-variants-") as tmp:
         rejects = Path(tmp) / "rejects.tsv"
         found = read_variants(vcf, reference, rejects_path=rejects)
-        if not found.variants:
-            raise InputError(f"{vcf}: none of its {found.records} records has an allele genolong can score "
-                             f"(skipped: {_counts(found.rejects)}); see the reasons with bcftools view {vcf}")
+        # another build (too many REF mismatches), then nothing scorable: one line each
+        extra = {"ref_mismatch": check_ref_mismatch(vcf, reference, found, rejects, args.max_ref_mismatch)}
+        if args.regions is not None:
+            found, extra["regions"] = in_regions(found, args.regions, {n: reference.length(n) for n in reference.names})
 
         def finish(work: Path, table: object) -> None:
             # the rejects and the annotated copy of the input land in the result before it is renamed
             shutil.copyfile(rejects, work / "rejects.tsv")
-            values: dict[tuple[int, int], dict[str, float]] = {}
-            for row in table.itertuples(index=False):  # type: ignore[attr-defined]
-                values.setdefault((int(row.record), int(row.allele)), {})[f"GENOLONG_LLR_L{int(row.context)}"] = float(row.llr)
-            write_annotated_vcf(vcf, work / "scored.vcf.gz", values, fields)
+            write_scored_vcf(vcf, work, table, args.argv)
 
         def work(group: object) -> int:
             model, vocab = load_scoring_model(args.checkpoint, group, dtype=getattr(torch, _DTYPES[args.dtype]),  # type: ignore[arg-type]
@@ -438,7 +433,7 @@ def _cmd_variants(args: argparse.Namespace) -> int:
             table = score_variants(
                 model, reference, found.variants, out, contexts, window=args.window, strands=args.strands, span=args.span,
                 segment_tokens=args.segment_tokens, vocab=vocab,
-                meta={**_scored_meta(args), "vcf": str(vcf.resolve()), "fasta": str(Path(args.fasta).resolve()),
+                meta={**_scored_meta(args), "vcf": str(vcf.resolve()), "fasta": str(Path(args.fasta).resolve()), **extra,
                       "records": found.records, "rejects": found.rejects, "dtype": _DTYPES[args.dtype], "device": args.device},
                 finish=finish, progress=None if not args.quiet else False, force=args.force,
                 group=group)  # type: ignore[arg-type]
@@ -579,6 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     # help defaults from genolong.defaults, never from the modules that use them: building the
     # parser imports no numpy, zarr, torch or Lightning (tests/test_cli_startup.py)
+    from . import variant_options
     from .defaults import (DEFAULT_EVAL_TILES, DEFAULT_MIN_GAP, DEFAULT_PROBE_TILES, DEFAULT_SPLITS, PROBE_CONTEXT,
                            VARIANT_WINDOW)
 
@@ -776,8 +772,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="both: also score the reverse-complement strand and average the two LLRs (twice the cost; "
                           "default: %(default)s)")
     var.add_argument("--span", type=int, default=None, metavar="S",
-                     help="variants within S bases of a block's first share its reference prefix, so each sees L to "
-                          "L + S bases before it (default: the context L)")
+                     help="the variants of one S-base cell of a fixed grid share a reference prefix, so each sees L to "
+                          "L + S - 1 bases before it, by its position alone (default: the context L; 0: exactly L)")
+    variant_options.add_arguments(var)
     var.add_argument("--segment-tokens", type=int, default=_SEGMENT_TOKENS, metavar="S",
                      help="stream the reference prefix S tokens at a time (default: %(default)s)")
     var.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter for CHECKPOINT, merged in memory (as evaluate)")
@@ -919,6 +916,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``genolong`` command line; returns the process exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for provenance (genolong variants)
     _setup_logging()
     from .console import set_verbose
 

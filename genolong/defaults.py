@@ -8,7 +8,8 @@ here, so each value has one home.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_MIN_GAP", "DEFAULT_SPLITS", "DEFAULT_EVAL_TILES", "DEFAULT_PROBE_TILES", "PROBE_CONTEXT", "VARIANT_WINDOW"]
+__all__ = ["DEFAULT_MIN_GAP", "DEFAULT_SPLITS", "DEFAULT_EVAL_TILES", "DEFAULT_PROBE_TILES", "PROBE_CONTEXT", "VARIANT_WINDOW",
+           "VARIANT_MAX_REF_MISMATCH"]
 
 #: ``prepare``: N runs of at least this many bases split a chromosome into segments and are dropped.
 DEFAULT_MIN_GAP = 1000
@@ -27,3 +28,7 @@ PROBE_CONTEXT = 4096
 #: ``variants``: reference bases scored after each variant, in both haplotypes (the allele's effect
 #: on the bases that follow it; Evo 2-style scores sum a similar stretch).
 VARIANT_WINDOW = 128
+#: ``variants``: the largest share of the alleles compared with the FASTA whose REF differs from it that
+#: is scored; past it the VCF was called on something else (another build, contig naming, 0-based POS)
+#: and the run stops (``bcftools norm -c e`` stops at the first).
+VARIANT_MAX_REF_MISMATCH = 0.05

@@ -35,6 +35,7 @@ from genolong.errors import InputError
 from genolong.evaluation import variants as variants_module
 from genolong.evaluation.variant_score import (
     ReverseComplement,
+    block_start,
     brute_force_llr,
     plan_blocks,
     score_variants_streamed,
@@ -162,22 +163,58 @@ def test_streamed_scores_equal_the_brute_force_bitwise_away_from_n_runs(
 
 
 def test_the_engine_scores_what_the_window_says(tiny: GenoLM, reference: SampleReference) -> None:
-    """Context used, window, and the blocks: L..L+span before each variant, fewer only at the start."""
+    """Context used, window, and the blocks: the fixed grid, L..L+span-1 before each variant, fewer only at the start."""
     variants = cases(reference)
     seen = {}
     for block, scores in score_variants_streamed(tiny, reference, variants, L, WINDOW, segment_tokens=SEGMENT):
-        first = min(variants[i].pos for i in block.indices)
-        assert block.start == max(0, first - L)
         for i, s in zip(block.indices, scores):
             v = variants[i]
             seen[i] = s
-            assert s.context_used == v.pos - block.start and v.pos - first <= L
-            assert s.context_used >= min(L, v.pos) and s.context_used <= 2 * L
+            assert block.start == max(0, v.pos // L * L - L) == block_start(v.pos, L, L)
+            assert s.context_used == v.pos - block.start
+            assert min(L, v.pos) <= s.context_used < 2 * L
             assert s.window == min(WINDOW, reference.length(v.contig) - v.end)
     assert sorted(seen) == list(range(len(variants)))
     end22 = reference.length(CHR22)
     last = [s for i, s in seen.items() if variants[i].pos == end22 - 1][0]
     assert last.window == 0 and seen[0].context_used == 0
+
+
+def _by_record(tiny: GenoLM, reference: SampleReference, variants: list[Variant], strand: str,
+               span: int | None = None) -> dict[int, tuple[float, float, int]]:
+    out = {}
+    for block, scores in score_variants_streamed(tiny, reference, variants, L, WINDOW, strand, span=span,
+                                                 segment_tokens=SEGMENT):
+        for i, s in zip(block.indices, scores):
+            out[variants[i].record] = (s.logp_ref, s.logp_alt, s.context_used)
+    return out
+
+
+@pytest.mark.parametrize("strand", ["forward", "reverse"])
+def test_a_variant_scores_the_same_alone_in_the_whole_list_and_in_a_shard(
+        tiny: GenoLM, reference: SampleReference, strand: str) -> None:
+    """Issue 46: the block layout is a fixed grid of the genome, so a variant's stream start, and its
+    scores, depend on its own position only. The cases (contig starts and ends, N runs, several
+    variants per grid cell) scored in the whole list, in two shards and (a quarter of them) alone:
+    the same logp and context bitwise (one thread); with span 0 too (forward). On the old layout (a block from its first variant, L before it) the SNV at 5127
+    read 327 bases in the whole list, 272 in the shard variants[5:12] and 200 alone."""
+    variants = cases(reference)
+    whole = _by_record(tiny, reference, variants, strand)
+    assert len(whole) == len(variants)
+    for shard in (variants[1::2], variants[5:12]):
+        got = _by_record(tiny, reference, shard, strand)
+        assert got == {v.record: whole[v.record] for v in shard}
+    # alone: a quarter of the cases (every group: contig start, a cell's later variants, N runs, ends) and 5127
+    for v in variants[::4] + [variants[11]]:
+        assert _by_record(tiny, reference, [v], strand) == {v.record: whole[v.record]}, v
+    if strand == "reverse":  # span 0 plans alike on either strand's coordinates
+        return
+    # span 0: each variant exactly L bases (fewer at a contig start), also alone = in the list
+    exact = _by_record(tiny, reference, variants[4:12], strand, span=0)
+    for v in variants[4:12]:
+        assert exact[v.record][2] == min(L, v.pos)
+    for v in variants[5:12:3]:
+        assert _by_record(tiny, reference, [v], strand, span=0) == {v.record: exact[v.record]}
 
 
 def test_ref_equal_alt_scores_exactly_zero(tiny: GenoLM, reference: SampleReference) -> None:
@@ -204,8 +241,10 @@ def test_plan_blocks_span_and_order(reference: SampleReference) -> None:
     assert sorted(i for b in blocks for i in b.indices) == list(range(len(variants)))
     for b in blocks:
         pos = [variants[i].pos for i in b.indices]
-        assert pos == sorted(pos) and pos[-1] - pos[0] <= 100 and b.start == max(0, pos[0] - 1000)
-    assert len(plan_blocks(variants, 1000, span=10**9)) == 2  # one per contig
+        assert pos == sorted(pos) and all(b.start == max(0, p // 100 * 100 - 1000) for p in pos)
+    assert [b.start for b in plan_blocks(variants, 1000, span=0) if len(b.indices) == 1][:2] == [4000, 4055]
+    # a huge cell: every variant of a contig within the first cell, one block from the contig start
+    assert len(plan_blocks(variants, 1000, span=10**9)) == 2
 
 
 def test_snapshot_and_restore_continue_as_if_the_branch_never_ran(tiny: GenoLM) -> None:

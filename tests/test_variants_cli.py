@@ -98,7 +98,8 @@ def _write_vcf(path: Path, seq: str) -> dict[str, int]:
 def _args(root: Path) -> list[str]:
     """The ``variants`` arguments of the module's run (all but ``--out``)."""
     return ["variants", str(root / "model"), "--vcf", str(root / "calls.vcf.gz"), "--fasta", str(root / "chr16.fa.gz"),
-            "--contexts", ",".join(map(str, CONTEXTS)), "--window", str(WINDOW), "--segment-tokens", "64", "--quiet"]
+            "--contexts", ",".join(map(str, CONTEXTS)), "--window", str(WINDOW), "--segment-tokens", "64", "--quiet",
+            "--max-ref-mismatch", "0.2"]  # its one mismatch of 10 compared alleles: 10%, past the default 5%
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +142,9 @@ def test_scores_tables_annotated_vcf_and_rejects(run: tuple[Path, dict[str, int]
     assert sorted(rejects["reason"]) == ["ref_mismatch", "symbolic"]
     meta = json.loads((out / "meta.json").read_text())
     assert meta["rejects"] == {"symbolic": 1, "ref_mismatch": 1} and meta["records"] == 10
+    # issue 46: the share is reported, the reference file named
+    assert meta["ref_mismatch"] == {"mismatched": 1, "compared": 10, "share": 0.1, "max_share": 0.2}
+    assert meta["reference"] == str((root / "chr16.fa.gz").resolve())
 
     with pysam.VariantFile(str(out / "scored.vcf.gz")) as vcf:
         fields = [f"GENOLONG_LLR_L{c}" for c in CONTEXTS]
@@ -266,3 +270,111 @@ def test_sigterm_stops_after_a_committed_block_and_the_same_command_finishes(run
     for name in ("scores.tsv", "scores.parquet", "context_effect.tsv", "rejects.tsv"):
         # exact: the same blocks through the same weights by the same ops, one thread in every run
         assert (tmp_path / "stopped" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
+
+
+def test_scored_vcf_carries_provenance_and_per_allele_fields(run: tuple[Path, dict[str, int]]) -> None:
+    """Issue 46: a ##genolong_variants line (version, model, its signature, reference, contexts,
+    window, strands, layout, command) and per context LLR, logp_ref, logp_alt (Float) and
+    context_used (Integer), all Number=A, equal to the table (the VCF keeps float32)."""
+    import genolong
+
+    root, _ = run
+    out = root / "out"
+    meta = json.loads((out / "meta.json").read_text())
+    table = pd.read_parquet(out / "scores.parquet")
+    with pysam.VariantFile(str(out / "scored.vcf.gz")) as vcf:
+        line = next(r for r in vcf.header.records if r.key == "genolong_variants")
+        for c in CONTEXTS:
+            for name, type_ in (("LLR", "Float"), ("LOGP_REF", "Float"), ("LOGP_ALT", "Float"), ("CONTEXT_USED", "Integer")):
+                info = vcf.header.info[f"GENOLONG_{name}_L{c}"]
+                assert (info.number, info.type) == ("A", type_)
+            assert "fixed grid" in vcf.header.info[f"GENOLONG_CONTEXT_USED_L{c}"].description
+        records = list(vcf)
+    got = {k: line[k].strip('"') for k in line.keys()}
+    assert got["Version"] == genolong.__version__ and got["ModelSignature"] == meta["model_signature"]
+    assert got["Model"] == str((root / "model").resolve()) and got["Reference"] == meta["reference"]
+    assert got["Contexts"] == ",".join(map(str, CONTEXTS)) and got["Window"] == str(WINDOW)
+    assert got["Strands"] == "forward" and got["Layout"] == meta["layout"] and "fixed grid" in got["Layout"]
+    assert got["Command"].startswith("genolong variants ") and "--max-ref-mismatch 0.2" in got["Command"]
+    for row in table.itertuples(index=False):
+        info = records[row.record].info
+        k = row.allele - 1
+        assert info[f"GENOLONG_LOGP_REF_L{row.context}"][k] == np.float32(row.logp_ref)
+        assert info[f"GENOLONG_LOGP_ALT_L{row.context}"][k] == np.float32(row.logp_alt)
+        assert info[f"GENOLONG_CONTEXT_USED_L{row.context}"][k] == row.context_used
+        # the layout rule: a fixed grid of L-base cells, the stream from L before the variant's cell
+        assert row.context_used == row.pos - 1 - max(0, (row.pos - 1) // row.context * row.context - row.context)
+
+
+def test_another_build_stops_in_one_line_and_writes_nothing(run: tuple[Path, dict[str, int]], tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 46: SNVs whose positions are shifted (another build, or 0-based POS): past 5% of REF
+    mismatches the run stops with one line naming the causes, status 2, nothing written. The
+    shift by one is recognised."""
+    root, _ = run
+    seq = _sequence()[:20_000].upper()
+    lines = ["##fileformat=VCFv4.2", "#CHROM\tPOS\tID\tREF\tALT\tQUAL\tFILTER\tINFO"]
+    for k, pos0 in enumerate(range(1_000, 19_000, 450)):  # 40 SNVs written at POS = the 0-based position
+        ref = seq[pos0]
+        lines.append(f"chr16\t{pos0}\ts{k}\t{ref}\t{'C' if ref != 'C' else 'G'}\t.\t.\t.")
+    shifted = tmp_path / "shifted.vcf"
+    shifted.write_text("\n".join(lines) + "\n")
+    common = [str(root / "model"), "--fasta", str(root / "chr16.fa.gz"), "--context", "64", "--quiet",
+              "--vcf", str(shifted)]
+    assert main(["variants", *common, "--out", str(tmp_path / "scored")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "--max-ref-mismatch 0.05" in err[0] and "another build" in err[0] and "0-based" in err[0], err
+    assert "one base to the right" in err[0], err  # the shift recognised
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shifted.vcf"]  # nothing written
+    # every REF wrong: that is another build too, not "nothing scorable"
+    wrong = tmp_path / "wrong.vcf"
+    wrong.write_text("\n".join(lines[:2] + [f"chr16\t{p + 1}\tw{k}\t{'C' if seq[p] != 'C' else 'G'}\t{seq[p]}\t.\t.\t."
+                                          for k, p in enumerate(range(1_000, 19_000, 450))]) + "\n")
+    assert main(["variants", *common[:-1], str(wrong), "--out", str(tmp_path / "scored")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "at 40 of 40 alleles (100.0%" in err[0] and "another build" in err[0], err
+    wrong.unlink()
+    # the limit is an option: at 100% the matching few are scored
+    assert main(["variants", *common, "--out", str(tmp_path / "scored"), "--max-ref-mismatch", "1"]) == 0
+    meta = json.loads((tmp_path / "scored" / "meta.json").read_text())
+    assert meta["ref_mismatch"]["compared"] == 40 and meta["ref_mismatch"]["share"] > 0.5
+    assert "% mismatched" in capsys.readouterr().err
+
+
+def test_regions_an_unsorted_input_and_htslib_quiet(run: tuple[Path, dict[str, int]], tmp_path: Path,
+                                                    capfd: pytest.CaptureFixture[str]) -> None:
+    """Issue 46: the fixture's VCF out of order, without ##contig lines, scored in the regions of a
+    BED: htslib's "Contig ... not defined" warnings do not reach stderr, the scored VCF is sorted
+    and indexed (one line says so), only the records in the regions are scored, and their scores
+    equal the whole file's bitwise (a variant's stream start depends on its position alone)."""
+    root, _ = run
+    whole = pd.read_parquet(root / "out" / "scores.parquet")
+    with gzip.open(root / "calls.vcf.gz", "rt") as handle:
+        text = [line for line in handle if not line.startswith("##contig")]
+    head = [line for line in text if line.startswith("#")]
+    body = [line for line in text if not line.startswith("#")]
+    unsorted = tmp_path / "unsorted.vcf"
+    unsorted.write_text("".join(head + body[::-1]))
+    bed = tmp_path / "regions.bed"
+    # POS 1,201 and 2,502 (0-based 1,200 and 2,501) and 12,001; not 9,001
+    bed.write_text("track name=x\nchr16\t1000\t1201\nchr16\t2501\t2600\nchr16\t12000\t12001\n")
+    out = tmp_path / "regions"
+    assert main([*_args(root), "--vcf", str(unsorted), "--regions", str(bed), "--out", str(out)]) == 0
+    captured = capfd.readouterr()
+    assert "not defined" not in captured.err and "Quick workaround" not in captured.err, captured.err
+    assert "not sorted" in captured.err and Path(f"{out / 'scored.vcf.gz'}.tbi").is_file()
+    table = pd.read_parquet(out / "scores.parquet")
+    assert sorted(set(table["input_pos"])) == [1_201, 2_502, 12_001]
+    keys = ["context", "input_pos", "input_alt"]
+    mine = table.set_index(keys).sort_index()
+    theirs = whole.set_index(keys).loc[mine.index]
+    for column in ("logp_ref", "logp_alt", "llr", "context_used"):
+        assert np.array_equal(mine[column].to_numpy(), theirs[column].to_numpy()), column  # one thread: exact
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["regions"]["intervals"] == 3 and meta["regions"]["alleles_outside"] == 9 - 4
+    with pysam.VariantFile(str(out / "scored.vcf.gz")) as vcf:
+        records = list(vcf)
+    assert [r.pos for r in records] == sorted(r.pos for r in records) and len(records) == 10
+    scored = {r.pos for r in records if r.info.get(f"GENOLONG_LLR_L{CONTEXTS[0]}", (None,))[0] is not None}
+    assert scored == {1_201, 2_502, 12_001}

@@ -42,7 +42,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FASTA = Path(__file__).parent / "data" / "hg38_chr16_186964-397118.softmasked.fa.gz"
 _ENV = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # 13 SNVs 1,200 bases apart, an insertion 150 bases after the 7th and a deletion 10 after that: at
-# context 96 (span 96) 14 blocks, at 256 (span 256) 13, so 27 blocks dealt to 2 ranks
+# context 96 and 256 (grid cells of 96 and 256 bases) the insertion and the deletion share a cell
+# and the 7th SNV is in the one before, 14 blocks each, so 28 blocks dealt to 2 ranks
 _SNVS = [1_500 + 1_200 * i for i in range(13)]
 _CLOSE = (_SNVS[6] + 150, _SNVS[6] + 160)
 
@@ -83,7 +84,7 @@ def test_two_processes_score_as_one_and_resume_after_a_kill(inputs: tuple[Path, 
     root, args = inputs
     assert main([*args, "--out", str(tmp_path / "one")]) == 0
     one = json.loads((tmp_path / "one" / "meta.json").read_text())
-    assert one["blocks"] == [14, 13]  # the VCF makes the 27 blocks the module docstring counts on
+    assert one["blocks"] == [14, 14]  # the VCF makes the 28 blocks the comment above counts on
 
     # the whole job killed once blocks are committed: started by Lightning, its ranks in the session
     # of the first, so one killpg reaches them all
@@ -101,8 +102,8 @@ def test_two_processes_score_as_one_and_resume_after_a_kill(inputs: tuple[Path, 
     proc.wait()
     assert not out.exists()  # nothing half-written under the result name
     committed = sorted(parts.glob("part-*.parquet"))
-    assert 2 <= len(committed) < 27
-    if (27 - len(committed)) % 2 == 0:  # leave an odd number: one rank idle in the resumed run's last round
+    assert 2 <= len(committed) < 28
+    if (28 - len(committed)) % 2 == 0:  # leave an odd number: one rank idle in the resumed run's last round
         committed[-1].unlink()
     run = subprocess.run(_command([*args, "--out", str(out), *_TWO]), env=_ENV, capture_output=True, text=True,
                          timeout=300)

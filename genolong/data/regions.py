@@ -10,13 +10,14 @@ A region's chromosome is looked up among the names the caller knows (a store's c
 ``NC_000020.10`` all find a chromosome called ``20`` or ``chr20``. A region on a chromosome that is
 not there, or reaching past its end, is an error naming the BED line, not a silent empty result.
 
-This module is shared: ``genolong tracks --regions`` uses it, and any other command that keeps a
-subset of the genome can (:func:`read_bed` then :meth:`Regions.contains` / :meth:`Regions.overlaps`).
+This module is shared: ``genolong tracks``, ``evaluate`` and ``variants --regions`` use it (any
+command that keeps a subset of the genome can) (:func:`read_bed` then :meth:`Regions.contains` / :meth:`Regions.overlaps`).
 Importing it loads numpy only.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import os
 from collections.abc import Mapping
@@ -112,7 +113,7 @@ def read_bed(path: str | os.PathLike[str], sizes: Mapping[str, int], option: str
     """Read a BED file of regions against the chromosomes ``sizes`` names.
 
     Args:
-        path: the BED file (plain text; 0-based half-open; ``track`` / ``browser`` / ``#`` lines skipped).
+        path: the BED file (plain or gzip text; 0-based half-open; ``track`` / ``browser`` / ``#`` lines skipped).
         sizes: chromosome name -> size of what the regions select from; each region's chromosome
             is resolved to one of these names (:func:`resolve_name`).
         option: the option to name in errors.
@@ -127,8 +128,10 @@ def read_bed(path: str | os.PathLike[str], sizes: Mapping[str, int], option: str
     """
     path = Path(path)
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
+        with open(path, "rb") as probe:
+            gz = probe.read(2) == b"\x1f\x8b"
+        text = gzip.decompress(path.read_bytes()).decode() if gz else path.read_text()
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read {option} {path} ({exc}); give a BED file (chrom<TAB>start<TAB>end per line)") from None
     found: dict[str, list[tuple[int, int]]] = {}
     for number, line in enumerate(text.splitlines(), 1):
