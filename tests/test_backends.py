@@ -383,7 +383,11 @@ def test_gpu_backend_load_failures_are_one_line(fresh_registry: None, monkeypatc
     monkeypatch.setitem(sys.modules, TRITON_MODULE, _fake_triton_module(calls))
     monkeypatch.setattr(fla_backend, "fla_version", lambda: "0.5.0")  # too old: KDA falls back
     backend = get_backend("triton")
-    assert backend.chunk_kda is get_backend("torch").chunk_kda and "fla unavailable" in backend.description
+    assert backend.chunk_kda is get_backend("torch").chunk_kda and "fla-core unavailable" in backend.description
+    # the backend is called 'triton', but what runs KDA is recorded as the torch reference
+    assert backend.impls["chunk_kda"] == backend.impls["chunk_kda_gated"] == "torch"
+    assert backend.impls["sparse_attention"] == backend.impls["kpool_topk"] == "genolong-triton"
+    assert set(backend.impls) == set(backends.OPS) and set(get_backend("torch").impls.values()) == {"torch"}
 
 
 def test_triton_sparse_attention_has_the_reference_signature() -> None:
@@ -403,8 +407,13 @@ def test_on_cuda_dispatch() -> None:
     class FakeCuda:
         is_cuda = True
 
-    op = backends._on_cuda(lambda x: "fast", lambda x: "reference")
+    before = backends.dispatch_counts().get("probe_op", {})
+    op = backends._on_cuda(lambda x: "fast", lambda x: "reference", "probe_op", "genolong-triton")
     assert op(FakeCuda()) == "fast" and op(torch.zeros(1)) == "reference" and op(x=torch.zeros(1)) == "reference"
+    # each call is counted under what ran it
+    after = backends.dispatch_counts()["probe_op"]
+    assert after["genolong-triton"] - before.get("genolong-triton", 0) == 1
+    assert after["torch"] - before.get("torch", 0) == 2
 
 
 # ------------------------------------------------------------------------------------------------
