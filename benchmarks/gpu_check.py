@@ -701,8 +701,9 @@ def run_isolated(c: Check, a: argparse.Namespace) -> None:
     parts_doc: dict[str, Any] = c.doc.setdefault("parts", {})
     for part in a.parts:
         key = PART_KEYS[part]
-        budget = min(a.part_budget_s[part], a.budget_s - c.elapsed())
-        if budget < 5:
+        remaining = a.budget_s - c.elapsed()
+        budget = min(a.part_budget_s[part], remaining)
+        if remaining < 5:  # not even a start-up's worth left
             c.doc["skipped"].append(f"{key}: time budget {a.budget_s:.0f} s spent")
             parts_doc[part] = {"status": "skipped", "budget_s": 0}
             c.write()
