@@ -105,6 +105,10 @@ class Check:
 
     def write(self) -> None:
         self.doc["elapsed_s"] = round(self.elapsed(), 2)
+        backends = sys.modules.get("genolong.kernels.backends")
+        if backends is not None and "backend" in self.doc.get("meta", {}):
+            # what the dispatching ops ran so far: kept even if this process is killed later
+            self.doc["meta"]["dispatch"] = backends.dispatch_counts()
         # strict JSON: a NaN or infinite figure (a diverged kernel) is written as a string
         write_json(self.path, _finite(self.doc), indent=2, default=str, allow_nan=False)
 
@@ -601,7 +605,7 @@ def _run_parts_here(c: Check, a: argparse.Namespace, parts: list[str]) -> None:
     if not cuda:
         a.backend = "torch"  # the CPU check runs the reference backend
         torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
-    from genolong.kernels.backends import dispatch_counts, get_backend
+    from genolong.kernels.backends import get_backend
 
     meta = c.doc.setdefault("meta", {})
     meta.update(_device_meta(cuda), small=a.small)
@@ -619,9 +623,7 @@ def _run_parts_here(c: Check, a: argparse.Namespace, parts: list[str]) -> None:
            "dsa": lambda: bench_dsa_vs_sdpa(c, a, device, dtype),
            "model": lambda: bench_model(c, a, device, dtype)}
     for part in parts:
-        c.guard(PART_KEYS[part], run[part])
-    # which implementation the backend's dispatching ops really ran, by op (CUDA only)
-    meta["dispatch"] = dispatch_counts()
+        c.guard(PART_KEYS[part], run[part])  # writes the document, with the dispatch counts so far
 
 
 def _describe_exit(rc: int | None, timed_out: bool, budget_s: float) -> str:
