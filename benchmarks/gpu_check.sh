@@ -69,7 +69,11 @@ else
         echo "gpu_check.sh: no python3 here imports torch (tried: ${candidates[*]:-none}); set PYTHON=/path/to/python3" >&2
         exit 2
     fi
-    why="the first of [${candidates[*]}] that imports torch with ${mode^^}"
+    if [[ "$mode" == cuda ]]; then
+        why="the first of [${candidates[*]}] that imports torch with CUDA"
+    else
+        why="none of [${candidates[*]}] imports torch with CUDA: the first that imports torch"
+    fi
 fi
 echo "python: $py ($why; torch sees ${mode^^})"
 
