@@ -26,6 +26,11 @@ torch reference op (so a model built with ``auto`` on a CUDA machine still runs 
 
 A backend's module is imported only when the backend is first asked for, so a CPU machine never
 imports Triton or fla.
+
+What runs each op is recorded, not inferred from the backend's name: ``KernelBackend.impls`` maps
+every op to ``torch``, ``genolong-triton`` or ``fla-core`` (``triton`` without fla-core runs KDA
+on the torch reference, and says so with a warning), and :func:`dispatch_counts` counts the calls
+the GPU backends' dispatching ops sent to each (``benchmarks/gpu_check.py`` records both).
 """
 
 from __future__ import annotations
