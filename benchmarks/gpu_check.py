@@ -1,11 +1,20 @@
 #!/usr/bin/env python
 """One-shot GPU check (issue 7): kernel correctness, DSA vs dense attention, and the ``1b`` preset.
 
-Three parts, each guarded (a failure is recorded under ``errors`` in the JSON and the next part
-still runs), the JSON rewritten atomically after every measurement so a killed run keeps what it
-had:
+Four parts, each in a process of its own (``--in-process`` runs them in one), in this order:
+``dsa_correctness``, ``dsa``, ``model`` and, last, ``kda`` (fla-core: fla-org/flash-linear-attention#734
+reports a kernel crash on H100 with triton 3.6.0, and a crash or a sticky CUDA error in one process
+cannot spoil another's figures). Each part has its own time budget (:data:`PART_BUDGET_S`, 420 s in
+all) and its process is killed at it; a failure, crash or kill is recorded under ``errors`` in the
+JSON and the next part still runs. The JSON is rewritten atomically after every part (each part's
+own ``<out>.<part>.json`` after every measurement), so a killed run keeps what it had. It records
+the versions (python, torch, its CUDA, triton, fla-core, numpy, transformers), the GPU, and for each
+part the backend, what implements each op (``backend_impls``) and what the dispatching ops really
+ran (``dispatch``). A missing fla-core is an error of the ``kda`` part, never a torch fallback.
 
-(a) ``correctness``: bf16 outputs and gradients of the fast ops against a float32 reference at
+The parts (the names of the old three-part layout are the JSON keys):
+
+(a) ``correctness`` (parts ``dsa_correctness`` and ``kda``): bf16 outputs and gradients of the fast ops against a float32 reference at
     ``T = 32k`` (the RMS-ratio criterion, ``RMS(ref - x) / RMS(ref)``, of
     :func:`genolong.kernels.testing.rms_ratio`):
 
@@ -37,13 +46,15 @@ had:
 ``--small`` runs every part at tiny sizes (``tiny`` preset, T of a few hundred) on the machine's
 device (CPU here, torch backend; on CPU the KDA candidate is the fla adapter bound to fla's pure-torch
 ``naive_recurrent_kda`` and the DSA candidate the Triton op in Triton's interpreter when
-``TRITON_INTERPRET=1`` is set, as the test suite sets it, else the bf16 torch reference) in well
-under a minute: it checks the script, not the kernels. A time budget (``--budget-s``, default 420 s) skips what would
-start after it, recorded as skipped.
+``TRITON_INTERPRET=1`` is set, as the test suite sets it, and the interpreter can run with the
+installed triton and numpy, else the bf16 torch reference, with the reason under ``notes``) in about
+a minute: it checks the script, not the kernels. What would start after a part's budget (80 % of it
+inside the part) is skipped and recorded as skipped.
 
 Example::
 
-    python benchmarks/gpu_check.py --out $OUT/gpu_check.json           # on the GPU (8 min)
+    bash benchmarks/gpu_check.sh "$OUT"                                # on the GPU: see the script (8 min)
+    python benchmarks/gpu_check.py --out $OUT/gpu_check.json           # the same, genolong importable
     python benchmarks/gpu_check.py --small --out /tmp/gpu_check.json    # CPU smoke run
 
 Prints a summary and writes JSON (default ``$OUT/gpu_check.json``, else
@@ -94,6 +105,10 @@ class Check:
 
     def write(self) -> None:
         self.doc["elapsed_s"] = round(self.elapsed(), 2)
+        backends = sys.modules.get("genolong.kernels.backends")
+        if backends is not None and "backend" in self.doc.get("meta", {}):
+            # what the dispatching ops ran so far: kept even if this process is killed later
+            self.doc["meta"]["dispatch"] = backends.dispatch_counts()
         # strict JSON: a NaN or infinite figure (a diverged kernel) is written as a string
         write_json(self.path, _finite(self.doc), indent=2, default=str, allow_nan=False)
 
@@ -183,6 +198,31 @@ def _ratios(ref: list[torch.Tensor], got: list[torch.Tensor], names: list[str]) 
 # ------------------------------------------------------------------------------------------------
 # (a) correctness
 
+def _interpreter_problem() -> str | None:
+    """Why Triton's CPU interpreter cannot run genolong's kernels here, or None.
+
+    Triton 3.6's interpreter converts 1-element arrays with ``int()``, which numpy 2.4 turned into a
+    TypeError ("only 0-dimensional arrays can be converted to Python scalars"); with numpy 2.3.5 the
+    interpreter tests pass at triton 3.6.0, and triton 3.7 works with numpy 2.4+. The kernels are not
+    at fault, and on a GPU the interpreter is not used, so the CPU check says so instead of failing.
+    """
+    from importlib import metadata
+
+    try:
+        triton_v, numpy_v = metadata.version("triton"), metadata.version("numpy")
+    except metadata.PackageNotFoundError:
+        return None
+
+    def major_minor(v: str) -> tuple[int, int]:
+        parts = [int("".join(ch for ch in x if ch.isdigit()) or 0) for x in v.split(".")[:2]]
+        return parts[0], parts[1] if len(parts) > 1 else 0
+
+    if major_minor(triton_v) < (3, 7) and major_minor(numpy_v) >= (2, 4):
+        return (f"triton {triton_v}'s interpreter cannot run with numpy {numpy_v} (int() of a 1-element array; "
+                "numpy < 2.4 or triton >= 3.7 needed): the Triton op is not checked on CPU here")
+    return None
+
+
 def check_dsa_correctness(c: Check, a: argparse.Namespace, device: torch.device) -> None:
     from genolong.kernels.dsa import sparse_attention
     from genolong.kernels.dsa.triton_attention import sparse_attention_triton  # what the triton backend routes to
@@ -197,7 +237,12 @@ def check_dsa_correctness(c: Check, a: argparse.Namespace, device: torch.device)
     # suite sets it: the same call at tiny sizes); else the bf16 torch reference (script check only)
     # (in fp16 there: the interpreter's bf16 is broken), else the bf16 torch reference (script check only)
     interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    broken = _interpreter_problem() if interpreted and device.type != "cuda" else None
     half = torch.bfloat16
+    if broken:
+        interpreted = False
+        res["interpreter_skipped"] = broken
+        c.doc.setdefault("notes", []).append(f"correctness.dsa: {broken}")
     if device.type == "cuda" or interpreted:
         candidate = sparse_attention_triton
         res["impl"] = "genolong.kernels.dsa.triton_attention.sparse_attention_triton"
@@ -206,6 +251,8 @@ def check_dsa_correctness(c: Check, a: argparse.Namespace, device: torch.device)
             res["impl"] += " in Triton's CPU interpreter, fp16 (script check only)"
     else:
         candidate, res["impl"] = sparse_attention, "torch reference in bf16 (no CUDA: script check only)"
+        if broken:
+            res["impl"] += "; Triton's interpreter not run (interpreter_skipped)"
     res["half_dtype"] = str(half).removeprefix("torch.")
     gen = torch.Generator(device="cpu").manual_seed(0)
     q = (torch.randn(1, T, H, C, generator=gen) * 0.5).to(device, half)
@@ -243,6 +290,11 @@ def check_kda_correctness(c: Check, a: argparse.Namespace, device: torch.device)
     T, H, K = a.correct_T, cfg.linear_num_heads, cfg.linear_head_dim
     res: dict[str, Any] = {"T": T, "heads": H, "head_dim": K, "fla_core": fla_version()}
     c.doc.setdefault("correctness", {})["kda_fla"] = res
+    if res["fla_core"] is None:
+        # never a silent torch fallback: without fla-core this part has nothing to check
+        raise RuntimeError("fla-core is not importable here (no fla-core distribution on sys.path): this part checks "
+                           "fla-core's chunk_kda; put its wheel beside the checkout (bash benchmarks/gpu_wheels.sh, "
+                           "carry .gpu-wheels) or pip install 'fla-core>=0.5.2'")
     from fla.ops.kda.naive import naive_recurrent_kda  # pure torch (imports fla, hence Triton)
 
     if device.type == "cuda":
@@ -445,21 +497,57 @@ def _lengths(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+# The parts, in the order they run: genolong's own DSA first, then the model, the fla-core KDA part
+# last (fla-org/flash-linear-attention#734 reports a kernel crash on H100 with triton 3.6.0; in a
+# process of its own, a crash or a sticky CUDA error there cannot spoil the others' figures).
+PART_ORDER = ("dsa_correctness", "dsa", "model", "kda")
+PART_KEYS = {"dsa_correctness": "correctness.dsa", "dsa": "dsa_vs_sdpa", "model": "model", "kda": "correctness.kda"}
+PART_ALIASES = {"correctness": ("dsa_correctness", "kda")}
+# Wall-clock seconds of each part's process on an H100/H200 at full sizes, start-up (torch import,
+# CUDA context), Triton compilation and fla's autotuning included: 60 + 90 + 150 + 120 = 420 s, the
+# default --budget-s; gpu_check.sh allows 470 s for the Python run and spends ~10 s around it
+# (nvidia-smi, unpacking the wheels), so the whole check ends within 8 minutes. A part's process is
+# killed at its budget; inside it, no new measurement starts after 80 % of it (SOFT_FRACTION).
+PART_BUDGET_S = {"dsa_correctness": 60.0, "dsa": 90.0, "model": 150.0, "kda": 120.0}
+SMALL_PART_BUDGET_S = 240.0  # --small on a busy 2-core CPU: a hang guard, not a target
+SOFT_FRACTION = 0.8
+
+
+def _parts(text: str) -> list[str]:
+    """``--parts`` as part names in run order (``correctness`` stands for both correctness parts)."""
+    wanted: set[str] = set()
+    for name in (x.strip() for x in text.split(",") if x.strip()):
+        if name not in PART_ORDER and name not in PART_ALIASES:
+            raise argparse.ArgumentTypeError(
+                f"unknown part {name!r}; choose from {', '.join((*PART_ORDER, *PART_ALIASES))}")
+        wanted.update(PART_ALIASES.get(name, (name,)))
+    return [name for name in PART_ORDER if name in wanted]
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", nargs="?", default=None, help="JSON path (default $OUT/gpu_check.json or benchmarks/results)")
     p.add_argument("--out", dest="out_opt", default=None, help="JSON path (same as the positional argument)")
     p.add_argument("--small", "--dry-run", action="store_true", help="tiny sizes on any device (script check, < 1 min on CPU)")
-    p.add_argument("--backend", default="auto", help="kernel backend for parts (b) and (c) (default auto)")
-    p.add_argument("--parts", default="correctness,dsa,model", help="comma list of correctness,dsa,model")
-    p.add_argument("--budget-s", type=float, default=420.0, help="skip work that would start after this many seconds")
+    p.add_argument("--backend", default="auto", help="kernel backend for parts dsa and model (default auto)")
+    p.add_argument("--parts", type=_parts, default=list(PART_ORDER),
+                   help=f"comma list of {', '.join(PART_ORDER)} (correctness: both correctness parts); "
+                        "they always run in that order")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="total seconds; each part gets its own budget within it (default 420)")
+    p.add_argument("--part-budgets", default="",
+                   help="per-part budgets in seconds, e.g. 'model=200,kda=90' (default "
+                        + ", ".join(f"{k}={v:.0f}" for k, v in PART_BUDGET_S.items()) + f"; small: {SMALL_PART_BUDGET_S:.0f} each)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the parts in this process (default: one process per part)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one part, run by the parent process
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per DSA/SDPA point (default 3; small 1)")
-    p.add_argument("--correct-T", type=int, default=None, help="length of part (a) (default 32768; small 200)")
-    p.add_argument("--dsa-lengths", type=_lengths, default=None, help="part (b) lengths (default 32768,131072)")
-    p.add_argument("--model-lengths", type=_lengths, default=None, help="part (c) lengths (default 32768,131072)")
-    p.add_argument("--model-preset", default=None, help="part (c) preset (default 1b; small: tiny)")
+    p.add_argument("--correct-T", type=int, default=None, help="length of the correctness parts (default 32768; small 200)")
+    p.add_argument("--dsa-lengths", type=_lengths, default=None, help="part dsa lengths (default 32768,131072)")
+    p.add_argument("--model-lengths", type=_lengths, default=None, help="part model lengths (default 32768,131072)")
+    p.add_argument("--model-preset", default=None, help="part model preset (default 1b; small: tiny)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                   help="parts (b) and (c) (default auto: bf16 on CUDA, fp32 elsewhere)")
+                   help="parts dsa and model (default auto: bf16 on CUDA, fp32 elsewhere)")
     a = p.parse_args(argv)
     small = a.small
     a.preset = "tiny" if small else "1b"
@@ -472,61 +560,209 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if out is None:
         out = Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else HERE / "results" / "gpu_check.json"
     a.out = Path(out)
-    a.parts = [x for x in a.parts.split(",") if x]
+    budgets = dict.fromkeys(PART_ORDER, SMALL_PART_BUDGET_S) if small else dict(PART_BUDGET_S)
+    for item in (x for x in a.part_budgets.split(",") if x):
+        name, _, value = item.partition("=")
+        if name not in budgets:
+            p.error(f"--part-budgets: unknown part {name!r}; choose from {', '.join(PART_ORDER)}")
+        budgets[name] = float(value)
+    a.part_budget_s = budgets
     return a
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse(argv)
-    c = Check(a.out, a.budget_s)
+def _versions() -> dict[str, Any]:
+    """Versions of what the check runs on, read without initialising CUDA (distribution metadata
+    where there is one): python, torch (and its CUDA), triton, fla-core, numpy, transformers."""
+    from importlib import metadata
+
+    from genolong.kernels.kda.fla_backend import fla_version
+
+    def dist(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"python": platform.python_version(), "executable": sys.executable, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": dist("triton"), "fla_core": fla_version(),
+            "numpy": dist("numpy"), "transformers": dist("transformers"), "einops": dist("einops")}
+
+
+def _device_meta(cuda: bool) -> dict[str, Any]:
+    """The device a part ran on (its name, memory and compute capability on CUDA)."""
+    if not cuda:
+        return {"device": "cpu", "device_name": platform.processor() or platform.machine()}
+    props = torch.cuda.get_device_properties(0)
+    return {"device": "cuda", "device_name": torch.cuda.get_device_name(0),
+            "device_memory_gib": round(props.total_memory / GiB, 1), "capability": f"sm_{props.major}{props.minor}"}
+
+
+def _run_parts_here(c: Check, a: argparse.Namespace, parts: list[str]) -> None:
+    """Run ``parts`` in this process, each guarded (``--in-process``, and a child's one part)."""
     cuda = torch.cuda.is_available() and not a.small
     device = torch.device("cuda" if cuda else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(a.dtype, torch.bfloat16 if cuda else torch.float32)
     if not cuda:
         a.backend = "torch"  # the CPU check runs the reference backend
         torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
-
-    import genolong
     from genolong.kernels.backends import get_backend
-    from genolong.kernels.kda.fla_backend import fla_version
 
-    meta: dict[str, Any] = {
-        **environment("date"),
-        "command": " ".join([sys.executable, *sys.argv]),
-        "small": a.small, "device": str(device),
-        "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "fla_core": fla_version(),
-        "genolong": getattr(genolong, "__version__", None), "python": platform.python_version(),
-    }
+    meta = c.doc.setdefault("meta", {})
+    meta.update(_device_meta(cuda), small=a.small)
     try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except Exception as exc:
-        meta["triton"] = f"unavailable: {exc}"
-    c.doc["meta"] = meta
-    try:
-        meta["backend"] = get_backend(a.backend).name
-        a.backend = meta["backend"]
+        backend = get_backend(a.backend)
+        meta["backend"] = a.backend = backend.name
+        meta["backend_impls"] = dict(backend.impls)
     except Exception as exc:
         c.doc["errors"]["backend"] = f"{type(exc).__name__}: {exc}"
-        a.backend = "torch"
-        meta["backend"] = "torch"
-    if cuda:
-        meta["device_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / GiB, 1)
+        meta["backend"] = a.backend = "torch"
+        meta["backend_impls"] = dict(get_backend("torch").impls)
     c.write()
-    print(f"[gpu_check] {meta}", flush=True)
+    run = {"dsa_correctness": lambda: check_dsa_correctness(c, a, device),
+           "kda": lambda: check_kda_correctness(c, a, device),
+           "dsa": lambda: bench_dsa_vs_sdpa(c, a, device, dtype),
+           "model": lambda: bench_model(c, a, device, dtype)}
+    for part in parts:
+        c.guard(PART_KEYS[part], run[part])  # writes the document, with the dispatch counts so far
 
-    if "correctness" in a.parts:
-        c.guard("correctness.dsa", lambda: check_dsa_correctness(c, a, device))
-        c.guard("correctness.kda", lambda: check_kda_correctness(c, a, device))
-    if "dsa" in a.parts:
-        c.guard("dsa_vs_sdpa", lambda: bench_dsa_vs_sdpa(c, a, device, dtype))
-    if "model" in a.parts:
-        c.guard("model", lambda: bench_model(c, a, device, dtype))
+
+def _describe_exit(rc: int | None, timed_out: bool, budget_s: float) -> str:
+    if timed_out:
+        return f"killed at its {budget_s:.0f} s budget"
+    if rc is not None and rc < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+def _run_child(cmd: list[str], budget_s: float) -> tuple[int | None, bool, str, float]:
+    """Run one part's process, its output passed through line by line, killed at ``budget_s``.
+    Returns (exit code, timed out, its last output lines, seconds)."""
+    import collections
+    import subprocess
+    import threading
+
+    t0 = time.perf_counter()
+    tail: collections.deque[str] = collections.deque(maxlen=15)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            print(line, end="", flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    reader.join(timeout=5)
+    return proc.returncode, timed_out, "\n".join(tail), time.perf_counter() - t0
+
+
+def _child_command(a: argparse.Namespace, part: str, out: Path, soft_budget_s: float) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", part, "--out", str(out),
+           "--budget-s", f"{soft_budget_s:.1f}", "--backend", a.backend, "--repeats", str(a.repeats),
+           "--correct-T", str(a.correct_T), "--dsa-lengths", ",".join(map(str, a.dsa_lengths)),
+           "--model-lengths", ",".join(map(str, a.model_lengths)), "--model-preset", a.model_preset, "--dtype", a.dtype]
+    return cmd + (["--small"] if a.small else [])
+
+
+def _merge_part(c: Check, part: str, child: dict[str, Any]) -> dict[str, Any]:
+    """Fold one part's document into the check's; returns the part's own meta."""
+    for key, value in child.items():
+        if key == "correctness":
+            c.doc.setdefault("correctness", {}).update(value)
+        elif key == "errors":
+            c.doc["errors"].update(value)
+        elif key == "tracebacks":
+            c.doc.setdefault("tracebacks", {}).update(value)
+        elif key == "skipped":
+            c.doc["skipped"].extend(value)
+        elif key not in ("meta", "elapsed_s", "done"):
+            c.doc[key] = value
+    return child.get("meta", {})
+
+
+def run_isolated(c: Check, a: argparse.Namespace) -> None:
+    """Each part in a process of its own, in :data:`PART_ORDER`, within its budget; the JSON is
+    rewritten after every part (and the part's own JSON after each of its measurements)."""
+    parts_doc: dict[str, Any] = c.doc.setdefault("parts", {})
+    for part in a.parts:
+        key = PART_KEYS[part]
+        remaining = a.budget_s - c.elapsed()
+        budget = min(a.part_budget_s[part], remaining)
+        if remaining < 5:  # not even a start-up's worth left
+            c.doc["skipped"].append(f"{key}: time budget {a.budget_s:.0f} s spent")
+            parts_doc[part] = {"status": "skipped", "budget_s": 0}
+            c.write()
+            continue
+        part_out = c.path.with_name(f"{c.path.stem}.{part}.json")
+        part_out.unlink(missing_ok=True)
+        print(f"[gpu_check] part {part} ({key}): budget {budget:.0f} s", flush=True)
+        rc, timed_out, tail, seconds = _run_child(_child_command(a, part, part_out, SOFT_FRACTION * budget), budget)
+        record: dict[str, Any] = {"budget_s": round(budget, 1), "seconds": round(seconds, 1), "exit": rc}
+        child: dict[str, Any] = {}
+        if part_out.exists():
+            import json
+
+            try:
+                child = json.loads(part_out.read_text())
+            except ValueError:
+                child = {}
+        meta = _merge_part(c, part, child)
+        # the backend's fields only where a backend runs the ops (the correctness parts name their op in "impl")
+        fields = ("device", "device_name") + (("backend", "backend_impls", "dispatch") if part in ("dsa", "model") else ())
+        record.update({k: meta[k] for k in fields if k in meta})
+        ok = rc == 0 and not timed_out and child.get("done") is True
+        record["status"] = "ok" if ok and key not in c.doc["errors"] else ("error" if ok else "crashed")
+        if not ok:
+            how = _describe_exit(rc, timed_out, budget)
+            c.doc["errors"].setdefault(key, f"part process {how} after {seconds:.0f} s; last output:\n{tail}"[-2000:])
+            if timed_out:
+                record["status"] = "timed out"
+        parts_doc[part] = record
+        lifted = ("device", "device_name", "device_memory_gib", "capability")
+        for field_ in lifted + (("backend", "backend_impls") if part in ("dsa", "model") else ()):
+            if field_ in meta:
+                c.doc["meta"].setdefault(field_, meta[field_])
+        c.write()
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    c = Check(a.out, a.budget_s)
+    import genolong
+
+    c.doc["meta"] = {**environment("date"), "command": " ".join([sys.executable, *sys.argv]), "small": a.small,
+                     "genolong": getattr(genolong, "__version__", None), "genolong_from": str(Path(genolong.__file__).parent),
+                     **_versions(), "requested_backend": a.backend,
+                     "isolated": not (a.in_process or a.child), "parts": a.parts, "part_budget_s": a.part_budget_s}
+    c.write()
+    if a.child:
+        _run_parts_here(c, a, [a.child])
+    elif a.in_process:
+        _run_parts_here(c, a, a.parts)
+    else:
+        print(f"[gpu_check] {c.doc['meta']}", flush=True)
+        run_isolated(c, a)
     c.doc["done"] = True
     c.write()
-    print(f"[gpu_check] wrote {a.out} in {c.elapsed():.1f} s; errors: {list(c.doc['errors']) or 'none'}", flush=True)
+    if not a.child:
+        print(f"[gpu_check] wrote {a.out} in {c.elapsed():.1f} s; errors: {list(c.doc['errors']) or 'none'}", flush=True)
     return 0
 
 

@@ -26,18 +26,24 @@ torch reference op (so a model built with ``auto`` on a CUDA machine still runs 
 
 A backend's module is imported only when the backend is first asked for, so a CPU machine never
 imports Triton or fla.
+
+What runs each op is recorded, not inferred from the backend's name: ``KernelBackend.impls`` maps
+every op to ``torch``, ``genolong-triton`` or ``fla-core`` (``triton`` without fla-core runs KDA
+on the torch reference, and says so with a warning), and :func:`dispatch_counts` counts the calls
+the GPU backends' dispatching ops sent to each (``benchmarks/gpu_check.py`` records both).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InputError
 
-__all__ = ["KernelBackend", "available_backends", "get_backend", "register_backend", "resolve_auto"]
+__all__ = ["KernelBackend", "OPS", "available_backends", "dispatch_counts", "get_backend", "register_backend", "resolve_auto"]
 
 log = logging.getLogger("genolong")
 
@@ -59,6 +65,10 @@ class KernelBackend:
         sparse_attention: :func:`genolong.kernels.dsa.sparse_attention` signature.
         kpool_indexer_kl_loss: :func:`genolong.kernels.dsa.kpool_indexer_kl_loss` signature.
         chunked_cross_entropy: :func:`genolong.kernels.ce.chunked_cross_entropy` signature.
+        impls: op name (those of :data:`OPS`) -> what runs it for CUDA tensors (``"torch"``,
+            ``"genolong-triton"``, ``"fla-core"``; tensors elsewhere always run ``"torch"``), so
+            that a report can say which implementation really ran, not only the backend's name
+            (``triton`` without fla-core runs KDA on the torch reference).
     """
 
     name: str
@@ -71,6 +81,26 @@ class KernelBackend:
     sparse_attention: Callable
     kpool_indexer_kl_loss: Callable
     chunked_cross_entropy: Callable
+    impls: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+
+# the ops every backend provides (the KernelBackend fields that are callables)
+OPS = ("chunk_kda", "chunk_kda_gated", "recurrent_kda", "kpool_keys", "kpool_topk", "sparse_attention",
+       "kpool_indexer_kl_loss", "chunked_cross_entropy")
+
+# (op, implementation) -> calls dispatched by the GPU backends' ops in this process (see _on_cuda)
+_DISPATCHED: Counter[tuple[str, str]] = Counter()
+
+
+def dispatch_counts() -> dict[str, dict[str, int]]:
+    """Calls made so far in this process through the ``fla`` and ``triton`` backends' dispatching
+    ops, by op and by what ran them: ``{"sparse_attention": {"genolong-triton": 12, "torch": 0}}``
+    (``torch`` counts the calls on non-CUDA tensors, which take the reference). The ``torch``
+    backend's ops are the reference functions themselves and are not counted."""
+    out: dict[str, dict[str, int]] = {}
+    for (op, impl), n in sorted(_DISPATCHED.items()):
+        out.setdefault(op, {})[impl] = n
+    return out
 
 
 _LOADERS: dict[str, Callable[[], KernelBackend]] = {}
@@ -126,12 +156,17 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _on_cuda(fast: Callable, reference: Callable) -> Callable:
-    """An op that runs ``fast`` when its first tensor argument is on CUDA, else ``reference``."""
+def _on_cuda(fast: Callable, reference: Callable, name: str = "", impl: str = "") -> Callable:
+    """An op that runs ``fast`` when its first tensor argument is on CUDA, else ``reference``;
+    each call is counted under ``(name, impl)`` or ``(name, "torch")`` (:func:`dispatch_counts`)."""
 
     def op(*args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else next(iter(kwargs.values()))
-        return (fast if first.is_cuda else reference)(*args, **kwargs)
+        if first.is_cuda:
+            _DISPATCHED[name, impl] += 1
+            return fast(*args, **kwargs)
+        _DISPATCHED[name, "torch"] += 1
+        return reference(*args, **kwargs)
 
     op.__name__ = op.__qualname__ = getattr(fast, "__name__", "op")
     op.__doc__ = fast.__doc__
@@ -180,34 +215,42 @@ def _fla_backend() -> KernelBackend:
         description="fla-core Triton chunk_kda for KDA training (CUDA tensors; gate and beta in the kernel "
                     "through chunk_kda_gated); torch reference for recurrent KDA, the DSA indexer/KPool/"
                     "sparse attention/KL loss and chunked CE",
-        chunk_kda=_on_cuda(fla_kda, reference.chunk_kda),
-        chunk_kda_gated=_on_cuda(fla_kda_gated, reference.chunk_kda_gated),
+        chunk_kda=_on_cuda(fla_kda, reference.chunk_kda, "chunk_kda", "fla-core"),
+        chunk_kda_gated=_on_cuda(fla_kda_gated, reference.chunk_kda_gated, "chunk_kda_gated", "fla-core"),
         recurrent_kda=reference.recurrent_kda,
         kpool_keys=reference.kpool_keys,
         kpool_topk=reference.kpool_topk,
         sparse_attention=reference.sparse_attention,
         kpool_indexer_kl_loss=reference.kpool_indexer_kl_loss,
         chunked_cross_entropy=reference.chunked_cross_entropy,
+        impls={**reference.impls, "chunk_kda": "fla-core", "chunk_kda_gated": "fla-core"},
     )
 
 
 def _triton_backend() -> KernelBackend:
     _require_cuda("triton")
     reference = _torch_backend()
-    sparse_attention = _on_cuda(_triton_op("triton_attention", "sparse_attention_triton"), reference.sparse_attention)
-    kpool_topk = _on_cuda(_triton_op("triton_topk", "kpool_topk_triton"), reference.kpool_topk)
-    kpool_keys = _on_cuda(_triton_op("triton_kpool", "kpool_keys_triton"), reference.kpool_keys)
+    gt = "genolong-triton"
+    sparse_attention = _on_cuda(_triton_op("triton_attention", "sparse_attention_triton"), reference.sparse_attention,
+                                "sparse_attention", gt)
+    kpool_topk = _on_cuda(_triton_op("triton_topk", "kpool_topk_triton"), reference.kpool_topk, "kpool_topk", gt)
+    kpool_keys = _on_cuda(_triton_op("triton_kpool", "kpool_keys_triton"), reference.kpool_keys, "kpool_keys", gt)
     kpool_indexer_kl_loss = _on_cuda(_triton_op("triton_kpool", "kpool_indexer_kl_loss_triton"),
-                                     reference.kpool_indexer_kl_loss)
+                                     reference.kpool_indexer_kl_loss, "kpool_indexer_kl_loss", gt)
+    impls = {**reference.impls, "sparse_attention": gt, "kpool_topk": gt, "kpool_keys": gt, "kpool_indexer_kl_loss": gt}
     try:
         fla_kda, fla_kda_gated = _fla_chunk_kda()
-        chunk_kda = _on_cuda(fla_kda, reference.chunk_kda)
-        chunk_kda_gated = _on_cuda(fla_kda_gated, reference.chunk_kda_gated)
+        chunk_kda = _on_cuda(fla_kda, reference.chunk_kda, "chunk_kda", "fla-core")
+        chunk_kda_gated = _on_cuda(fla_kda_gated, reference.chunk_kda_gated, "chunk_kda_gated", "fla-core")
+        impls.update(chunk_kda="fla-core", chunk_kda_gated="fla-core")
         kda_from = "fla-core Triton chunk_kda for KDA training"
     except (ImportError, InputError) as exc:
-        log.info("genolong: kernel backend 'triton': fla unavailable (%s); KDA uses the torch reference", _one_line(exc))
+        # a warning, not an info line: the backend is named 'triton' but KDA (most of the model's
+        # layers) runs the torch reference; impls says so too (gpu_check records it)
+        log.warning("genolong: kernel backend 'triton': fla-core unavailable (%s); KDA runs the torch reference",
+                    _one_line(exc))
         chunk_kda, chunk_kda_gated = reference.chunk_kda, reference.chunk_kda_gated
-        kda_from = "torch chunked KDA (fla unavailable)"
+        kda_from = "torch chunked KDA (fla-core unavailable)"
     return KernelBackend(
         name="triton",
         description=f"genolong Triton DSA kernels for CUDA tensors (KPool key pooling, pooled-key scores with a "
@@ -221,6 +264,7 @@ def _triton_backend() -> KernelBackend:
         sparse_attention=sparse_attention,
         kpool_indexer_kl_loss=kpool_indexer_kl_loss,
         chunked_cross_entropy=reference.chunked_cross_entropy,
+        impls=impls,
     )
 
 
@@ -262,6 +306,7 @@ def _torch_backend() -> KernelBackend:
         sparse_attention=sparse_attention,
         kpool_indexer_kl_loss=kpool_indexer_kl_loss,
         chunked_cross_entropy=chunked_cross_entropy,
+        impls=dict.fromkeys(OPS, "torch"),
     )
 
 

@@ -383,7 +383,11 @@ def test_gpu_backend_load_failures_are_one_line(fresh_registry: None, monkeypatc
     monkeypatch.setitem(sys.modules, TRITON_MODULE, _fake_triton_module(calls))
     monkeypatch.setattr(fla_backend, "fla_version", lambda: "0.5.0")  # too old: KDA falls back
     backend = get_backend("triton")
-    assert backend.chunk_kda is get_backend("torch").chunk_kda and "fla unavailable" in backend.description
+    assert backend.chunk_kda is get_backend("torch").chunk_kda and "fla-core unavailable" in backend.description
+    # the backend is called 'triton', but what runs KDA is recorded as the torch reference
+    assert backend.impls["chunk_kda"] == backend.impls["chunk_kda_gated"] == "torch"
+    assert backend.impls["sparse_attention"] == backend.impls["kpool_topk"] == "genolong-triton"
+    assert set(backend.impls) == set(backends.OPS) and set(get_backend("torch").impls.values()) == {"torch"}
 
 
 def test_triton_sparse_attention_has_the_reference_signature() -> None:
@@ -403,28 +407,80 @@ def test_on_cuda_dispatch() -> None:
     class FakeCuda:
         is_cuda = True
 
-    op = backends._on_cuda(lambda x: "fast", lambda x: "reference")
+    before = backends.dispatch_counts().get("probe_op", {})
+    op = backends._on_cuda(lambda x: "fast", lambda x: "reference", "probe_op", "genolong-triton")
     assert op(FakeCuda()) == "fast" and op(torch.zeros(1)) == "reference" and op(x=torch.zeros(1)) == "reference"
+    # each call is counted under what ran it
+    after = backends.dispatch_counts()["probe_op"]
+    assert after["genolong-triton"] - before.get("genolong-triton", 0) == 1
+    assert after["torch"] - before.get("torch", 0) == 2
 
 
 # ------------------------------------------------------------------------------------------------
 # the GPU check script, at tiny sizes on CPU
 
+def _fake_wheel(folder: Path, dist: str, version: str, module: str) -> Path:
+    """A minimal pure-Python wheel (a zip file: one module and its dist-info)."""
+    import zipfile
+
+    path = folder / f"{dist}-{version}-py3-none-any.whl"
+    info = f"{dist}-{version}.dist-info"
+    with zipfile.ZipFile(path, "w") as whl:
+        whl.writestr(f"{module}.py", "VALUE = 1\n")
+        whl.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        whl.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr(f"{info}/RECORD", "")
+    return path
+
+
 def test_gpu_check_small_runs_on_cpu(tmp_path: Path) -> None:
-    """``benchmarks/gpu_check.py --small`` runs every part on CPU and writes the JSON fields."""
-    out = tmp_path / "check.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--small", "--out", str(out)],
+    """``benchmarks/gpu_check.sh`` in CPU mode (``gpu_check.py --small``, one process per part) runs
+    every part and writes the JSON fields, importing genolong from the checkout through its
+    temporary symlinked package (not this session's install), with the wheels folder's wheels
+    unzipped unless installed, and removes its temporary folder."""
+    import os
+
+    out_dir, wheels, scratch = tmp_path / "out", tmp_path / "wheels", tmp_path / "tmp"
+    wheels.mkdir()
+    scratch.mkdir()
+    _fake_wheel(wheels, "einops", "0.0.1", "einops_fake")  # installed here: skipped
+    _fake_wheel(wheels, "genolong_probe_dist", "1.0", "genolong_probe_mod")  # not installed: unzipped
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable,
+           "GPU_WHEELS": str(wheels), "TMPDIR": str(scratch)}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out_dir)],
                           # a hang guard, not a speed check: the run took over 120 s on a 2-core machine
                           # busy with two other test suites (2026-12-03), so the guard leaves room
-                          capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
-    assert proc.returncode == 0, proc.stderr[-2000:]
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    log = proc.stdout
+    assert f"python: {sys.executable} ($PYTHON; torch sees CPU)" in log and "CPU mode, --small" in log
+    assert "wheel einops-0.0.1-py3-none-any.whl: skipped, einops" in log
+    assert "wheel genolong_probe_dist-1.0-py3-none-any.whl: unpacked" in log
+    (where,) = [line for line in log.splitlines() if line.startswith("genolong from ")]
+    # genolong from the temporary package; the checkout's kernels/ is no top-level package there
+    # (a top-level `kernels` is the PyPI distribution where one is installed, else None)
+    assert "/src/genolong ; top-level kernels: " in where and str(ROOT / "kernels") not in where, where
+    assert list(scratch.iterdir()) == []  # the temporary folder is gone
+    out = out_dir / "gpu_check.json"
+    assert {p.name for p in out_dir.iterdir()} >= {"gpu_check.json", "gpu_check.log", "nvidia-smi.txt",
+                                                   "gpu_check.dsa_correctness.json", "gpu_check.kda.json"}
     def no_constant(name: str) -> None:
         raise ValueError(f"{name} is not JSON")
 
     doc = json.loads(out.read_text(), parse_constant=no_constant)  # strict JSON: no NaN / Infinity
     assert doc["done"] is True and doc["errors"] == {} and doc["skipped"] == []
-    assert doc["meta"]["small"] is True and doc["meta"]["backend"] == "torch" and doc["meta"]["device"] == "cpu"
+    meta = doc["meta"]
+    assert meta["small"] is True and meta["backend"] == "torch" and meta["device"] == "cpu" and meta["isolated"] is True
+    # genolong from the script's symlinked package, whatever this session installed
+    assert meta["genolong_from"].endswith("/src/genolong") and not meta["genolong_from"].startswith(str(ROOT))
+    import importlib.metadata as md
+
+    assert (meta["torch"], meta["triton"], meta["fla_core"], meta["numpy"]) == (
+        torch.__version__, md.version("triton"), md.version("fla-core"), md.version("numpy"))
+    # one process per part, in order, the fla-core part last; what ran each op is recorded
+    assert list(doc["parts"]) == ["dsa_correctness", "dsa", "model", "kda"]
+    assert all(part["status"] == "ok" and part["exit"] == 0 for part in doc["parts"].values()), doc["parts"]
+    assert set(doc["parts"]["model"]["backend_impls"].values()) == {"torch"}
     dsa = doc["correctness"]["dsa_sparse_attention"]
     kda = doc["correctness"]["kda_fla"]
     # the DSA part runs the Triton op (in the interpreter: this session sets TRITON_INTERPRET=1)
@@ -454,7 +510,7 @@ def test_gpu_check_small_runs_on_cpu(tmp_path: Path) -> None:
     assert by[(256, False)] == pytest.approx(by[(256, True)], rel=1e-6)
 
 
-def test_gpu_check_guards_and_budget(tmp_path: Path) -> None:
+def test_gpu_check_guards_and_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A failing part is recorded under ``errors`` and the other parts still run; work past the
     time budget is recorded as skipped (in-process, tiny sizes)."""
     import importlib.util
@@ -466,15 +522,94 @@ def test_gpu_check_guards_and_budget(tmp_path: Path) -> None:
     threads = torch.get_num_threads()
     try:
         out = tmp_path / "guard.json"
-        gpu_check.main(["--small", "--parts", "model,dsa", "--model-preset", "no-such-preset",
+        gpu_check.main(["--small", "--in-process", "--parts", "model,dsa", "--model-preset", "no-such-preset",
                         "--dsa-lengths", "64", "--out", str(out)])
         doc = json.loads(out.read_text())
         assert doc["done"] is True and list(doc["errors"]) == ["model"] and "no-such-preset" in doc["errors"]["model"]
         assert [r["T"] for r in doc["dsa_vs_sdpa"]["rows"]] == [64] and doc["dsa_vs_sdpa"]["rows"][0]["dsa"]["ms"] > 0
         out2 = tmp_path / "budget.json"
-        gpu_check.main(["--small", "--parts", "dsa", "--dsa-lengths", "64,128", "--budget-s", "0", "--out", str(out2)])
+        gpu_check.main(["--small", "--in-process", "--parts", "dsa", "--dsa-lengths", "64,128", "--budget-s", "0",
+                        "--out", str(out2)])
         doc2 = json.loads(out2.read_text())
         assert doc2["errors"] == {} and doc2["dsa_vs_sdpa"]["rows"] == []
         assert doc2["skipped"] == ["dsa_vs_sdpa T=64: time budget 0 s spent"]
+        # no fla-core: the KDA part is an error, never a run of the torch reference in its place
+        monkeypatch.setattr(fla_backend, "fla_version", lambda: None)
+        out3 = tmp_path / "no-fla.json"
+        gpu_check.main(["--small", "--in-process", "--parts", "kda", "--out", str(out3)])
+        doc3 = json.loads(out3.read_text())
+        assert list(doc3["errors"]) == ["correctness.kda"] and "fla-core is not importable" in doc3["errors"]["correctness.kda"]
+        assert "rms_ratio" not in doc3["correctness"]["kda_fla"] and doc3["correctness"]["kda_fla"]["fla_core"] is None
     finally:
         torch.set_num_threads(threads)
+
+
+def _load_gpu_check() -> types.ModuleType:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_part_processes_crash_and_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each part runs in a process of its own, in order (the fla-core part last): a part that dies
+    (here by SIGSEGV, after writing some figures), one killed at its own budget and one that exits
+    1 without output are recorded under ``errors`` with how they ended and their last output; the
+    figures a dead part had written are kept and the next parts still run (fake part processes)."""
+    gpu_check = _load_gpu_check()
+    behaviour = {
+        # writes a first figure, then dies as a kernel crash would
+        "dsa_correctness": "write({'correctness': {'dsa_sparse_attention': {'T': 7}}}, done=False)\n"
+                           "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)",
+        "dsa": "print('compiling...', flush=True); import time; time.sleep(60)",  # past its 2 s budget
+        "model": "write({'model': {'rows': [{'T': 128}]}, 'meta': {'device': 'cpu', 'device_name': 'fake',"
+                 " 'backend': 'torch', 'backend_impls': {'chunk_kda': 'torch'}, 'dispatch': {}}})",
+        "kda": "print('fla-core: CUDA error: an illegal memory access'); raise SystemExit(1)",
+    }
+    started: list[str] = []
+
+    def fake_command(a: Any, part: str, out: Path, soft_budget_s: float) -> list[str]:
+        started.append(part)
+        prelude = ("import json, sys\n"
+                   "def write(doc, done=True):\n"
+                   "    doc = {'errors': {}, 'skipped': [], **doc, **({'done': True} if done else {})}\n"
+                   "    open(sys.argv[1], 'w').write(json.dumps(doc))\n")
+        return [sys.executable, "-c", prelude + behaviour[part], str(out)]
+
+    monkeypatch.setattr(gpu_check, "_child_command", fake_command)
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--small", "--part-budgets", "dsa=2", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert started == ["dsa_correctness", "dsa", "model", "kda"]
+    parts = doc["parts"]
+    assert [parts[p]["status"] for p in started] == ["crashed", "timed out", "ok", "crashed"]
+    errors = doc["errors"]
+    assert set(errors) == {"correctness.dsa", "dsa_vs_sdpa", "correctness.kda"}
+    assert errors["correctness.dsa"].startswith("part process killed by SIGSEGV")
+    assert errors["dsa_vs_sdpa"].startswith("part process killed at its 2 s budget") and "compiling..." in errors["dsa_vs_sdpa"]
+    assert errors["correctness.kda"].startswith("part process exit code 1") and "illegal memory access" in errors["correctness.kda"]
+    assert doc["correctness"]["dsa_sparse_attention"] == {"T": 7}  # what the dead part had written
+    assert doc["model"]["rows"] == [{"T": 128}] and parts["model"]["backend_impls"] == {"chunk_kda": "torch"}
+    assert parts["dsa"]["budget_s"] == 2 and parts["dsa"]["seconds"] < 30 and doc["done"] is True
+
+
+def test_gpu_check_parts_and_interpreter_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--parts`` runs in the fixed order whatever the order asked (``correctness`` is both
+    correctness parts; an unknown name is an error); Triton's interpreter is not run on CPU with
+    triton < 3.7 and numpy >= 2.4 (triton 3.6's interpreter fails there, not the kernels)."""
+    import importlib.metadata
+
+    gpu_check = _load_gpu_check()
+    assert gpu_check.parse(["--parts", "kda,model,dsa"]).parts == ["dsa", "model", "kda"]
+    assert gpu_check.parse(["--parts", "correctness"]).parts == ["dsa_correctness", "kda"]
+    with pytest.raises(SystemExit):
+        gpu_check.parse(["--parts", "dsa,nope"])
+    assert gpu_check.parse(["--part-budgets", "model=200"]).part_budget_s["model"] == 200
+    assert sum(gpu_check.PART_BUDGET_S.values()) == gpu_check.parse([]).budget_s == 420  # under 8 minutes
+    for versions, broken in ((("3.6.0", "2.5.5"), True), (("3.6.0", "2.3.5"), False), (("3.7.1", "2.5.5"), False),
+                             (("3.6.0", "2.4.0rc1"), True)):
+        monkeypatch.setattr(importlib.metadata, "version", lambda name, v=dict(zip(("triton", "numpy"), versions)): v[name])
+        assert (gpu_check._interpreter_problem() is not None) == broken, versions

@@ -48,13 +48,29 @@ def test_top_level_kernels_from_the_checkout_root_is_the_installed_distribution(
     run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == f"the distribution / its submodule / {site / 'kernels' / '__init__.py'}"
-    # No distribution anywhere: site-packages off the path, the checkout's root first.
-    absent = ("import sys; sys.path[:] = [p for p in sys.path if 'site-packages' not in p]\n"
-              "try:\n    import kernels\nexcept ModuleNotFoundError as e:\n"
-              "    print(e.name, 'kernels' in sys.modules)")
-    run = subprocess.run([sys.executable, "-c", absent], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_top_level_kernels_from_the_checkout_root_without_the_distribution_is_an_empty_folder() -> None:
+    """With no ``kernels`` distribution anywhere, ``import kernels`` from the checkout's root gives
+    what Python gives for a folder that is not a package: an empty module with no ``__file__``,
+    ``__version__`` or submodules, never the repository's kernels/ code. That is what transformers
+    5.17's ``is_kernels_available`` needs: ``find_spec("kernels")`` finds the folder (nothing can
+    make it skip a path entry), no metadata names a version, so it imports the module and calls it
+    "not available" when it has neither ``__version__`` nor ``__file__``; a ModuleNotFoundError
+    there (as before) made every transformers model import fail from the root."""
+    probe = ("import sys; sys.path[:] = [p for p in sys.path if 'site-packages' not in p]\n"
+             "import importlib, importlib.metadata, importlib.util\n"
+             "spec = importlib.util.find_spec('kernels')\n"
+             "try:\n    importlib.metadata.version('kernels'); dist = 'dist'\n"
+             "except importlib.metadata.PackageNotFoundError:\n    dist = 'no-dist'\n"
+             "module = importlib.import_module('kernels')\n"  # transformers 5.17 does this here
+             "print(spec is not None, dist, getattr(module, '__version__', 'N/A'), getattr(module, '__file__', None),\n"
+             "      list(module.__path__), [n for n in vars(module) if not n.startswith('__')])\n"
+             "try:\n    import kernels.backends\nexcept ModuleNotFoundError as e:\n    print(e.name)\n"
+             "try:\n    from kernels import get_kernel\nexcept ImportError:\n    print('ImportError')\n")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "kernels False"
+    assert run.stdout.split("\n")[:3] == ["True no-dist N/A None [] []", "kernels.backends", "ImportError"], run.stdout
 
 
 @pytest.mark.slow
