@@ -18,6 +18,7 @@ from typing import NoReturn
 
 from .allocator import keep_freed_memory
 from .errors import PREEMPTED_EXIT_CODE, GenolongError, Stopped
+from .signals import catch_from_start, ignore_from_now
 
 __all__ = ["build_parser", "entry", "main"]
 
@@ -55,9 +56,12 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
         return launch(args.recipe, args.set, resume=args.resume, address=args.ray_address,
                       max_failures=args.max_failures)
     from .config import load_recipe
-    from .train.finetune import run
+    from .slurm import check_task_layout
 
     recipe = load_recipe(args.recipe, args.set)
+    check_task_layout(recipe.parallel)  # a SLURM job's tasks, before torch loads (one line, exit 2)
+    from .train.finetune import run
+
     result = run(recipe, resume=args.resume)
     if result.is_global_zero:  # one line for the job, not one per process
         print(result.summary(recipe.name))
@@ -960,7 +964,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             keep_freed_memory()
         return int(args.func(args))
     except GenolongError as exc:
-        print(f"genolong {args.command}: error: {exc}", file=sys.stderr)
+        if getattr(exc, "show", True):  # False: another rank of the job prints it (genolong.slurm)
+            print(f"genolong {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except Stopped as exc:  # a signal, at a safe point: the work so far is saved; not finished
         if exc.show:
@@ -997,7 +1002,10 @@ def entry() -> NoReturn:
     through :func:`genolong.parallel.shutdown.exit_process`, without the interpreter's finalization,
     where gloo's worker threads can abort a run whose work is done.
     """
+    if sys.argv[1:2] == ["finetune"]:  # a stop signal before training stops it too (genolong.signals)
+        catch_from_start()
     code = main()
+    ignore_from_now()  # the status is decided: a late stop signal must not change it
     from .parallel.shutdown import exit_process, in_process_group
 
     if in_process_group():
