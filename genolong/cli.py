@@ -55,13 +55,10 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
 
         return launch(args.recipe, args.set, resume=args.resume, address=args.ray_address,
                       max_failures=args.max_failures)
-    from .config import load_recipe
-    from .slurm import check_task_layout
+    from .slurm import load_job_recipe
 
-    recipe = load_recipe(args.recipe, args.set)
-    check_task_layout(recipe.parallel)  # a SLURM job's tasks, before torch loads (one line, exit 2)
+    recipe = load_job_recipe(args.recipe, args.set)  # a SLURM job's tasks checked before torch loads
     from .train.finetune import run
-
     result = run(recipe, resume=args.resume)
     if result.is_global_zero:  # one line for the job, not one per process
         print(result.summary(recipe.name))
@@ -655,8 +652,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "from the newest intact checkpoint (default: %(default)s)")
     tune.epilog = ("exit status: 0 finished; 2 an error in the input (one line); 75 stopped by a signal of "
                    "train.stop_signals (default SIGTERM, SIGUSR1: preemption, a time limit) after writing the "
-                   "checkpoint of the step it was in (one line names it); under SLURM, SIGUSR1 (sbatch "
-                   "--signal=USR1@120) also requeues the job. See docs/scale-out.md.")
+                   "checkpoint of the step it was in (one line names it); under SLURM, SIGUSR1 (--signal=USR1@N) also "
+                   "requeues the job. A SLURM job script (the tests run it): docs/slurm/finetune.sbatch; docs/scale-out.md.")
     _verbose_argument(tune)
     tune.set_defaults(func=_cmd_finetune)
 

@@ -9,13 +9,13 @@ docs/scale-out.md ("SLURM"); the job script the tests run is docs/slurm/finetune
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .config import ParallelSection
+from .config import ParallelSection, Recipe, load_recipe
 from .errors import InputError
 
-__all__ = ["TaskLayoutError", "check_task_layout", "partial_saves"]
+__all__ = ["TaskLayoutError", "check_task_layout", "load_job_recipe", "partial_saves"]
 
 
 class TaskLayoutError(InputError):
@@ -65,6 +65,14 @@ def check_task_layout(parallel: ParallelSection, environ: Mapping[str, str] = os
         return
     show = environ.get("SLURM_PROCID", "0") == "0"
     raise TaskLayoutError(f"the SLURM job's tasks ({job}) do not match the recipe: {recipe}; {fix}", show=show)
+
+
+def load_job_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Recipe:
+    """``genolong finetune``'s recipe (:func:`genolong.config.load_recipe`), checked against the
+    SLURM job's tasks (:func:`check_task_layout`) before torch is imported."""
+    recipe = load_recipe(path, overrides)
+    check_task_layout(recipe.parallel)
+    return recipe
 
 
 def partial_saves(directory: Path) -> list[Path]:

@@ -101,16 +101,17 @@ def test_two_task_job_requeued_by_its_time_limit_signal_ends_equal_to_an_uninter
     own launcher, outside SLURM), bitwise. The first run sleeps 2.5 s a step so that the signal
     lands in training; the requeued run gets a longer limit (``scontrol update``), so it finishes."""
     steps = 16
-    straight_recipe = _recipe(tmp_path, sample_store, "straight", steps, devices=2)
-    env = {k: v for k, v in _env().items() if k != "PYTHONPATH"}
-    straight = subprocess.Popen([sys.executable, "-m", "genolong.cli", "finetune", str(straight_recipe)],
-                                cwd=tmp_path, env={k: v for k, v in {**os.environ, **env}.items()
-                                                   if not k.startswith("SLURM_")},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     recipe = _recipe(tmp_path, sample_store, "job", steps, devices=2)
+    run = tmp_path / "runs" / "job"
     job, out = _submit(slurm_cluster, recipe, "--nodes=1", "--ntasks-per-node=2", "--time=1", "--signal=USR1@30",
                        GENOLONG_TEST_STEP_SLEEP="2.5")
-    _until(lambda: out.exists() and _stop_lines(out.read_text()), "the stop line of the first run", slurm_cluster)
+    # the uninterrupted run once the job trains (its start-up alone: under 30 s, before the signal)
+    _until(lambda: _steps(run) >= 1, "the job's step 1", slurm_cluster)
+    straight_recipe = _recipe(tmp_path, sample_store, "straight", steps, devices=2)
+    env = {k: v for k, v in {**os.environ, **_env()}.items() if not k.startswith("SLURM_") and k != "PYTHONPATH"}
+    straight = subprocess.Popen([sys.executable, "-m", "genolong.cli", "finetune", str(straight_recipe)],
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _until(lambda: _stop_lines(out.read_text()), "the stop line of the first run", slurm_cluster)
     slurm_cluster.run("scontrol", "update", f"jobid={job}", "TimeLimit=10")
     info = slurm_cluster.wait(job, "COMPLETED", timeout=240)
     text = out.read_text()
@@ -238,3 +239,25 @@ def test_task_layout_that_disagrees_with_the_recipe_is_one_line_exit_2(
         f"--ntasks-per-node={devices}` in the job script and start genolong with `srun` "
         "(docs/slurm/finetune.sbatch), or set parallel.devices / parallel.num_nodes to the job's layout"], text
     assert "Traceback" not in text and not (tmp_path / "runs" / "layout" / "logs").exists(), text
+
+
+def test_a_refused_requeue_is_named_in_the_stop_line(slurm_cluster: Any, sample_store: Path, tmp_path: Path) -> None:
+    """A job submitted with ``--no-requeue``: SIGUSR1 after step 1 saves the step, ``scontrol
+    requeue`` refuses, and its message is folded into genolong's one line (no extra line from
+    scontrol); the task exits 75, SLURM records ``FAILED 75:0``."""
+    recipe = _recipe(tmp_path, sample_store, "norequeue", 8, every=100)
+    run = tmp_path / "runs" / "norequeue"
+    job, out = _submit(slurm_cluster, recipe, "--time=10", "--no-requeue", GENOLONG_TEST_STEP_SLEEP="1")
+    _until(lambda: _steps(run) >= 1, "step 1", slurm_cluster)
+    slurm_cluster.run("scancel", "--signal=USR1", job)
+    info = slurm_cluster.wait(job, timeout=120)
+    text = out.read_text()
+    assert (info.state, info.exit_code, info.restarts) == ("FAILED", "75:0", 0), (info.fields, text)
+    reached = _steps(run)
+    checkpoint = run / "checkpoints" / f"step{reached:07d}.ckpt"
+    stops = _stop_lines(text)
+    assert len(stops) == 1 and stops[0].startswith(
+        f"genolong finetune: stopped by SIGUSR1 after step {reached}; checkpoint {checkpoint}; running the same command "
+        f"again resumes from it; SLURM job {job} not requeued (scontrol requeue exited 1: "), text
+    assert stops[0].endswith(")") and "scontrol:" not in text and "Traceback" not in text, text
+    check_weights(checkpoint)
