@@ -997,15 +997,14 @@ def entry() -> NoReturn:
     A process that is still a rank of a torch.distributed job at the end (the processes Lightning,
     torchrun or SLURM start for a multi-process ``finetune`` / ``evaluate`` / ``variants``) exits
     through :func:`genolong.parallel.shutdown.exit_process`, without the interpreter's finalization,
-    where gloo's worker threads can abort a run whose work is done.
-    """
+    where gloo's worker threads can abort a run whose work is done; so does a stopped one (75, SLURM's KillWait)."""
     if sys.argv[1:2] == ["finetune"]:  # a stop signal before training stops it too (genolong.signals)
         catch_from_start()
     code = main()
     ignore_from_now()  # the status is decided: a late stop signal must not change it
     from .parallel.shutdown import exit_process, in_process_group
 
-    if in_process_group():
+    if in_process_group() or code == PREEMPTED_EXIT_CODE:  # stopped: out before SLURM's KillWait ends
         exit_process(code)
     sys.exit(code)
 

@@ -6,7 +6,7 @@ Debian's ``slurmctld``, ``slurmd``, ``slurm-client`` and ``munge`` packages (SLU
 ``.ci/run`` installs them. Without them, or not as root (``SlurmUser=root``: the daemons run as
 root, as the CI does), the tests skip with the reason.
 
-The cluster is set up for tests that take seconds (see :data:`SETTINGS`): ``KillWait`` 2 s (the
+The cluster is set up for tests that take seconds (see :data:`SETTINGS`): ``KillWait`` 10 s (the
 real default is 30 s), ``cred_expire`` 10 s, which is also how long a requeued job waits before it
 may start again (the real default, 120 s: slurm.conf(5), ``AuthInfo``), a scheduling pass every
 second (``sched_interval``, default 60 s: a requeued job starts at the first pass after its wait), and the time-limit and
@@ -32,7 +32,7 @@ BINARIES = ("munged", "slurmctld", "slurmd", "sinfo", "sbatch", "srun", "scontro
 
 #: settings that differ from SLURM's defaults, for short tests (defaults in the comments)
 SETTINGS = {
-    "KillWait": 2,  # default 30 s: SIGTERM -> SIGKILL at a time limit, scancel, scontrol requeue
+    "KillWait": 10,  # default 30 s: SIGTERM -> SIGKILL at a time limit, scancel, scontrol requeue
     "MinJobAge": 600,  # default 300 s: how long a finished job stays visible to scontrol
     "cred_expire": 10,  # default 120 s: also the wait of a requeued job before it starts again
     "sched_interval": 1,  # default 60 s: the periodic scheduling pass that starts a requeued job once it may

@@ -1,6 +1,6 @@
 """``genolong finetune`` under a real SLURM (issue 47): jobs submitted with the documented job script
 (docs/slurm/finetune.sbatch) to the one-node cluster of the ``slurm_cluster`` fixture
-(tests/slurm_cluster.py: SLURM 22.05 from Debian, KillWait 2 s, a requeued job's wait 10 s).
+(tests/slurm_cluster.py: SLURM 22.05 from Debian, KillWait 10 s, a requeued job's wait 10 s).
 
 What SLURM does, as these tests see it: ``--signal=USR1@N`` reaches srun's tasks (the batch shell,
 ``exec srun``, is srun); ``scancel --signal=TERM`` (without ``--full``) reaches the tasks, and the job
@@ -29,7 +29,7 @@ from genolong.train.finetune import latest_checkpoint
 
 from .helpers import ROOT, assert_bitwise_equal
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 #: the job script the documentation shows (README, docs/scale-out.md, finetune --help)
 SCRIPT = ROOT / "docs" / "slurm" / "finetune.sbatch"
@@ -88,25 +88,39 @@ def _assert_same_run(straight: Path, run: Path, steps: int, what: str) -> None:
                          GenoLM.from_pretrained(straight / "export").state_dict(), what)
 
 
+def _seconds(runtime: str) -> int:
+    """``scontrol``'s ``RunTime`` (``[D-]HH:MM:SS``) in seconds."""
+    days, _, clock = runtime.rpartition("-")
+    h, m, sec = (int(x) for x in clock.split(":"))
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + sec
+
+
 def _stop_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("genolong finetune: stopped")]
 
 
 def test_two_task_job_requeued_by_its_time_limit_signal_ends_equal_to_an_uninterrupted_run(
         slurm_cluster: Any, sample_store: Path, tmp_path: Path) -> None:
-    """``--nodes=1 --ntasks-per-node=2 --time=1 --signal=USR1@30 --requeue``: SLURM's SIGUSR1 (30 to
-    60 s into the job: slurmctld checks every 30 s) stops both ranks at one step with a complete
-    sharded checkpoint, one line naming the requeue, exit 75; the job is requeued, resumes by
-    itself, and every step's loss and the export equal an uninterrupted dp-2 run's (Lightning's
-    own launcher, outside SLURM), bitwise. The first run sleeps 2.5 s a step so that the signal
-    lands in training; the requeued run gets a longer limit (``scontrol update``), so it finishes."""
+    """``--nodes=1 --ntasks-per-node=2 --signal=USR1@100 --requeue``: SLURM's SIGUSR1 stops both
+    ranks at one step with a complete sharded checkpoint, one line naming the requeue, exit 75; the
+    job is requeued, resumes by itself, and every step's loss and the export equal an uninterrupted
+    dp-2 run's (Lightning's own launcher, outside SLURM), bitwise.
+
+    The signal is SLURM's own (slurmctld's time-limit pass, every 30 s), placed in training: once
+    step 1 is logged the time limit is cut (``scontrol update TimeLimit``) to the whole minutes
+    that make the signal due now and the limit itself more than 40 s away, so it comes at the next
+    pass, whatever the start-up took (a signal during start-up stops the run before its first step:
+    the start-up test). The first run sleeps 2.5 s a step (no CPU) so that it is still training
+    then; the requeued run gets its 10 minutes back, so it finishes."""
     steps = 16
     recipe = _recipe(tmp_path, sample_store, "job", steps, devices=2)
     run = tmp_path / "runs" / "job"
-    job, out = _submit(slurm_cluster, recipe, "--nodes=1", "--ntasks-per-node=2", "--time=1", "--signal=USR1@30",
+    job, out = _submit(slurm_cluster, recipe, "--nodes=1", "--ntasks-per-node=2", "--time=10", "--signal=USR1@100",
                        GENOLONG_TEST_STEP_SLEEP="2.5")
-    # the uninterrupted run once the job trains (its start-up alone: under 30 s, before the signal)
     _until(lambda: _steps(run) >= 1, "the job's step 1", slurm_cluster)
+    elapsed = _seconds(slurm_cluster.job(job).fields["RunTime"])
+    slurm_cluster.run("scontrol", "update", f"jobid={job}", f"TimeLimit={(elapsed + 100) // 60}")
+    # the uninterrupted run, meanwhile (the job sleeps)
     straight_recipe = _recipe(tmp_path, sample_store, "straight", steps, devices=2)
     env = {k: v for k, v in {**os.environ, **_env()}.items() if not k.startswith("SLURM_") and k != "PYTHONPATH"}
     straight = subprocess.Popen([sys.executable, "-m", "genolong.cli", "finetune", str(straight_recipe)],

@@ -37,6 +37,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +133,11 @@ def requeue_slurm_job(environ: Mapping[str, str] = os.environ) -> str:
     job = f"{array}_{environ.get('SLURM_ARRAY_TASK_ID', '')}" if array else environ.get("SLURM_JOB_ID", "")
     if not re.fullmatch(r"[0-9]+(_[0-9]+)?", job):
         return f"SLURM job not requeued (job id {job!r})"
+    # SLURM answers the requeue with SIGTERM to every process of the job's steps, scontrol
+    # included (proctrack/linuxproc: the whole process tree), which could end scontrol before it
+    # reports its success: it inherits SIGTERM ignored (exec keeps an ignored disposition)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
     try:
         done = subprocess.run(["scontrol", "requeue", job], env=dict(environ), stdin=subprocess.DEVNULL,
                               capture_output=True, text=True, timeout=60)
@@ -139,8 +145,13 @@ def requeue_slurm_job(environ: Mapping[str, str] = os.environ) -> str:
         return f"SLURM job {job} not requeued (scontrol requeue did not answer in 60 s)"
     except OSError as error:
         return f"SLURM job {job} not requeued (scontrol: {error.strerror or error})"
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     if done.returncode == 0:
         return f"SLURM job {job} requeued"
+    if done.returncode < 0:
+        return f"SLURM job {job} perhaps not requeued (scontrol requeue ended by {signal.Signals(-done.returncode).name})"
     # scontrol's own message, folded into genolong's line ("scontrol: error: ..." on stderr)
     said = " ".join(done.stderr.split()).removeprefix("scontrol: ").removeprefix("error: ")
     return f"SLURM job {job} not requeued (scontrol requeue exited {done.returncode}{': ' + said if said else ''})"
