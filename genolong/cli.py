@@ -19,6 +19,7 @@ from typing import NoReturn
 from .allocator import keep_freed_memory
 from .cli_tracks import add_names_argument, add_regions_argument, add_tracks_parser, split_regions
 from .errors import PREEMPTED_EXIT_CODE, GenolongError, Stopped
+from .signals import catch_from_start, ignore_from_now
 
 __all__ = ["build_parser", "entry", "main"]
 
@@ -56,10 +57,10 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
 
         return launch(args.recipe, args.set, resume=args.resume, address=args.ray_address,
                       max_failures=args.max_failures)
-    from .config import load_recipe
-    from .train.finetune import run
+    from .slurm import load_job_recipe
 
-    recipe = load_recipe(args.recipe, args.set)
+    recipe = load_job_recipe(args.recipe, args.set)  # a SLURM job's tasks checked before torch loads
+    from .train.finetune import run
     result = run(recipe, resume=args.resume)
     if result.is_global_zero:  # one line for the job, not one per process
         print(result.summary(recipe.name))
@@ -634,8 +635,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "from the newest intact checkpoint (default: %(default)s)")
     tune.epilog = ("exit status: 0 finished; 2 an error in the input (one line); 75 stopped by a signal of "
                    "train.stop_signals (default SIGTERM, SIGUSR1: preemption, a time limit) after writing the "
-                   "checkpoint of the step it was in (one line names it); under SLURM, SIGUSR1 (sbatch "
-                   "--signal=USR1@120) also requeues the job. See docs/scale-out.md.")
+                   "checkpoint of the step it was in (one line names it); under SLURM, SIGUSR1 (--signal=USR1@N) also "
+                   "requeues the job. A SLURM job script (the tests run it): docs/slurm/finetune.sbatch; docs/scale-out.md.")
     _verbose_argument(tune)
     tune.set_defaults(func=_cmd_finetune)
 
@@ -928,7 +929,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             keep_freed_memory()
         return int(args.func(args))
     except GenolongError as exc:
-        print(f"genolong {args.command}: error: {exc}", file=sys.stderr)
+        if getattr(exc, "show", True):  # False: another rank of the job prints it (genolong.slurm)
+            print(f"genolong {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except Stopped as exc:  # a signal, at a safe point: the work so far is saved; not finished
         if exc.show:
@@ -963,12 +965,14 @@ def entry() -> NoReturn:
     A process that is still a rank of a torch.distributed job at the end (the processes Lightning,
     torchrun or SLURM start for a multi-process ``finetune`` / ``evaluate`` / ``variants``) exits
     through :func:`genolong.parallel.shutdown.exit_process`, without the interpreter's finalization,
-    where gloo's worker threads can abort a run whose work is done.
-    """
+    where gloo's worker threads can abort a run whose work is done; so does a stopped one (75, SLURM's KillWait)."""
+    if sys.argv[1:2] == ["finetune"]:  # a stop signal before training stops it too (genolong.signals)
+        catch_from_start()
     code = main()
+    ignore_from_now()  # the status is decided: a late stop signal must not change it
     from .parallel.shutdown import exit_process, in_process_group
 
-    if in_process_group():
+    if in_process_group() or code == PREEMPTED_EXIT_CODE:  # stopped: out before SLURM's KillWait ends
         exit_process(code)
     sys.exit(code)
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from types import FrameType, TracebackType
 from typing import Any
 
-__all__ = ["DEFAULT_STOP_SIGNALS", "SignalFlag"]
+__all__ = ["DEFAULT_STOP_SIGNALS", "SignalFlag", "catch_from_start", "ignore_from_now", "keep_only", "received_at_start"]
 
 #: the signals that stop a run at its next safe point unless a recipe says otherwise
 DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
@@ -94,3 +94,60 @@ class SignalFlag:
     def names(signals: Sequence[signal.Signals]) -> str:
         """``"SIGTERM"``, ``"SIGUSR1 and SIGTERM"``: for one line."""
         return " and ".join(sig.name for sig in signals)
+
+
+#: the flag :func:`catch_from_start` installed (None: not installed in this process)
+_FROM_START: SignalFlag | None = None
+
+
+def catch_from_start(signals: Sequence[str | int | signal.Signals] = DEFAULT_STOP_SIGNALS) -> SignalFlag:
+    """Note ``signals`` from now on, for the whole life of the process (``genolong finetune`` calls
+    it before it imports torch or reads its recipe).
+
+    Without it, a signal that comes before training starts (while torch is imported, the model
+    loaded, the process group formed: ``sbatch --signal`` and ``scancel`` do not wait for that)
+    kills the process with the default action (SIGUSR1: ``User defined signal 1``, exit 138; no
+    line, no requeue), and one that comes after Lightning's teardown (SLURM's SIGTERM after
+    ``scontrol requeue``) kills it during its shutdown. The training's own handlers
+    (:class:`genolong.train.preemption.StopSignalConnector`) take the signals noted so far
+    (:func:`received_at_start`) and put these handlers back when training ends.
+    """
+    global _FROM_START
+    if _FROM_START is None:
+        _FROM_START = SignalFlag(signals)
+        _FROM_START.install()
+    return _FROM_START
+
+
+def received_at_start() -> tuple[signal.Signals, ...]:
+    """The signals the :func:`catch_from_start` handlers noted (empty when not installed)."""
+    return () if _FROM_START is None else _FROM_START.local()
+
+
+def keep_only(signals: Sequence[signal.Signals]) -> None:
+    """A recipe's ``train.stop_signals`` narrow :func:`catch_from_start`'s: the others get their
+    default action back, and one of them that already came takes it now (a recipe with
+    ``stop_signals: []`` asks to be killed)."""
+    global _FROM_START
+    flag = _FROM_START
+    if flag is None:
+        return
+    for sig in [s for s in flag.signals if s not in signals]:
+        handler = flag._previous.pop(sig, signal.SIG_DFL)
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        if sig in flag.received:
+            import os
+
+            os.kill(os.getpid(), sig)
+
+
+def ignore_from_now() -> None:
+    """The command is done and its status decided: :func:`catch_from_start`'s signals are ignored
+    from here to the exit. Python puts the default actions back while it finalizes, and SLURM's
+    SIGTERM after ``scontrol requeue`` (or SIGUSR1 due at the same time) arriving then would kill
+    the process with 143 or 138 instead of its own status."""
+    flag = _FROM_START
+    if flag is None or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in flag._previous:
+        signal.signal(sig, signal.SIG_IGN)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,20 @@ def pytest_configure(config: pytest.Config) -> None:
     problem = _interpreter_numpy_problem()
     if problem is not None:
         raise pytest.UsageError(problem)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real one-node SLURM (munge, slurmctld, slurmd; :mod:`tests.slurm_cluster`) for the session,
+    stopped at its end (the daemons it started, by PID). Skips with the reason where SLURM's
+    binaries are missing (apt-get install slurmctld slurmd slurm-client munge; .ci/run does)."""
+    from .slurm_cluster import missing, start
+
+    reason = missing()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = start(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

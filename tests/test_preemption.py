@@ -6,6 +6,7 @@ boundary and resumes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -347,3 +348,106 @@ def test_torchrun_dp2_agent_sigterm_stops_with_a_checkpoint_and_the_same_command
     _, err = straight.communicate(timeout=300)
     assert straight.returncode == 0, err[-3000:]
     _assert_same_run(tmp_path / "runs" / "straight", run, "the stopped-and-resumed torchrun run's export")
+
+
+def test_requeue_after_the_checkpoint_and_scontrol_message_in_the_line(tmp_path: Path) -> None:
+    """finish_stop requeues (rank 0 only, when wanted) and folds scontrol's stderr into the stop line."""
+    from genolong.train.preemption import Preemption, finish_stop
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\n'
+                        'echo "scontrol: error: Requested operation is presently disabled for job $2" >&2\nexit 1\n')
+    scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    stop = Preemption(step=3, checkpoint=Path("c/step0000003.ckpt"), signals=(signal.SIGUSR1,), requeue_wanted=True)
+    assert finish_stop(stop, is_global_zero=False, environ=env) == stop  # another rank: no scontrol
+    assert finish_stop(dataclasses.replace(stop, requeue_wanted=False), True, env).requeue is None
+    assert not (tmp_path / "calls").exists()
+    done = finish_stop(stop, is_global_zero=True, environ=env)
+    assert (tmp_path / "calls").read_text() == "requeue 4242\n"
+    assert done.message() == ("stopped by SIGUSR1 after step 3; checkpoint c/step0000003.ckpt; running the same "
+                              "command again resumes from it; SLURM job 4242 not requeued (scontrol requeue exited 1: "
+                              "Requested operation is presently disabled for job 4242)")
+    # a stop during start-up, with and without a checkpoint to resume from
+    start = Preemption(step=4, checkpoint=Path("c/step0000004.ckpt"), signals=(signal.SIGTERM,), starting=True)
+    assert start.message() == ("stopped by SIGTERM during start-up, before step 5; nothing new to save, checkpoint "
+                               "c/step0000004.ckpt; running the same command again resumes from it")
+    assert dataclasses.replace(start, checkpoint=None, step=0, requeue="SLURM job 9 requeued").message() == (
+        "stopped by SIGTERM during start-up, before the first step; nothing to save yet; running the same command "
+        "again starts the run; SLURM job 9 requeued")
+
+
+_FROM_START = """
+import os, signal, sys
+from genolong.signals import catch_from_start, ignore_from_now, keep_only, received_at_start
+catch_from_start()
+os.kill(os.getpid(), signal.SIGUSR1)
+assert received_at_start() == (signal.SIGUSR1,), received_at_start()
+keep_only((signal.SIGUSR1,))  # SIGTERM back to its default action
+assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+ignore_from_now()
+os.kill(os.getpid(), signal.SIGUSR1)  # ignored: the status below stands
+print("ok", flush=True)
+sys.exit(3)
+"""
+
+
+def test_stop_signals_caught_from_start_then_ignored_at_the_end() -> None:
+    done = subprocess.run([sys.executable, "-c", _FROM_START], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (3, "ok\n"), done.stderr
+    # a signal the recipe does not stop on, received before the recipe was read, takes its default action
+    kill = _FROM_START.replace("signal.SIGUSR1)\nassert", "signal.SIGTERM)\nassert").replace(
+        "received_at_start() == (signal.SIGUSR1,)", "received_at_start() == (signal.SIGTERM,)")
+    done = subprocess.run([sys.executable, "-c", kill], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr)
+
+
+def test_task_layout_against_the_recipe() -> None:
+    from genolong.config import ParallelSection
+    from genolong.slurm import TaskLayoutError, check_task_layout
+
+    two = ParallelSection(devices=2)
+    job = {"SLURM_JOB_ID": "5", "SLURM_JOB_NAME": "genolong", "SLURM_NNODES": "1", "SLURM_STEP_ID": "0"}
+    check_task_layout(two, {})  # outside SLURM: nothing checked
+    check_task_layout(two, {**job, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2"})
+    check_task_layout(ParallelSection(devices=2, num_nodes=3),
+                      {**job, "SLURM_NTASKS": "6", "SLURM_NTASKS_PER_NODE": "2(x3)", "SLURM_NNODES": "3"})
+    check_task_layout(two, {**job, "SLURM_NTASKS": "2", "SLURM_JOB_NAME": "interactive"})  # Lightning ignores it too
+    check_task_layout(two, {**job, "SLURM_NTASKS": "2", "TORCHELASTIC_RUN_ID": "x"})  # torchrun inside sbatch
+    cases = [
+        ({"SLURM_NTASKS": "2"}, "--ntasks=2 without --ntasks-per-node"),
+        ({"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1"}, "--ntasks-per-node=1"),
+        ({"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2(x2)", "SLURM_NNODES": "2"}, "--nodes=2"),
+        ({"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_STEP_ID": None},
+         "2 tasks, but this process is the batch script's, not one of srun's tasks"),
+    ]
+    for extra, layout in cases:
+        env = {k: v for k, v in {**job, **extra}.items() if v is not None}
+        for rank, show in (("0", True), ("1", False)):
+            with pytest.raises(TaskLayoutError) as error:
+                check_task_layout(two, {**env, "SLURM_PROCID": rank})
+            assert error.value.show is show
+            assert str(error.value) == (
+                f"the SLURM job's tasks ({layout}) do not match the recipe: the recipe runs parallel.devices=2 x "
+                "parallel.num_nodes=1 processes; put `#SBATCH --nodes=1 --ntasks-per-node=2` in the job script and "
+                "start genolong with `srun` (docs/slurm/finetune.sbatch), or set parallel.devices / "
+                "parallel.num_nodes to the job's layout")
+
+
+@pytest.mark.slow
+def test_signal_during_start_up_without_slurm(sample_store: Path, tmp_path: Path) -> None:
+    """SIGUSR1 half a second after ``genolong finetune`` starts (torch not yet imported): the run stops
+    before its first step with one line, status 75 (before: killed, 138)."""
+    recipe = _recipe(tmp_path, sample_store, "early")
+    proc = subprocess.Popen([sys.executable, "-m", "genolong.cli", "finetune", str(recipe)], cwd=tmp_path, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 75, err[-3000:]
+    assert err.strip().splitlines()[-1] == ("genolong finetune: stopped by SIGUSR1 during start-up, before the first "
+                                            "step; nothing to save yet; running the same command again starts the run")
+    steps_log = tmp_path / "runs" / "early" / "logs" / "steps.jsonl"
+    assert not steps_log.exists() or read_step_log(steps_log) == {}  # no step trained

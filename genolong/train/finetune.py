@@ -51,6 +51,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import warnings
 import dataclasses
@@ -84,11 +85,12 @@ from ..model.lm import GenoLM
 from ..model.vocab import VocabMap
 from ..parallel import parallelize
 from ..parallel.timeout import describe_stall, in_frames, stall_guard
-from ..signals import SignalFlag
+from ..signals import SignalFlag, keep_only
+from ..slurm import check_task_layout, partial_saves
 from .async_checkpoint import BackgroundWriter, snapshot
 from .callbacks import SaveRecipe, StepMetrics, TrainingBar
 from .module import GenoLMModule, OptimSettings
-from .preemption import RunCheckpoint, StopSignalConnector, auto_resume_reason, remove_marker
+from .preemption import RunCheckpoint, StopSignalConnector, auto_resume_reason, finish_stop, remove_marker
 
 __all__ = ["AtomicModelParallelStrategy", "FinetuneResult", "RunPaths", "intact_checkpoint", "latest_checkpoint", "run"]
 
@@ -581,6 +583,9 @@ def run(recipe: Recipe, resume: bool = False, environment: ClusterEnvironment | 
 
 
 def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = None) -> FinetuneResult:
+    if environment is None:  # the job's tasks against the recipe, before anything loads (one line, exit 2)
+        check_task_layout(recipe.parallel)
+    keep_only(tuple(signal.Signals[s] for s in recipe.train.stop_signals))
     recipe.check_paths()
     config = recipe.model_config()
     vocab = recipe.vocab_map(config)
@@ -592,7 +597,9 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
         # a run stopped by a signal, or its requeued SLURM job, continues by itself
         resume, resume_from = True, intact_checkpoint(paths.checkpoints, one)
         if is_rank_zero() and resume_from is not None:
-            print(f"genolong: resuming from {resume_from.name}: {reason}", file=sys.stderr, flush=True)
+            # a save SIGKILL cut short (SLURM's KillWait) is named here, in the same line
+            cut = "".join(f"; {p.name} (a save cut short) ignored" for p in partial_saves(paths.checkpoints))
+            print(f"genolong: resuming from {resume_from.name}: {reason}{cut}", file=sys.stderr, flush=True)
     if resume and resume_from is None:
         raise InputError(f"--resume: nothing to resume in {paths.checkpoints} (no step*.ckpt); run without --resume to start")
     if not resume and resume_from is not None:
@@ -666,6 +673,7 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
         stop = trainer._signal_connector.preemption if isinstance(trainer._signal_connector, StopSignalConnector) else None
         if stop is None:
             raise
+        stop = finish_stop(stop, trainer.is_global_zero)  # the requeue, now that the checkpoint is complete
         raise Stopped(stop.message(), show=trainer.is_global_zero) from None
     except Exception:
         # the save in flight completes (the last good state on disk); a failure of it is named too
