@@ -111,6 +111,15 @@ def main() -> None:
     parser.add_argument("--tiles", type=int, default=8, help="tiles spread over each region (default: %(default)s)")
     parser.add_argument("--context", type=int, default=8192, help="tile length (default: %(default)s, the quickstart's)")
     parser.add_argument("--cut", type=int, default=1024, help="the fine-tuned model's cut view (default: %(default)s)")
+    parser.add_argument("--skip-base", action="store_true",
+                        help="leave the plain base out (only base-read, tuned, tuned cut: the full - cut and the steps-alone "
+                             "comparisons, a quarter less scoring)")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="keep each region's store and each run's result here and reuse complete ones on a rerun "
+                             "(default: a temporary directory)")
+    parser.add_argument("--only", default=None, metavar="MODELS",
+                        help="score only these runs (comma-separated of base, base-read, tuned, tuned cut) into --work "
+                             "and stop, e.g. the base's while the quickstart still trains (default: all, then compare)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="output JSON (default: %(default)s)")
     args = parser.parse_args()
@@ -122,6 +131,7 @@ def main() -> None:
     from genolong.data.regions import Regions
     from genolong.data.store import GenomeStore
     from genolong.data.windows import EvalTiles
+    from genolong.evaluation.results import EvalResult
     from genolong.evaluation.score import evaluate, load_eval_model
     from genolong.evaluation.stats import compare, compare_softmask
     from genolong.model.config import ModelConfig
@@ -132,20 +142,34 @@ def main() -> None:
     if unknown := [r for r in wanted if r not in REGIONS]:
         parser.error(f"--regions: unknown {', '.join(unknown)}; choose from {', '.join(REGIONS)}")
     base_dir, tuned_dir = bundled_base(), args.quickstart / "runs" / "quickstart" / "export"
-    if not (tuned_dir / "config.json").is_file():
+    only = None if args.only is None else args.only.split(",")
+    if only is not None and args.work is None:
+        parser.error("--only scores into --work: name a --work directory")
+    needs_tuned = only is None or any(m.startswith("tuned") for m in only)
+    if needs_tuned and not (tuned_dir / "config.json").is_file():
         parser.error(f"{tuned_dir} is not a model directory; run `genolong quickstart --out {args.quickstart}` first")
-    tuned = load_eval_model(tuned_dir)[0]
-    models: dict[str, tuple[Any, int | None]] = {"base": (load_eval_model(base_dir)[0], None)}
-    changes = reading_changes(ModelConfig.from_pretrained(base_dir), ModelConfig.from_pretrained(tuned_dir))
-    if changes:  # the base read as the fine-tune reads it: the reading apart from the training
-        models["base-read"] = (load_eval_model(base_dir, overrides=changes)[0], None)
-    models["tuned"] = (tuned, None)
-    models["tuned cut"] = (tuned, args.cut)
+    # the reading of the quickstart's recipe (the export's config.json says the same once it exists)
+    tuned_config = (ModelConfig.from_pretrained(tuned_dir) if (tuned_dir / "config.json").is_file()
+                    else ModelConfig.from_pretrained(base_dir).replace(**_recipe_overrides()))
+    changes = reading_changes(ModelConfig.from_pretrained(base_dir), tuned_config)
+    wanted_models = [m for m in ("base", "base-read", "tuned", "tuned cut")
+                     if (only is None or m in only) and not (m == "base" and args.skip_base)
+                     and not (m == "base-read" and not changes)]
+    models: dict[str, tuple[Any, int | None]] = {}
+    for m in wanted_models:
+        if m == "base":
+            models[m] = (load_eval_model(base_dir)[0], None)
+        elif m == "base-read":  # the base read as the fine-tune reads it: the reading apart from the training
+            models[m] = (load_eval_model(base_dir, overrides=changes)[0], None)
+        else:
+            tuned = models["tuned"][0] if "tuned" in models else load_eval_model(tuned_dir)[0]
+            models[m] = (tuned, args.cut if m == "tuned cut" else None)
     comparisons = [c for c in COMPARISONS if c[0] in models and c[1] in models]
     regions: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="genolong-spread-") as work:
-        work_dir = Path(work)
+        work_dir = args.work or Path(work)
+        work_dir.mkdir(parents=True, exist_ok=True)
         for name in wanted:
             if name == "chr22":
                 split = GenomeStore.open(args.quickstart / "genome").split("eval")
@@ -153,9 +177,12 @@ def main() -> None:
                 fasta, record = FASTAS[name]
                 other = "MT_human" if name != "chrM" else "chr16"  # a store needs a train split: the other file
                 other_fasta = FASTAS["chrM" if name != "chrM" else "chr16"][0]
-                store = prepare_genome([args.data / fasta, args.data / other_fasta], work_dir / f"store-{name}",
-                                       train=[other], eval=[record], progress=False)
-                split = GenomeStore.open(store.path).split("eval")
+                path = work_dir / f"store-{name}"
+                if not (path / "DONE").is_file():  # a store of an earlier --work run is reused
+                    prepare_genome([args.data / fasta, args.data / other_fasta], path, train=[other], eval=[record],
+                                   progress=False, force=True)
+                    (path / "DONE").touch()
+                split = GenomeStore.open(path).split("eval")
             frame = EvalTiles(split, args.context).tiles
             whole = frame[frame["length"] == args.context].reset_index(drop=True)
             chosen = whole.iloc[spread(len(whole), args.tiles)]
@@ -164,13 +191,21 @@ def main() -> None:
                                        for c, g in chosen.groupby("contig")}, source=f"{name} spread")
             results = {}
             for label, (model, cut) in models.items():
+                out_dir = work_dir / f"{name}-{args.context}-{args.tiles}-{label.replace(' ', '-')}"
+                if (out_dir / "DONE").is_file():  # scored by an earlier --work run with these settings
+                    results[label] = EvalResult.load(out_dir)
+                    continue
                 print(f"{name}: scoring {label} on {len(chosen)} of {len(whole)} whole tiles", flush=True)
-                results[label] = evaluate(model, split, work_dir / f"{name}-{label.replace(' ', '-')}", args.context,
-                                          context_cut=cut, write_tokens=False, progress=False, label=label, regions=picks)
-            masked = int(results["base"].softmask_tokens[:, :, 1].sum()) > 0 if results["base"].has_softmask else False
-            region = {"tiles": len(chosen), "whole_tiles": len(whole), "bases": int(results["base"].tokens),
+                results[label] = evaluate(model, split, out_dir, args.context, context_cut=cut, write_tokens=False,
+                                          progress=False, label=label, regions=picks, force=True)
+                (out_dir / "DONE").touch()
+            if only is not None:
+                continue
+            first = next(iter(results.values()))
+            masked = first.has_softmask and int(first.softmask_tokens[:, :, 1].sum()) > 0
+            region = {"tiles": len(chosen), "whole_tiles": len(whole), "bases": int(first.tokens),
                       "starts": [int(s) for s in chosen["start"]], "softmasked": masked,
-                      "buckets": [str(b) for b in compare(results["base"], results["base"])["bucket"] if b != "all"],
+                      "buckets": [str(b) for b in compare(first, first)["bucket"] if b != "all"],
                       "nats": {label: float(r.mean_nll) for label, r in results.items()},
                       "runs": {label: {"tokens": r.tile_tokens.astype(int).tolist(), "nll": np.round(r.tile_nll, 4).tolist()}
                                for label, r in results.items()}}
@@ -185,14 +220,26 @@ def main() -> None:
                         row[part] = {str(k): {**_change(r), "tokens": int(r.tokens)} for k, r in sub.iterrows()}
                 rows.append(row)
             regions[name] = region
+    if only is not None:
+        print(f"scored {', '.join(models)} into {work_dir}")
+        return
     # the pooled figures from the rounded per-tile sums as written, so pooled_from_json's inputs reproduce them
     pooled_out = {what: pooled(regions, a, b) for a, b, what in comparisons}
     _print(regions, rows, pooled_out, args)
     out = {"benchmark": "heldout_spread", **environment("date", "machine", "torch"), "base": str(base_dir),
            "tuned": str(tuned_dir), "reading": changes, "context": args.context, "cut": args.cut,
-           "tiles_per_region": args.tiles, "threads": args.threads, "regions": regions, "rows": rows, "pooled": pooled_out}
+           "tiles_per_region": args.tiles, "models": list(models), "threads": args.threads, "regions": regions, "rows": rows, "pooled": pooled_out}
     write_json(args.json, out)
     print(f"\nwrote {args.json}")
+
+
+def _recipe_overrides() -> dict[str, Any]:
+    """``model.overrides`` of recipes/quickstart.yaml (the reading the quickstart's fine-tune is scored with)."""
+    import yaml
+
+    from genolong.quickstart import quickstart_recipe
+
+    return dict(yaml.safe_load(quickstart_recipe().read_text())["model"].get("overrides") or {})
 
 
 def _change(row: Any) -> dict[str, Any]:
