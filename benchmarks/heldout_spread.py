@@ -19,8 +19,8 @@ they differ), ``tuned`` (``QUICKSTART/runs/quickstart/export``) with full contex
 cut at ``--cut`` bases (``genolong evaluate --context-cut``).
 
 Comparisons, each per context bucket and overall: ``tuned: full - cut`` (what the context beyond the
-cut buys the fine-tuned model), ``tuned - base-read`` (the fine-tune's steps alone, same reading),
-``base-read - base`` (the wider reading alone) and ``tuned - base``. Per region: the change with
+cut buys the fine-tuned model), ``base-read: full - cut`` (the same for the base read that way,
+before any step), ``tuned - base-read`` (the fine-tune's steps alone, same reading), ``base-read - base`` (the wider reading alone) and ``tuned - base``. Per region: the change with
 its paired block-bootstrap interval over tiles (:func:`genolong.evaluation.stats.compare`; on
 chr16 also by soft-masking). Pooled: every tile of every region (ratio of sums, so a region weighs
 by its tiles: chrM's 2 tiles weigh 2 of the total) with a two-stage interval that counts regions as
@@ -60,8 +60,10 @@ FASTAS = {
     "chrM": ("chrM_rCRS.fa.gz", "MT_human"),
 }
 REGIONS = ("chr22", "HLA", "chr16", "chrM")
+#: the runs: the base, the base read as the fine-tune reads it, the fine-tuned model, each cut at --cut where named
+MODELS = ("base", "base-read", "base-read cut", "tuned", "tuned cut")
 #: (run A, run B, label): B compared with A, B - A
-COMPARISONS = (("tuned cut", "tuned", "tuned: full - cut"), ("base-read", "tuned", "tuned - base-read"),
+COMPARISONS = (("tuned cut", "tuned", "tuned: full - cut"), ("base-read cut", "base-read", "base-read: full - cut"), ("base-read", "tuned", "tuned - base-read"),
                ("base", "base-read", "base-read - base"), ("base", "tuned", "tuned - base"))
 
 
@@ -111,14 +113,13 @@ def main() -> None:
     parser.add_argument("--tiles", type=int, default=8, help="tiles spread over each region (default: %(default)s)")
     parser.add_argument("--context", type=int, default=8192, help="tile length (default: %(default)s, the quickstart's)")
     parser.add_argument("--cut", type=int, default=1024, help="the fine-tuned model's cut view (default: %(default)s)")
-    parser.add_argument("--skip-base", action="store_true",
-                        help="leave the plain base out (only base-read, tuned, tuned cut: the full - cut and the steps-alone "
-                             "comparisons, a quarter less scoring)")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help="runs to score and compare, comma-separated (default: %(default)s)")
     parser.add_argument("--work", type=Path, default=None,
                         help="keep each region's store and each run's result here and reuse complete ones on a rerun "
                              "(default: a temporary directory)")
     parser.add_argument("--only", default=None, metavar="MODELS",
-                        help="score only these runs (comma-separated of base, base-read, tuned, tuned cut) into --work "
+                        help="score only these runs (comma-separated, of --models' names) into --work "
                              "and stop, e.g. the base's while the quickstart still trains (default: all, then compare)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="output JSON (default: %(default)s)")
@@ -143,24 +144,26 @@ def main() -> None:
         parser.error(f"--regions: unknown {', '.join(unknown)}; choose from {', '.join(REGIONS)}")
     base_dir, tuned_dir = bundled_base(), args.quickstart / "runs" / "quickstart" / "export"
     only = None if args.only is None else args.only.split(",")
+    chosen_models = args.models.split(",")
+    if bad := [m for m in [*chosen_models, *(only or [])] if m not in MODELS]:
+        parser.error(f"--models/--only: unknown {', '.join(bad)}; choose from {', '.join(MODELS)}")
     if only is not None and args.work is None:
         parser.error("--only scores into --work: name a --work directory")
-    needs_tuned = only is None or any(m.startswith("tuned") for m in only)
+    needs_tuned = any(m.startswith("tuned") for m in (only or chosen_models))
     if needs_tuned and not (tuned_dir / "config.json").is_file():
         parser.error(f"{tuned_dir} is not a model directory; run `genolong quickstart --out {args.quickstart}` first")
     # the reading of the quickstart's recipe (the export's config.json says the same once it exists)
     tuned_config = (ModelConfig.from_pretrained(tuned_dir) if (tuned_dir / "config.json").is_file()
                     else ModelConfig.from_pretrained(base_dir).replace(**_recipe_overrides()))
     changes = reading_changes(ModelConfig.from_pretrained(base_dir), tuned_config)
-    wanted_models = [m for m in ("base", "base-read", "tuned", "tuned cut")
-                     if (only is None or m in only) and not (m == "base" and args.skip_base)
-                     and not (m == "base-read" and not changes)]
+    wanted_models = [m for m in MODELS if m in (only or chosen_models) and not (m.startswith("base-read") and not changes)]
     models: dict[str, tuple[Any, int | None]] = {}
     for m in wanted_models:
         if m == "base":
             models[m] = (load_eval_model(base_dir)[0], None)
-        elif m == "base-read":  # the base read as the fine-tune reads it: the reading apart from the training
-            models[m] = (load_eval_model(base_dir, overrides=changes)[0], None)
+        elif m.startswith("base-read"):  # the base read as the fine-tune reads it: the reading apart from the training
+            read = models["base-read"][0] if "base-read" in models else load_eval_model(base_dir, overrides=changes)[0]
+            models[m] = (read, args.cut if m.endswith("cut") else None)
         else:
             tuned = models["tuned"][0] if "tuned" in models else load_eval_model(tuned_dir)[0]
             models[m] = (tuned, args.cut if m == "tuned cut" else None)
@@ -225,10 +228,14 @@ def main() -> None:
         return
     # the pooled figures from the rounded per-tile sums as written, so pooled_from_json's inputs reproduce them
     pooled_out = {what: pooled(regions, a, b) for a, b, what in comparisons}
+    # the figure the README, the docs and the quickstart's REPORT quote: the fine-tuned model's full - cut, or
+    # the base read as it reads (its starting point) where the fine-tuned model was not scored
+    headline = next((w for w in ("tuned: full - cut", "base-read: full - cut") if w in pooled_out), None)
     _print(regions, rows, pooled_out, args)
     out = {"benchmark": "heldout_spread", **environment("date", "machine", "torch"), "base": str(base_dir),
            "tuned": str(tuned_dir), "reading": changes, "context": args.context, "cut": args.cut,
-           "tiles_per_region": args.tiles, "models": list(models), "threads": args.threads, "regions": regions, "rows": rows, "pooled": pooled_out}
+           "tiles_per_region": args.tiles, "models": list(models), "threads": args.threads, "regions": regions, "rows": rows, "pooled": pooled_out,
+           "headline": headline}
     write_json(args.json, out)
     print(f"\nwrote {args.json}")
 

@@ -64,3 +64,40 @@ def test_same_seed_same_interval_and_bad_input() -> None:
         hierarchical_paired_bootstrap([(t, n, t[:3], n[:3])])
     with pytest.raises(InputError, match="same buckets"):
         hierarchical_paired_bootstrap([(t, n, t, n), (t[:, :2], n[:, :2], t[:, :2], n[:, :2])])
+
+
+def _spread_script():
+    import importlib.util
+
+    from .helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("heldout_spread", ROOT / "benchmarks" / "heldout_spread.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_spread_tiles_cover_the_region_evenly() -> None:
+    script = _spread_script()
+    assert script.spread(109, 4).tolist() == [0, 36, 72, 108]  # first, last and evenly between: not the first 4
+    assert script.spread(2, 4).tolist() == [0, 1]  # chrM: both whole tiles
+    assert script.spread(5, 1).tolist() == [0]
+
+
+def test_pooled_figure_and_range_from_per_tile_arrays() -> None:
+    """The benchmark's pooled figure is the hierarchical bootstrap of its regions' arrays, and its range the
+    smallest and largest per-region change (each region's ratio of sums)."""
+    script = _spread_script()
+    regions = {}
+    for name, factor, n in (("x", 0.98, 6), ("y", 1.01, 4), ("z", 0.95, 2)):
+        t, a, _, b = _group(n, factor, seed=n, k=2)
+        regions[name] = {"buckets": ["<1k", "1k-2k"], "runs": {"cut": {"tokens": t, "nll": a}, "full": {"tokens": t, "nll": b}}}
+    out = script.pooled(regions, "cut", "full", n_boot=500)
+    groups = [tuple(np.concatenate([c, c.sum(axis=1, keepdims=True)], axis=1)
+                    for c in (r["runs"]["cut"]["tokens"], r["runs"]["cut"]["nll"], r["runs"]["full"]["tokens"], r["runs"]["full"]["nll"]))
+              for r in regions.values()]
+    want = hierarchical_paired_bootstrap(groups, n_boot=500)
+    assert out["buckets"]["all"]["change_pct"] == pytest.approx(100 * want.rel[-1])
+    assert out["buckets"]["1k-2k"]["ci"] == pytest.approx([100 * want.rel_lo[1], 100 * want.rel_hi[1]])
+    per_region = [100 * (r["runs"]["full"]["nll"].sum() / r["runs"]["cut"]["nll"].sum() - 1) for r in regions.values()]
+    assert out["range"]["all"] == pytest.approx([min(per_region), max(per_region)])
