@@ -101,3 +101,28 @@ def test_pooled_figure_and_range_from_per_tile_arrays() -> None:
     assert out["buckets"]["1k-2k"]["ci"] == pytest.approx([100 * want.rel_lo[1], 100 * want.rel_hi[1]])
     per_region = [100 * (r["runs"]["full"]["nll"].sum() / r["runs"]["cut"]["nll"].sum() - 1) for r in regions.values()]
     assert out["range"]["all"] == pytest.approx([min(per_region), max(per_region)])
+
+
+def test_quickstart_report_cites_the_spread_under_full_vs_cut(tmp_path) -> None:
+    """REPORT.md puts the committed spread figure (labelled as the benchmark's) right under the full-vs-cut
+    comparison it gives context to, and only there."""
+    from types import SimpleNamespace
+
+    from genolong.evaluation.stats import compare
+    from genolong.quickstart import _spread_context, _Stages, _Story, _write_report
+
+    from .test_eval_stats import result_from_tokens, synthetic_tokens
+
+    table = synthetic_tokens(n_tiles=4, seed=1)
+    cut = result_from_tokens(table, 64, label="cut")
+    full = result_from_tokens(table.assign(nll=table["nll"] * 0.98), 64, label="full")
+    recipe = SimpleNamespace(train=SimpleNamespace(max_steps=6, lr=3e-4), data=SimpleNamespace(batch_size=1, context=8192),
+                             model=SimpleNamespace(freeze=[]))
+    story = _Story(context=8192, cut=1024, tiles=4, recipe=recipe, base=tmp_path, reading={},
+                   results={"tuned-cut": cut, "tuned": full},
+                   comparisons=[("tuned-cut", "tuned", "full vs cut", compare(cut, full)),
+                                ("tuned", "tuned-cut", "the other way", compare(full, cut))])
+    _write_report(tmp_path / "REPORT.md", story, _Stages(1))
+    report = (tmp_path / "REPORT.md").read_text()
+    assert report.count(_spread_context()) == 1
+    assert report.index("### full vs cut") < report.index(_spread_context()) < report.index("### the other way")
