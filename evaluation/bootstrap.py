@@ -14,7 +14,7 @@ tiles, so full and cut runs of one model are compared bucket by bucket on identi
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -25,7 +25,8 @@ from ..errors import InputError
 __all__ = [
     "bucket_edges", "bucket_labels", "format_bases",
     "resample_indices", "resample_counts", "bootstrap_replicates", "block_bootstrap",
-    "PairedCI", "paired_bootstrap", "paired_replicates", "paired_ci", "bucket_table_from_arrays",
+    "PairedCI", "paired_bootstrap", "paired_replicates", "paired_ci", "hierarchical_paired_bootstrap",
+    "bucket_table_from_arrays",
     "split_bucket_table_from_arrays", "BUCKET_COLUMNS", "SOFTMASK_CLASSES",
 ]
 
@@ -328,6 +329,59 @@ def paired_ci(a_tokens: np.ndarray, a_nll: np.ndarray, b_tokens: np.ndarray, b_n
     for arr in (diff_lo, diff_hi, rel_lo, rel_hi):
         arr[empty] = np.nan
     return PairedCI(a_mean, b_mean, b_mean - a_mean, diff_lo, diff_hi, _ratio(b_mean, a_mean) - 1.0, rel_lo, rel_hi)
+
+
+def hierarchical_paired_bootstrap(groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+                                  n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> PairedCI:
+    """Paired comparison of runs A and B pooled over groups of tiles (regions), with a two-stage
+    bootstrap: resample the groups, then the tiles inside each drawn group.
+
+    The point estimate pools every tile of every group (ratio of sums, as :func:`paired_bootstrap`
+    on all tiles together), so a group weighs by its tokens. The interval counts the groups as the
+    unit of variation: each replicate draws ``G`` groups with replacement and, for each draw, that
+    group's ``W_g`` tiles with replacement (a group drawn twice gets two independent tile draws), so
+    the interval carries the between-group spread as well as the tile noise. With few groups it is
+    wide, as it should be: ``G`` groups are all that say how much a new region can differ.
+
+    Args:
+        groups: one ``(a_tokens, a_nll, b_tokens, b_nll)`` per group, each ``[W_g, K]`` (as
+            :func:`paired_replicates`; ``W_g`` may differ between groups, ``K`` may not).
+        n_boot: number of replicates (default 2000).
+        seed: seed of the one ``numpy.random.default_rng`` all draws come from (default 0).
+        level: interval coverage (default 0.95).
+
+    Returns:
+        :class:`PairedCI` of ``[K]`` arrays over all groups' tiles (NaN where a bucket has no tokens).
+    """
+    _check_level(level)
+    _check_n_boot(n_boot)
+    if not groups:
+        raise InputError("the hierarchical bootstrap needs at least one group of tiles")
+    checked = []
+    for g, (a_t, a_n, b_t, b_n) in enumerate(groups):
+        at, an = _check_pair(a_t, a_n, f"group {g} run A")
+        bt, bn = _check_pair(b_t, b_n, f"group {g} run B")
+        if at.shape != bt.shape:
+            raise InputError(f"group {g}: runs A and B need the same [tiles, buckets], got {at.shape} and {bt.shape}")
+        checked.append(np.concatenate([an, at, bn, bt], axis=1))  # [W_g, 4K]
+    k = checked[0].shape[1] // 4
+    if any(x.shape[1] != 4 * k for x in checked):
+        raise InputError("every group needs the same buckets (K columns)")
+    n_groups, n_boot = len(checked), int(n_boot)
+    rng = np.random.default_rng(seed)
+    which = rng.integers(0, n_groups, size=(n_boot, n_groups))  # [n_boot, G]: the groups each replicate draws
+    sums = np.zeros((n_boot, 4 * k))
+    for slot in range(n_groups):
+        for g, x in enumerate(checked):
+            rows = np.flatnonzero(which[:, slot] == g)
+            if rows.size:  # these replicates draw group g in this slot: a fresh tile resample each
+                idx = rng.integers(0, x.shape[0], size=(rows.size, x.shape[0]))
+                sums[rows] += x[idx].sum(axis=1)
+    ma = _ratio(sums[:, :k], sums[:, k:2 * k])
+    mb = _ratio(sums[:, 2 * k:3 * k], sums[:, 3 * k:])
+    diffs, rels = mb - ma, _ratio(mb, ma) - 1.0
+    a_n, a_t, b_n, b_t = (np.concatenate([x[:, i * k:(i + 1) * k] for x in checked]) for i in range(4))
+    return paired_ci(a_t, a_n, b_t, b_n, diffs, rels, level)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -210,3 +210,62 @@ def test_the_trace_finds_a_figure_missing_from_the_table() -> None:
     docs = "quiet 5.5x\n\nloud 2.5% ([B](benchmarks.md#x)) and +1.20%\n"
     assert untraced({"README.md": (readme, True), "docs/x.md": (docs, False)}, benchmarks) == [
         "README.md: 3.7x", "README.md: 9.9x", "docs/x.md: 2.5%"]
+
+
+# -- the spread figures the README, the docs and the quickstart's REPORT quote are the benchmark's -----
+
+SPREAD_JSON = ROOT / "benchmarks" / "results" / "heldout_spread.json"
+
+
+def spread_figures(doc: dict) -> dict[str, str]:
+    """The phrases the pages quote from ``benchmarks/heldout_spread.py``'s JSON ``doc``: what the context
+    beyond the cut is worth to the fine-tuned model (the gain, ``-(full - cut)``), pooled over the regions
+    with its interval, the range across regions, and the quickstart's own region (chr22) alone."""
+    pooled = doc["pooled"][doc["headline"]]
+    last = next(iter(doc["regions"].values()))["buckets"][-1]
+    out = {}
+    for key, bucket in (("all", "all"), ("last", last)):
+        p = pooled["buckets"][bucket]
+        low, high = sorted(-x for x in pooled["range"][bucket])
+        out[f"pooled {key}"] = f"{-p['change_pct']:.2f}% [95% CI {-p['ci'][1]:.2f}, {-p['ci'][0]:.2f}]"
+        out[f"range {key}"] = f"{low:.2f}% to {high:.2f}%"
+    chr22 = next(r for r in doc["rows"] if r["region"] == "chr22" and r["comparison"] == doc["headline"])
+    out["chr22 all"] = f"{-chr22['buckets']['all']['change_pct']:.2f}%"
+    return out
+
+
+def test_the_pages_quote_the_spread_benchmark_as_committed() -> None:
+    """README.md and docs/index.md state the pooled full-vs-cut figure (the JSON's ``headline`` comparison) with its interval, the range across
+    regions and the chr22 figure exactly as benchmarks/results/heldout_spread.json has them, and the
+    quickstart's REPORT cites the same numbers (genolong.quickstart.SPREAD_FULL_VS_CUT)."""
+    import json
+
+    from genolong.quickstart import SPREAD_FULL_VS_CUT, _spread_context
+
+    doc = json.loads(SPREAD_JSON.read_text())
+    figures = spread_figures(doc)
+    report = _spread_context()  # the REPORT's line: the pooled figures and the ranges (its chr22 figure is its own run's)
+    assert not [v for k, v in figures.items() if not k.startswith("chr22") and v not in report], report
+    for page in (README, DOCS / "index.md"):
+        text = " ".join(page.read_text().split())
+        missing = [f"{k}: {v}" for k, v in figures.items() if v not in text]
+        assert not missing, f"{page.name} does not quote the spread benchmark's figures {missing}"
+    assert SPREAD_FULL_VS_CUT["comparison"] == doc["headline"]
+    pooled = doc["pooled"][doc["headline"]]
+    last = next(iter(doc["regions"].values()))["buckets"][-1]
+    for bucket in ("all", last):
+        p = pooled["buckets"][bucket]
+        want = (p["change_pct"], *p["ci"], *pooled["range"][bucket])
+        assert SPREAD_FULL_VS_CUT[bucket] == pytest.approx(tuple(round(x, 2) for x in want), abs=1e-9), bucket
+
+
+def test_spread_figures_follow_the_json() -> None:
+    """The check can fail: the phrases change with the JSON's numbers (gain = -(full - cut))."""
+    doc = {"regions": {"r": {"buckets": ["<1k", "4k-8k"]}}, "headline": "tuned: full - cut",
+           "pooled": {"tuned: full - cut": {"buckets": {"all": {"change_pct": -0.5, "ci": [-0.9, -0.1]},
+                                                "4k-8k": {"change_pct": -1.0, "ci": [-2.0, 0.25]}},
+                                    "range": {"all": [-1.25, 0.5], "4k-8k": [-2.0, -0.5]}}},
+           "rows": [{"region": "chr22", "comparison": "tuned: full - cut", "buckets": {"all": {"change_pct": -1.06}}}]}
+    assert spread_figures(doc) == {"pooled all": "0.50% [95% CI 0.10, 0.90]", "range all": "-0.50% to 1.25%",
+                                   "pooled last": "1.00% [95% CI -0.25, 2.00]", "range last": "0.50% to 2.00%",
+                                   "chr22 all": "1.06%"}
