@@ -64,14 +64,23 @@ def _wait(proc: subprocess.Popen) -> str:
     return out
 
 
+@pytest.fixture(scope="module")
+def straight(sample_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted 8-step run (``runs/straight`` beside its recipe; returns the recipe), made
+    once for the module: the reference of the kill-and-resume test, and the run whose checkpoints a
+    fresh start of the same recipe must refuse to overwrite."""
+    root = tmp_path_factory.mktemp("straight")
+    recipe = _recipe(root, sample_store, "straight")
+    out = _wait(_finetune(recipe, cwd=root))
+    assert f"straight: {_STEPS} steps" in out
+    return recipe
+
+
 @pytest.mark.slow
-def test_sigkill_then_resume_gives_the_same_losses(sample_store: Path, tmp_path: Path) -> None:
+def test_sigkill_then_resume_gives_the_same_losses(straight: Path, sample_store: Path, tmp_path: Path) -> None:
     """An uninterrupted run and a run killed with SIGKILL after its step-4 checkpoint, then
     resumed with --resume: steps 5..8 have identical losses (CPU, deterministic)."""
-    straight = _recipe(tmp_path, sample_store, "straight")
     killed = _recipe(tmp_path, sample_store, "killed")
-    out = _wait(_finetune(straight, cwd=tmp_path))
-    assert f"straight: {_STEPS} steps" in out
 
     proc = _finetune(killed, cwd=tmp_path)
     steps_log = tmp_path / "runs" / "killed" / "logs" / "steps.jsonl"
@@ -91,7 +100,7 @@ def test_sigkill_then_resume_gives_the_same_losses(sample_store: Path, tmp_path:
     assert resumed_from is not None and not list(ckpt_dir.glob("*.tmp"))
 
     _wait(_finetune(killed, "--resume", cwd=tmp_path))
-    a = read_step_log(tmp_path / "runs" / "straight" / "logs" / "steps.jsonl")
+    a = read_step_log(straight.parent / "runs" / "straight" / "logs" / "steps.jsonl")
     b = read_step_log(steps_log)
     assert sorted(a) == sorted(b) == list(range(1, _STEPS + 1))
     first = int(resumed_from.stem.removeprefix("step")) + 1
@@ -106,7 +115,7 @@ def test_sigkill_then_resume_gives_the_same_losses(sample_store: Path, tmp_path:
             assert b[step][key] == a[step][key], (step, key, a[step][key], b[step][key])
     assert 0.9 < a[_STEPS]["train/moe_balance_loss"] < 2.0  # sum_i f_i P_i: 1.0 at uniform routing
     # the exported models are identical too
-    sa = GenoLM.from_pretrained(tmp_path / "runs" / "straight" / "export").state_dict()
+    sa = GenoLM.from_pretrained(straight.parent / "runs" / "straight" / "export").state_dict()
     sb = GenoLM.from_pretrained(tmp_path / "runs" / "killed" / "export").state_dict()
     assert_bitwise_equal(sb, sa, "the killed-and-resumed run's export")
     # checkpoints hold plain data only
@@ -115,8 +124,8 @@ def test_sigkill_then_resume_gives_the_same_losses(sample_store: Path, tmp_path:
     # evaluating the killed-and-resumed run gives the same tables as evaluating the uninterrupted one
     split = GenomeStore.open(sample_store).split("eval")
     results = []
-    for name in ("straight", "killed"):
-        model, vocab = load_eval_model(tmp_path / "runs" / name)  # a run directory: its export/
+    for name, root in (("straight", straight.parent), ("killed", tmp_path)):
+        model, vocab = load_eval_model(root / "runs" / name)  # a run directory: its export/
         assert vocab is None
         results.append(evaluate(model, split, tmp_path / f"eval-{name}", 256, max_tiles=3, first_bucket=64, progress=False))
     assert results[0].fingerprint == results[1].fingerprint
@@ -129,16 +138,20 @@ def test_sigkill_then_resume_gives_the_same_losses(sample_store: Path, tmp_path:
     assert sc.keys() == sb.keys() and all(torch.equal(sc[k], sb[k]) for k in sb)
 
 
-def test_resume_needs_a_checkpoint_and_fresh_runs_refuse_old_ones(sample_store: Path, tmp_path: Path) -> None:
+def test_resume_needs_a_checkpoint_and_fresh_runs_refuse_old_ones(straight: Path, sample_store: Path, tmp_path: Path) -> None:
     recipe = _recipe(tmp_path, sample_store, "once", train={"max_steps": 2, "warmup_steps": 0},
                      eval={"every_n_steps": 0}, checkpoint={"every_n_steps": 2, "export_safetensors": False})
     proc = _finetune(recipe, "--resume", cwd=tmp_path)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "--resume: nothing to resume in" in err and len(err.strip().splitlines()) == 1
-    _wait(_finetune(recipe, cwd=tmp_path))
-    proc = _finetune(recipe, cwd=tmp_path)
+    # a fresh start of a recipe whose run already wrote checkpoints (the module's straight run): refused,
+    # and nothing of that run touched
+    run_dir = straight.parent / "runs" / "straight"
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    proc = _finetune(straight, cwd=straight.parent)
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 2 and "already holds checkpoints (step0000002.ckpt); pass --resume" in err
+    assert proc.returncode == 2 and "already holds checkpoints (step0000008.ckpt); pass --resume" in err, err
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
 
 
 def test_store_of_another_alphabet(sample_store: Path, tmp_path: Path) -> None:

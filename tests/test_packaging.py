@@ -8,6 +8,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -118,53 +119,45 @@ def test_cli_help_and_version(capsys) -> None:
     assert "--min-gap" in help_text and "--force" in help_text
 
 
-def test_quickstart_command(tmp_path: Path) -> None:
+def test_quickstart_command(sample_store: Path, tmp_path: Path) -> None:
     """`genolong quickstart --control` as a user runs it (a subprocess), shortened to 2 steps at
-    2,048 tokens and 2 held-out tiles: prepare, evaluate the base, fine-tune, evaluate full and cut,
-    train and evaluate the control, compare, plot, REPORT.md. Run twice into the same directory:
-    first the cheapest run (1 step, 1 tile, no probe, no control), then the full one, which replaces
-    its store, runs and results (the first run's step-1 checkpoint must be gone). The second run
-    starts from the first one's export (`--set model.checkpoint`): that checkpoint, not the bundled
-    base, is what it scores and reports as the base. The first run also scores the bundled base read
-    with the recipe's wider DSA key budget; the second's base already has it, so it does not."""
-    common = [sys.executable, "-m", "genolong.cli", "quickstart", "--out", str(tmp_path / "qs"), "--quiet",
-              "--set", "data.context=2048"]
-    first = ["--eval-tiles", "1", "--probe-tiles", "0", "--set", "train.max_steps=1", "--set", "train.warmup_steps=0",
-             "--set", "eval.every_n_steps=1", "--set", "checkpoint.every_n_steps=1"]
-    second = ["--control", "--eval-tiles", "2", "--probe-tiles", "1", "--set", "train.max_steps=2",
-              "--set", "train.warmup_steps=1", "--set", "eval.every_n_steps=2", "--set", "checkpoint.every_n_steps=2"]
-    started_from = tmp_path / "one-step"
-    for extra in (first, [*second, "--set", f"model.checkpoint={started_from}"]):
-        run = subprocess.run([*common, *extra], capture_output=True, text=True)
-        assert run.returncode == 0, run.stderr[-3000:]
-        if extra is first:
-            assert sorted(p.name for p in (tmp_path / "qs" / "runs" / "quickstart" / "checkpoints").iterdir())[0] == "step0000001.ckpt"
-            first_base = EvalResult.load(tmp_path / "qs" / "eval" / "base")
-            assert Path(first_base.meta["checkpoint"]) == bundled_base().resolve()
-            # the recipe reads with 2,048 DSA keys (model.overrides), the bundled base's config.json with
-            # 512: the base is also scored read that way (one stage more), and the report separates the two
-            assert "[7/7 |" in run.stdout and "/8 |" not in run.stdout
-            read = EvalResult.load(tmp_path / "qs" / "eval" / "base-read")
-            assert read.label == "base, 2,048 DSA keys" and read.mean_nll != first_base.mean_nll
-            assert read.fingerprint == first_base.fingerprint
-            first_report = (tmp_path / "qs" / "REPORT.md").read_text()
-            for what in ("Read with 2,048 keys per DSA query (index_topk; the base's config.json: 512)",
-                         "(the base read with 2,048 DSA keys vs base, no training)",
-                         "What did the 1 training step change? (fine-tuned vs base, both read with 2,048 DSA keys)"):
-                assert what in first_report, what
-            shutil.copytree(tmp_path / "qs" / "runs" / "quickstart" / "export", started_from)
+    2,048 tokens and 2 held-out tiles: prepare, evaluate the base (and the base read with the
+    recipe's wider DSA key budget), fine-tune, evaluate full and cut, train and evaluate the control,
+    probe, compare, plot, REPORT.md. Run once, into a directory that already holds an earlier run's
+    outputs (a prepared store, a step-1 checkpoint of each run, evaluations, probes, figures, a
+    report): it replaces them all. (What base it scores when `--set model.checkpoint` names another,
+    and that a base already read with 2,048 keys is scored once: the cheaper
+    test_quickstart_scores_the_base_it_starts_from_read_as_the_fine_tune_reads_it.)"""
+    qs = tmp_path / "qs"
+    # an earlier run's outputs, each of which this run must replace
+    shutil.copytree(sample_store, qs / "genome")
+    stale = [qs / "runs" / name / "checkpoints" / "step0000001.ckpt" for name in ("quickstart", "control")]
+    stale += [qs / "eval" / "old" / "meta.json", qs / "probe" / "old" / "meta.json", qs / "figures" / "old.png"]
+    for path in stale:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("an earlier run's")
+    (qs / "REPORT.md").write_text("an earlier run's report")
+    run = subprocess.run(
+        [sys.executable, "-m", "genolong.cli", "quickstart", "--out", str(qs), "--quiet", "--set", "data.context=2048",
+         "--control", "--eval-tiles", "2", "--probe-tiles", "1", "--set", "train.max_steps=2",
+         "--set", "train.warmup_steps=1", "--set", "eval.every_n_steps=2", "--set", "checkpoint.every_n_steps=2"],
+        capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
     assert "train: 6,179,943 tokens in 5 segments" in run.stdout
     assert "eval: 900,000 tokens in 2 segments" in run.stdout
-    assert "[9/9 |" in run.stdout and "genolong quickstart: done in" in run.stdout
-    qs = tmp_path / "qs"
+    # the recipe reads with 2,048 DSA keys (model.overrides), the bundled base's config.json with
+    # 512: the base is also scored read that way (one stage more), and the report separates the two
+    assert "[10/10 |" in run.stdout and "/11 |" not in run.stdout and "genolong quickstart: done in" in run.stdout
+    assert not [p for p in stale if p.exists()], "an earlier run's outputs were left"
     assert (qs / "genome" / "manifest.json").is_file()
     for name in ("quickstart", "control"):
         assert (qs / "runs" / name / "export" / "model.safetensors").is_file()
         assert sorted(p.name for p in (qs / "runs" / name / "checkpoints").iterdir()) == ["step0000002.ckpt", "step0000002.ckpt.checksums.json"]
-    results = {name: EvalResult.load(qs / "eval" / name) for name in ("base", "tuned", "tuned-cut", "control")}
-    assert not (qs / "eval" / "base-read").exists()  # the base it started from already reads with 2,048 keys
-    # the base scored is the checkpoint the fine-tune started from (one step past the bundled base)
-    assert results["base"].meta["checkpoint"] == str(started_from)
+    assert sorted(p.name for p in (qs / "eval").iterdir()) == ["base", "base-read", "control", "tuned", "tuned-cut"]
+    results = {name: EvalResult.load(qs / "eval" / name) for name in ("base", "base-read", "tuned", "tuned-cut", "control")}
+    # the base scored (and read the other way) is the checkpoint the fine-tune started from: the bundled one
+    assert Path(results["base"].meta["checkpoint"]) == Path(results["base-read"].meta["checkpoint"]) == bundled_base().resolve()
+    assert results["base-read"].label == "base, 2,048 DSA keys" and results["base-read"].mean_nll != results["base"].mean_nll
     assert len({r.fingerprint for r in results.values()}) == 1  # the same tokens everywhere
     assert results["tuned-cut"].context_cut == 1024 and results["tuned"].context_cut is None
     assert results["tuned"].tokens == results["base"].tokens > 4000
@@ -175,7 +168,10 @@ def test_quickstart_command(tmp_path: Path) -> None:
                  "fine-tuned vs short-context control", "figures/position_loss.png", "figures/relative_change.png",
                  "training the DSA attention layers only (610.0K of 9.3M parameters", "How much held-out DNA the intervals rest on: 2 tiles",
                  "## MoE routing on the held-out tiles", "## Long-range recall: planted repeats (genolong probe)",
-                 "figures/probe.png"):
+                 "figures/probe.png",
+                 "Read with 2,048 keys per DSA query (index_topk; the base's config.json: 512)",
+                 "(the base read with 2,048 DSA keys vs base, no training)",
+                 "What did the 2 training steps change? (fine-tuned vs base, both read with 2,048 DSA keys)"):
         assert what in report, what
     # the routing table: the base's layers as its evaluation measured them
     for r in results["base"].meta["routing"]:
@@ -183,8 +179,66 @@ def test_quickstart_command(tmp_path: Path) -> None:
     table = compare(results["base"], results["tuned"])
     overall = table.set_index("bucket").loc["all"]
     assert f"{overall.b_nats:.4f}" in report and f"{overall.rel_pct:.2f}%" in report
+    assert sorted(p.name for p in (qs / "probe").iterdir()) == ["base", "tuned"]
     for name in ("base", "tuned"):  # the probe, one tile per model
         assert ProbeResult.load(qs / "probe" / name).meta["tiles"] == 1
     for figure in ("position_loss", "buckets", "relative_change", "probe"):
         assert (qs / "figures" / f"{figure}.png").read_bytes().startswith(b"\x89PNG")
         assert (qs / "figures" / f"{figure}.pdf").read_bytes().startswith(b"%PDF")
+
+
+class _Trained(Exception):
+    """Raised by the stand-in fine-tune: the stages after it are not under test."""
+
+
+@pytest.mark.parametrize("own_base", [False, True], ids=["bundled-base", "own-base-with-2048-keys"])
+def test_quickstart_scores_the_base_it_starts_from_read_as_the_fine_tune_reads_it(
+        own_base: bool, sample_store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quickstart's stages up to the fine-tune, with the scoring and the training stood in for
+    (what they record is what is checked): without ``--set model.checkpoint`` the bundled base is
+    scored, then scored again read with the recipe's 2,048 DSA keys (its config.json has 512), and
+    the fine-tune starts from it; with ``--set model.checkpoint=DIR`` naming a base whose config.json
+    already has 2,048 keys, DIR is what is scored and fine-tuned, once: no base-read stage."""
+    import genolong.evaluation.score as score
+    import genolong.train.finetune as finetune
+    from genolong.data import GenomeStore
+    from genolong.model.config import ModelConfig
+    from genolong.quickstart import _Stages, _story
+
+    base = bundled_base().resolve()
+    overrides = ["data.context=2048"]
+    if own_base:
+        base = tmp_path / "own-base"
+        config = ModelConfig.from_pretrained(bundled_base())
+        assert config.index_topk == 512
+        config.replace(index_topk=2048).save_pretrained(base)
+        overrides.append(f"model.checkpoint={base}")
+    loaded: list[tuple[Path, dict]] = []
+    scored: list[tuple[str, str, str]] = []
+    trained: list[str] = []
+
+    def load_eval_model(path: Path, overrides: dict | None = None) -> tuple[object, None]:
+        loaded.append((Path(path).resolve(), dict(overrides or {})))
+        return object(), None
+
+    def evaluate(model, split, out: Path, context: int, **kwargs):
+        scored.append((out.name, kwargs["label"], kwargs["meta"]["checkpoint"]))
+        return SimpleNamespace(mean_nll=2.0, tokens=1, meta={"tokens_per_second": 1.0})
+
+    def run(recipe):
+        trained.append(recipe.model.checkpoint)
+        raise _Trained
+
+    monkeypatch.setattr(score, "load_eval_model", load_eval_model)
+    monkeypatch.setattr(score, "evaluate", evaluate)
+    monkeypatch.setattr(finetune, "run", run)
+    with pytest.raises(_Trained):
+        _story(tmp_path / "qs", GenomeStore.open(sample_store), overrides, False, False, 1, _Stages(10))
+    assert [Path(c).resolve() for c in trained] == [base]
+    if own_base:
+        assert [(n, lab, Path(c).resolve()) for n, lab, c in scored] == [("base", "base", base)]
+        assert loaded == [(base, {})]
+    else:
+        assert [(n, lab, Path(c).resolve()) for n, lab, c in scored] == [
+            ("base", "base", base), ("base-read", "base, 2,048 DSA keys", base)]
+        assert loaded == [(base, {}), (base, {"index_topk": 2048})]
