@@ -215,7 +215,9 @@ def test_prepare_on_a_full_filesystem(sample_store: Path, tmp_path: Path) -> Non
                         ",".join(SAMPLE_TRAIN), "--eval", ",".join(SAMPLE_EVAL), cwd=tmp_path)
         line = _the_line(run, "prepare", out, "No space left on device")
         free = int(re.search(r"([\d,]+) bytes free", line).group(1).replace(",", ""))
-        assert 0 < free <= shutil.disk_usage(disk).free < 3 * 2**20  # measured before the temporary store was removed
+        # measured before the temporary store was removed; a write can fill the filesystem to its
+        # last byte first (0 free: seen with zarr 3.0.8, the floor), so 0 is a true figure too
+        assert 0 <= free <= shutil.disk_usage(disk).free < 3 * 2**20
         assert _digests(out) == before and sorted(p.name for p in disk.iterdir()) == ["genome"]
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -221,7 +221,10 @@ def test_save_outlasting_killwait_leaves_a_partial_file_the_requeued_run_ignores
     text = out.read_text()
     assert info.restarts == 1 and info.exit_code == "0:0", (info.fields, text)
     assert _stop_lines(text) == [], text  # the first run was killed during its save
-    assert "srun: error: Timed out waiting for job step to complete" in text, text  # SLURM's only word of the kill
+    # SLURM's only word of the kill, in either of the wordings srun uses (which one depends on when
+    # its own step timer fires against slurmd's KillWait: both were seen with the same test)
+    assert ("srun: error: Timed out waiting for job step to complete" in text
+            or "srun: forcing job termination" in text), text
     resumed = [line for line in text.splitlines() if line.startswith("genolong: resuming from")]
     assert len(resumed) == 1 and resumed[0].startswith("genolong: resuming from step0000002.ckpt: SLURM job requeued, "
                                                        "restart 1; "), text
