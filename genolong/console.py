@@ -54,7 +54,7 @@ _LIGHTNING = r"(lightning|pytorch_lightning|lightning_fabric|lightning_utilities
 #: Kept: every warning raised in genolong or in the user's own code; Lightning's
 #: ``PossibleUserWarning``, its own category for warnings about the user's data and machine (too
 #: few data loader workers for the CPUs, a logging interval longer than the epoch, ``srun``
-#: available but not used); torch's other warnings (the GPU and its driver in ``torch.cuda``,
+#: available but not used, inside a SLURM job only); torch's other warnings (the GPU and its driver in ``torch.cuda``,
 #: data loader worker counts in ``torch.utils.data``). Misconfigurations such as ``num_nodes``
 #: not matching SLURM's or torchrun's world are errors, never hidden.
 HIDDEN_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
@@ -64,6 +64,10 @@ HIDDEN_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
     (UserWarning, _LIGHTNING),
     (UserWarning, r"torch\.distributed(\.|$)"),
 )
+
+#: Lightning's warning that ``srun`` is installed but the process was not started by it: kept
+#: inside a SLURM job (``SLURM_JOB_ID`` set), hidden outside one
+_SRUN_NOT_USED = r"The `srun` command is available on your system but is not used"
 
 _verbose = False
 
@@ -127,6 +131,10 @@ def _hide_library_warnings() -> None:
             warnings.filterwarnings("ignore", category=category, module=module)
     if lightning is not None:
         warnings.filterwarnings("default", category=lightning.PossibleUserWarning)
+    if "SLURM_JOB_ID" not in os.environ:
+        # outside a SLURM job, "srun is available but not used" says only that SLURM's client is
+        # installed on the machine (twice per command); inside a job it is about the user's setup
+        warnings.filterwarnings("ignore", message=_SRUN_NOT_USED)
 
 
 @contextlib.contextmanager

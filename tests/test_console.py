@@ -210,3 +210,16 @@ def test_library_warnings_hidden_setup_warnings_kept(monkeypatch: pytest.MonkeyP
             with console.quiet_run(verbose=False):
                 warnings.warn_explicit("message", category, f"{module.replace('.', '/')}.py", 1, module=module)
         assert bool(seen) is shown, (module, category)
+    # Lightning's "srun is available but not used": noise outside a SLURM job, setup advice inside one
+    srun = "The `srun` command is available on your system but is not used. HINT: ..."
+    for job_id, shown in ((None, False), ("42", True)):
+        if job_id is None:
+            monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+        else:
+            monkeypatch.setenv("SLURM_JOB_ID", job_id)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with console.quiet_run(verbose=False):
+                warnings.warn_explicit(srun, PossibleUserWarning, "lightning/fabric/plugins/environments/slurm.py", 204,
+                                       module="lightning.fabric.plugins.environments.slurm")
+        assert bool(seen) is shown, job_id
