@@ -56,7 +56,7 @@ def test_one_region_is_the_tile_bootstrap_in_distribution() -> None:
 def test_same_seed_same_interval_and_bad_input() -> None:
     groups = [_group(5, 0.95, 1), _group(9, 1.02, 2)]
     a, b = hierarchical_paired_bootstrap(groups, n_boot=300, seed=7), hierarchical_paired_bootstrap(groups, n_boot=300, seed=7)
-    np.testing.assert_array_equal(a.rel_lo, b.rel_lo)
+    np.testing.assert_array_equal(a.rel_lo, b.rel_lo)  # exact: the same numpy computation, the same seed (no torch)
     with pytest.raises(InputError, match="at least one group"):
         hierarchical_paired_bootstrap([])
     t, n, _, _ = _group(4, 1.0, 1)
