@@ -461,11 +461,10 @@ def prepare_genome(
         raise InputError(f"--min-gap must be at least 1, got {min_gap}")
     if names not in NAMES:
         raise InputError(f"--names must be one of {', '.join(NAMES)}, got {names!r}")
-    name_style = names  # `names` is reused below for each split's list
     requested = {"train": _parse_names(train), "eval": _parse_names(eval)}
     assignment: dict[str, str] = {}
-    for split, names in requested.items():
-        for name in names:
+    for split, listed in requested.items():
+        for name in listed:
             canon = canonical_name(name)
             if canon in assignment:
                 other = assignment[canon]
@@ -502,7 +501,7 @@ def prepare_genome(
     try:
         # a full disk or a file-size limit: one error naming --out and the store's expected size
         with writing(out, needed=_expected_store_bytes(paths), work=tmp):
-            manifest, stats = _build(tmp, sources, paths, requested, assignment, min_gap, progress, name_style)
+            manifest, stats = _build(tmp, sources, paths, requested, assignment, min_gap, progress, names)
             for entry, digest in zip(manifest["sources"], source_digests):
                 entry["sha256"] = digest.result()
             fsync_tree(tmp)
