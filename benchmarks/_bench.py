@@ -21,6 +21,7 @@ import os
 import platform
 import resource
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -31,8 +32,8 @@ from typing import Any
 
 from genolong.files import replace_file
 
-__all__ = ["Fresh", "FreshRun", "environment", "fresh_python", "mem_available_bytes", "peak_rss_bytes", "run_fresh",
-           "utc_now", "wait_any", "write_json"]
+__all__ = ["Fresh", "FreshRun", "environment", "fresh_python", "marginal_slope", "median_row", "mem_available_bytes",
+           "peak_rss_bytes", "run_fresh", "sweep_fresh", "utc_now", "wait_any", "write_json"]
 
 GiB = 2**30
 
@@ -202,6 +203,68 @@ def wait_any(running: Iterable[Fresh]) -> Iterable[tuple[Fresh, FreshRun]]:
         if pid in by_pid:
             child = by_pid.pop(pid)
             yield child, child._ended(status, usage)
+
+
+def sweep_fresh(script: str | Path, lengths: Sequence[int], args: Sequence[str], repeats: int = 1,
+                env: Mapping[str, str] | None = None,
+                skip: Callable[[int, dict[int, list[dict]]], str | None] | None = None,
+                done: Callable[[int, int, dict, dict[int, list[dict]]], None] | None = None,
+                ) -> tuple[dict[int, list[dict]], dict[int, str]]:
+    """Run ``python script --worker --T=T *args`` in a fresh process for each length, ``repeats``
+    rounds with the lengths alternating inside each round (a burst of load on a shared machine then
+    hits every length alike), and collect each worker's last JSON line.
+
+    Args:
+        script: the benchmark script (its ``--worker`` mode prints one JSON line).
+        lengths: the T values, in order.
+        args: the worker's other arguments.
+        repeats: rounds over all lengths.
+        env: the workers' environment (default: this process's).
+        skip: ``skip(T, runs)`` -> a reason to leave T out from now on, or None (e.g. a memory guard).
+        done: ``done(round, T, run, runs)`` after each run (printing, keeping partial results).
+
+    Returns:
+        ``(runs, skipped)``: the runs per length and the reason per skipped length. A failed worker
+        ends this script with its exit code and the tail of its output (a sweep stops at the first
+        failure: the figures of the others would be compared with nothing).
+    """
+    runs: dict[int, list[dict]] = {T: [] for T in lengths}
+    skipped: dict[int, str] = {}
+    for i in range(repeats):
+        for T in lengths:
+            if T in skipped:
+                continue
+            why = skip(T, runs) if skip is not None else None
+            if why is not None:
+                skipped[T] = why
+                print(f"  skip T={T}: {why}", flush=True)
+                continue
+            r = run_fresh([sys.executable, str(Path(script).resolve()), "--worker", f"--T={T}", *args], env=env)
+            if not r.ok:
+                print(f"T={T} FAILED: {r.output.strip()[-2000:]}", file=sys.stderr)
+                raise SystemExit(1)
+            run = r.last_json()
+            runs[T].append(run)
+            if done is not None:
+                done(i, T, run, runs)
+    return runs, skipped
+
+
+def median_row(T: int, runs: Sequence[dict], keys: Iterable[str]) -> dict[str, Any]:
+    """A result row for length ``T``: the runs themselves and the median of each of ``keys``."""
+    row: dict[str, Any] = {"T": T, "runs": list(runs)}
+    for key in keys:
+        row[key] = statistics.median(r[key] for r in runs)
+    return row
+
+
+def marginal_slope(rows: Sequence[dict], row: dict, key: str) -> float | None:
+    """Bytes (or any ``key``) per added token from the last of ``rows`` to ``row``: constant while
+    growth is linear in T; None for the first row or an equal T."""
+    prev = rows[-1] if rows else None
+    if prev is None or row["T"] == prev["T"]:
+        return None
+    return (row[key] - prev[key]) / (row["T"] - prev["T"])
 
 
 def peak_rss_bytes() -> int:

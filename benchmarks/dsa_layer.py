@@ -33,14 +33,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
-from _bench import environment, peak_rss_bytes, run_fresh, write_json  # noqa: E402
+from _bench import environment, marginal_slope, median_row, peak_rss_bytes, sweep_fresh, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "dsa_layer.json"
 WARMUP_T = 1024
 
@@ -103,38 +102,25 @@ def main(argv: list[str] | None = None) -> int:
 
     c = PRESETS[a.preset]
     lengths = [int(x) for x in a.lengths.split(",") if x]
-    runs: dict[int, list[dict]] = {T: [] for T in lengths}
     print(f"DSAMixer ({a.preset}: {c.num_attention_heads} heads, qk {c.qk_head_dim}, v {c.v_head_dim}, indexer "
           f"{c.index_n_heads}x{c.index_head_dim}, pools of {c.index_kpool}, topk {c.index_topk}) fwd+bwd on CPU, "
           f"fp32, {a.threads} threads, {a.repeats} rounds; load {os.getloadavg()}", flush=True)
-    for i in range(a.repeats):
-        for T in lengths:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", f"--T={T}", f"--threads={a.threads}",
-                   f"--preset={a.preset}"]
-            r = run_fresh(cmd)
-            if not r.ok:
-                print(f"T={T} FAILED: {r.output.strip()[-2000:]}", file=sys.stderr)
-                return 1
-            run = r.last_json()
-            runs[T].append(run)
-            print(f"  round {i + 1}: T={T:>6} fwd+bwd {run['total_s']:7.2f} s (cpu {run['cpu_s']:.2f}), "
-                  f"peak delta {run['peak_delta_bytes'] / 2**20:.0f} MiB", flush=True)
+
+    def done(i: int, T: int, run: dict, runs: dict[int, list[dict]]) -> None:
+        print(f"  round {i + 1}: T={T:>6} fwd+bwd {run['total_s']:7.2f} s (cpu {run['cpu_s']:.2f}), "
+              f"peak delta {run['peak_delta_bytes'] / 2**20:.0f} MiB", flush=True)
+
+    runs, _ = sweep_fresh(__file__, lengths, [f"--threads={a.threads}", f"--preset={a.preset}"], a.repeats, done=done)
 
     rows: list[dict] = []
     print(f"{'T':>7} {'fwd s':>7} {'bwd s':>7} {'total s':>8} {'cpu s':>7} {'cpu us/tok':>10} {'dpeak MiB':>9} "
           f"{'dpeak KB/tok':>12} {'slope KB/tok':>12} {'TxT fp32 MiB':>12}")
     for T in lengths:
-        row: dict = {"T": T, "runs": runs[T]}
-        for key in ("fwd_s", "bwd_s", "total_s", "cpu_s", "peak_bytes", "peak_delta_bytes"):
-            row[key] = statistics.median(r[key] for r in runs[T])
+        row = median_row(T, runs[T], ("fwd_s", "bwd_s", "total_s", "cpu_s", "peak_bytes", "peak_delta_bytes"))
         row["dense_scores_bytes"] = 4 * T * T
         row["cpu_us_per_token"] = 1e6 * row["cpu_s"] / T
         row["peak_delta_bytes_per_token"] = row["peak_delta_bytes"] / T
-        prev = rows[-1] if rows else None
-        # marginal bytes per added token since the previous length: constant if growth is linear
-        row["slope_bytes_per_token"] = (
-            (row["peak_delta_bytes"] - prev["peak_delta_bytes"]) / (T - prev["T"]) if prev and T != prev["T"] else None
-        )
+        row["slope_bytes_per_token"] = marginal_slope(rows, row, "peak_delta_bytes")
         row["time_growth_vs_first"] = row["total_s"] / (rows[0]["total_s"] if rows else row["total_s"])
         row["cpu_growth_vs_first"] = row["cpu_s"] / (rows[0]["cpu_s"] if rows else row["cpu_s"])
         rows.append(row)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
-from _bench import environment, peak_rss_bytes, run_fresh, write_json  # noqa: E402
+from _bench import environment, marginal_slope, peak_rss_bytes, sweep_fresh, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "dsa_memory.json"
 
 
@@ -100,20 +100,12 @@ def main(argv: list[str] | None = None) -> int:
           f"attention H={a.h} HK={a.hk} D={a.d} DV={a.dv}; load {os.getloadavg()}")
     print(f"{'T':>7} {'DSA peak MiB':>12} {'bytes/T':>9} {'slope B/tok':>11} {'dense TxT MiB':>13} "
           f"{'indexer s':>9} {'fwd s':>7} {'bwd s':>7}")
-    rows = []
+    runs, _ = sweep_fresh(__file__, lengths, common)
+    rows: list[dict] = []
     for T in lengths:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", f"--T={T}"] + common
-        r = run_fresh(cmd)
-        if not r.ok:
-            print(f"{T:>7} FAILED: {r.output.strip()[-800:]}")
-            return 1
-        row = r.last_json()
+        row = runs[T][0]
         row["bytes_per_T"] = row["dsa_peak_bytes"] / T
-        # marginal bytes per added token since the previous length: constant if growth is linear
-        prev = rows[-1] if rows else None
-        row["slope_bytes_per_token"] = (
-            (row["dsa_peak_bytes"] - prev["dsa_peak_bytes"]) / (T - prev["T"]) if prev and T != prev["T"] else None
-        )
+        row["slope_bytes_per_token"] = marginal_slope(rows, row, "dsa_peak_bytes")
         rows.append(row)
         slope = "-" if row["slope_bytes_per_token"] is None else f"{row['slope_bytes_per_token']:.0f}"
         print(f"{T:>7} {row['dsa_peak_bytes'] / 2**20:>12.1f} {row['bytes_per_T']:>9.0f} {slope:>11} "

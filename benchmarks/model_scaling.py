@@ -34,14 +34,13 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
-from _bench import environment, peak_rss_bytes, run_fresh, write_json  # noqa: E402
+from _bench import environment, median_row, mem_available_bytes, peak_rss_bytes, sweep_fresh, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "model_scaling.json"
 WARMUP_T = 1024
 
@@ -110,36 +109,29 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     lengths = [int(x) for x in a.lengths.split(",") if x]
-    runs: dict[int, list[dict]] = {T: [] for T in lengths}
-    skipped: dict[int, str] = {}
     print(f"{a.preset} GenoLM training step (loss fwd+bwd) on CPU, batch 1, fp32, {a.threads} threads, "
           f"{a.repeats} rounds, recompute {'on' if a.recompute else 'off'}, MALLOC_MMAP_THRESHOLD_ "
           f"{a.malloc_mmap_threshold or 'default'}; load {os.getloadavg()}", flush=True)
-    for i in range(a.repeats):
-        for T in lengths:
-            if T in skipped:
-                continue
-            need = _predicted_peak(runs, T)
-            avail = _available_bytes()
-            if a.memory_guard and need is not None and avail is not None and need > 0.9 * avail:
-                skipped[T] = (f"predicted peak {need / 2**30:.1f} GiB (linear in T from the two previous lengths) "
-                              f"> 90% of the {avail / 2**30:.1f} GiB available")
-                print(f"  skip T={T}: {skipped[T]}", flush=True)
-                continue
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", f"--T={T}", f"--threads={a.threads}",
-                   f"--preset={a.preset}", "--recompute" if a.recompute else "--no-recompute"]
-            env = dict(os.environ)
-            if a.malloc_mmap_threshold:
-                env["MALLOC_MMAP_THRESHOLD_"] = str(a.malloc_mmap_threshold)
-            r = run_fresh(cmd, env=env)
-            if not r.ok:
-                print(f"T={T} FAILED: {r.output.strip()[-2000:]}", file=sys.stderr)
-                return 1
-            run = r.last_json()
-            runs[T].append(run)
-            print(f"  round {i + 1}: T={T:>6} step {run['step_s']:7.2f} s (fwd {run['fwd_s']:.2f}, bwd "
-                  f"{run['bwd_s']:.2f}, cpu {run['cpu_s']:.2f}), peak {run['peak_bytes'] / 2**20:.0f} MiB", flush=True)
-            _write(a, argv, runs, skipped, complete=False)  # keep what was measured if a later run dies
+    env = dict(os.environ)
+    if a.malloc_mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(a.malloc_mmap_threshold)
+    skipped: dict[int, str] = {}
+
+    def guard(T: int, runs: dict[int, list[dict]]) -> str | None:
+        need, avail = _predicted_peak(runs, T), mem_available_bytes()
+        if a.memory_guard and need is not None and avail and need > 0.9 * avail:
+            return (f"predicted peak {need / 2**30:.1f} GiB (linear in T from the two previous lengths) "
+                    f"> 90% of the {avail / 2**30:.1f} GiB available")
+        return None
+
+    def done(i: int, T: int, run: dict, runs: dict[int, list[dict]]) -> None:
+        print(f"  round {i + 1}: T={T:>6} step {run['step_s']:7.2f} s (fwd {run['fwd_s']:.2f}, bwd "
+              f"{run['bwd_s']:.2f}, cpu {run['cpu_s']:.2f}), peak {run['peak_bytes'] / 2**20:.0f} MiB", flush=True)
+        _write(a, argv, runs, skipped, complete=False)  # keep what was measured if a later run dies
+
+    args = [f"--threads={a.threads}", f"--preset={a.preset}", "--recompute" if a.recompute else "--no-recompute"]
+    runs, skips = sweep_fresh(__file__, lengths, args, a.repeats, env=env, skip=guard, done=done)
+    skipped.update(skips)
     return 0 if _write(a, argv, runs, skipped, complete=True) else 1
 
 
@@ -152,17 +144,6 @@ def _predicted_peak(runs: dict[int, list[dict]], T: int) -> float | None:
     p1 = max(r["peak_bytes"] for r in runs[t1])
     p2 = max(r["peak_bytes"] for r in runs[t2])
     return p2 + (p2 - p1) / (t2 - t1) * (T - t2)
-
-
-def _available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), or None."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _write(a: argparse.Namespace, argv: list[str] | None, runs: dict[int, list[dict]], skipped: dict[int, str],
@@ -178,9 +159,7 @@ def _write(a: argparse.Namespace, argv: list[str] | None, runs: dict[int, list[d
     show(f"{'T':>7} {'step s':>8} {'fwd s':>7} {'bwd s':>7} {'cpu s':>7} {'tok/s':>7} {'growth':>7} {'cpu gr':>7} {'tokens':>7} "
           f"{'peak MiB':>9} {'dpeak MiB':>9} {'dpeak B/tok':>11}")
     for T in lengths:
-        row: dict = {"T": T, "runs": runs[T]}
-        for key in ("fwd_s", "bwd_s", "step_s", "cpu_s", "peak_bytes", "peak_delta_bytes"):
-            row[key] = statistics.median(r[key] for r in runs[T])
+        row = median_row(T, runs[T], ("fwd_s", "bwd_s", "step_s", "cpu_s", "peak_bytes", "peak_delta_bytes"))
         rows.append(row)
         row["tokens_per_s"] = T / row["step_s"]
         row["growth_vs_first"] = row["step_s"] / rows[0]["step_s"]
