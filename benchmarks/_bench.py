@@ -15,6 +15,7 @@ imports one.
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import os
@@ -33,7 +34,7 @@ from typing import Any
 from genolong.files import replace_file
 
 __all__ = ["Fresh", "FreshRun", "environment", "fresh_python", "marginal_slope", "median_row", "mem_available_bytes",
-           "peak_rss_bytes", "run_fresh", "sweep_fresh", "utc_now", "wait_any", "write_json"]
+           "peak_rss_bytes", "run_fresh", "sweep_arguments", "sweep_fresh", "utc_now", "wait_any", "write_json"]
 
 GiB = 2**30
 
@@ -248,6 +249,17 @@ def sweep_fresh(script: str | Path, lengths: Sequence[int], args: Sequence[str],
             if done is not None:
                 done(i, T, run, runs)
     return runs, skipped
+
+
+def sweep_arguments(p: argparse.ArgumentParser, lengths: str, default_json: Path) -> None:
+    """Add a length sweep's common options to ``p``: ``--lengths`` (default ``lengths``),
+    ``--threads`` (default min(2, cores)), ``--json`` (default ``default_json``), and the hidden
+    ``--worker`` / ``--T`` that :func:`sweep_fresh` passes to the fresh workers."""
+    p.add_argument("--lengths", default=lengths, help="comma-separated T values")
+    p.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)))
+    p.add_argument("--json", type=Path, default=default_json)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--T", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def median_row(T: int, runs: Sequence[dict], keys: Iterable[str]) -> dict[str, Any]:

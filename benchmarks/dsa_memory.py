@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
-from _bench import environment, marginal_slope, peak_rss_bytes, sweep_fresh, write_json  # noqa: E402
+from _bench import environment, marginal_slope, peak_rss_bytes, sweep_arguments, sweep_fresh, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "dsa_memory.json"
 
 
@@ -72,7 +72,7 @@ def worker(a: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", default="4096,8192,16384,32768,65536", help="comma-separated T values")
+    sweep_arguments(p, "4096,8192,16384,32768,65536", DEFAULT_JSON)
     p.add_argument("--topk", type=int, default=256)
     p.add_argument("--hi", type=int, default=4, help="indexer heads (default 4)")
     p.add_argument("--di", type=int, default=32, help="indexer head dim (default 32)")
@@ -83,10 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=2048, help="indexer key block")
     p.add_argument("--query-block", type=int, default=256, help="indexer query block")
     p.add_argument("--attn-block", type=int, default=64, help="sparse attention query block")
-    p.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)))
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--T", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         print(json.dumps(worker(a)))

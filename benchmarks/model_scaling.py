@@ -40,7 +40,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
-from _bench import environment, median_row, mem_available_bytes, peak_rss_bytes, sweep_fresh, write_json  # noqa: E402
+from _bench import environment, median_row, mem_available_bytes, peak_rss_bytes, sweep_arguments, sweep_fresh, write_json  # noqa: E402
 DEFAULT_JSON = HERE / "results" / "model_scaling.json"
 WARMUP_T = 1024
 
@@ -87,9 +87,8 @@ def worker(a: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", default="8192,16384,32768,65536", help="comma-separated T values")
+    sweep_arguments(p, "8192,16384,32768,65536", DEFAULT_JSON)
     p.add_argument("--repeats", type=int, default=3, help="rounds over all lengths (fresh process each)")
-    p.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     p.add_argument("--preset", default="small")
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
                    help="recompute each block's activations in backward (default on; --no-recompute keeps them)")
@@ -100,9 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-guard", action=argparse.BooleanOptionalAction, default=True,
                    help="skip a length whose peak RSS, extrapolated linearly from the two previous lengths, exceeds "
                         "90%% of MemAvailable (default on; the machine is shared)")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--T", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         print(json.dumps(worker(a)))
