@@ -159,7 +159,7 @@ def run_lengths(a: argparse.Namespace, out: dict[str, Any]) -> None:
                     rows[mode] = res
                     last[mode] = (T, res["rss_rise_bytes"])
         base = rows.get("none")
-        for mode, row in rows.items():
+        for row in rows.values():
             if base and not base.get("skipped") and not row.get("skipped"):
                 row["time_vs_none"] = row["seconds"] / base["seconds"]
                 row["resident_vs_none"] = row["resident_bytes"] / base["resident_bytes"]

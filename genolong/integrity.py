@@ -401,7 +401,7 @@ def check_weights(checkpoint: str | os.PathLike[str], shards: tuple[int, int] | 
 
     hashed = {name: entry for name, entry in listed.items() if mine(name)}
     files = [_target(path, name) for name in hashed]
-    for (name, entry), file, digest in zip(hashed.items(), files, _checksums(files, algorithm)):
+    for entry, file, digest in zip(hashed.values(), files, _checksums(files, algorithm)):
         if digest != entry.get(algorithm):
             raise DamagedFileError(file, f"{algorithm} checksum differs from the one written: the file changed after "
                                          "it was written (bit rot, a bad copy or an edit)")

@@ -24,7 +24,7 @@ def format_bytes(nbytes: float, zero: str = "0 B") -> str:
     size, unit = float(nbytes), "B"
     if abs(round(size)) < 1024:
         return f"{size:,.0f} B"
-    for unit in _BYTE_UNITS:
+    for unit in _BYTE_UNITS:  # noqa: B007 - the unit the loop stops at is the one printed
         size /= 1024
         if abs(round(size, 1)) < 1024:  # as printed: 1023.96 MiB is "1.0 GiB", not "1,024.0 MiB"
             break
@@ -40,7 +40,7 @@ def format_count(n: float) -> str:
     value, unit = float(n), ""
     if abs(round(value)) < 1000:
         return f"{value:,.0f}"
-    for unit in _COUNT_UNITS:
+    for unit in _COUNT_UNITS:  # noqa: B007 - the unit the loop stops at is the one printed
         value /= 1000
         if abs(round(value, 1)) < 1000:  # as printed: 999,960 is "1.0M", not "1,000.0K"
             break

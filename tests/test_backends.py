@@ -611,5 +611,5 @@ def test_gpu_check_parts_and_interpreter_rule(monkeypatch: pytest.MonkeyPatch) -
     assert sum(gpu_check.PART_BUDGET_S.values()) == gpu_check.parse([]).budget_s == 420  # under 8 minutes
     for versions, broken in ((("3.6.0", "2.5.5"), True), (("3.6.0", "2.3.5"), False), (("3.7.1", "2.5.5"), False),
                              (("3.6.0", "2.4.0rc1"), True)):
-        monkeypatch.setattr(importlib.metadata, "version", lambda name, v=dict(zip(("triton", "numpy"), versions)): v[name])
+        monkeypatch.setattr(importlib.metadata, "version", lambda name, v=dict(zip(("triton", "numpy"), versions)): v[name])  # noqa: B008 - binds this pair
         assert (gpu_check._interpreter_problem() is not None) == broken, versions

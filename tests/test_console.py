@@ -171,7 +171,7 @@ def test_other_ranks_print_errors_only(monkeypatch: pytest.MonkeyPatch, capfd: p
                 logger.warning("a warning of rank 1")
                 logging.getLogger("lightning.pytorch.trainer").warning("Lightning on rank 1")
                 logger.error("an error of rank 1")
-                warnings.warn("a warning raised on rank 1", UserWarning)
+                warnings.warn("a warning raised on rank 1", UserWarning, stacklevel=1)
             print("after")
         out, err = capfd.readouterr()
         assert out == "after\n"

@@ -17,11 +17,11 @@ from genolong.kernels.dsa import indexer_scores
 from genolong.model import PRESETS, GenoLM
 from genolong.model.decode import DecodeState, Decoder, DSACache, KDAState, decode_log_probs, sequence_log_probs
 from genolong.model.dsa import DSAIndexer
+from .helpers import assert_bitwise_equal
 
 TOL = 1e-4  # max |log-prob difference|, fp32 (issue 3)
 
 
-from .helpers import assert_bitwise_equal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

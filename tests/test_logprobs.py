@@ -22,6 +22,7 @@ from genolong.evaluation.logprobs import FP32_MEAN_BOUND, TABLE_COLUMNS, Logprob
 from genolong.model import GenoLM, ModelConfig
 from genolong.model.decode import sequence_log_probs
 from genolong.model.loss import model_inputs
+from .helpers import assert_bitwise_equal
 
 L = 192  # tiles of the main check: 7 tiles, 1,264 tokens, one batch
 FIRST = 48  # buckets <48, 48-96, 96-192: tiny's top-k (8 pools of 8) starts dropping pools at offset ~71
@@ -54,7 +55,6 @@ def make_split(lengths: tuple[int, ...] = (700, 500), seed: int = 0) -> Split:
     return Split("eval", tokens, pd.DataFrame(rows, columns=["contig", "start", "end", "offset"]))
 
 
-from .helpers import assert_bitwise_equal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

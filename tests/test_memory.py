@@ -24,6 +24,7 @@ from genolong.parallel import (
     remove_recompute,
 )
 from genolong.parallel.offload import apply_offload
+from .helpers import assert_bitwise_equal
 
 T = 600
 TINY = PRESETS["tiny"]
@@ -68,7 +69,6 @@ TECHNIQUES: dict[str, dict[str, object]] = {
 EXACT = {name for name in TECHNIQUES if name not in ("moe-chunks", "chunked", "chunked+offload")}
 
 
-from .helpers import assert_bitwise_equal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

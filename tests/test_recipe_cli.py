@@ -68,7 +68,7 @@ def test_schema_has_every_section_key_type_and_description(schema: dict[str, Any
             section = defs[node["$ref"].rsplit("/", 1)[-1]]
             assert list(section["properties"]) == [g.name for g in dataclasses.fields(hints[name])]
             assert section["additionalProperties"] is False and section["description"]
-            assert all(p.get("description") for p in section["properties"].values()), f.name
+            assert all(p.get("description") for p in section["properties"].values()), name
     train, memory, data = defs["TrainSection"]["properties"], defs["MemorySection"]["properties"], defs["DataSection"]["properties"]
     assert train["precision"]["enum"] == ["32-true", "bf16-mixed"]
     assert memory["recompute"]["enum"] == ["none", "selective", "full", "chunked"]

@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 BENCH = HERE.parents[1] / "benchmarks"
 sys.path.append(str(BENCH))  # benchmarks/_bench.py (and benchmarks/quickstart_heldout.py)
 sys.path.append(str(HERE))  # the other scripts of experiments/bundled-base/
-from _bench import Fresh, environment, genolong_command, sample_store, wait_any, write_json  # noqa: E402
+from _bench import Fresh, environment, genolong_command, run_fresh, sample_store, wait_any, write_json  # noqa: E402
 
 ROOT = HERE.parents[1]
 DEFAULT_JSON = HERE / "results" / "planted_recall.json"

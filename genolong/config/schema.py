@@ -119,7 +119,7 @@ def _strict(tp: Any) -> Any:
         return _STRICT[tp]
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        return typing.Union[tuple(_strict(a) for a in args)]
+        return typing.Union[tuple(_strict(a) for a in args)]  # noqa: UP007 - a union built at run time
     if origin in (tuple, list):
         return origin[tuple(a if a is Ellipsis else _strict(a) for a in args)]
     return tp
