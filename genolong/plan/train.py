@@ -52,6 +52,7 @@ from ..model.config import ModelConfig
 from ..parallel.recompute import DEFAULT_SELECTIVE
 from ..units import format_bytes, format_count
 from .activations import _BLOCK_RECOMPUTE, TrainedParts, _resolve_kinds, activation_estimate, chunked_recompute_terms, dsa_buffer_bytes
+from ..kernels.probe import describe_here
 from .backends import DSA_KERNELS, KDA_KERNELS, backend_kernels
 from .comm import COMM_PARTS, PAYLOAD, RECEIVED, SENT, CommEstimate, comm_estimate, fsdp_unit_groups
 from .constants import FRAGMENTATION, GIB, WORKSPACE_BYTES
@@ -109,6 +110,9 @@ class Plan:
             holds (``n_routed_experts / ep``); expert_shard_group: ranks an experts unit is
             FSDP-sharded over (``shard_group / ep``).
         kernel_backend, kda_kernel, dsa_kernel: the model's backend and the kernels it counts.
+        kernels_here: what that backend runs on the machine the plan was made on, probed without
+            importing torch (:func:`genolong.kernels.probe.describe_here`; the run logs the
+            same words), or its refusal (``auto`` on CUDA without ``genolong[gpu]``).
         recompute_chunk_tokens: ``chunked``'s piece (None for the other modes).
         rebuilt_region: which region the rebuilt line is (chunked: the half).
         trained_parameters, frozen_parameters, adapter_parameters: the run's parameters with a
@@ -168,6 +172,7 @@ class Plan:
     adapter_parameters: int = 0
     trainable_suggestion: list[str] = field(default_factory=list)
     trainable_suggestion_total: int | None = None
+    kernels_here: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict of every field (bytes as integers) for ``genolong plan --json``."""
@@ -446,6 +451,7 @@ def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, hos
         raise InputError(f"dsa_kernel {dsa!r} is unknown; choose one of {', '.join(DSA_KERNELS)}")
     world = recipe.parallel.world_size if gpus is None else gpus
     base = _plan_once(recipe, cfg, world, gpu_mem_gib, host_mem_gib, gpus_per_node, moe_imbalance, kernel, dsa)
+    base.kernels_here = describe_here(cfg.kernel_backend)
     if base.fits:
         return base
     data = recipe.to_dict()
