@@ -92,9 +92,20 @@ class ForgetGate(nn.Module):
             else:
                 self.A_log.copy_(torch.empty(h).uniform_(1.0, 16.0).log())
 
+    def _raw(self, x: torch.Tensor) -> torch.Tensor:
+        """``f_b(f_a(x))``, ``[B, T, H] -> [B, T, heads * head_dim]``. Outside autocast ``x`` takes
+        the projections' dtype first: a bf16-mixed FSDP2 run keeps this module fp32 (an fp32
+        unit) while the block's activations are bf16 (under autocast the matmuls run in bf16
+        either way, and no fp32 copy of ``x`` is made)."""
+        if not torch.is_autocast_enabled(x.device.type):
+            proj = self.f_a_proj  # an nn.Linear, or a LoRA wrapper around one (its .base)
+            weight = proj.base.weight if isinstance(getattr(proj, "base", None), nn.Linear) else proj.weight
+            x = x.to(weight.dtype)
+        return self.f_b_proj(self.f_a_proj(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        raw = self._raw(x).float() + self.dt_bias.float()
         raw = raw.view(b, t, self.num_heads, self.head_dim)
         rate = self.A_log.float().exp().view(1, 1, -1, 1)
         if self.lower_bound is not None:
@@ -110,7 +121,7 @@ class ForgetGate(nn.Module):
         saved for backward). ``q, k, v [B, T, heads, head_dim]``, ``beta_logits [B, T, heads]``;
         returns the op's ``(o, final_state)``."""
         b, t, _ = x.shape
-        g_raw = self.f_b_proj(self.f_a_proj(x)).view(b, t, self.num_heads, self.head_dim)
+        g_raw = self._raw(x).view(b, t, self.num_heads, self.head_dim)
         return kda_gated(q, k, v, g_raw, beta_logits, self.A_log, self.dt_bias, lower_bound=self.lower_bound,
                          initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size)
 
