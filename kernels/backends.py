@@ -17,9 +17,12 @@ Registered backends:
   KPool key pooling and the indexer KL loss; ``triton_topk``: pooled-key scores with a running
   top-k; ``triton_attention``: sparse attention), KDA ``chunk_kda`` from fla when fla-core imports
   (else the torch reference); recurrent KDA and the cross-entropy are the torch reference.
-- ``auto``: ``triton`` when CUDA is available and genolong's Triton DSA kernel imports, else
-  ``fla`` when CUDA is available and fla-core imports, else ``torch``; it loads and returns the
-  resolved backend (whose ``name`` is the resolved one) and the log line names both.
+- ``auto``: ``torch`` without CUDA; on a CUDA machine ``triton`` with fla-core's KDA, or an
+  :class:`~genolong.errors.InputError` of one line naming the fix (``pip install
+  'genolong[gpu]'``) when Triton or fla-core is missing, too old or fails to load: never a silent
+  torch fallback for the model's main layers (:mod:`genolong.kernels.probe`). A recipe that wants
+  the torch reference on a GPU says ``torch``. It loads and returns the resolved backend (whose
+  ``name`` is the resolved one) and the log line names both.
 
 In the GPU backends, the fast ops run on CUDA tensors; tensors on any other device go through the
 torch reference op (so a model built with ``auto`` on a CUDA machine still runs on CPU).
@@ -228,7 +231,12 @@ def _fla_backend() -> KernelBackend:
 
 
 def _triton_backend() -> KernelBackend:
+    from .probe import GPU_FIX, package_problem
+
     _require_cuda("triton")
+    old = package_problem("Triton")
+    if old is not None:  # the kernels import with an old Triton, then fail to compile mid-run
+        raise ImportError(f"{old}; {GPU_FIX}")
     reference = _torch_backend()
     gt = "genolong-triton"
     sparse_attention = _on_cuda(_triton_op("triton_attention", "sparse_attention_triton"), reference.sparse_attention,
@@ -269,20 +277,31 @@ def _triton_backend() -> KernelBackend:
 
 
 def resolve_auto() -> str:
-    """The backend ``auto`` stands for here: ``triton`` when CUDA is available and genolong's
-    Triton DSA kernel imports (its KDA from fla-core when that imports too), else ``fla`` when CUDA
-    is available and fla-core imports, else ``torch``. Each candidate that cannot load is logged
-    with its reason."""
+    """The backend ``auto`` stands for here: ``torch`` without CUDA, else ``triton`` with its KDA
+    from fla-core.
+
+    Raises:
+        InputError: on a CUDA machine, Triton or fla-core missing or older than their floors
+            (:func:`genolong.kernels.probe.gpu_kernel_problem`), or the ``triton`` backend failing
+            to load or to take its KDA from fla-core: one line naming ``pip install
+            'genolong[gpu]'`` (and ``kernel_backend: torch`` for the reference on purpose).
+    """
+    from .probe import gpu_kernel_problem, refusal
+
     if not _cuda_available():
         return "torch"
-    for name in ("triton", "fla"):
+    problem = gpu_kernel_problem()
+    if problem is None:
         try:
-            get_backend(name)
+            backend = get_backend("triton")
         except InputError as exc:
-            log.info("genolong: kernel backend 'auto': %s", exc)
-            continue
-        return name
-    return "torch"
+            problem = _one_line(exc)
+        else:
+            if backend.impls.get("chunk_kda_gated") != "fla-core":
+                problem = "fla-core failed to import"
+    if problem is not None:
+        raise InputError(refusal("auto", problem))
+    return "triton"
 
 
 def _auto_backend() -> KernelBackend:

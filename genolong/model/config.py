@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from ..files import replace_file
 from ..kernels.backends import available_backends
 
 __all__ = [
+    "KEEP_FP32",
     "LINEAR_ATTENTION",
     "INDEXED_ATTENTION",
     "ModelConfig",
@@ -37,6 +39,15 @@ __all__ = [
     "layer_types_from_pattern",
     "parameter_count",
 ]
+
+#: GenoLM parameters that stay fp32 in every run and compute in fp32 under bf16 mixed precision: the
+#: tensors transformers keeps in fp32 (:data:`genolong.model.hf.FP32_TENSORS`, here in GenoLM's
+#: names: the MoE router, the KDA short convolution, ``dt_bias``, ``A_log``, the mHC ``base`` and
+#: ``scale``); the router's ``e_score_correction_bias`` is a buffer and never cast. Read by
+#: :func:`genolong.train.module.low_precision_parameters` (never stored in bf16) and by
+#: :func:`genolong.parallel.parallelize.apply_fsdp` (their modules are FSDP2 units of their own
+#: with an fp32 policy); torch-free here so that the planner can count them too.
+KEEP_FP32 = re.compile(r"(^|\.)(mlp\.gate\.weight|conv1d\.weight|dt_bias|A_log|(attn|ffn)_hc\.(base|scale))$")
 
 LINEAR_ATTENTION = "linear_attention"
 INDEXED_ATTENTION = "indexed_attention"

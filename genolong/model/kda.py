@@ -60,7 +60,18 @@ class ShortConv(nn.Module):
 
 
 class ForgetGate(nn.Module):
-    """Low-rank per-channel log decay ``g [B, T, heads, head_dim]`` (fp32, <= 0)."""
+    """Low-rank per-channel log decay ``g [B, T, heads, head_dim]`` (fp32, <= 0).
+
+    :meth:`forward` returns the gate; :meth:`gated_kda` runs a backend's KDA op with the gate
+    applied inside it (from the raw projection, ``A_log`` and ``dt_bias``).
+
+    Attributes:
+        fsdp_forward_methods: the methods besides ``forward`` that read the parameters: when the
+            gate is an FSDP2 unit of its own (bf16-mixed, :func:`genolong.parallel.parallelize.apply_fsdp`)
+            they gather its parameters as ``forward`` does.
+    """
+
+    fsdp_forward_methods: tuple[str, ...] = ("gated_kda",)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -81,14 +92,38 @@ class ForgetGate(nn.Module):
             else:
                 self.A_log.copy_(torch.empty(h).uniform_(1.0, 16.0).log())
 
+    def _raw(self, x: torch.Tensor) -> torch.Tensor:
+        """``f_b(f_a(x))``, ``[B, T, H] -> [B, T, heads * head_dim]``. Outside autocast ``x`` takes
+        the projections' dtype first: a bf16-mixed FSDP2 run keeps this module fp32 (an fp32
+        unit) while the block's activations are bf16 (under autocast the matmuls run in bf16
+        either way, and no fp32 copy of ``x`` is made)."""
+        if not torch.is_autocast_enabled(x.device.type):
+            proj = self.f_a_proj  # an nn.Linear, or a LoRA wrapper around one (its .base)
+            weight = proj.base.weight if isinstance(getattr(proj, "base", None), nn.Linear) else proj.weight
+            x = x.to(weight.dtype)
+        return self.f_b_proj(self.f_a_proj(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        raw = self._raw(x).float() + self.dt_bias.float()
         raw = raw.view(b, t, self.num_heads, self.head_dim)
         rate = self.A_log.float().exp().view(1, 1, -1, 1)
         if self.lower_bound is not None:
             return self.lower_bound * torch.sigmoid(rate * raw)
         return -rate * F.softplus(raw, threshold=20.0)
+
+    def gated_kda(self, x: torch.Tensor, kda_gated: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  beta_logits: torch.Tensor, initial_state: torch.Tensor | None, output_final_state: bool,
+                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``kda_gated`` (a backend's ``chunk_kda_gated``) with this gate: the raw projection
+        ``f_b(f_a(x)) [B, T, heads, head_dim]``, ``A_log`` and ``dt_bias`` go to the op, which
+        applies the gate itself (inside fla's kernel: no ``[B, T, heads, head_dim]`` fp32 gate
+        saved for backward). ``q, k, v [B, T, heads, head_dim]``, ``beta_logits [B, T, heads]``;
+        returns the op's ``(o, final_state)``."""
+        b, t, _ = x.shape
+        g_raw = self._raw(x).view(b, t, self.num_heads, self.head_dim)
+        return kda_gated(q, k, v, g_raw, beta_logits, self.A_log, self.dt_bias, lower_bound=self.lower_bound,
+                         initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size)
 
 
 class KDAMixer(nn.Module):
@@ -151,15 +186,12 @@ class KDAMixer(nn.Module):
                    initial_state: torch.Tensor | None, output_final_state: bool
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The delta rule through the backend's ``chunk_kda_gated`` (one process, no CP fold)."""
-        b, t, _ = x.shape
         # the gate and beta from their raw projections inside the KDA op: on the fla backend
         # fla's kernel computes them (no [B, T, H, K] fp32 gate tensor saved for backward); on
-        # the torch backend the same ops as ForgetGate.forward and a sigmoid
-        fg = self.forget_gate
-        g_raw = fg.f_b_proj(fg.f_a_proj(x)).view(b, t, self.num_heads, self.head_dim)
-        return self.kernels.chunk_kda_gated(
-            q, k, v.float(), g_raw, self.b_proj(x), fg.A_log, fg.dt_bias, lower_bound=fg.lower_bound,
-            initial_state=initial_state, output_final_state=output_final_state, chunk_size=self.chunk_size)
+        # the torch backend the same ops as ForgetGate.forward and a sigmoid. Called through the
+        # gate's own method, so that an FSDP2 unit of the gate gathers A_log and dt_bias first.
+        return self.forget_gate.gated_kda(x, self.kernels.chunk_kda_gated, q, k, v.float(), self.b_proj(x),
+                                          initial_state, output_final_state, self.chunk_size)
 
     def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """``o_proj(RMSNorm(o) * sigmoid(g_b(g_a(x))))``: ``o [B, T, heads, dv]`` -> ``[B, T, H]``."""

@@ -47,7 +47,8 @@ __all__ = ["Router", "Experts", "MoE", "RoutingStats", "RoutingTally", "capacity
 class Router(nn.Module):
     """Sigmoid top-k router with group restriction and a load-balancing correction bias.
 
-    Shapes: ``x [N, H] -> (logits [N, E] fp32, weights [N, k] fp32, indices [N, k] int64)``.
+    Shapes: ``x [N, H] -> (logits [N, E] fp32, weights [N, k] fp32, indices [N, k] int64)``;
+    the logits are computed in fp32 whatever the autocast state.
     """
 
     def __init__(self, config: ModelConfig):
@@ -62,7 +63,11 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
+        # fp32 logits also under autocast, where F.linear would run in bf16: the top-k of 288
+        # sigmoid scores is decided by small differences (transformers' router casts both to fp32;
+        # Megatron's --moe-router-dtype fp32 does the same for fine-grained MoE)
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:

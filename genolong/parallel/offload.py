@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import InputError
 from ..memory.meter import Charge, current_meter, track_saved, untrack_saved
 
-__all__ = ["ActivationOffloader", "apply_offload", "offloader_of"]
+__all__ = ["ActivationOffloader", "apply_offload", "offloader_of", "pinned_block_bytes"]
 
 _OFFLOADERS: weakref.WeakKeyDictionary[nn.Module, ActivationOffloader] = weakref.WeakKeyDictionary()
 
@@ -103,6 +103,14 @@ class _Offloaded:
         self.pool._host_add(-self.host.nbytes)
 
 
+def pinned_block_bytes(nbytes: int) -> int:
+    """What torch's caching host allocator reserves for a pinned buffer of ``nbytes``: the next
+    power of two (``CachingHostAllocator``: "Round up the allocation to the nearest power of two
+    to improve reuse", for sizes up to ``pinned_max_round_threshold``, unlimited by default);
+    0 for 0."""
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
+
+
 class ActivationOffloader:
     """Moves each layer's saved activations of at least ``min_bytes`` to host memory.
 
@@ -113,7 +121,9 @@ class ActivationOffloader:
             computes (default True).
 
     Attach with :meth:`attach` (or :func:`apply_offload`). Host pool figures:
-    ``host_bytes`` (now) and ``peak_host_bytes``; ``copies_to_host``/``copies_to_device`` count
+    ``host_bytes`` (now) and ``peak_host_bytes``; ``pinned_bytes`` / ``peak_pinned_bytes``: the
+    same buffers as torch's pinned caching allocator reserves them on CUDA (each rounded up to a
+    power of two, :func:`pinned_block_bytes`); ``copies_to_host``/``copies_to_device`` count
     tensors copied since construction.
     """
 
@@ -124,6 +134,8 @@ class ActivationOffloader:
         self.prefetch = prefetch
         self.host_bytes = 0
         self.peak_host_bytes = 0
+        self.pinned_bytes = 0
+        self.peak_pinned_bytes = 0
         self.copies_to_host = 0
         self.copies_to_device = 0
         self._handles: list[Any] = []
@@ -186,6 +198,9 @@ class ActivationOffloader:
     def _host_add(self, nbytes: int) -> None:
         self.host_bytes += nbytes
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        # the pinned pool the same buffers take on CUDA (each rounded up to a power of two)
+        self.pinned_bytes += pinned_block_bytes(abs(nbytes)) * (1 if nbytes >= 0 else -1)
+        self.peak_pinned_bytes = max(self.peak_pinned_bytes, self.pinned_bytes)
 
     # -- saved tensor hooks ---------------------------------------------------------------------
     @staticmethod

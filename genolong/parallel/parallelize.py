@@ -18,7 +18,10 @@ Order, and why:
    over the mesh's ``dp_shard x cp`` ranks (:func:`genolong.parallel.mesh.fsdp_mesh`; HSDP when
    ``dp_replicate > 1``); with expert parallelism the routed experts of each MoE are their own
    (nested) unit over the ranks holding the same experts
-   (:func:`genolong.parallel.mesh.expert_fsdp_mesh`). FSDP2's unshard / reshard hooks then wrap the recompute and offload
+   (:func:`genolong.parallel.mesh.expert_fsdp_mesh`); in a bf16-mixed run every module that holds
+   a :data:`~genolong.model.config.KEEP_FP32` parameter (the router, the KDA short convolution and
+   forget gate, the mHC connections) is a nested unit with an fp32 policy
+   (:func:`fp32_modules`). FSDP2's unshard / reshard hooks then wrap the recompute and offload
    machinery, so a block's full parameters exist only while it runs forward or backward, and the
    offloader never copies parameters (it skips them by identity and storage).
 
@@ -34,10 +37,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import Shard
 
 from ..errors import InputError
+from ..model.config import KEEP_FP32
 from ..model.moe import MoE
 from .context import apply_context_parallel
 from .expert import apply_expert_parallel
@@ -45,7 +49,28 @@ from .mesh import cp_group, ep_mesh, ep_size, expert_fsdp_mesh, fsdp_mesh
 from .offload import apply_offload
 from .recompute import DEFAULT_CHUNK_TOKENS, apply_recompute
 
-__all__ = ["apply_fsdp", "apply_moe_chunks", "parallelize"]
+__all__ = ["FP32_POLICY", "apply_fsdp", "apply_moe_chunks", "fp32_modules", "parallelize"]
+
+#: The policy of the :func:`fp32_modules` units in a mixed-precision run: parameters gathered and
+#: gradients reduced in fp32, and the unit's inputs left as they come (FSDP2's default casts the
+#: floating-point inputs to ``param_dtype``, which would turn the bf16 activations entering, e.g.,
+#: the short convolution into fp32 and change its output dtype, and so the rest of the block).
+FP32_POLICY = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def fp32_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that directly hold a parameter named by
+    :data:`~genolong.model.config.KEEP_FP32`, in ``named_modules`` order (GenoLM: each MoE's
+    router, each KDA mixer's ``conv1d`` and ``forget_gate``, each block's ``attn_hc`` and
+    ``ffn_hc``). Their other parameters come with them (the forget gate's low-rank projections,
+    the mHC ``fn``: 1% of a GLM-5.3-Flash block; their matmuls still run in bf16 under autocast).
+    """
+    owners: list[nn.Module] = []
+    for prefix, module in model.named_modules():
+        names = (f"{prefix}.{name}" if prefix else name for name, _ in module.named_parameters(recurse=False))
+        if any(KEEP_FP32.search(name) for name in names):
+            owners.append(module)
+    return owners
 
 
 def apply_moe_chunks(model: nn.Module, chunk_tokens: int | None) -> int:
@@ -163,10 +188,20 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
     factor 1): each rank's share of the loss is already divided by the global target count, and
     the context-parallel ranks' gradients are partial sums of the same sequence's, so an average
     would be wrong for them. Returns ``model``.
+
+    With ``param_dtype`` below fp32 (bf16-mixed), each of :func:`fp32_modules` (the holders of
+    the :data:`~genolong.model.config.KEEP_FP32` parameters) is a nested unit of its block with
+    :data:`FP32_POLICY`: inside the forward those parameters are fp32, as in a one-process
+    bf16-mixed run (fp32 parameters, autocast), while every other parameter is gathered in
+    ``param_dtype``. Cost per block: about five more (small) all-gathers and reduce-scatters.
     """
     shard_mesh = fsdp_mesh(mesh)
     expert_mesh = expert_fsdp_mesh(mesh)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # a cast to a lower precision: the KEEP_FP32 parameters' modules become fp32 units of their own
+    # (FSDP2 gathers a unit in one dtype, so a parameter cannot be kept out of its unit's cast)
+    mixed = param_dtype is not None and param_dtype != torch.float32
+    keep = {id(m) for m in fp32_modules(model)} if mixed else set()
     # the embedding runs first in forward and its gradient comes last in backward: resharded in
     # between, like every block but the last
     embedding = model.embed_tokens  # type: ignore[attr-defined]
@@ -186,6 +221,16 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
             fully_shard(experts, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=reshard,
                         shard_placement_fn=lambda param: Shard(1))
             nested.append(experts)
+        for module in unit.modules():
+            if id(module) in keep:
+                # the block's own reshard choice: unsharded while the block is (a block's are
+                # sharded before the root reaches them, so each module is a unit once)
+                keep.discard(id(module))
+                fully_shard(module, mesh=shard_mesh, mp_policy=FP32_POLICY, reshard_after_forward=reshard)
+                # methods that read the parameters without forward (ForgetGate.gated_kda)
+                for method in getattr(module, "fsdp_forward_methods", ()):
+                    register_fsdp_forward_method(module, method)
+                nested.append(module)
         fully_shard(unit, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=reshard)
     for unit in [*nested, *units]:
         unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]

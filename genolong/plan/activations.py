@@ -17,6 +17,10 @@ EP 2 per layer and rank at its measured expert load on gloo), the growth of chun
 rebuilt region with ``recompute_chunk_tokens`` to the measured backward peak
 (:class:`~genolong.memory.LiveBytes`) within 10%, and the fla save set to the installed fla-core's
 ``save_for_backward``.
+
+Over 800 lines: one inventory per layer kind and the estimate that sums them, kept in one module
+so that each save set sits beside the others it is tested with (the pinned host pool's rounding,
+:func:`_pinned_pieces`, included).
 """
 
 from __future__ import annotations
@@ -695,7 +699,11 @@ class ActivationEstimate:
         outside_bytes: embedding, final norm and loss (always on the device).
         peak_resident_bytes: device peak of saved activations (forward end, or backward with the
             offloader's two-layer prefetch window).
-        peak_offloaded_bytes: host pool peak (end of forward): the pinned host memory.
+        peak_offloaded_bytes: host pool peak (end of forward): the offloaded bytes.
+        pinned_pool_bytes: the pinned host memory those take on CUDA: each host buffer (a piece,
+            a view) rounded up to a power of two by torch's caching host allocator
+            (:func:`genolong.parallel.offload.pinned_block_bytes`; equal to the offloaded bytes
+            when every buffer is a power of two, as at 1M tokens).
         peak_total_bytes: peak of device + host saved bytes.
         by_kind: saved bytes (device + host, storages) by part: kda, dsa, moe, mhc, ...
         rebuilt_bytes: the largest recomputed region's activations, rebuilt during its backward
@@ -713,6 +721,7 @@ class ActivationEstimate:
     by_kind: dict[str, int]
     rebuilt_bytes: int
     plain_by_kind: dict[str, int] = field(default_factory=dict)
+    pinned_pool_bytes: int = 0
 
     @property
     def saved_bytes(self) -> int:
@@ -775,6 +784,7 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
     by_kind: dict[str, int] = {}
     plain_by_kind: dict[str, int] = {}
     rebuilt = 0
+    pinned = 0.0
     for i in range(L):
         items = layer_saved_tensors(config, i, recompute, recompute_modules, dtype_bytes=dtype_bytes,
                                     indexer_kl=indexer_kl, tokens=n, moe_chunk_tokens=moe_chunk_tokens,
@@ -785,6 +795,7 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
             by_kind[t.kind] = by_kind.get(t.kind, 0) + int(round(size))
             if offload and t.piece_bytes(n) >= offload_min_bytes:
                 off += size * t.views
+                pinned += t.views * _pinned_pieces(t, n)
             else:
                 res += size
         resident.append(int(round(res)))
@@ -824,8 +835,22 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
     return ActivationEstimate(
         tokens=n, layer_resident=resident, layer_offloaded=offloaded, outside_bytes=outside,
         peak_resident_bytes=peak_resident, peak_offloaded_bytes=sum(offloaded), peak_total_bytes=peak_total,
-        by_kind=by_kind, rebuilt_bytes=rebuilt, plain_by_kind=plain_by_kind,
+        by_kind=by_kind, rebuilt_bytes=rebuilt, plain_by_kind=plain_by_kind, pinned_pool_bytes=int(round(pinned)),
     )
+
+
+def _pinned_pieces(t: SavedTensor, tokens: int) -> int:
+    """Pinned host bytes of one view of ``t``: each saved piece's host buffer rounded up to a
+    power of two (torch's caching host allocator)."""
+    def block(nbytes: float) -> int:
+        n = int(round(nbytes))
+        return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+    if t.piece_tokens is None or t.piece_tokens >= tokens:
+        return block(t.nbytes(tokens))
+    piece = int(t.piece_tokens)
+    full, rest = divmod(tokens, piece)
+    return full * block(t.bytes_per_token * piece) + block(t.bytes_per_token * rest) + block(t.const_bytes)
 
 
 def dsa_buffer_bytes(config: ModelConfig, sequence_tokens: int, cp: int, dtype_bytes: int, *,

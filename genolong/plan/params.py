@@ -23,7 +23,7 @@ from typing import Any
 from ..errors import InputError
 from ..model.config import LINEAR_ATTENTION, ModelConfig
 
-__all__ = ["ParameterSplit", "linear_shapes", "lora_adapter_shapes", "parameter_shapes", "parameter_split"]
+__all__ = ["ParameterSplit", "fp32_unit_parameters", "linear_shapes", "lora_adapter_shapes", "parameter_shapes", "parameter_split"]
 
 
 def _linear(out: dict[str, tuple[int, ...]], name: str, fan_in: int, fan_out: int, bias: bool = False) -> None:
@@ -118,6 +118,28 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         products sum to :func:`~genolong.model.config.parameter_count` ``.total``.
     """
     return _model_tables(config)[0]
+
+
+def fp32_unit_parameters(config: ModelConfig) -> dict[int, int]:
+    """Parameters per layer of the modules that hold a :data:`~genolong.model.config.KEEP_FP32`
+    parameter (the router, the KDA ``conv1d`` and ``forget_gate``, the mHC ``attn_hc`` and
+    ``ffn_hc``, each with all of its parameters): in a bf16-mixed FSDP2 run they are fp32 units
+    of their own (:func:`genolong.parallel.parallelize.fp32_modules`), gathered at 4 B per
+    parameter instead of 2. ``{layer: parameters}``; layers without any are left out."""
+    import math
+    import re
+
+    from ..model.config import KEEP_FP32
+
+    shapes = parameter_shapes(config)
+    owners = {name.rsplit(".", 1)[0] + "." for name in shapes if KEEP_FP32.search(name)}
+    out: dict[int, int] = {}
+    for name, shape in shapes.items():
+        match = re.match(r"layers\.(\d+)\.", name)
+        if match and any(name.startswith(owner) for owner in owners):
+            layer = int(match.group(1))
+            out[layer] = out.get(layer, 0) + math.prod(shape)
+    return out
 
 
 def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -20,6 +20,10 @@ from .train import TRANSIENTS, Plan
 
 __all__ = ["format_eval_plan", "format_plan"]
 
+#: the planner's kernel names -> what runs them, in the words of the backend registry's ``impls``
+#: (and of the run's log line, :func:`genolong.kernels.probe.kernel_line`)
+_IMPL = {"torch": "torch", "fla": "fla-core", "triton": "genolong-triton"}
+
 
 def _cell(nbytes: float) -> str:
     """A table cell's bytes in the unit that fits (:func:`genolong.units.format_bytes`; ``0`` for nothing)."""
@@ -40,7 +44,9 @@ def format_plan(plan: Plan) -> str:
         + (f" ({', '.join(p.recompute_modules) or 'default'})" if p.recompute == "selective" else "")
         + (f" ({p.recompute_chunk_tokens:,} tokens)" if p.recompute == "chunked" else "")
         + f"; offload {'on' if p.offload else 'off'}; MoE chunk {p.moe_chunk_tokens or 'all'}; CE chunk {p.ce_chunk_tokens}",
-        f"kernels: backend {p.kernel_backend!r} -> KDA {p.kda_kernel}, DSA {p.dsa_kernel}",
+        f"kernels counted: backend {p.kernel_backend!r} -> KDA {_IMPL[p.kda_kernel]}, DSA {_IMPL[p.dsa_kernel]}"
+        + ("" if p.kda_kernel == "torch" and p.dsa_kernel == "torch" else " (on a CUDA machine with genolong[gpu])"),
+        *([f"kernels on this machine: {p.kernels_here}"] if p.kernels_here else []),
         "",
         "| device memory per GPU | size |",
         "|---|---:|",

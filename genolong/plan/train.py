@@ -9,9 +9,12 @@ Per GPU (one process), device memory is the sum of:
   ``32-true``: fp32 parameters (4 B), gradients (4 B), AdamW moments (8 B) per parameter.
   ``bf16-mixed``: fp32 master parameters, fp32 gradients (FSDP reduce dtype) and fp32 moments,
   the same 16 B per parameter, plus the bf16 compute copies below.
-- **FSDP working copies**: the unsharded parameters of the block being computed and of the one
-  prefetched (2 x the largest FSDP unit, in the compute dtype) and the unsharded gradient of one
-  unit before its reduce-scatter (fp32). None without sharding in fp32.
+- **FSDP working copies** (:func:`fsdp_resident_bytes`): the root unit (final norm, LM head),
+  gathered for the whole step, with its trained parameters' fp32 gradient until the step's last
+  reduce-scatter; the block in use (the last block from its forward to its backward: it is not
+  resharded) and the one prefetched, in the compute dtype (the ``KEEP_FP32`` modules' units in
+  fp32); the unsharded gradient of one unit before its reduce-scatter (fp32). Without sharding:
+  the bf16 compute copies of two units in bf16-mixed, nothing in fp32.
 - **saved activations** that stay on the device (see
   :func:`~genolong.plan.activations.activation_estimate`), for
   ``tokens_per_rank = batch_size * context / cp`` tokens.
@@ -19,9 +22,12 @@ Per GPU (one process), device memory is the sum of:
   one), the activation gradients in flight (3 x the residual streams of a layer), and the
   largest of: one MoE dispatch chunk, the DSA indexer/top-k and sparse-attention buffers (with
   the CP all-gather of the latent and pooled keys), the cross-entropy chunk.
-- **workspace**: :data:`~genolong.plan.constants.WORKSPACE_BYTES` (CUDA context, cuBLAS and NCCL
-  buffers) plus :data:`~genolong.plan.constants.FRAGMENTATION` of everything else (allocator
-  rounding and fragmentation).
+- **workspace**: the CUDA context and the cuBLAS / cuBLASLt workspaces
+  (:data:`~genolong.plan.constants.CUDA_CONTEXT_BYTES`,
+  :data:`~genolong.plan.constants.CUBLAS_WORKSPACE_BYTES`), the NCCL communicators of each mesh
+  dimension the step uses (:func:`nccl_communicators`), each a stated constant with its source,
+  plus :data:`~genolong.plan.constants.FRAGMENTATION` of everything else (allocator rounding and
+  fragmentation).
 
 Expert parallelism (``parallel.ep``): each MoE layer's routed experts are split over ``ep`` ranks
 of the ``dp_shard x cp`` ranks (``E / ep`` per rank) and are their own FSDP unit over the
@@ -52,13 +58,15 @@ from ..model.config import ModelConfig
 from ..parallel.recompute import DEFAULT_SELECTIVE
 from ..units import format_bytes, format_count
 from .activations import _BLOCK_RECOMPUTE, TrainedParts, _resolve_kinds, activation_estimate, chunked_recompute_terms, dsa_buffer_bytes
+from ..kernels.probe import describe_here
 from .backends import DSA_KERNELS, KDA_KERNELS, backend_kernels
 from .comm import COMM_PARTS, PAYLOAD, RECEIVED, SENT, CommEstimate, comm_estimate, fsdp_unit_groups
-from .constants import FRAGMENTATION, GIB, WORKSPACE_BYTES
-from .params import ParameterSplit, parameter_split
+from .constants import (CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES, CUDA_CONTEXT_BYTES, FRAGMENTATION, GIB,
+                        NCCL_ALLTOALL_PEER_BYTES, NCCL_COMM_BYTES, NCCL_SINGLE_RANK_BYTES)
+from .params import ParameterSplit, fp32_unit_parameters, parameter_split
 from .recipe import _check_positive, _describe, _mesh_sizes, _model_config, _with_gpus, recipe_moe_imbalance
 
-__all__ = ["ATTENTION_LORA", "ATTENTION_ONLY_FREEZE", "TRANSIENTS", "Plan", "plan"]
+__all__ = ["ATTENTION_LORA", "ATTENTION_ONLY_FREEZE", "TRANSIENTS", "Plan", "fsdp_resident_bytes", "nccl_communicators", "plan"]
 
 #: ``model.freeze`` that trains the attention layers (``self_attn``: KDA and DSA) only, the
 #: quickstart's list (``recipes/quickstart.yaml``).
@@ -109,6 +117,9 @@ class Plan:
             holds (``n_routed_experts / ep``); expert_shard_group: ranks an experts unit is
             FSDP-sharded over (``shard_group / ep``).
         kernel_backend, kda_kernel, dsa_kernel: the model's backend and the kernels it counts.
+        kernels_here: what that backend runs on the machine the plan was made on, probed without
+            importing torch (:func:`genolong.kernels.probe.describe_here`; the run logs the
+            same words), or its refusal (``auto`` on CUDA without ``genolong[gpu]``).
         recompute_chunk_tokens: ``chunked``'s piece (None for the other modes).
         rebuilt_region: which region the rebuilt line is (chunked: the half).
         trained_parameters, frozen_parameters, adapter_parameters: the run's parameters with a
@@ -168,6 +179,7 @@ class Plan:
     adapter_parameters: int = 0
     trainable_suggestion: list[str] = field(default_factory=list)
     trainable_suggestion_total: int | None = None
+    kernels_here: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict of every field (bytes as integers) for ``genolong plan --json``."""
@@ -177,6 +189,64 @@ class Plan:
         out["comm"]["wire_totals"] = {part: self.comm.part_wire(part) for part in COMM_PARTS}
         out["comm"]["conventions"] = {"kda": PAYLOAD, "dsa": RECEIVED, "ep": SENT, "fsdp": RECEIVED}
         return out
+
+
+def fsdp_resident_bytes(config: ModelConfig, shard: int, ep: int, split: ParameterSplit | None, dtype_bytes: int
+                        ) -> dict[str, int]:
+    """What FSDP2's gathered units hold on a rank (bytes), as :func:`genolong.parallel.apply_fsdp`
+    builds them over ``shard`` ranks:
+
+    - ``root``: the root unit (final norm, LM head), gathered at the start of the forward and
+      kept until the end of the backward; ``root grad``: its trained parameters' gradient in the
+      gathered dtype (FSDP2 casts it to the reduce dtype only for the reduce-scatter), kept
+      unsharded from the head's backward until the step's last reduce-scatter;
+    - ``last block``: every unit of the last layer (its experts unit under EP), not resharded after
+      its forward (backward needs it first);
+    - ``unit``: the largest other unit gathered (a block in use, or one prefetched);
+    - ``grad``: the largest trained unit's fp32 gradient before its reduce-scatter.
+
+    In bf16-mixed (``dtype_bytes`` 2) the modules of the ``KEEP_FP32`` parameters are fp32 units
+    (:func:`~genolong.plan.params.fp32_unit_parameters`): 2 more bytes per parameter of theirs.
+    """
+    units = fsdp_unit_groups(config, shard, ep, split=split)
+    fp32 = fp32_unit_parameters(config) if dtype_bytes < 4 else {}
+    extra = {layer: (4 - dtype_bytes) * n for layer, n in fp32.items()}
+    last = config.num_hidden_layers - 1
+    root = [u for u in units if u.kind == "root"]
+    blocks = [u for u in units if u.kind != "root"]
+    gathered = [u.params * dtype_bytes + (extra.get(u.layer, 0) if u.kind == "block" else 0) for u in blocks]
+    return {
+        "root": sum(u.params * dtype_bytes for u in root),
+        "root grad": sum(dtype_bytes * u.trained for u in root),
+        "last block": sum(g for u, g in zip(blocks, gathered) if u.layer == last),
+        "unit": max(gathered, default=0),
+        "grad": 4 * max((u.trained for u in blocks), default=0),
+    }
+
+
+def nccl_communicators(gpus: int, cp: int, replicate: int, shard: int, ep: int) -> dict[str, int]:
+    """The NCCL communicators a training step creates on a rank, by mesh dimension, with their
+    device buffers (bytes; :data:`~genolong.plan.constants.NCCL_COMM_BYTES` each, all-to-all
+    peers :data:`~genolong.plan.constants.NCCL_ALLTOALL_PEER_BYTES` more, a single-rank one
+    :data:`~genolong.plan.constants.NCCL_SINGLE_RANK_BYTES`): the default group (the loss's
+    all-reduce), FSDP's ``dp_shard x cp`` group, the CP group (KDA states, DSA keys), the
+    ``dp_replicate`` group (HSDP), the EP group (its all-to-alls) and the expert FSDP group
+    (``shard / ep`` ranks). torch creates each on its first collective; distinct groups over the
+    same ranks are distinct communicators. One process: none."""
+    if gpus <= 1:
+        return {}
+    out = {f"world {gpus}": NCCL_COMM_BYTES}
+    if shard > 1:
+        out[f"fsdp {shard}"] = NCCL_COMM_BYTES
+    if cp > 1:
+        out[f"cp {cp}"] = NCCL_COMM_BYTES
+    if replicate > 1:
+        out[f"dp_replicate {replicate}"] = NCCL_COMM_BYTES
+    if ep > 1:
+        out[f"ep {ep} all-to-all"] = NCCL_COMM_BYTES + (ep - 1) * NCCL_ALLTOALL_PEER_BYTES
+        efsdp = max(shard // ep, 1)
+        out[f"expert fsdp {efsdp}"] = NCCL_COMM_BYTES if efsdp > 1 else NCCL_SINGLE_RANK_BYTES
+    return out
 
 
 def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None,
@@ -219,12 +289,17 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
     units = fsdp_unit_groups(cfg, shard, ep, split=split)
     unit = max(u.params for u in units)
     unit_trained = max(u.trained for u in units)
-    working = 0
-    if shard > 1:  # gather the whole unit at the compute dtype (frozen ones are stored in it), reduce its trained grads
-        working = 2 * unit * a + unit_trained * 4
-    elif bf16:  # unsharded: only the trained fp32 masters need bf16 compute copies
-        working = 2 * unit_trained * a
-    device["FSDP unsharded params (2 units) + grad (1 unit)"] = working
+    if shard > 1:
+        # gathered at the compute dtype (frozen ones are stored in it), the trained grads reduced
+        # from fp32; the root stays gathered all step, the last block from its forward to its
+        # backward (genolong.parallel.apply_fsdp, torchtitan's choice), one block in use and one
+        # prefetched otherwise
+        fsdp = fsdp_resident_bytes(cfg, shard, ep, split, a)
+        device["FSDP root unit (final norm + LM head) unsharded all step, + its grad"] = fsdp["root"] + fsdp["root grad"]
+        device["FSDP units in use + prefetched (the last block from its forward to its backward) + grad (1 unit)"] = (
+            max(fsdp["last block"], fsdp["unit"]) + fsdp["unit"] + fsdp["grad"])
+    else:  # unsharded: only the trained fp32 masters need bf16 compute copies
+        device["FSDP unsharded params (2 units) + grad (1 unit)"] = 2 * unit_trained * a if bf16 else 0
 
     # under EP the busiest rank holds moe_imbalance x the mean (token, slot) rows of its experts
     expert_load = moe_imbalance if ep > 1 else None
@@ -268,12 +343,15 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
     for name, value in transients.items():
         device[name] = value
     subtotal = sum(v for k, v in device.items() if k not in transients) + transients[peak_name]
-    device["workspace (context, NCCL, fragmentation)"] = int(WORKSPACE_BYTES + FRAGMENTATION * subtotal)
-    total = subtotal + device["workspace (context, NCCL, fragmentation)"]
+    communicators = nccl_communicators(gpus, cp, rep, shard, ep)
+    device["CUDA context + cuBLAS / cuBLASLt workspaces"] = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACES * CUBLAS_WORKSPACE_BYTES
+    device[f"NCCL communicators ({', '.join(communicators) or 'none'})"] = sum(communicators.values())
+    device["allocator fragmentation"] = int(FRAGMENTATION * subtotal)
+    total = subtotal + sum(device[k] for k in list(device)[-3:])
 
     gpu_mem = int(gpu_mem_gib * GIB)
     per_node = min(gpus_per_node, gpus)
-    host_gpu = act.peak_offloaded_bytes
+    host_gpu = max(act.pinned_pool_bytes, act.peak_offloaded_bytes)  # the pinned pool: power-of-two buffers
     host_node = host_gpu * per_node
     host_mem = None if host_mem_gib is None else int(host_mem_gib * GIB)
     fits_device = total <= gpu_mem
@@ -314,14 +392,20 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
         + (f"; the most trained in one unit: {format_count(unit_trained)}" if split.any_frozen else "") + ")",
         recompute_note,
         "offload: every saved tensor of at least offload_min_bytes goes to pinned host memory, one host copy per "
-        "distinct view autograd saves; two layers are back on the device in backward (prefetch)" if mem.offload
+        "distinct view autograd saves, each rounded up to a power of two by torch's pinned caching allocator (the "
+        "pool per GPU); two layers are back on the device in backward (prefetch: the H2D copies are allocated on "
+        "the copy stream, whose pool the compute stream cannot reuse; counted in the resident peak, two layers)"
+        if mem.offload
         else "offload off: all saved activations stay on the device",
         f"MoE dispatch buffer for the busiest GPU at {moe_imbalance:g} x the mean load ({imbalance_source})"
         + (f"; expert parallelism ep {ep}: {cfg.n_routed_experts // ep} experts per rank, each MoE layer's experts an "
            f"FSDP unit over {shard // ep} ranks; the busiest rank's expert activations at {moe_imbalance:g} x, plus its own "
            "dispatch-send and combine-receive rows" if ep > 1 else ""),
         "DSA under CP all-gathers the whole sequence's kv latent and pooled index keys (and their gradients)",
-        f"workspace {format_bytes(WORKSPACE_BYTES)} + {FRAGMENTATION:.0%} fragmentation; the largest of MoE dispatch, "
+        f"CUDA context {format_bytes(CUDA_CONTEXT_BYTES)} + {CUBLAS_WORKSPACES} cuBLAS workspaces of "
+        f"{format_bytes(CUBLAS_WORKSPACE_BYTES)}; NCCL per communicator {format_bytes(NCCL_COMM_BYTES)} (NVIDIA/nccl#964), "
+        f"+ {format_bytes(NCCL_ALLTOALL_PEER_BYTES)} per all-to-all peer (nccl#1685), a single-rank one "
+        f"{format_bytes(NCCL_SINGLE_RANK_BYTES)} (nccl#2363); + {FRAGMENTATION:.0%} fragmentation; the largest of MoE dispatch, "
         "DSA buffers and the cross-entropy chunk counts (they do not overlap)",
         "indexer KL on (the trainer computes it); batch_size sequences per rank"
         + "; mHC mixing weights (normalisation, Sinkhorn) rebuilt in backward, only pre kept (HyperConnection.recompute_weights)",
@@ -446,6 +530,7 @@ def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, hos
         raise InputError(f"dsa_kernel {dsa!r} is unknown; choose one of {', '.join(DSA_KERNELS)}")
     world = recipe.parallel.world_size if gpus is None else gpus
     base = _plan_once(recipe, cfg, world, gpu_mem_gib, host_mem_gib, gpus_per_node, moe_imbalance, kernel, dsa)
+    base.kernels_here = describe_here(cfg.kernel_backend)
     if base.fits:
         return base
     data = recipe.to_dict()

@@ -423,6 +423,26 @@ def _check_store(recipe: Recipe) -> None:
         store.split(split)
 
 
+def _kernels(recipe: Recipe, backend: str) -> str:
+    """Load the model's kernel backend now, before any rank builds a model, and name what will
+    run (in the words of ``genolong plan``'s "on this machine" line,
+    :func:`genolong.kernels.probe.kernel_line`): ``auto`` on a CUDA machine without the GPU
+    kernels stops the run here with one line naming ``pip install 'genolong[gpu]'``.
+
+    Raises:
+        InputError: the backend cannot load here (:func:`genolong.kernels.backends.get_backend`).
+    """
+    from ..kernels.backends import get_backend
+    from ..kernels.probe import cuda_here, kernel_line
+
+    loaded = get_backend(backend)
+    # what runs CUDA tensors; a CPU recipe's tensors always take the torch reference
+    on_cuda = recipe.parallel.accelerator != "cpu" and cuda_here()
+    kda = loaded.impls.get("chunk_kda_gated", "torch") if on_cuda else "torch"
+    dsa = loaded.impls.get("kpool_topk", "torch") if on_cuda else "torch"
+    return kernel_line(backend, loaded.name, kda, dsa)
+
+
 def _build_model(recipe: Recipe) -> GenoLM:
     """The plain model: the checkpoint's weights, or the preset's fresh ones (seeded). The seed is
     set in both cases: the LoRA adapters initialised next (``apply_lora``, in the module's
@@ -588,6 +608,7 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
     keep_only(tuple(signal.Signals[s] for s in recipe.train.stop_signals))
     recipe.check_paths()
     config = recipe.model_config()
+    log.info("genolong: kernels: %s", _kernels(recipe, config.kernel_backend))
     vocab = recipe.vocab_map(config)
     _check_store(recipe)
     paths = RunPaths.of(recipe)

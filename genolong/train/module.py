@@ -18,7 +18,6 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ from ..data.alphabet import PAD
 from ..data.windows import context_cut_spans, context_parallel_bounds
 from ..config.schema import LoraSection
 from ..errors import GenolongError, InputError
+from ..model.config import KEEP_FP32
 from ..model.dsa import DSAMixer
 from ..model.lm import GenoLM
 from ..model.loss import bits_per_base
@@ -124,15 +124,6 @@ def freeze_parameters(model: torch.nn.Module, patterns: Sequence[str]) -> int:
             param.requires_grad_(False)
             frozen += param.numel()
     return frozen
-
-
-#: GenoLM parameters that stay fp32 in every run, frozen or not: the tensors transformers keeps in fp32
-#: (:data:`genolong.model.hf.FP32_TENSORS`, here in GenoLM's names: the router, the KDA short
-#: convolution, ``dt_bias``, ``A_log``, the mHC ``base`` and ``scale``); the router's
-#: ``e_score_correction_bias`` is a buffer and never cast. None of them is an ``nn.Linear`` or a
-#: routed expert matrix, so :func:`low_precision_parameters` would not pick them anyway: the list
-#: guards the rule against a future layer that wraps one of them in a linear module.
-KEEP_FP32 = re.compile(r"(^|\.)(mlp\.gate\.weight|conv1d\.weight|dt_bias|A_log|(attn|ffn)_hc\.(base|scale))$")
 
 
 def low_precision_parameters(model: torch.nn.Module) -> list[str]:

@@ -5,9 +5,14 @@ genolong's KDA ops already use fla's layout and argument order (q, k, g ``[B, T,
 delta-rule update, ``o_t = S_t^T (scale * q_t)``), so the adapter converts only what fla's kernel
 requires and restores genolong's return conventions:
 
-- q, k, v go to the kernel in one dtype (``kernel_dtype``, default: the promotion of the three;
-  the KDA layer passes float32), contiguous; g (log decay, cumulated in float32 by fla) and the
-  initial state (fla asserts float32) go in float32; beta in the kernel dtype;
+- q, k, v go to the kernel in one dtype (``kernel_dtype``, default :func:`fla_input_dtype`: the
+  autocast dtype when autocast is on for their device, as in a ``bf16-mixed`` run, else the
+  promotion of the three; the KDA layer passes float32, which fla would run on its slower fp32
+  path), contiguous; g (log decay, cumulated in float32 by fla) and the initial state (fla
+  asserts float32) go in float32; beta in the kernel dtype (the gated op: its logits in float32).
+  fla's ``chunk_kda`` docstring example passes bf16 q, k, v, beta and float32 ``A_log`` /
+  ``dt_bias``, it asserts a float32 ``initial_state``, and its kernels accumulate in float32
+  (``tl.dot`` float32 accumulators; the gate and its chunk cumsum in float32, ``fla.ops.kda.gate``);
 - the gate and beta arrive already activated (fla's ``use_gate_in_kernel`` /
   ``use_beta_sigmoid_in_kernel`` / ``use_qk_l2norm_in_kernel`` are left off: the KDA layer applies
   them, in float32, so the torch and fla backends see the same inputs);
@@ -45,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import InputError
+from ..probe import MIN_FLA_CORE
 from .chunk import chunk_kda
 from .recurrent import check_kda_inputs
 
@@ -52,6 +58,7 @@ __all__ = [
     "FLA_CHUNK_SIZES",
     "MIN_FLA_VERSION",
     "check_fla_version",
+    "fla_input_dtype",
     "fla_version",
     "load_fla_kernel",
     "kda_gate",
@@ -61,8 +68,8 @@ __all__ = [
 ]
 
 #: Oldest fla-core whose ``chunk_kda`` genolong accepts: before 0.5.2 its context-parallel backward
-#: was wrong.
-MIN_FLA_VERSION: tuple[int, int, int] = (0, 5, 2)
+#: was wrong (:data:`genolong.kernels.probe.MIN_FLA_CORE`).
+MIN_FLA_VERSION: tuple[int, int, int] = MIN_FLA_CORE
 
 #: Chunk sizes fla's ``chunk_kda`` accepts (``chunk_size`` keyword).
 FLA_CHUNK_SIZES: tuple[int, ...] = (32, 64)
@@ -118,6 +125,17 @@ def load_fla_kernel() -> Callable[..., Any]:
     return fla_chunk_kda
 
 
+def fla_input_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype:
+    """The dtype q, k and v go to fla's kernel in: the autocast dtype of their device when
+    autocast is on there (a ``bf16-mixed`` run: bf16, fla's tensor-core path; the KDA layer hands
+    over fp32 L2-normalised q, k and fp32 v, which are rounded once here), else the promotion of
+    their dtypes (a ``32-true`` run stays fp32)."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+
+
 def _check_fla_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       scale: float | None, initial_state: torch.Tensor | None, chunk_size: int,
                       cuda_only: bool) -> float:
@@ -156,9 +174,9 @@ def make_fla_chunk_kda(
             output_final_state=, chunk_size=) -> (o, final_state)``; default None: fla-core's Triton
             ``chunk_kda`` (:func:`load_fla_kernel`, imported now; CUDA tensors only). Tests pass
             fla's pure-torch ``naive_recurrent_kda`` (through a keyword shim) to run on CPU.
-        kernel_dtype: dtype of q, k, v and beta inside the kernel (e.g. ``torch.bfloat16`` for
-            speed); default None: the promotion of q's, k's and v's dtypes (float32 from the
-            KDA layer). g and the state always go in float32.
+        kernel_dtype: dtype of q, k, v and beta inside the kernel; default None:
+            :func:`fla_input_dtype` (bf16 under bf16 autocast, else the promotion of q's, k's and
+            v's dtypes). g and the state always go in float32.
 
     Returns:
         ``fla_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -196,7 +214,7 @@ def make_fla_chunk_kda(
                 if initial_state is not None:
                     state = state + initial_state.float()
             return v.new_zeros(B, 0, H, V), state
-        dt = kernel_dtype or torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        dt = kernel_dtype or fla_input_dtype(q, k, v)
         h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
         o, final = bound_kernel(
             q=q.to(dt).contiguous(),
@@ -285,8 +303,9 @@ def make_fla_chunk_kda_gated(
         kernel: as in :func:`make_fla_chunk_kda` (default: fla-core's Triton ``chunk_kda``); it is
             called with ``use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=,
             dt_bias=, lower_bound=, safe_gate=`` in addition.
-        kernel_dtype: dtype of q, k, v inside the kernel (default: their promotion); the raw gate,
-            ``A_log``, ``dt_bias`` and the state go in float32, the beta logits in float32 too.
+        kernel_dtype: dtype of q, k, v inside the kernel (default: :func:`fla_input_dtype`); the
+            raw gate, ``A_log``, ``dt_bias`` and the state go in float32, the beta logits in
+            float32 too.
 
     Returns:
         ``fla_chunk_kda_gated(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound=None,
@@ -331,7 +350,7 @@ def make_fla_chunk_kda_gated(
                 if initial_state is not None:
                     state = state + initial_state.float()
             return v.new_zeros(B, 0, H, V) + zero.to(v.dtype), state
-        dt = kernel_dtype or torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        dt = kernel_dtype or fla_input_dtype(q, k, v)
         h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
         o, final = bound_kernel(
             q=q.to(dt).contiguous(),
