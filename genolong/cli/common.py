@@ -56,8 +56,8 @@ class Command:
 
 
 def backend_choices() -> tuple[str, ...]:
-    """``--kernel-backend`` choices: every backend the kernel registry holds, ``auto`` (the default
-    a model falls back to) first, then the others in the order they were registered."""
+    """``--kernel-backend`` choices: every backend the kernel registry holds, ``auto`` (what a
+    scoring command falls back to) first, then the others in the order they were registered."""
     from ..kernels.backends import available_backends
 
     names = available_backends()

@@ -64,16 +64,16 @@ def run(args: argparse.Namespace) -> int:
     common = dict(gpus=args.gpus, gpu_mem_gib=args.gpu_mem, host_mem_gib=args.host_mem, gpus_per_node=args.gpus_per_node,
                   moe_imbalance=args.moe_imbalance, kda_kernel=args.kda_kernel, dsa_kernel=args.dsa_kernel)
     if args.evaluate:
-        result = eval_plan(load_recipe(args.recipe, args.set), context=args.context, dtype=args.dtype,
-                           segment_tokens=args.segment_tokens or None, **common)
-        print(json.dumps(result.to_dict(), indent=1) if args.json else format_eval_plan(result))
+        scoring = eval_plan(load_recipe(args.recipe, args.set), context=args.context, dtype=args.dtype,
+                            segment_tokens=args.segment_tokens or None, **common)
+        print(json.dumps(scoring.to_dict(), indent=1) if args.json else format_eval_plan(scoring))
         return 0
     given = [flag for flag, value in (("--context", args.context), ("--segment-tokens", args.segment_tokens),
                                       ("--dtype", args.dtype)) if value is not None]
     if given:
         raise InputError(f"{', '.join(given)} plan(s) an evaluation: add --evaluate (without it the plan is a training step's)")
-    result = plan(load_recipe(args.recipe, args.set), **common)
-    print(json.dumps(result.to_dict(), indent=1) if args.json else format_plan(result))
+    step = plan(load_recipe(args.recipe, args.set), **common)
+    print(json.dumps(step.to_dict(), indent=1) if args.json else format_plan(step))
     return 0
 
 

@@ -10,7 +10,6 @@ parser never needs it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +19,7 @@ from .common import DTYPES, SEGMENT_TOKENS
 
 if TYPE_CHECKING:
     import torch
+    from pydantic.fields import FieldInfo
 
     from ..config import ParallelSection
     from ..evaluation.distributed import ScoringGroup
@@ -58,7 +58,7 @@ def parallel_from_sets(items: Sequence[str]) -> ParallelSection:
     from ..config import ParallelSection, parse_set
     from ..errors import InputError
 
-    fields = [f.name for f in dataclasses.fields(ParallelSection)]
+    fields = list(_section_fields())
     values: dict[str, Any] = {}
     for item in items:
         key, value = parse_set(item)
@@ -73,13 +73,24 @@ def parallel_from_sets(items: Sequence[str]) -> ParallelSection:
     return ParallelSection(**values)
 
 
+def _section_fields() -> dict[str, FieldInfo]:
+    """The ``parallel`` section's fields in the order it declares them: pydantic's record of each
+    (its type, its bounds)."""
+    from pydantic.dataclasses import is_pydantic_dataclass
+
+    from ..config import ParallelSection
+
+    section: type[Any] = ParallelSection
+    if not is_pydantic_dataclass(section):  # the recipe layer declares its sections as pydantic dataclasses
+        raise TypeError(f"{section.__name__} is not a pydantic dataclass")
+    return section.__pydantic_fields__
+
+
 def _needs(name: str) -> str:
     """What the ``parallel`` section's field ``name`` holds, as one clause from its declared type:
     ``parallel.accelerator is one of cpu, gpu, cuda, auto``, ``parallel.cp must be an integer``,
     ``parallel.timeout_s must be a number of seconds > 0`` (a ``_s`` field holds seconds)."""
-    from ..config import ParallelSection
-
-    field = ParallelSection.__pydantic_fields__[name]
+    field = _section_fields()[name]
     if typing.get_origin(field.annotation) is typing.Literal:
         return f"parallel.{name} is one of {', '.join(map(str, typing.get_args(field.annotation)))}"
     if field.annotation is float:
