@@ -1,4 +1,4 @@
-"""What ``genolong variants`` adds around the scorer (its options: :mod:`genolong.variant_options`):
+"""What ``genolong variants`` adds around the scorer (its options: :mod:`genolong.cli.variants`):
 the build check, regions, and the scored VCF's INFO fields and provenance header.
 
 - :func:`check_ref_mismatch`: past ``--max-ref-mismatch`` (default

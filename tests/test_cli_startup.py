@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from genolong.cli import build_parser
+from genolong.cli import COMMANDS
 from genolong.evaluation.results import FORMAT, EvalResult
 from genolong.evaluation.stats import bucket_edges
 
@@ -73,7 +73,7 @@ def startup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     ``{"rc": exit code, "heavy": heavy packages loaded after it}``."""
     tmp = tmp_path_factory.mktemp("startup")
     a, b = _tiny_result(tmp / "a", "A", 0), _tiny_result(tmp / "b", "B", 1)
-    commands = sorted(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    commands = sorted(command.name for command in COMMANDS)
     runs = [["--help"], *([c, "--help"] for c in commands),
             ["prepare", str(REPO / "data" / "sample" / "sample.fa.gz"), "--out", str(tmp / "store"), "--train", "chr1",
              "--eval", "chr22", "--quiet"],

@@ -1,50 +1,18 @@
-"""The ``genolong tracks`` command and ``prepare --names``: their arguments and their work.
-
-Kept out of :mod:`genolong.cli` (which is at its size limit); :func:`genolong.cli.build_parser`
-calls :func:`add_tracks_parser` and :func:`add_names_argument`.
-"""
+"""``genolong tracks``: genome-browser tracks (bigWig, bedGraph) of the per-base loss of ``evaluate``
+results (:mod:`genolong.evaluation.tracks`)."""
 
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-__all__ = ["add_names_argument", "add_regions_argument", "add_tracks_parser", "cmd_tracks", "split_regions"]
+from .common import Command, Subcommands
 
-if TYPE_CHECKING:
-    from .data.regions import Regions
+__all__ = ["COMMAND", "add", "run"]
 
 
-def add_names_argument(parser: argparse.ArgumentParser) -> None:
-    """``prepare --names source|ucsc`` (default ``source``)."""
-    parser.add_argument("--names", choices=("source", "ucsc"), default="source",
-                        help="chromosome names the store's outputs (tracks) use: source = the input's own (a b37 `>20` "
-                             "stays 20), ucsc = chr20; any alias (20, chr20, NC_000020.10) finds it either way "
-                             "(default: %(default)s)")
-
-
-def add_regions_argument(parser: argparse.ArgumentParser) -> None:
-    """``evaluate --regions BED``."""
-    parser.add_argument("--regions", metavar="BED",
-                        help="score only the tiles that share a base with these regions (BED: 0-based, half-open; any "
-                             "alias of a chromosome name); each tile whole, with its context")
-
-
-def split_regions(path: str | os.PathLike[str], split: Any, store: str | os.PathLike[str]) -> Regions:
-    """``evaluate --regions``: the BED file read against the split's chromosomes (their store
-    ``name`` s, reached through any alias; a region off them or past their end is an error)."""
-    from .data.regions import read_bed
-
-    sizes: dict[str, int] = {}
-    for record in split.contigs:
-        sizes[str(record["name"])] = max(sizes.get(str(record["name"]), 0), int(record["start"]) + int(record["length"]))
-    return read_bed(path, sizes, where=f"split {split.name!r} of {store}")
-
-
-def add_tracks_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
-    """Add the ``tracks`` subcommand to ``sub`` and return its parser."""
+def add(sub: Subcommands) -> argparse.ArgumentParser:
+    """Add ``tracks`` to the subcommands and return its parser."""
     trk = sub.add_parser(
         "tracks",
         help="genome-browser tracks (bigWig, bedGraph) of the per-base loss of a result, or of B - A for two",
@@ -74,15 +42,14 @@ def add_tracks_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                           "a base; bigWig about 6) (default: %(default)s)")
     trk.add_argument("--store", metavar="DIR", help="the genome store evaluated, if it moved since (default: from the result)")
     trk.add_argument("--force", action="store_true", help="replace an existing --out")
-    trk.set_defaults(func=cmd_tracks)
     return trk
 
 
-def cmd_tracks(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run ``genolong tracks`` (see :mod:`genolong.evaluation.tracks`)."""
-    from .errors import InputError
-    from .evaluation.results import EvalResult
-    from .evaluation.tracks import TRACKS_DIR, parse_formats, read_chrom_sizes, tracks_for_results, write_tracks
+    from ..errors import InputError
+    from ..evaluation.results import EvalResult
+    from ..evaluation.tracks import TRACKS_DIR, parse_formats, read_chrom_sizes, tracks_for_results, write_tracks
 
     formats = parse_formats(args.formats)
     results = [EvalResult.load(d) for d in args.results]
@@ -95,3 +62,6 @@ def cmd_tracks(args: argparse.Namespace) -> int:
     written = write_tracks(out, tracks, sizes, source, formats)
     print(f"genolong tracks: {len(written)} files in {out}: {', '.join(p.name for p in written)}")
     return 0
+
+
+COMMAND = Command("tracks", add, run)

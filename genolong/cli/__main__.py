@@ -1,0 +1,5 @@
+"""``python -m genolong.cli``: the ``genolong`` console script (:func:`genolong.cli.entry`)."""
+
+from . import entry
+
+entry()
