@@ -193,22 +193,27 @@ def test_plan_suggests_expert_parallelism() -> None:
     assert p.suggestion_total is not None and p.suggestion_total <= 140 * GIB
 
 
-#: 256k: the reference's 98 GiB (issue 15) held until the plan counted what a rank really holds
-#: (issue 45: the root unit all step, the last block, the CUDA context, the NCCL communicators of
-#: each mesh dimension): 105.5 GiB now, 73 GiB of it the sharded fp32 state (it fits 180 GB);
-#: the bound below holds the new figure
-REFERENCE_TARGETS = {"1m": 140.0, "512k": 180.0, "256k": 107.0, "128k": 180.0}
+#: Issue 15's per-GPU targets. 256k: the reference's measured peak, 98 GiB with offload. A peak
+#: torch reports (``max_memory_allocated``) does not see the CUDA context, the libraries'
+#: workspaces, NCCL's buffers or the allocator's fragmentation, which the plan has counted since
+#: issue 45 (6.9 + 4.7 GiB at 256k): the 256k target holds the plan's allocator-counted part, the
+#: others the whole plan
+REFERENCE_TARGETS = {"1m": 140.0, "512k": 180.0, "256k": 98.0, "128k": 180.0}
+#: the plan rows torch's allocator peak does not count
+NOT_ALLOCATED = ("CUDA context", "NCCL communicators", "allocator fragmentation")
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE_TARGETS))
 def test_reference_recipes_fit_64_gpus_of_180_gb(name: str) -> None:
     """Issue 15's targets on 64 x 180 GB: 1m <= 140 GiB per GPU with pinned host <= 180 GiB per
-    GPU, 256k <= 107 GiB (the reference's 98 GiB before issue 45's fuller count), 512k and 128k fit; the settings before EP and
-    chunked recompute (ep 1, the old recompute and chunks) do not fit."""
+    GPU, 256k's allocator-counted part <= 98 GiB (the reference's measured peak), 512k and 128k
+    fit; the settings before EP and chunked recompute (ep 1, the old recompute and chunks) do not fit."""
     recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml")
     p = plan(recipe, gpus=64, gpu_mem_gib=180)
     print(format_plan(p).split("\n\n")[1])
-    assert p.fits and p.device_total <= REFERENCE_TARGETS[name] * GIB, p.device_total / GIB
+    allocated = p.device_total - sum(v for k, v in p.device.items() if k.startswith(NOT_ALLOCATED))
+    counted = allocated if name == "256k" else p.device_total
+    assert p.fits and counted <= REFERENCE_TARGETS[name] * GIB, (counted / GIB, p.device_total / GIB)
     assert p.ep > 1 and p.recompute == "chunked"
     if name == "1m":
         assert p.host_per_gpu <= 180 * GIB
