@@ -67,6 +67,12 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .train.export import export_command
+
+    return export_command(args.target, args.out, merged=args.merged, adapter=args.adapter)
+
+
 #: ``evaluate --segment-tokens`` default: a tile up to 64k tokens runs in one forward (as before); a
 #: longer one streams, so the peak is one segment's working set plus the caches instead of growing
 #: with the tile (262k tokens of the bundled base: 0.42x the one-shot peak RSS at 0.95x its time,
@@ -639,6 +645,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "requeues the job. A SLURM job script (the tests run it): docs/slurm/finetune.sbatch; docs/scale-out.md.")
     _verbose_argument(tune)
     tune.set_defaults(func=_cmd_finetune)
+
+    exp = sub.add_parser(
+        "export", help="write the export (model, LoRA adapter) of a finetune run's step checkpoint",
+        description="Restore a step checkpoint of a finetune run as --resume does and write what finetune writes at its "
+                    "end: DIR/export (GLM-5.3-Flash safetensors; adapters merged under model.lora) and DIR/adapter (PEFT). "
+                    "Under torchrun each rank writes its own shards on the run's mesh; otherwise one process.")
+    exp.add_argument("target", metavar="RUN|CKPT", help="a run directory (its newest intact checkpoint) or runs/NAME/checkpoints/stepN.ckpt")
+    exp.add_argument("--merged", action="store_true", help="the model only (adapters merged under model.lora)")
+    exp.add_argument("--adapter", action="store_true", help="the PEFT adapter only (model.lora runs)")
+    exp.add_argument("--out", default=None, metavar="DIR", help="where export/ and adapter/ go (default RUN/exports/stepN)")
+    _verbose_argument(exp)
+    exp.set_defaults(func=_cmd_export)
 
     pl = sub.add_parser(
         "plan",

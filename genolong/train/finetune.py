@@ -228,10 +228,14 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         process, no FSDP) a full checkpoint file, read with ``weights_only=True`` unless told
         otherwise: model and optimiser states are set here, the rest is returned to Lightning."""
         assert self.model is not None and self.lightning_module is not None
-        if any(isinstance(p, DTensor) for p in self.model.parameters()):
-            self._check_shards(Path(self.broadcast(str(checkpoint_path))))
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         path = Path(self.broadcast(str(checkpoint_path)))
+        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            self._check_shards(path)
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if path.is_dir():
+            # a multi-process run's sharded (DCP) checkpoint restored in one process (`genolong
+            # export` of it): Lightning's loader reads every shard into the plain model
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         checkpoint = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
         strict = self.lightning_module.strict_loading
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=StateDictOptions(full_state_dict=True, strict=strict))
@@ -492,7 +496,10 @@ def _merged_export(model: GenoLM) -> GenoLM:
     return merge_lora(model)
 
 
-def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback], environment: ClusterEnvironment | None = None) -> L.Trainer:
+def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback], environment: ClusterEnvironment | None = None,
+             **overrides: Any) -> L.Trainer:
+    """The run's Lightning trainer; ``overrides``: Trainer arguments that replace the recipe's
+    (``genolong export``: no logger, no training batch)."""
     p, t = recipe.parallel, recipe.train
     accelerator = "cuda" if p.accelerator == "gpu" else p.accelerator
     loggers: list[Any] = []
@@ -512,7 +519,7 @@ def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback], envir
     every = recipe.eval.every_n_steps
     if recipe.logging.progress_bar:  # genolong's one bar, instead of Lightning's per-epoch and validation bars
         callbacks = [*callbacks, TrainingBar()]
-    trainer = L.Trainer(
+    settings: dict[str, Any] = dict(
         accelerator=accelerator,
         devices=p.devices,
         num_nodes=p.num_nodes,
@@ -539,6 +546,7 @@ def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback], envir
         # a launcher's own (Ray Train's); None: Lightning's detection (SLURM, torchrun, its own)
         plugins=[environment] if environment is not None else None,
     )
+    trainer = L.Trainer(**{**settings, **overrides})
     # signals stop the run at a step boundary, with a checkpoint (genolong.train.preemption)
     trainer._signal_connector = StopSignalConnector(trainer, SignalFlag(t.stop_signals))
     return trainer
@@ -608,30 +616,7 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
             "that run, or set another name / checkpoint.dir"
         )
 
-    m = recipe.memory
-    module = GenoLMModule(
-        build_model=functools.partial(_build_model, recipe),
-        optim=OptimSettings(
-            lr=recipe.train.lr, min_lr=recipe.train.min_lr, warmup_steps=recipe.train.warmup_steps,
-            max_steps=recipe.train.max_steps, weight_decay=recipe.train.weight_decay, betas=recipe.train.betas,
-            eps=recipe.train.eps, moe_bias_rate=recipe.train.moe_bias_update_rate,
-            moe_bias_update=recipe.train.moe_bias_update, moe_balance_loss_weight=recipe.train.moe_balance_loss_weight,
-        ),
-        parallelize=functools.partial(_parallelize, recipe),
-        parallel=recipe.parallel,
-        softmask_weight=recipe.model.softmask_weight,
-        ce_chunk_tokens=m.ce_chunk_tokens,
-        vocab=None if vocab == VocabMap.identity() else vocab,
-        freeze=recipe.model.freeze,
-        lora=recipe.model.lora,
-        frozen_dtype=torch.bfloat16 if recipe.train.precision == "bf16-mixed" else None,
-        max_consecutive_nonfinite=recipe.train.max_consecutive_nonfinite,
-        indexer_kl_weight=recipe.train.indexer_kl_weight,
-        extra_checkpoint_state={"recipe": recipe.to_dict()},
-        context_cut=recipe.train.context_cut,
-        moe_capacity_factor=m.moe_capacity_factor,
-        moe_collapse_steps=recipe.logging.moe_collapse_steps,
-    )
+    module = _module(recipe, vocab)
     d = recipe.data
     datamodule = GenomeDataModule(
         d.store, train_length=d.context, eval_length=recipe.eval_context, train_split=d.train_split,
@@ -685,6 +670,77 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
         return _export(recipe, paths, trainer, module, resume_from if resume else None)
 
 
+def _module(recipe: Recipe, vocab: VocabMap) -> GenoLMModule:
+    """The Lightning module of ``recipe`` (the model is built in its ``configure_model``)."""
+    m = recipe.memory
+    return GenoLMModule(
+        build_model=functools.partial(_build_model, recipe),
+        optim=OptimSettings(
+            lr=recipe.train.lr, min_lr=recipe.train.min_lr, warmup_steps=recipe.train.warmup_steps,
+            max_steps=recipe.train.max_steps, weight_decay=recipe.train.weight_decay, betas=recipe.train.betas,
+            eps=recipe.train.eps, moe_bias_rate=recipe.train.moe_bias_update_rate,
+            moe_bias_update=recipe.train.moe_bias_update, moe_balance_loss_weight=recipe.train.moe_balance_loss_weight,
+        ),
+        parallelize=functools.partial(_parallelize, recipe),
+        parallel=recipe.parallel,
+        softmask_weight=recipe.model.softmask_weight,
+        ce_chunk_tokens=m.ce_chunk_tokens,
+        vocab=None if vocab == VocabMap.identity() else vocab,
+        freeze=recipe.model.freeze,
+        lora=recipe.model.lora,
+        frozen_dtype=torch.bfloat16 if recipe.train.precision == "bf16-mixed" else None,
+        max_consecutive_nonfinite=recipe.train.max_consecutive_nonfinite,
+        indexer_kl_weight=recipe.train.indexer_kl_weight,
+        extra_checkpoint_state={"recipe": recipe.to_dict()},
+        context_cut=recipe.train.context_cut,
+        moe_capacity_factor=m.moe_capacity_factor,
+        moe_collapse_steps=recipe.logging.moe_collapse_steps,
+    )
+
+
+def export_from_checkpoint(recipe: Recipe, checkpoint: Path, out: Path, model_export: bool | None = None,
+                           adapter_export: bool | None = None,
+                           environment: ClusterEnvironment | None = None) -> tuple[Path | None, Path | None, bool]:
+    """Restore a run's step checkpoint and write its exports into ``out`` (``out/export``,
+    ``out/adapter``: :func:`write_exports`), on this process or on the recipe's mesh (every rank
+    calls; Lightning joins torchrun's ranks). The trained state comes back through the code
+    ``--resume`` uses: the module built as the run builds it, then Lightning's restore of the
+    checkpoint (:meth:`AtomicModelParallelStrategy.load_checkpoint`) in a ``fit`` that trains no
+    batch; no data store is opened.
+
+    Returns:
+        (adapter directory, export directory, is rank 0); the directories None where not written.
+
+    Raises:
+        InputError: the checkpoint is damaged or does not fit the recipe's model.
+    """
+    had_group = dist.is_available() and dist.is_initialized()
+    rendezvous = {name: os.environ.get(name) for name in _RENDEZVOUS_VARIABLES}
+    try:
+        with quiet_run():
+            config = recipe.model_config()
+            module = _module(recipe, recipe.vocab_map(config))
+            trainer = _trainer(recipe, RunPaths.of(recipe), [], environment, logger=False, limit_train_batches=0,
+                               limit_val_batches=0, val_check_interval=None, enable_progress_bar=False,
+                               enable_checkpointing=False, default_root_dir=out)
+            # the restore --resume runs (model, optimiser, loops); limit_train_batches=0: no batch, no data
+            trainer.fit(module, train_dataloaders=[], ckpt_path=checkpoint, weights_only=True)
+            assert module.model is not None
+            release_offload_pool(module.model)
+            adapter, export = write_exports(recipe, module.model, out, model_export, adapter_export)
+            trainer.strategy.barrier("genolong_export")
+            return adapter, export, trainer.is_global_zero
+    finally:
+        # as run(): a one-process export leaves no process group nor launcher variables behind
+        if not had_group and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+            dist.destroy_process_group()
+            for name, value in rendezvous.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
 class SaveCheck(L.Callback):
     """Raises the error of a failed background save (``checkpoint.async_save``; a
     :class:`~genolong.errors.DiskFullError`, say) at the end of the next training batch."""
@@ -723,28 +779,57 @@ def _where(trainer: L.Trainer, exc: BaseException) -> str:
 
 
 def _export(recipe: Recipe, paths: RunPaths, trainer: L.Trainer, module: GenoLMModule, resumed_from: Path | None) -> FinetuneResult:
-    """The adapters and the export of a trained run (every rank takes part; rank 0 writes)."""
-    export = adapter = None
-    lora = recipe.model.lora
-    if recipe.checkpoint.export_safetensors or lora is not None:
-        assert module.model is not None
-        model = _full_model(module.model, lora)  # collective when sharded: every rank takes part
-        if trainer.is_global_zero:
-            assert model is not None
-            source = recipe.model.checkpoint
-            if lora is not None:
-                from ..model.lora import save_adapter
-
-                # the adapters first, from the unmerged copy
-                adapter = save_adapter(model, paths.adapter, base_model_name_or_path=str(source) if source else None)
-                if recipe.checkpoint.export_safetensors:
-                    model = _merged_export(model)
-            if recipe.checkpoint.export_safetensors:
-                extras = [p for p in (source.glob("tokenizer*") if source else []) if p.is_file()]
-                export = model.save_pretrained(paths.export, copy_files=extras)
-        # so that the export is there when run() returns on any rank
-        trainer.strategy.barrier("genolong_export")
+    """The adapters and the export of a trained run (every rank takes part, each writing its own
+    shards: :func:`write_exports`); the offload host pool is released first."""
+    assert module.model is not None
+    release_offload_pool(module.model)
+    adapter, export = write_exports(recipe, module.model, paths.root)
+    # so that the export is there when run() returns on any rank
+    trainer.strategy.barrier("genolong_export")
     if trainer.is_global_zero:
         remove_marker(paths.root)  # finished: a later start without --resume refuses the checkpoints again
     return FinetuneResult(paths=paths, global_step=trainer.global_step, resumed_from=resumed_from, export=export,
                           is_global_zero=trainer.is_global_zero, adapter=adapter)
+
+
+def release_offload_pool(model: GenoLM) -> None:
+    """Give back the activation offloader's pinned host pool (before the export, at the end of a
+    run): the export needs that host memory, and nothing offloads any more."""
+    from ..parallel.offload import offloader_of
+
+    offloader = offloader_of(model)
+    if offloader is not None:
+        offloader.release()
+
+
+def write_exports(recipe: Recipe, model: GenoLM, root: Path, model_export: bool | None = None,
+                  adapter_export: bool | None = None) -> tuple[Path | None, Path | None]:
+    """What a run writes at its end, into ``root`` (the run's directory, or ``genolong export
+    --out``): ``root/adapter`` (PEFT adapters, under ``model.lora``) and ``root/export`` (the
+    model, adapters merged, with ``checkpoint.export_safetensors``); each rank writes its own
+    shards (:mod:`genolong.train.export`: every rank must call this).
+
+    Args:
+        recipe: the run's recipe.
+        model: the live (sharded or plain) trained model.
+        root: where ``export/`` and ``adapter/`` go.
+        model_export, adapter_export: override what is written (default None: as the recipe says).
+
+    Returns:
+        (adapter directory, export directory) on rank 0, each None when not written; (None, None)
+        on the other ranks.
+    """
+    from .export import export_adapter, export_model
+
+    lora = recipe.model.lora
+    write_adapter = lora is not None if adapter_export is None else adapter_export and lora is not None
+    write_model = recipe.checkpoint.export_safetensors if model_export is None else model_export
+    source = recipe.model.checkpoint
+    adapter = export = None
+    if write_adapter:
+        # the adapters first, as the gathered path wrote them
+        adapter = export_adapter(model, root / "adapter", lora, base_model_name_or_path=str(source) if source else None)
+    if write_model:
+        extras = [p for p in (source.glob("tokenizer*") if source else []) if p.is_file()]
+        export = export_model(model, root / "export", lora=lora, merged=lora is not None, copy_files=extras)
+    return adapter, export
