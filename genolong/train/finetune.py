@@ -233,9 +233,7 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             self._check_shards(path)
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if path.is_dir():
-            # a multi-process run's sharded (DCP) checkpoint restored in one process (`genolong
-            # export` of it): Lightning's loader reads every shard into the plain model
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            return self._load_dcp_whole(path, weights_only)
         checkpoint = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
         strict = self.lightning_module.strict_loading
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=StateDictOptions(full_state_dict=True, strict=strict))
@@ -244,6 +242,23 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             optimizer.load_state_dict(state)
         return checkpoint
 
+
+    def _load_dcp_whole(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """A multi-process run's sharded (DCP) checkpoint read whole into this process's plain
+        model and optimisers (``genolong export`` of it in one process): the states
+        :func:`_save_dcp` wrote, resharded by torch.distributed.checkpoint; the rest (``meta.pt``)
+        returned to Lightning."""
+        from torch.distributed.checkpoint import load
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        assert self.model is not None and self.lightning_module is not None
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(self.optimizers)})
+        load(state, checkpoint_id=path)
+        set_model_state_dict(self.model, state.pop("state_dict"), options=StateDictOptions(strict=self.lightning_module.strict_loading))
+        for i, optimizer in enumerate(self.optimizers):
+            set_optimizer_state_dict(self.model, optimizer, state.pop(f"optimizer_{i}"))
+        return torch.load(path / "meta.pt", map_location="cpu", weights_only=True if weights_only is None else weights_only)
 
     def _check_shards(self, path: Path) -> None:
         """Each rank checks the checksums of its own shard of a DCP checkpoint (the rest was checked
