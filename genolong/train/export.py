@@ -41,7 +41,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,13 @@ from ..integrity import ALGORITHM, file_checksum, write_manifest
 from ..model.hf import HEAD, INDEX_FILE, _out_dtype, _shards, config_text, export_config, export_entries, shard_file
 from ..model.lm import GenoLM
 
-__all__ = ["ExportStats", "export_adapter", "export_model", "is_sharded"]
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+
+    from ..config import Recipe
+
+__all__ = ["ExportStats", "export_adapter", "export_command", "export_from_checkpoint", "export_model", "is_sharded",
+           "release_offload_pool", "resolve_target", "write_exports"]
 
 log = logging.getLogger("genolong")
 
@@ -484,6 +490,94 @@ def export_adapter(model: GenoLM, directory: str | os.PathLike[str], lora: Any,
     return save_adapter(copy, directory, base_model_name_or_path=base_model_name_or_path)
 
 
+# -- a run's exports ---------------------------------------------------------------------------------
+def release_offload_pool(model: GenoLM) -> None:
+    """Give back the activation offloader's pinned host pool (before the export, at the end of a
+    run): the export needs that host memory, and nothing offloads any more."""
+    from ..parallel.offload import offloader_of
+
+    offloader = offloader_of(model)
+    if offloader is not None:
+        offloader.release()
+
+
+def write_exports(recipe: Recipe, model: GenoLM, root: Path, model_export: bool | None = None,
+                  adapter_export: bool | None = None) -> tuple[Path | None, Path | None]:
+    """What a run writes at its end, into ``root`` (the run's directory, or ``genolong export
+    --out``): ``root/adapter`` (PEFT adapters, under ``model.lora``) and ``root/export`` (the
+    model, adapters merged, with ``checkpoint.export_safetensors``); each rank writes its own
+    shards (:mod:`genolong.train.export`: every rank must call this).
+
+    Args:
+        recipe: the run's recipe.
+        model: the live (sharded or plain) trained model.
+        root: where ``export/`` and ``adapter/`` go.
+        model_export, adapter_export: override what is written (default None: as the recipe says).
+
+    Returns:
+        (adapter directory, export directory) on rank 0, each None when not written; (None, None)
+        on the other ranks.
+    """
+    lora = recipe.model.lora
+    write_adapter = lora is not None if adapter_export is None else adapter_export and lora is not None
+    write_model = recipe.checkpoint.export_safetensors if model_export is None else model_export
+    source = recipe.model.checkpoint
+    adapter = export = None
+    if write_adapter:
+        # the adapters first, as the gathered path wrote them
+        adapter = export_adapter(model, root / "adapter", lora, base_model_name_or_path=str(source) if source else None)
+    if write_model:
+        extras = [p for p in (source.glob("tokenizer*") if source else []) if p.is_file()]
+        export = export_model(model, root / "export", lora=lora, merged=lora is not None, copy_files=extras)
+    return adapter, export
+
+
+def export_from_checkpoint(recipe: Recipe, checkpoint: Path, out: Path, model_export: bool | None = None,
+                           adapter_export: bool | None = None,
+                           environment: ClusterEnvironment | None = None) -> tuple[Path | None, Path | None, bool]:
+    """Restore a run's step checkpoint and write its exports into ``out`` (``out/export``,
+    ``out/adapter``: :func:`write_exports`), on this process or on the recipe's mesh (every rank
+    calls; Lightning joins torchrun's ranks). The trained state comes back through the code
+    ``--resume`` uses: the module built as the run builds it, then Lightning's restore of the
+    checkpoint (:meth:`genolong.train.finetune.AtomicModelParallelStrategy.load_checkpoint`) in a ``fit`` that trains no
+    batch; no data store is opened.
+
+    Returns:
+        (adapter directory, export directory, is rank 0); the directories None where not written.
+
+    Raises:
+        InputError: the checkpoint is damaged or does not fit the recipe's model.
+    """
+    from ..console import quiet_run
+    from .finetune import _RENDEZVOUS_VARIABLES, RunPaths, _module, _trainer
+
+    had_group = dist.is_available() and dist.is_initialized()
+    rendezvous = {name: os.environ.get(name) for name in _RENDEZVOUS_VARIABLES}
+    try:
+        with quiet_run():
+            config = recipe.model_config()
+            module = _module(recipe, recipe.vocab_map(config))
+            trainer = _trainer(recipe, RunPaths.of(recipe), [], environment, logger=False, limit_train_batches=0,
+                               limit_val_batches=0, val_check_interval=None, enable_progress_bar=False,
+                               enable_checkpointing=False, default_root_dir=out)
+            # the restore --resume runs (model, optimiser, loops); limit_train_batches=0: no batch, no data
+            trainer.fit(module, train_dataloaders=[], ckpt_path=checkpoint, weights_only=True)
+            assert module.model is not None
+            release_offload_pool(module.model)
+            adapter, export = write_exports(recipe, module.model, out, model_export, adapter_export)
+            trainer.strategy.barrier("genolong_export")
+            return adapter, export, trainer.is_global_zero
+    finally:
+        # as run(): a one-process export leaves no process group nor launcher variables behind
+        if not had_group and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+            dist.destroy_process_group()
+            for name, value in rendezvous.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
 #: the recipe keys ``genolong export`` sets to restore a run's checkpoint in one process
 _ONE_PROCESS = ("parallel.devices=1", "parallel.num_nodes=1", "parallel.cp=1", "parallel.dp_shard=-1",
                 "parallel.dp_replicate=1", "parallel.ep=1")
@@ -507,14 +601,14 @@ def resolve_target(target: str | os.PathLike[str]) -> tuple[Path, Path]:
     if _STEP_FILE.match(path.name) and path.exists():
         root = path.parent.parent
         if not (root / "recipe.yaml").is_file():
-            raise InputError(f"genolong export {path}: no recipe.yaml in {root}; give a checkpoint of a finetune run "
+            raise InputError(f"{path}: no recipe.yaml in {root}; give a checkpoint of a finetune run "
                              "(runs/NAME/checkpoints/stepN.ckpt) or the run directory")
         from ..integrity import check_weights
 
         check_weights(path, shards=None)
         return root, path
     if not (path / "recipe.yaml").is_file():
-        raise InputError(f"genolong export {path}: not a finetune run directory (no recipe.yaml) nor a step*.ckpt of one; "
+        raise InputError(f"{path}: not a finetune run directory (no recipe.yaml) nor a step*.ckpt of one; "
                          "give runs/NAME or runs/NAME/checkpoints/stepN.ckpt")
     from ..config import load_recipe
     from .finetune import RunPaths
@@ -522,7 +616,7 @@ def resolve_target(target: str | os.PathLike[str]) -> tuple[Path, Path]:
     checkpoints = RunPaths.of(load_recipe(path / "recipe.yaml")).checkpoints
     found = intact_checkpoint(checkpoints)
     if found is None:
-        raise InputError(f"genolong export {path}: no checkpoint in {checkpoints}; the run saved none (checkpoint.every_n_steps)")
+        raise InputError(f"{path}: no checkpoint in {checkpoints}; the run saved none (checkpoint.every_n_steps)")
     return path, found
 
 
@@ -540,12 +634,10 @@ def export_command(target: str | os.PathLike[str], out: str | os.PathLike[str] |
         InputError: see :func:`resolve_target`; ``adapter`` for a run without ``model.lora``.
     """
     from ..config import load_recipe
-    from .finetune import export_from_checkpoint
-
     root, checkpoint = resolve_target(target)
     recipe = load_recipe(root / "recipe.yaml", () if _launched() else _ONE_PROCESS)
     if adapter and not merged and recipe.model.lora is None:
-        raise InputError(f"genolong export --adapter: {root} trained no LoRA adapters (model.lora is not set); drop --adapter")
+        raise InputError(f"--adapter: {root} trained no LoRA adapters (model.lora is not set); drop --adapter")
     model_export = merged or not adapter
     adapter_export = recipe.model.lora is not None and (adapter or not merged)
     destination = Path(out) if out is not None else root / "exports" / checkpoint.stem

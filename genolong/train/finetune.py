@@ -11,7 +11,10 @@ Run directory layout (``runs/<name>/`` unless the recipe says otherwise)::
     adapter/               with ``model.lora``: the trained adapters in the PEFT format
                            (adapter_config.json + adapter_model.safetensors)
     export/                the final model in the GLM-5.3-Flash format (config.json + safetensors);
-                           with ``model.lora`` the adapters merged into the base weights
+                           with ``model.lora`` the adapters merged into the base weights; written by
+                           every rank, each its own shards (:mod:`genolong.train.export`; the same
+                           code writes ``genolong export``'s, from a step checkpoint:
+                           :func:`genolong.train.export.export_from_checkpoint`)
 
 A signal of ``train.stop_signals`` (default SIGTERM, SIGUSR1: preemption, a time limit) ends the
 step in progress on every rank, writes that step's checkpoint, and exits with status 75 after one
@@ -469,7 +472,8 @@ def _parallelize(recipe: Recipe, model: GenoLM, mesh: DeviceMesh | None) -> Geno
 
 def _full_model(model: GenoLM, lora: LoraSection | None = None) -> GenoLM | None:
     """The whole model on rank 0 (None on the other ranks; every rank must call this: gathering a
-    sharded model is a collective).
+    sharded model is a collective). The export's reference path, before it wrote without a gather
+    (:mod:`genolong.train.export`): kept for the tests and benchmarks/sharded_export.py.
 
     Without ``lora``: ``model`` itself when it is not sharded; for an FSDP2 model, a plain copy
     with the full parameters. With ``lora`` (the section ``model`` was adapted with): always a
@@ -713,49 +717,6 @@ def _module(recipe: Recipe, vocab: VocabMap) -> GenoLMModule:
     )
 
 
-def export_from_checkpoint(recipe: Recipe, checkpoint: Path, out: Path, model_export: bool | None = None,
-                           adapter_export: bool | None = None,
-                           environment: ClusterEnvironment | None = None) -> tuple[Path | None, Path | None, bool]:
-    """Restore a run's step checkpoint and write its exports into ``out`` (``out/export``,
-    ``out/adapter``: :func:`write_exports`), on this process or on the recipe's mesh (every rank
-    calls; Lightning joins torchrun's ranks). The trained state comes back through the code
-    ``--resume`` uses: the module built as the run builds it, then Lightning's restore of the
-    checkpoint (:meth:`AtomicModelParallelStrategy.load_checkpoint`) in a ``fit`` that trains no
-    batch; no data store is opened.
-
-    Returns:
-        (adapter directory, export directory, is rank 0); the directories None where not written.
-
-    Raises:
-        InputError: the checkpoint is damaged or does not fit the recipe's model.
-    """
-    had_group = dist.is_available() and dist.is_initialized()
-    rendezvous = {name: os.environ.get(name) for name in _RENDEZVOUS_VARIABLES}
-    try:
-        with quiet_run():
-            config = recipe.model_config()
-            module = _module(recipe, recipe.vocab_map(config))
-            trainer = _trainer(recipe, RunPaths.of(recipe), [], environment, logger=False, limit_train_batches=0,
-                               limit_val_batches=0, val_check_interval=None, enable_progress_bar=False,
-                               enable_checkpointing=False, default_root_dir=out)
-            # the restore --resume runs (model, optimiser, loops); limit_train_batches=0: no batch, no data
-            trainer.fit(module, train_dataloaders=[], ckpt_path=checkpoint, weights_only=True)
-            assert module.model is not None
-            release_offload_pool(module.model)
-            adapter, export = write_exports(recipe, module.model, out, model_export, adapter_export)
-            trainer.strategy.barrier("genolong_export")
-            return adapter, export, trainer.is_global_zero
-    finally:
-        # as run(): a one-process export leaves no process group nor launcher variables behind
-        if not had_group and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
-            dist.destroy_process_group()
-            for name, value in rendezvous.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
-
-
 class SaveCheck(L.Callback):
     """Raises the error of a failed background save (``checkpoint.async_save``; a
     :class:`~genolong.errors.DiskFullError`, say) at the end of the next training batch."""
@@ -796,6 +757,8 @@ def _where(trainer: L.Trainer, exc: BaseException) -> str:
 def _export(recipe: Recipe, paths: RunPaths, trainer: L.Trainer, module: GenoLMModule, resumed_from: Path | None) -> FinetuneResult:
     """The adapters and the export of a trained run (every rank takes part, each writing its own
     shards: :func:`write_exports`); the offload host pool is released first."""
+    from .export import release_offload_pool, write_exports
+
     assert module.model is not None
     release_offload_pool(module.model)
     adapter, export = write_exports(recipe, module.model, paths.root)
@@ -805,46 +768,3 @@ def _export(recipe: Recipe, paths: RunPaths, trainer: L.Trainer, module: GenoLMM
         remove_marker(paths.root)  # finished: a later start without --resume refuses the checkpoints again
     return FinetuneResult(paths=paths, global_step=trainer.global_step, resumed_from=resumed_from, export=export,
                           is_global_zero=trainer.is_global_zero, adapter=adapter)
-
-
-def release_offload_pool(model: GenoLM) -> None:
-    """Give back the activation offloader's pinned host pool (before the export, at the end of a
-    run): the export needs that host memory, and nothing offloads any more."""
-    from ..parallel.offload import offloader_of
-
-    offloader = offloader_of(model)
-    if offloader is not None:
-        offloader.release()
-
-
-def write_exports(recipe: Recipe, model: GenoLM, root: Path, model_export: bool | None = None,
-                  adapter_export: bool | None = None) -> tuple[Path | None, Path | None]:
-    """What a run writes at its end, into ``root`` (the run's directory, or ``genolong export
-    --out``): ``root/adapter`` (PEFT adapters, under ``model.lora``) and ``root/export`` (the
-    model, adapters merged, with ``checkpoint.export_safetensors``); each rank writes its own
-    shards (:mod:`genolong.train.export`: every rank must call this).
-
-    Args:
-        recipe: the run's recipe.
-        model: the live (sharded or plain) trained model.
-        root: where ``export/`` and ``adapter/`` go.
-        model_export, adapter_export: override what is written (default None: as the recipe says).
-
-    Returns:
-        (adapter directory, export directory) on rank 0, each None when not written; (None, None)
-        on the other ranks.
-    """
-    from .export import export_adapter, export_model
-
-    lora = recipe.model.lora
-    write_adapter = lora is not None if adapter_export is None else adapter_export and lora is not None
-    write_model = recipe.checkpoint.export_safetensors if model_export is None else model_export
-    source = recipe.model.checkpoint
-    adapter = export = None
-    if write_adapter:
-        # the adapters first, as the gathered path wrote them
-        adapter = export_adapter(model, root / "adapter", lora, base_model_name_or_path=str(source) if source else None)
-    if write_model:
-        extras = [p for p in (source.glob("tokenizer*") if source else []) if p.is_file()]
-        export = export_model(model, root / "export", lora=lora, merged=lora is not None, copy_files=extras)
-    return adapter, export
