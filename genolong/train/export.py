@@ -549,7 +549,7 @@ def export_from_checkpoint(recipe: Recipe, checkpoint: Path, out: Path, model_ex
         InputError: the checkpoint is damaged or does not fit the recipe's model.
     """
     from ..console import quiet_run
-    from .finetune import _RENDEZVOUS_VARIABLES, RunPaths, _module, _trainer
+    from .finetune import _RENDEZVOUS_VARIABLES, AtomicModelParallelStrategy, RunPaths, _module, _trainer
 
     had_group = dist.is_available() and dist.is_initialized()
     rendezvous = {name: os.environ.get(name) for name in _RENDEZVOUS_VARIABLES}
@@ -560,6 +560,9 @@ def export_from_checkpoint(recipe: Recipe, checkpoint: Path, out: Path, model_ex
             trainer = _trainer(recipe, RunPaths.of(recipe), [], environment, logger=False, limit_train_batches=0,
                                limit_val_batches=0, val_check_interval=None, enable_progress_bar=False,
                                enable_checkpointing=False, default_root_dir=out)
+            strategy = trainer.strategy
+            assert isinstance(strategy, AtomicModelParallelStrategy)
+            strategy.weights_for_export = True
             # the restore --resume runs (model, optimiser, loops); limit_train_batches=0: no batch, no data
             trainer.fit(module, train_dataloaders=[], ckpt_path=checkpoint, weights_only=True)
             assert module.model is not None

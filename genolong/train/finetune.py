@@ -116,6 +116,9 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         #: ``checkpoint.async_save``: the write of a save runs here while training goes on
         self.writer: BackgroundWriter | None = BackgroundWriter() if async_save else None
         self._checkpoint_group: dist.ProcessGroup | None = None
+        #: ``genolong export`` in one process: a sharded (DCP) checkpoint's model state is read whole
+        #: into the plain model (:meth:`_load_dcp_whole`); a run's --resume never does
+        self.weights_for_export = False
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any = None) -> None:
         path = Path(self.broadcast(str(filepath)))
@@ -235,7 +238,7 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         if any(isinstance(p, DTensor) for p in self.model.parameters()):
             self._check_shards(path)
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        if path.is_dir():
+        if path.is_dir() and self.weights_for_export:
             return self._load_dcp_whole(path, weights_only)
         checkpoint = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
         strict = self.lightning_module.strict_loading
@@ -248,19 +251,17 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
 
     def _load_dcp_whole(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         """A multi-process run's sharded (DCP) checkpoint read whole into this process's plain
-        model and optimisers (``genolong export`` of it in one process): the states
-        :func:`_save_dcp` wrote, resharded by torch.distributed.checkpoint; the rest (``meta.pt``)
-        returned to Lightning."""
+        model (``genolong export`` of it in one process, :attr:`weights_for_export`): the model
+        state :func:`_save_dcp` wrote, resharded by torch.distributed.checkpoint; the rest
+        (``meta.pt``) returned to Lightning. The optimiser states are not restored: their param
+        groups follow the run's mesh (one per device mesh under expert parallelism), and an export
+        does not need them."""
         from torch.distributed.checkpoint import load
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
         assert self.model is not None and self.lightning_module is not None
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-        state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(self.optimizers)})
         load(state, checkpoint_id=path)
         set_model_state_dict(self.model, state.pop("state_dict"), options=StateDictOptions(strict=self.lightning_module.strict_loading))
-        for i, optimizer in enumerate(self.optimizers):
-            set_optimizer_state_dict(self.model, optimizer, state.pop(f"optimizer_{i}"))
         return torch.load(path / "meta.pt", map_location="cpu", weights_only=True if weights_only is None else weights_only)
 
     def _check_shards(self, path: Path) -> None:
