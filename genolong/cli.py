@@ -68,7 +68,7 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .train.export import export_command
+    from .train.export_run import export_command
 
     return export_command(args.target, args.out, merged=args.merged, adapter=args.adapter)
 

@@ -14,7 +14,7 @@ Run directory layout (``runs/<name>/`` unless the recipe says otherwise)::
                            with ``model.lora`` the adapters merged into the base weights; written by
                            every rank, each its own shards (:mod:`genolong.train.export`; the same
                            code writes ``genolong export``'s, from a step checkpoint:
-                           :func:`genolong.train.export.export_from_checkpoint`)
+                           :func:`genolong.train.export_run.export_from_checkpoint`)
 
 A signal of ``train.stop_signals`` (default SIGTERM, SIGUSR1: preemption, a time limit) ends the
 step in progress on every rank, writes that step's checkpoint, and exits with status 75 after one
