@@ -104,7 +104,8 @@ def resolve_target(target: str | os.PathLike[str]) -> tuple[Path, Path]:
                              "(runs/NAME/checkpoints/stepN.ckpt) or the run directory")
         from ..integrity import check_weights
 
-        check_weights(path, shards=None)
+        # the ranks of a job check the sizes here, each its own shard's checksums on load (as --resume)
+        check_weights(path, shards=(0, 0) if _launched() else None)
         return root, path
     if not (path / "recipe.yaml").is_file():
         raise InputError(f"{path}: not a finetune run directory (no recipe.yaml) nor a step*.ckpt of one; "
@@ -113,7 +114,7 @@ def resolve_target(target: str | os.PathLike[str]) -> tuple[Path, Path]:
     from .finetune import RunPaths
 
     checkpoints = RunPaths.of(load_recipe(path / "recipe.yaml")).checkpoints
-    found = intact_checkpoint(checkpoints)
+    found = intact_checkpoint(checkpoints, hash_shards=not _launched())
     if found is None:
         raise InputError(f"{path}: no checkpoint in {checkpoints}; the run saved none (checkpoint.every_n_steps)")
     return path, found
