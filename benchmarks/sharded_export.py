@@ -159,10 +159,12 @@ def main() -> int:
           f"{node['trained_parameters'] / 1e9:.2f}B trained fp32); at {args.disk_gbps:g} GB/s disk, {args.writer_gbps:g} GB/s "
           f"per writer: gathered (rank 0 writes) {node['gathered_write_s'] / 60:.1f} min + the gather, "
           f"sharded ({node['ranks']} writers) {node['sharded_write_s'] / 60:.1f} min")
-    result = {"model_bytes": whole, "largest_tensor_bytes": largest, "shard_bytes": _SHARD, "rows": rows,
-              "1m-node": node, "torch": torch.__version__, "cpu": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _bench import environment, write_json
+
+    result = {**environment(), "model_bytes": whole, "largest_tensor_bytes": largest, "shard_bytes": _SHARD, "rows": rows,
+              "1m-node": node}
+    write_json(args.json, result)
     print(f"-> {args.json}")
     return 0 if all(r["files_equal"] for r in rows) else 1
 
