@@ -102,10 +102,10 @@ class _Crc32:
 _ALGORITHMS: dict[str, Callable[[], Any]] = {"crc32": _Crc32, "sha256": hashlib.sha256}
 
 
-def file_checksum(path: Path, algorithm: str = ALGORITHM) -> str:
-    """The hex checksum of a file, read in 16 MiB chunks (into one reused buffer)."""
+def file_checksum(path: Path, algorithm: str = ALGORITHM, chunk: int = _CHUNK) -> str:
+    """The hex checksum of a file, read in ``chunk``-byte pieces (default 16 MiB, into one reused buffer)."""
     digest = _ALGORITHMS[algorithm]()
-    buffer = bytearray(_CHUNK)
+    buffer = bytearray(chunk)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buffer):

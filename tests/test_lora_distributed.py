@@ -44,6 +44,7 @@ from genolong.train import read_step_log
 from genolong.train.finetune import _full_model
 
 from .helpers import assert_bitwise_equal, run_ranks
+from .test_export_sharded import _cli, _same_files
 from .test_finetune_distributed import _finetune
 from .test_finetune_distributed import _recipe as _finetune_recipe
 
@@ -198,7 +199,8 @@ def test_lora_finetune_on_two_ranks_with_cp_and_ep_writes_the_one_process_adapte
     summation order), runs/NAME/adapter/ from the two ranks holds the adapters of the one-process
     run (their moves from the start to 1e-3 of the move: AdamW divides each entry by its own
     gradient's scale, so near-zero entries differ more than the losses, as in
-    tests/test_finetune_distributed.py), and its export is the base with that adapter merged."""
+    tests/test_finetune_distributed.py), and its export is the base with that adapter merged;
+    ``genolong export`` of its step checkpoint writes the same adapter and export."""
     lora = {"targets": ["layers.*.self_attn.*"], "rank": 4, "alpha": 8.0, "routed_experts": True}
     logs = {}
     for name, parallel in (("one", {"devices": 1}), ("cp2ep2", {"devices": 2, "cp": 2, "ep": 2})):
@@ -237,3 +239,11 @@ def test_lora_finetune_on_two_ranks_with_cp_and_ep_writes_the_one_process_adapte
     with torch.no_grad():
         # fp32 rounding of the merge: W + s B A rounded once where the adapter model adds two products
         torch.testing.assert_close(merged(tokens), two_model(tokens), rtol=1e-5, atol=1e-5)
+    # `genolong export` of the two-rank run's step checkpoint (sharded, DCP) in one process, the
+    # trained state restored as --resume restores it: the adapter and the merged export the run
+    # wrote at its end (each rank its shards, genolong.train.export), file for file
+    run = tmp_path / "runs" / "cp2ep2"
+    out = _cli("export", str(run), cwd=tmp_path).stdout
+    assert out.count("genolong export: step0000002.ckpt of cp2ep2 ->") == 1, out
+    _same_files(run / "exports" / "step0000002" / "export", run / "export")
+    _same_files(run / "exports" / "step0000002" / "adapter", run / "adapter")

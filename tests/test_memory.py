@@ -190,6 +190,43 @@ def test_offloader_copies_and_restores() -> None:
     assert offloader.copies_to_host == TINY.num_hidden_layers + 1
 
 
+def test_offload_pool_allocated_once_reused_and_released(caplog: pytest.LogCaptureFixture) -> None:
+    """The host copies come from one pool (genolong.parallel.offload.HostPool): the first step's
+    copies are allocated one by one and size it, the pool is allocated once at the second step and
+    every copy of steps 2 and 3 comes out of it; the gradients equal the model's without offload
+    bitwise (the copies are copies); release() gives it back and later copies are allocated alone.
+    A pool sized up front (the planner's figure) is allocated at the first copy."""
+    config = TINY.replace(num_hidden_layers=2)
+    reference, model = _model(config), _model(config, offload=True, offload_min_bytes=0)
+    offloader = offloader_of(model)
+    assert offloader is not None
+    tokens = _tokens(256)
+    with caplog.at_level("INFO", logger="genolong"):
+        for step in range(3):
+            for m in (reference, model):
+                m.zero_grad()
+                nll, weight = m.loss(tokens)
+                (nll / weight).backward()
+            assert_bitwise_equal({n: p.grad for n, p in model.named_parameters()},
+                                 {n: p.grad for n, p in reference.named_parameters()}, f"step {step + 1}'s gradients")
+            assert offloader.pool_allocations == (0 if step == 0 else 1)
+            per_step = offloader.copies_to_host // (step + 1)
+            # step 1: every copy alone; from step 2 on none (the pool holds a whole step's)
+            assert offloader.unpooled_copies == per_step > 0, (step, offloader.unpooled_copies, per_step)
+    assert offloader.pool is not None and offloader.pool.live == 0
+    assert sum("activation offload pool" in r.getMessage() for r in caplog.records) == 1  # the time to pin, once
+    offloader.release()
+    assert offloader.pool is None
+    nll, weight = model.loss(tokens)
+    (nll / weight).backward()
+    assert offloader.pool_allocations == 1 and offloader.unpooled_copies == 2 * per_step
+    sized = _model(config, offload=True, offload_min_bytes=0, offload_pool_bytes=64 << 20)
+    nll, weight = sized.loss(tokens)
+    sized_offloader = offloader_of(sized)
+    assert sized_offloader is not None and sized_offloader.pool_allocations == 1 and sized_offloader.unpooled_copies == 0
+    assert sized_offloader.pool is not None and sized_offloader.pool.nbytes == 64 << 20
+
+
 def test_offload_threshold_keeps_small_tensors_resident() -> None:
     class Toy(nn.Module):
         def __init__(self) -> None:

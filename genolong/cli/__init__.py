@@ -34,8 +34,8 @@ from typing import NoReturn
 from ..allocator import keep_freed_memory
 from ..errors import PREEMPTED_EXIT_CODE, GenolongError, Stopped
 from ..signals import catch_from_start, ignore_from_now
-from . import (check_logprobs, compare, evaluate, finetune, plan, plot, prepare, probe, quickstart, recipe, tracks,
-               variants)
+from . import (check_logprobs, compare, evaluate, export, finetune, plan, plot, prepare, probe, quickstart, recipe,
+               tracks, variants)
 from .common import Command
 
 __all__ = ["COMMANDS", "build_parser", "entry", "main"]
@@ -44,6 +44,7 @@ __all__ = ["COMMANDS", "build_parser", "entry", "main"]
 COMMANDS: tuple[Command, ...] = (
     prepare.COMMAND,
     finetune.COMMAND,
+    export.COMMAND,
     plan.COMMAND,
     evaluate.COMMAND,
     probe.COMMAND,

@@ -47,7 +47,8 @@ from ..integrity import DamagedFileError, check_weights, write_manifest
 from ..units import format_bytes
 from .config import ModelConfig
 
-__all__ = ["CheckpointTensor", "checkpoint_layout", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointTensor", "checkpoint_layout", "config_text", "export_config", "export_entries", "load_checkpoint",
+           "save_checkpoint", "shard_file"]
 
 log = logging.getLogger("genolong")
 
@@ -270,6 +271,37 @@ def load_checkpoint(model: nn.Module, directory: str | os.PathLike[str], dtype: 
 
 
 # -- writing ---------------------------------------------------------------------------------------
+def export_config(config: ModelConfig) -> ModelConfig:
+    """``config`` as the export writes it: a model without a vision tower (genolong's DNA presets)
+    gets transformers' wrapper with a minimal ``vision_config`` (see :func:`save_checkpoint`)."""
+    if config.wrapper is not None:
+        return config
+    wrapper = {
+        "architectures": ["Glm5NextForConditionalGeneration"],
+        "model_type": "glm5_next",
+        "tie_word_embeddings": False,
+        "vision_config": {**_MINIMAL_VISION, "out_hidden_size": config.hidden_size},
+    }
+    return replace(config, wrapper=wrapper)
+
+
+def export_entries(model: nn.Module) -> dict[str, CheckpointTensor]:
+    """Every tensor of ``model``'s export by its checkpoint name (text tower under
+    ``model.language_model.``, the head as ``lm_head.weight``), in the order the shards hold them."""
+    return {(e.name if e.name == HEAD else TEXT_PREFIX + e.name): e for e in checkpoint_layout(model)}
+
+
+def shard_file(index: int, count: int) -> str:
+    """The file name of shard ``index`` (from 0) of ``count``: transformers' names."""
+    return SINGLE_FILE if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def config_text(config: ModelConfig, head_dtype: torch.dtype) -> str:
+    """``config.json`` of an export whose LM head is written in ``head_dtype``."""
+    hf = config.to_hf_dict()
+    hf["dtype"] = str(head_dtype).removeprefix("torch.")
+    return json.dumps(hf, indent=2) + "\n"
+
 def _out_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     """The dtype a tensor is written in (``dtype`` for floating tensors but the fp32-kept ones)."""
     if dtype is not None and tensor.is_floating_point() and not FP32_TENSORS.search(name):
@@ -322,17 +354,9 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike[str], dtype: 
     out = Path(directory)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file())):
         raise InputError(f"refusing to replace {out}: it exists and is not a checkpoint directory; choose another path")
-    config: ModelConfig = model.config
-    if config.wrapper is None:
-        wrapper = {
-            "architectures": ["Glm5NextForConditionalGeneration"],
-            "model_type": "glm5_next",
-            "tie_word_embeddings": False,
-            "vision_config": {**_MINIMAL_VISION, "out_hidden_size": config.hidden_size},
-        }
-        config = replace(config, wrapper=wrapper)
+    config = export_config(model.config)
     state = model.state_dict()
-    entries = {(e.name if e.name == HEAD else TEXT_PREFIX + e.name): e for e in checkpoint_layout(model)}
+    entries = export_entries(model)
     out_dtypes = {name: _out_dtype(name, state[e.target], dtype) for name, e in entries.items()}
     sizes = [(name, math.prod(e.shape) * out_dtypes[name].itemsize) for name, e in entries.items()]
     groups = _shards(sizes, max_shard_bytes)
@@ -344,7 +368,7 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike[str], dtype: 
         with writing(out, needed=sum(size for _, size in sizes), work=tmp):
             weight_map: dict[str, str] = {}
             for i, group in enumerate(groups):
-                file = SINGLE_FILE if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                file = shard_file(i, len(groups))
                 shard = {name: state[entries[name].target][entries[name].index].detach().to("cpu", out_dtypes[name]).contiguous()
                          for name in group}
                 save_file(shard, tmp / file, metadata={"format": "pt"})
@@ -353,9 +377,7 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike[str], dtype: 
             if len(groups) > 1:
                 index = {"metadata": {"total_size": sum(size for _, size in sizes)}, "weight_map": weight_map}
                 (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-            hf = config.to_hf_dict()
-            hf["dtype"] = str(out_dtypes[HEAD]).removeprefix("torch.")
-            (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+            (tmp / "config.json").write_text(config_text(config, out_dtypes[HEAD]))
             for extra in copy_files:
                 shutil.copy2(extra, tmp / Path(extra).name)
             write_manifest(tmp)

@@ -45,7 +45,8 @@ from ..errors import InputError
 from ..files import fsync_tree, replace_dir, unique_sibling, writing
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "ExpertAdapters", "LoraLinear", "LoraSettings", "adapter_parameters",
-           "apply_lora", "experts_forward_weight", "has_lora", "load_adapter", "lora_modules", "merge_lora", "peft_name", "read_adapter_config",
+           "apply_lora", "experts_forward_weight", "has_lora", "load_adapter", "lora_modules", "merge_lora", "merged_expert_weight",
+           "merged_linear_weight", "peft_name", "read_adapter_config",
            "save_adapter", "saved_module_tensors"]
 
 #: the files of an adapter directory (PEFT's names)
@@ -374,6 +375,21 @@ def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return out
 
 
+def merged_linear_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``W + scaling * B A`` ``[out, in]`` in float32 (``weight [out, in]``, ``lora_a [r, in]``,
+    ``lora_b [out, r]``): the merge of one adapted linear layer (:func:`merge_lora`, and the sharded
+    export, :mod:`genolong.train.export`, which computes it from gathered tensors)."""
+    return weight.float() + (lora_b.float() @ lora_a.float()) * scaling
+
+
+def merged_expert_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
+                         expert: int) -> torch.Tensor:
+    """Expert ``expert``'s merged ``weight[e] + scaling * B[e] A[e]`` ``[out, in]`` in float32
+    (``weight [E, out, in]``, ``lora_a [E, r, in]``, ``lora_b [E, out, r]``; the product in the
+    adapters' dtype, as :meth:`ExpertAdapters.delta`)."""
+    return weight[expert].float() + ((lora_b[expert] @ lora_a[expert]) * scaling).float()
+
+
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight (``W += scaling * B A``, computed in float32,
     stored in ``W``'s dtype) and remove the adapters, in place: the model is a plain GenoLM again,
@@ -381,14 +397,16 @@ def merge_lora(model: nn.Module) -> nn.Module:
     with torch.no_grad():
         for name, module in lora_modules(model).items():
             base = module.base
-            base.weight.copy_((base.weight.float() + module.delta_weight()).to(base.weight.dtype))
+            base.weight.copy_(merged_linear_weight(base.weight, module.lora_A.weight, module.lora_B.weight,
+                                                   module.scaling).to(base.weight.dtype))
             _set_child(model, name, base)
         for name, adapters in _expert_adapters(model).items():
             experts = model.get_submodule(name)
             for param_name in _EXPERT_PARAMETERS:
                 param = getattr(experts, param_name)
+                a, b = _local(adapters.lora_A[param_name].weight), _local(adapters.lora_B[param_name].weight)
                 for e in range(param.shape[0]):
-                    param[e].copy_((param[e].float() + adapters.delta(param_name, e).float()).to(param.dtype))
+                    param[e].copy_(merged_expert_weight(param, a, b, adapters.scaling, e).to(param.dtype))
             del experts.lora
     for attr in ("lora_settings", "lora_saved_modules"):
         if hasattr(model, attr):

@@ -101,6 +101,7 @@ def parallelize(
     recompute_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     offload: bool = False,
     offload_min_bytes: int = 2**20,
+    offload_pool_bytes: int | None = None,
     moe_chunk_tokens: int | None = None,
     mesh: DeviceMesh | None = None,
     param_dtype: torch.dtype | None = None,
@@ -126,6 +127,8 @@ def parallelize(
             in backward (default False); see :class:`genolong.parallel.offload.ActivationOffloader`
             and :func:`genolong.parallel.offload.offloader_of`.
         offload_min_bytes: smallest saved tensor worth offloading (default 1 MiB).
+        offload_pool_bytes: the offloader's host pool size (the planner's pinned-host figure;
+            default None: the first step's peak), see :class:`genolong.parallel.offload.HostPool`.
         moe_chunk_tokens: MoE dispatch chunk in tokens (default None: the whole batch).
         mesh: the job's ``(dp_replicate, dp_shard, cp)`` mesh from
             :func:`genolong.parallel.mesh.build_mesh` (default None: one process, no FSDP2).
@@ -169,7 +172,7 @@ def parallelize(
         apply_expert_parallel(model, ep_mesh(mesh))
     apply_recompute(model, recompute, recompute_modules, chunk_tokens=recompute_chunk_tokens)
     if offload:
-        apply_offload(model, offload_min_bytes)
+        apply_offload(model, offload_min_bytes, pool_bytes=offload_pool_bytes)
     if mesh is not None:
         apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     return model

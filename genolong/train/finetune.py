@@ -11,7 +11,10 @@ Run directory layout (``runs/<name>/`` unless the recipe says otherwise)::
     adapter/               with ``model.lora``: the trained adapters in the PEFT format
                            (adapter_config.json + adapter_model.safetensors)
     export/                the final model in the GLM-5.3-Flash format (config.json + safetensors);
-                           with ``model.lora`` the adapters merged into the base weights
+                           with ``model.lora`` the adapters merged into the base weights; written by
+                           every rank, each its own shards (:mod:`genolong.train.export`; the same
+                           code writes ``genolong export``'s, from a step checkpoint:
+                           :func:`genolong.train.export_run.export_from_checkpoint`)
 
 A signal of ``train.stop_signals`` (default SIGTERM, SIGUSR1: preemption, a time limit) ends the
 step in progress on every rank, writes that step's checkpoint, and exits with status 75 after one
@@ -113,6 +116,9 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         #: ``checkpoint.async_save``: the write of a save runs here while training goes on
         self.writer: BackgroundWriter | None = BackgroundWriter() if async_save else None
         self._checkpoint_group: dist.ProcessGroup | None = None
+        #: ``genolong export`` in one process: a sharded (DCP) checkpoint's model state is read whole
+        #: into the plain model (:meth:`_load_dcp_whole`); a run's --resume never does
+        self.weights_for_export = False
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any = None) -> None:
         path = Path(self.broadcast(str(filepath)))
@@ -228,10 +234,12 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         process, no FSDP) a full checkpoint file, read with ``weights_only=True`` unless told
         otherwise: model and optimiser states are set here, the rest is returned to Lightning."""
         assert self.model is not None and self.lightning_module is not None
-        if any(isinstance(p, DTensor) for p in self.model.parameters()):
-            self._check_shards(Path(self.broadcast(str(checkpoint_path))))
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         path = Path(self.broadcast(str(checkpoint_path)))
+        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            self._check_shards(path)
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if path.is_dir() and self.weights_for_export:
+            return self._load_dcp_whole(path, weights_only)
         checkpoint = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
         strict = self.lightning_module.strict_loading
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=StateDictOptions(full_state_dict=True, strict=strict))
@@ -240,6 +248,21 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             optimizer.load_state_dict(state)
         return checkpoint
 
+
+    def _load_dcp_whole(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """A multi-process run's sharded (DCP) checkpoint read whole into this process's plain
+        model (``genolong export`` of it in one process, :attr:`weights_for_export`): the model
+        state :func:`_save_dcp` wrote, resharded by torch.distributed.checkpoint; the rest
+        (``meta.pt``) returned to Lightning. The optimiser states are not restored: their param
+        groups follow the run's mesh (one per device mesh under expert parallelism), and an export
+        does not need them."""
+        from torch.distributed.checkpoint import load
+
+        assert self.model is not None and self.lightning_module is not None
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        load(state, checkpoint_id=path)
+        set_model_state_dict(self.model, state.pop("state_dict"), options=StateDictOptions(strict=self.lightning_module.strict_loading))
+        return torch.load(path / "meta.pt", map_location="cpu", weights_only=True if weights_only is None else weights_only)
 
     def _check_shards(self, path: Path) -> None:
         """Each rank checks the checksums of its own shard of a DCP checkpoint (the rest was checked
@@ -470,7 +493,8 @@ def _parallelize(recipe: Recipe, model: GenoLM, mesh: DeviceMesh | None) -> Geno
 
 def _full_model(model: GenoLM, lora: LoraSection | None = None) -> GenoLM | None:
     """The whole model on rank 0 (None on the other ranks; every rank must call this: gathering a
-    sharded model is a collective).
+    sharded model is a collective). The export's reference path, before it wrote without a gather
+    (:mod:`genolong.train.export`): kept for the tests and benchmarks/sharded_export.py.
 
     Without ``lora``: ``model`` itself when it is not sharded; for an FSDP2 model, a plain copy
     with the full parameters. With ``lora`` (the section ``model`` was adapted with): always a
@@ -512,7 +536,10 @@ def _merged_export(model: GenoLM) -> GenoLM:
     return merge_lora(model)
 
 
-def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback], environment: ClusterEnvironment | None = None) -> L.Trainer:
+def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback], environment: ClusterEnvironment | None = None,
+             **overrides: Any) -> L.Trainer:
+    """The run's Lightning trainer; ``overrides``: Trainer arguments that replace the recipe's
+    (``genolong export``: no logger, no training batch)."""
     p, t = recipe.parallel, recipe.train
     accelerator = "cuda" if p.accelerator == "gpu" else p.accelerator
     loggers: list[Any] = []
@@ -532,7 +559,7 @@ def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback], envir
     every = recipe.eval.every_n_steps
     if recipe.logging.progress_bar:  # genolong's one bar, instead of Lightning's per-epoch and validation bars
         callbacks = [*callbacks, TrainingBar()]
-    trainer = L.Trainer(
+    settings: dict[str, Any] = dict(
         accelerator=accelerator,
         devices=p.devices,
         num_nodes=p.num_nodes,
@@ -559,6 +586,7 @@ def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback], envir
         # a launcher's own (Ray Train's); None: Lightning's detection (SLURM, torchrun, its own)
         plugins=[environment] if environment is not None else None,
     )
+    trainer = L.Trainer(**{**settings, **overrides})
     # signals stop the run at a step boundary, with a checkpoint (genolong.train.preemption)
     trainer._signal_connector = StopSignalConnector(trainer, SignalFlag(t.stop_signals))
     return trainer
@@ -629,30 +657,7 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
             "that run, or set another name / checkpoint.dir"
         )
 
-    m = recipe.memory
-    module = GenoLMModule(
-        build_model=functools.partial(_build_model, recipe),
-        optim=OptimSettings(
-            lr=recipe.train.lr, min_lr=recipe.train.min_lr, warmup_steps=recipe.train.warmup_steps,
-            max_steps=recipe.train.max_steps, weight_decay=recipe.train.weight_decay, betas=recipe.train.betas,
-            eps=recipe.train.eps, moe_bias_rate=recipe.train.moe_bias_update_rate,
-            moe_bias_update=recipe.train.moe_bias_update, moe_balance_loss_weight=recipe.train.moe_balance_loss_weight,
-        ),
-        parallelize=functools.partial(_parallelize, recipe),
-        parallel=recipe.parallel,
-        softmask_weight=recipe.model.softmask_weight,
-        ce_chunk_tokens=m.ce_chunk_tokens,
-        vocab=None if vocab == VocabMap.identity() else vocab,
-        freeze=recipe.model.freeze,
-        lora=recipe.model.lora,
-        frozen_dtype=torch.bfloat16 if recipe.train.precision == "bf16-mixed" else None,
-        max_consecutive_nonfinite=recipe.train.max_consecutive_nonfinite,
-        indexer_kl_weight=recipe.train.indexer_kl_weight,
-        extra_checkpoint_state={"recipe": recipe.to_dict()},
-        context_cut=recipe.train.context_cut,
-        moe_capacity_factor=m.moe_capacity_factor,
-        moe_collapse_steps=recipe.logging.moe_collapse_steps,
-    )
+    module = _module(recipe, vocab)
     d = recipe.data
     datamodule = GenomeDataModule(
         d.store, train_length=d.context, eval_length=recipe.eval_context, train_split=d.train_split,
@@ -706,6 +711,34 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
         return _export(recipe, paths, trainer, module, resume_from if resume else None)
 
 
+def _module(recipe: Recipe, vocab: VocabMap) -> GenoLMModule:
+    """The Lightning module of ``recipe`` (the model is built in its ``configure_model``)."""
+    m = recipe.memory
+    return GenoLMModule(
+        build_model=functools.partial(_build_model, recipe),
+        optim=OptimSettings(
+            lr=recipe.train.lr, min_lr=recipe.train.min_lr, warmup_steps=recipe.train.warmup_steps,
+            max_steps=recipe.train.max_steps, weight_decay=recipe.train.weight_decay, betas=recipe.train.betas,
+            eps=recipe.train.eps, moe_bias_rate=recipe.train.moe_bias_update_rate,
+            moe_bias_update=recipe.train.moe_bias_update, moe_balance_loss_weight=recipe.train.moe_balance_loss_weight,
+        ),
+        parallelize=functools.partial(_parallelize, recipe),
+        parallel=recipe.parallel,
+        softmask_weight=recipe.model.softmask_weight,
+        ce_chunk_tokens=m.ce_chunk_tokens,
+        vocab=None if vocab == VocabMap.identity() else vocab,
+        freeze=recipe.model.freeze,
+        lora=recipe.model.lora,
+        frozen_dtype=torch.bfloat16 if recipe.train.precision == "bf16-mixed" else None,
+        max_consecutive_nonfinite=recipe.train.max_consecutive_nonfinite,
+        indexer_kl_weight=recipe.train.indexer_kl_weight,
+        extra_checkpoint_state={"recipe": recipe.to_dict()},
+        context_cut=recipe.train.context_cut,
+        moe_capacity_factor=m.moe_capacity_factor,
+        moe_collapse_steps=recipe.logging.moe_collapse_steps,
+    )
+
+
 class SaveCheck(L.Callback):
     """Raises the error of a failed background save (``checkpoint.async_save``; a
     :class:`~genolong.errors.DiskFullError`, say) at the end of the next training batch."""
@@ -744,27 +777,15 @@ def _where(trainer: L.Trainer, exc: BaseException) -> str:
 
 
 def _export(recipe: Recipe, paths: RunPaths, trainer: L.Trainer, module: GenoLMModule, resumed_from: Path | None) -> FinetuneResult:
-    """The adapters and the export of a trained run (every rank takes part; rank 0 writes)."""
-    export = adapter = None
-    lora = recipe.model.lora
-    if recipe.checkpoint.export_safetensors or lora is not None:
-        assert module.model is not None
-        model = _full_model(module.model, lora)  # collective when sharded: every rank takes part
-        if trainer.is_global_zero:
-            assert model is not None
-            source = recipe.model.checkpoint
-            if lora is not None:
-                from ..model.lora import save_adapter
+    """The adapters and the export of a trained run (every rank takes part, each writing its own
+    shards: :func:`write_exports`); the offload host pool is released first."""
+    from .export import release_offload_pool, write_exports
 
-                # the adapters first, from the unmerged copy
-                adapter = save_adapter(model, paths.adapter, base_model_name_or_path=str(source) if source else None)
-                if recipe.checkpoint.export_safetensors:
-                    model = _merged_export(model)
-            if recipe.checkpoint.export_safetensors:
-                extras = [p for p in (source.glob("tokenizer*") if source else []) if p.is_file()]
-                export = model.save_pretrained(paths.export, copy_files=extras)
-        # so that the export is there when run() returns on any rank
-        trainer.strategy.barrier("genolong_export")
+    assert module.model is not None
+    release_offload_pool(module.model)
+    adapter, export = write_exports(recipe, module.model, paths.root)
+    # so that the export is there when run() returns on any rank
+    trainer.strategy.barrier("genolong_export")
     if trainer.is_global_zero:
         remove_marker(paths.root)  # finished: a later start without --resume refuses the checkpoints again
     return FinetuneResult(paths=paths, global_step=trainer.global_step, resumed_from=resumed_from, export=export,
