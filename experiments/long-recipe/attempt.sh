@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One attempt at a fine-tune whose own steps read further (issue 49 item 3): fine-tune the bundled base
 # with recipes/quickstart.yaml plus the --set overrides given, then score the export on the spread
-# (benchmarks/heldout_spread.py, 4 tiles per region) against the base read with the same 2,048 keys.
+# (benchmarks/heldout_spread.py, 4 tiles per region, scored region by region in parallel) against the base read with the same 2,048 keys.
 #
 #   bash experiments/long-recipe/attempt.sh NAME QS BASE_WORK [--set KEY=VALUE ...]
 #
@@ -31,5 +31,5 @@ mkdir -p "$out/work"
 for d in "$base_work"/store-* "$base_work"/*-8192-4-base-read; do
   [ -e "$out/work/$(basename "$d")" ] || cp -r "$d" "$out/work/"
 done
-python benchmarks/heldout_spread.py --quickstart "$out/qs" --tiles 4 --threads 1 --models "base-read,tuned" \
-  --work "$out/work" --json "$here/results/$name.json"
+# one process per region (score_parallel.sh), then the combining run: the figures of one sequential run
+bash "$here/score_parallel.sh" "$out/qs" "$out/work" "$here/results/$name.json" tuned --models "base-read,tuned"
