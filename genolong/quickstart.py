@@ -565,8 +565,8 @@ def _spread_context() -> str:
             f"(chr22:20-21 Mb, the HLA region of chr6, the chr16 slice, chrM), benchmarks/heldout_spread.py "
             f"({s['date']}, BENCHMARKS.md) finds the context beyond 1,024 bases worth {fig('all')} to {model}, "
             f"{fig('4k-8k')} with 4k-8k bases before the target; the interval counts regions as the unit of "
-            f"variation. The chr22 tiles above are the first tiles of one of those regions, this run's own; over tiles "
-            f"spread across all of chr22:20-21 Mb the benchmark finds {-s['regions']['chr22']:.2f}%, "
+            f"variation. The chr22 tiles above, this run's, are the first tiles of one of those regions; over tiles "
+            f"spread across all of chr22:20-21 Mb the benchmark finds {-s['regions']['chr22']:.2f}% there, "
             f"{_rank('chr22', s['regions'])} of the four regions.")
 
 
