@@ -126,3 +126,17 @@ def test_quickstart_report_cites_the_spread_under_full_vs_cut(tmp_path) -> None:
     report = (tmp_path / "REPORT.md").read_text()
     assert report.count(_spread_context()) == 1
     assert report.index("### full vs cut") < report.index(_spread_context()) < report.index("### the other way")
+
+
+def test_report_ranks_the_quickstart_region_among_the_others() -> None:
+    """The REPORT's spread line says where chr22 stands among the regions (full - cut: more negative,
+    larger gain), and the wording follows the figures."""
+    from genolong.quickstart import _rank
+
+    figures = {"chr22": -1.3, "HLA": -0.9, "chr16": -1.1, "chrM": -0.6}
+    assert _rank("chr22", figures) == "the largest"
+    assert _rank("chr16", figures) == "the second largest"
+    assert _rank("HLA", figures) == "the second smallest"
+    assert _rank("chrM", figures) == "the smallest"
+    assert _rank("chr22", {**figures, "chr16": -1.3}) == "the largest"  # a tie ranks together
+    assert _rank("chr22", {**figures, "chr22": -0.5}) == "the smallest"
