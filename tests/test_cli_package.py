@@ -28,7 +28,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 def test_every_command_of_the_registry_is_a_subcommand_that_runs_its_module() -> None:
     parsers = _subparsers(cli.build_parser())
     assert list(parsers) == [c.name for c in cli.COMMANDS]
-    assert len({c.name for c in cli.COMMANDS}) == len(cli.COMMANDS) == 12
+    assert len({c.name for c in cli.COMMANDS}) == len(cli.COMMANDS) == 13
     for command in cli.COMMANDS:
         assert parsers[command.name].get_default("func") is command.run, command.name
 
