@@ -121,18 +121,18 @@ def experts_loop(rows: torch.Tensor, counts: list[int], weight: Any, limit: floa
         limit: the SwiGLU clamp.
 
     Returns:
-        ``[R, H]`` unweighted expert outputs (experts with no rows are not run).
+        ``[R, H]`` unweighted expert outputs. Every expert runs, on zero rows too, so the result
+        always depends on ``rows`` and on every expert's weights (under expert parallelism every
+        rank must run the backward of the all-to-all that brought ``rows``, and FSDP2 needs a
+        gradient for every weight on every rank).
     """
     outs, start = [], 0
     for e, count in enumerate(counts):
-        if count == 0:
-            continue
         gate, up = F.linear(rows[start:start + count], weight("gate_up_proj", e)).chunk(2, dim=-1)
         outs.append(F.linear(clamped_swiglu(gate, up, limit), weight("down_proj", e)))
         start += count
-    if start < rows.shape[0] or not outs:  # dropped rows (or none at all): zeros
-        outs.append(rows.new_zeros(rows.shape[0] - start, rows.shape[1]) if not outs
-                    else outs[0].new_zeros(rows.shape[0] - start, outs[0].shape[1]))
+    if start < rows.shape[0]:  # rows the capacity dropped (sorted last): zeros
+        outs.append(outs[-1].new_zeros(rows.shape[0] - start, outs[-1].shape[1]))
     return torch.cat(outs)
 
 

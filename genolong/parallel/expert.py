@@ -154,7 +154,7 @@ class _LocalExperts:
     def __call__(self, rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         gate_up, down = _local(self.experts.gate_up_proj), _local(self.experts.down_proj)
         limit = self.experts.limit
-        if self.grouped(rows):
+        if rows.shape[0] and self.grouped(rows):
             device_counts = torch.tensor(list(counts), dtype=torch.int64).to(rows.device, non_blocking=True)
             return experts_grouped(rows, device_counts, gate_up, down, limit)
         adapters = getattr(self.experts, "lora", None)  # LoRA: the local experts' factors, sharded with them
@@ -163,12 +163,7 @@ class _LocalExperts:
             base = gate_up if name == "gate_up_proj" else down
             return base[e] if adapters is None else adapters.expert_weight(base, name, e)
 
-        out = experts_loop(rows, list(counts), weight, limit)
-        if not any(counts):
-            # no rows at all: the stacked weights (and adapter factors) still join the graph, with
-            # a zero gradient, as a rank whose experts ran gets for its idle ones
-            out = out + 0.0 * (weight("gate_up_proj", 0).sum() + weight("down_proj", 0).sum())
-        return out
+        return experts_loop(rows, list(counts), weight, limit)
 
 
 class _ExpertParallelForward:
