@@ -36,8 +36,8 @@ latent, ...)``, ``v is k``), from ``genolong.model.config.PRESETS``:
 Context lengths: every ``(data.context, parallel.cp)`` of ``recipes/*.yaml`` (up to 1,048,576 tokens,
 cp 8), batch 1 (the recipes' ``batch_size``). Per length, every wrapper runs on the whole sequence
 (cp 1), and for cp > 1 also as the last context-parallel rank calls it (``genolong.parallel.cp_dsa``:
-``sparse_attention`` with ``T / cp`` local queries over all ``T`` keys at ``q_offset = T - T / cp``,
-``kpool_keys`` on the local slice; the KL loss is padded to ``T`` queries there, as on one rank).
+``sparse_attention``, ``kpool_topk`` and the indexer KL loss with ``T / cp`` local queries over all
+``T`` keys (``T / P`` pools) at ``q_offset = T - T / cp``, ``kpool_keys`` on the local slice).
 Launches whose bound signature is the same compile once; the table lists the lengths each covers.
 
 Dtypes (``--dtypes``): ``bf16`` (a model in bf16: every float input bf16 except the indexer head
@@ -462,23 +462,20 @@ def _drive(cap: _Capture, function: str, fn: Callable, g: Geometry, variant: str
         k_idx, gate = leaf((B, tl_, g.idx_dim), dt_["k_idx"]), leaf((B, tl_, g.idx_dim), dt_["gate"])
         backward(fn(k_idx, gate, leaf((P, g.idx_dim), dt_["ape"])))
     elif function == "kpool_topk_triton":
-        if cp > 1:
-            return  # context parallelism selects with the torch causal_topk (parallel/cp_dsa.py)
-        q_idx = leaf((B, T, g.idx_heads, g.idx_dim), dt_["q_idx"], False)
+        # the last context-parallel rank's queries over the pools of the whole sequence (cp 1: all)
+        q_idx = leaf((B, tl_, g.idx_heads, g.idx_dim), dt_["q_idx"], False)
         k_pool = leaf((B, T // P, g.idx_dim), dt_["k_pool"], False)
-        w = leaf((B, T, g.idx_heads), dt_["w"], False)
-        fn(q_idx, k_pool, w, g.topk, P, tail=g.tail, scale=g.idx_dim ** -0.5, activation="relu")
+        w = leaf((B, tl_, g.idx_heads), dt_["w"], False)
+        fn(q_idx, k_pool, w, g.topk, P, tail=g.tail, scale=g.idx_dim ** -0.5, activation="relu", q_offset=T - tl_)
     elif function == "kpool_indexer_kl_loss_triton":
-        if cp > 1:
-            return  # cp_dsa pads the local queries to T: the cp 1 launch at T
-        q = leaf((B, T, g.heads, g.latent), dt_["q"], False)
+        q = leaf((B, tl_, g.heads, g.latent), dt_["q"], False)
         k = leaf((B, T, 1, g.latent), dt_["latent"], False)
-        q_idx = leaf((B, T, g.idx_heads, g.idx_dim), dt_["q_idx"])
+        q_idx = leaf((B, tl_, g.idx_heads, g.idx_dim), dt_["q_idx"])
         k_pool = leaf((B, T // P, g.idx_dim), dt_["k_pool"])
-        w = leaf((B, T, g.idx_heads), dt_["w"])
-        pools = torch.empty(B, T, g.topk // P, dtype=torch.int64, **meta)
+        w = leaf((B, tl_, g.idx_heads), dt_["w"])
+        pools = torch.empty(B, tl_, g.topk // P, dtype=torch.int64, **meta)
         backward(fn(q, k, q_idx, k_pool, w, pools, P, attn_scale=g.qk_head_dim ** -0.5,
-                    idx_scale=g.idx_dim ** -0.5, tail=g.tail))
+                    idx_scale=g.idx_dim ** -0.5, tail=g.tail, q_offset=T - tl_))
     else:
         raise SystemExit(f"the triton backend routes to {function}, which this harness has no driver for: "
                          "add one to benchmarks/gpu_compile.py::_drive")

@@ -256,3 +256,77 @@ def trained_parameter_names(recipe: Any) -> set[str]:
         model = GenoLM(ModelConfig.from_preset(recipe.model.preset))
     freeze_parameters(model, recipe.model.freeze)
     return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def register_interpreted_triton() -> None:
+    """Register a ``triton`` kernel backend that runs on CPU tensors, for spawned rank processes
+    (it replaces the process-wide registry entry; a test process must restore it).
+
+    It is the real backend's wiring (``genolong.kernels.backends._triton_backend``: which op goes to
+    which of genolong's Triton kernels, and its dispatch counts), built as on a CUDA machine without
+    fla-core, except that the ops it sends to genolong's Triton kernels run them on CPU tensors
+    too, in Triton's interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py before Triton is
+    imported; a spawned process inherits the environment). KDA runs the torch reference, as the
+    real backend does without fla-core.
+    """
+    from genolong.kernels import backends
+
+    def on_any_device(fast: Callable, reference: Callable, name: str = "", impl: str = "") -> Callable:
+        run = fast if impl == "genolong-triton" else reference
+
+        def op(*args: Any, **kwargs: Any) -> Any:
+            backends._DISPATCHED[name, impl if run is fast else "torch"] += 1
+            return run(*args, **kwargs)
+
+        return op
+
+    def no_fla() -> tuple[Callable, Callable]:
+        raise ImportError("fla-core's kernels are not interpreted here")
+
+    def loader() -> Any:
+        saved = backends._cuda_available, backends._on_cuda, backends._fla_chunk_kda
+        backends._cuda_available, backends._on_cuda, backends._fla_chunk_kda = (lambda: True), on_any_device, no_fla
+        try:
+            return backends._triton_backend()
+        finally:
+            backends._cuda_available, backends._on_cuda, backends._fla_chunk_kda = saved
+
+    backends.register_backend("triton", loader)
+
+
+class TorchDSAEngineCalls:
+    """Counts calls of the torch DSA engines while active (a context manager): the blockwise top-k
+    ``causal_topk`` (wherever a genolong module imported it), the torch indexer KL's per-block
+    target ``_block_log_target`` and the torch sparse attention's ``_block_indices``. The torch
+    backend runs them on every DSA layer; a backend whose kernels take every offset never does.
+
+    Attributes:
+        calls: ``{"causal_topk": n, "kl_block": n, "attention_block": n}``.
+    """
+
+    def __init__(self) -> None:
+        self.calls = {"causal_topk": 0, "kl_block": 0, "attention_block": 0}
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> TorchDSAEngineCalls:
+        import sys
+
+        from genolong.kernels.dsa import attention, indexer, kpool_loss
+
+        targets = [(indexer.causal_topk, "causal_topk"), (kpool_loss._block_log_target, "kl_block"),
+                   (attention._block_indices, "attention_block")]
+        for fn, key in targets:
+            def counted(*args: Any, _fn: Callable = fn, _key: str = key, **kwargs: Any) -> Any:
+                self.calls[_key] += 1
+                return _fn(*args, **kwargs)
+
+            for name, module in list(sys.modules.items()):
+                if name.startswith("genolong") and getattr(module, fn.__name__, None) is fn:
+                    self._saved.append((module, fn.__name__, fn))
+                    setattr(module, fn.__name__, counted)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for module, name, fn in reversed(self._saved):
+            setattr(module, name, fn)
+        self._saved.clear()

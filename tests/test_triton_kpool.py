@@ -18,7 +18,7 @@ import triton  # noqa: F401  (a missing triton must fail here, not skip; tests/c
 from genolong.errors import InputError
 from genolong.kernels.dsa import kpool_indexer_kl_loss, kpool_keys, kpool_select_pools
 from genolong.kernels.dsa import triton_kpool
-from genolong.kernels.dsa.kpool_loss import reference_kpool_indexer_kl_loss
+from genolong.kernels.dsa.kpool_loss import reference_kpool_indexer_kl_loss, reference_kpool_indexer_kl_rows
 from genolong.kernels.dsa.triton_kpool import kpool_indexer_kl_loss_triton, kpool_keys_triton
 from genolong.kernels.testing import rms_ratio
 
@@ -235,6 +235,54 @@ def test_kl_loss_float32_matches_the_reference(name: str) -> None:
     if bool(unselected.any()):
         assert float(dk_pool[unselected].abs().max()) == 0.0
     assert float(dk_pool[selected].abs().mean()) > 0.0
+
+
+# name: (case, first query q0): queries [q0, T) at q_offset = q0 over the keys and pools of [0, T)
+KL_OFFSET_CASES = {
+    # a multiple of P (a CP rank's or recompute segment's start): 2 of 4 pools before the range
+    "p4_gqa_weights_tail_at_8": ("p4_gqa_weights_tail", 8),
+    # not a multiple of P, mid-pool: rows whose tail pool starts before q_offset
+    "p16_mqa_two_tiles_at_21": ("p16_mqa_two_tiles", 21),
+}
+
+
+@pytest.mark.parametrize("name", list(KL_OFFSET_CASES))
+def test_kl_loss_at_a_query_offset_matches_the_reference(name: str) -> None:
+    """Queries ``[q0, T)`` at ``q_offset = q0`` over the main keys and pooled keys of ``[0, T)``
+    (a context-parallel rank, a recompute segment): the loss and d q_idx, d k_pool, d w_idx equal
+    the torch function's at the same offset and the float64 dense oracle's (the mean of the whole
+    sequence's KL rows over the range's counted queries) to 1e-5 (fp32); pools before the range
+    get the gradient of the range's queries only."""
+    case_name, q0 = KL_OFFSET_CASES[name]
+    B, T, H, HK, D, HI, DI, P, topk, with_w, tail, act = KL_CASES[case_name]
+    q, k, q_idx, k_pool, w_idx, pools = _kl_inputs(B, T, H, HK, D, HI, DI, P, topk, torch.float32, seed=len(name))
+    leaves = (q_idx, k_pool) if w_idx is None else (q_idx, k_pool, w_idx)
+    kw = dict(attn_scale=0.8 * D ** -0.5, idx_scale=1.3 * DI ** -0.5, tail=tail, activation=act)
+    rows = slice(q0, T)
+
+    def offset_loss(fn, **extra):
+        w = None if w_idx is None else w_idx[:, rows]
+        return fn(q[:, rows], k, q_idx[:, rows], k_pool, w, pools[:, rows], P, q_offset=q0, **kw, **extra)
+
+    loss = offset_loss(kpool_indexer_kl_loss_triton)
+    got = (loss.detach(), *torch.autograd.grad(loss, leaves))
+    ref_loss = offset_loss(kpool_indexer_kl_loss, query_block=5)
+    ref = (ref_loss.detach(), *torch.autograd.grad(ref_loss, leaves))
+    leaves64 = tuple(x.detach().double().requires_grad_(True) for x in leaves)
+    w64 = None if w_idx is None else leaves64[2]
+    kl, has = reference_kpool_indexer_kl_rows(q.double(), k.double(), leaves64[0], leaves64[1], w64, pools, P, **kw)
+    x_loss = kl[:, rows].sum() / has[:, rows].sum()
+    exact = (x_loss.detach(), *torch.autograd.grad(x_loss, leaves64))
+    loss, ref_loss, x_loss = float(got[0]), float(ref[0]), float(exact[0])
+    assert x_loss > 1e-3 and bool(has[:, :q0].any())  # a real KL; queries before the range count elsewhere
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+    assert abs(loss - x_loss) <= 1e-5 * abs(x_loss), (loss, x_loss)
+    for what, a, r, x in zip(("dq_idx", "dk_pool", "dw_idx"), got[1:], ref[1:], exact[1:]):
+        assert a.shape == r.shape == x.shape, what
+        assert rms_ratio(r, a) < _FP32_TOL, (what, rms_ratio(r, a))
+        assert rms_ratio(x, a) < _FP32_TOL, (what, rms_ratio(x, a))
+    assert float(got[1][:, :q0].abs().max()) == 0.0  # queries before the range: not this call's
+    assert float(got[2][:, : q0 // P].abs().sum()) > 0.0  # pools before the range: selected by its queries
 
 
 def test_kl_loss_float16_error_is_within_twice_the_reference_rounding() -> None:

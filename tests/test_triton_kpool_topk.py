@@ -212,3 +212,54 @@ def test_mixed_16bit_queries_and_fp32_keys_dot_in_16bit(monkeypatch: pytest.Monk
     # the fp32 keys themselves select differently on this instance (ties on the grid are broken
     # by the offsets), so equality above is not an accident of rounding-insensitive inputs
     assert not torch.equal(got, kpool_topk(q.float(), k, w, topk, P))
+
+
+# name: (case, first query q0, end q1): queries [q0, q1) at q_offset = q0 over the case's pools of
+# the whole sequence (a key range longer than they can see: pools past q1 are never read)
+OFFSET_CASES = {
+    # a multiple of P (a CP rank or recompute segment start), rows cut mid-pool-tile
+    "fp32_w_relu_tail_at_24": ("fp32_w_relu_tail", 24, 61),
+    # not a multiple of P (3): the tail of the first rows starts before q_offset
+    "fp16_identity_no_tail_at_13": ("fp16_w_identity_no_tail", 13, 50),
+    # P = 17: rows 30..32 see pool 0 only, 33..49 pools 0 and 1; pool 2 (complete at 50) is in
+    # the key range but past every query's reach
+    "fp32_long_pools_at_30": ("fp32_one_pool_long_pools", 30, 50),
+}
+
+
+@pytest.mark.parametrize("name", list(OFFSET_CASES))
+def test_query_offset_and_key_range_select_the_whole_sequence_rows(name: str) -> None:
+    """A range of queries at ``q_offset`` over the pooled keys of a longer range (a context-parallel
+    rank, a recompute segment): the kernel's selection equals the reference's at the same offset,
+    the rows ``[q0, q1)`` of the whole-sequence selection (token positions global, tails included)
+    and the dense oracle's rows; with exactly the pools the range sees the result is the same."""
+    case_name, q0, q1 = OFFSET_CASES[name]
+    dtype, B, T, HI, DI, P, topk, _, act, tail, bs, qb, scale = CASES[case_name]
+    q, k, w = _case_inputs(CASES[case_name], seed=len(case_name) + 1)
+    qs, ws = q[:, q0:q1], None if w is None else w[:, q0:q1]
+    kw = dict(tail=tail, scale=scale, activation=act)
+    got = kpool_topk_triton(qs, k, ws, topk, P, block_size=bs, query_block=qb, q_offset=q0, **kw)
+    exact_range = kpool_topk_triton(qs, k[:, : q1 // P], ws, topk, P, block_size=bs, query_block=qb, q_offset=q0, **kw)
+    ref = kpool_topk(qs, k, ws, topk, P, block_size=7, query_block=9, q_offset=q0, **kw)
+    whole = kpool_topk(q, k, w, topk, P, **kw)
+    oracle = kpool_expand(_dense_oracle(q, k, w, topk // P, P, DI ** -0.5 if scale is None else scale, act), P, tail)
+    assert k.shape[1] > q1 // P  # the key range is longer than the queries' reach
+    assert got.shape == (B, q1 - q0, topk + (P - 1 if tail else 0))
+    assert torch.equal(got, ref)
+    assert torch.equal(got, exact_range)
+    assert torch.equal(got, whole[:, q0:q1])
+    assert torch.equal(got, oracle[:, q0:q1])
+    assert bool((got[..., :topk] >= q0).any())  # pools past the offset are selected: global ids
+
+
+def test_query_offset_validation_matches_the_reference() -> None:
+    """Too few pools for the range's reach and a negative offset: the same ValueError as the reference."""
+    q, k, w = torch.randn(1, 16, 2, 8), torch.randn(1, 8, 8), torch.randn(1, 16, 2)
+    for args, kwargs in [((q, k[:, :5], w, 8, 4), {"q_offset": 8}),  # queries 8..23 see 6 pools
+                         ((q, k, w, 8, 4), {"q_offset": -4})]:
+        with pytest.raises(ValueError) as ref_err:
+            kpool_topk(*args, **kwargs)
+        with pytest.raises(ValueError) as got_err:
+            kpool_topk_triton(*args, **kwargs)
+        assert str(got_err.value) == str(ref_err.value)
+    assert torch.equal(kpool_topk_triton(q, k[:, :6], w, 8, 4, q_offset=8), kpool_topk(q, k[:, :6], w, 8, 4, q_offset=8))

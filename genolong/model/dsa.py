@@ -49,18 +49,11 @@ from torch import nn
 
 from ..errors import InputError
 from ..kernels.backends import get_backend
-from ..kernels.dsa import indexer_scores, kpool_expand, kpool_indexer_kl_loss, kpool_pool_ids
-from ..kernels.dsa.indexer import causal_topk
+from ..kernels.dsa import kpool_pool_ids
 from .config import ModelConfig
 from .layers import RMSNorm
 
 __all__ = ["DSAAttention", "DSAIndexer", "DSAKeys", "DSAMixer", "indexer_kl_count"]
-
-# pools and queries per scoring tile of the offset selection: kpool_topk's defaults, so a query
-# range scores the same tiles' keys as the whole-sequence selection
-_POOL_BLOCK = 256
-_QUERY_BLOCK = 256
-
 
 class DSAKeys(NamedTuple):
     """What the queries of a DSA layer read from the key positions ``0 .. TK - 1``
@@ -179,36 +172,23 @@ class DSAIndexer(nn.Module):
 
         Returns:
             ``[B, n, index_topk + P - 1]`` int64 global token positions, in
-            :func:`~genolong.kernels.dsa.kpool_topk`'s layout (ties to the lowest pool). With
-            ``q_offset == 0`` and exactly the queries' own pools this is the backend's
-            ``kpool_topk``; otherwise the same blockwise engine
-            (:func:`~genolong.kernels.dsa.indexer.causal_topk`, the same tiles' keys) with the
-            causal limit shifted by ``q_offset`` (equal selections: ints).
+            :func:`~genolong.kernels.dsa.kpool_topk`'s layout (ties to the lowest pool): the
+            backend's ``kpool_topk`` at every offset (a context-parallel slice or a recompute
+            segment runs the same kernel as the whole sequence; row ``i`` equals the whole
+            sequence's row ``q_offset + i``).
+
+        Raises:
+            InputError: ``q_offset`` not a multiple of ``P`` (the keys phase pools whole pools).
         """
-        b, n = q_idx.shape[:2]
         p = self.index_kpool
+        if q_offset % p != 0:
+            raise InputError(f"the first query position ({q_offset}) must be a multiple of index_kpool ({p})")
         with torch.no_grad():
             q_idx, w, k_pool = q_idx.detach(), w.detach(), k_pool.detach()
-            if q_offset == 0 and k_pool.shape[1] == n // p:
-                return self.kernels.kpool_topk(
-                    q_idx, k_pool, w, self.index_topk, p, tail=self.always_select_tail,
-                    scale=self.softmax_scale, activation="relu",
-                )
-            if q_offset % p != 0:
-                raise InputError(f"the first query position ({q_offset}) must be a multiple of index_kpool ({p})")
-
-            def score_fn(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-                return indexer_scores(q_idx[:, q0:q1], k_pool[:, k0:k1], w[:, q0:q1], self.softmax_scale, "relu")
-
-            limit = (torch.arange(q_offset, q_offset + n, device=q_idx.device) + 1) // p - 1  # last visible pool
-            pools = causal_topk(score_fn, limit, k_pool.shape[1], self.index_topk // p, _POOL_BLOCK, _QUERY_BLOCK, b,
-                                q_idx.device)
-            indices = kpool_expand(pools, p, self.always_select_tail)  # tails of local positions
-            if self.always_select_tail and p > 1 and q_offset:
-                # q_offset % p == 0, so the local tail t + 1 - r .. t shifts by q_offset to the global one
-                tail = indices[..., -(p - 1):]
-                indices[..., -(p - 1):] = torch.where(tail >= 0, tail + q_offset, tail)
-        return indices
+            return self.kernels.kpool_topk(
+                q_idx, k_pool, w, self.index_topk, p, tail=self.always_select_tail,
+                scale=self.softmax_scale, activation="relu", q_offset=q_offset,
+            )
 
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, k_pool: torch.Tensor | None = None,
                 q_offset: int = 0) -> torch.Tensor:
@@ -425,10 +405,9 @@ class DSAMixer(nn.Module):
         assert self.indexer is not None
         pool = self.indexer.index_kpool
         pools = kpool_pool_ids(indices, pool, tail=self.always_select_tail)
-        tk = q_offset + q.shape[1]
-        args = (q, k[:, :tk], q_idx, pooled[:, : tk // pool], w, pools, pool)
-        kwargs = dict(attn_scale=self.scaling, idx_scale=self.indexer.softmax_scale, tail=self.always_select_tail)
-        if q_offset == 0 and k.shape[1] == tk:
-            return self.kernels.kpool_indexer_kl_loss(*args, **kwargs)
-        # the backends' fused kernels take no query offset: genolong's blockwise torch kernel does
-        return kpool_indexer_kl_loss(*args, **kwargs, q_offset=q_offset)
+        tk = q_offset + q.shape[1]  # the keys of positions [0, tk): what these queries can see
+        # the backend's kernel at every offset (queries q_offset .., keys and pools from position 0)
+        return self.kernels.kpool_indexer_kl_loss(
+            q, k[:, :tk], q_idx, pooled[:, : tk // pool], w, pools, pool, attn_scale=self.scaling,
+            idx_scale=self.indexer.softmax_scale, tail=self.always_select_tail, q_offset=q_offset,
+        )

@@ -10,6 +10,7 @@ Parameter names are the checkpoint's.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -166,6 +167,17 @@ class KDAMixer(nn.Module):
         self.kernels = get_backend(config.kernel_backend)
         self.cp_group: Any = None  # a torch.distributed process group under context parallelism
 
+    def _kda_fn(self) -> Any:
+        """The backend's ``chunk_kda`` for the CP and segmented paths; the torch reference gets the
+        lower-bound gate's bound (``-linear_lower_bound``), so it chooses its in-chunk path without
+        reading the gate back to the host (no device-to-host sync per call; same result)."""
+        from ..kernels.kda import chunk_kda
+
+        bound = self.forget_gate.lower_bound
+        if self.kernels.chunk_kda is chunk_kda and bound is not None and bound < 0:
+            return functools.partial(chunk_kda, gate_bound=-bound)
+        return self.kernels.chunk_kda
+
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """The q|k|v projections before the short conv: ``x [B, T, H] -> [B, T, 3 * heads * head_dim]``
         in ``x``'s dtype (the rows :func:`genolong.kernels.kda.cp.conv_halo` and a segment's conv
@@ -269,7 +281,7 @@ class KDAMixer(nn.Module):
         q, k, v = self._qkv(x, projected, halo)
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x).float())
-        _, X = affine_state(q, k, v.float(), g, beta, carried, chunk_size=self.chunk_size, kda_fn=self.kernels.chunk_kda)
+        _, X = affine_state(q, k, v.float(), g, beta, carried, chunk_size=self.chunk_size, kda_fn=self._kda_fn())
         return self.conv_tail(projected, halo), X
 
     def forward(
@@ -290,7 +302,7 @@ class KDAMixer(nn.Module):
             g = self.forget_gate(x)
             beta = torch.sigmoid(self.b_proj(x).float())
             o = cp_chunk_kda(q, k, v.float(), g, beta, group=self.cp_group, chunk_size=self.chunk_size,
-                             kda_fn=self.kernels.chunk_kda)
+                             kda_fn=self._kda_fn())
             state = None
         else:
             o, state = self._gated_kda(x, q, k, v, initial_state, output_final_state)

@@ -22,6 +22,14 @@ Balancing, beyond the bias (all off by default; the trainer switches them on fro
 Tokens are dispatched ``chunk_tokens`` at a time, so the gathered per-expert inputs never exceed
 one chunk (the reference work needed this at 512k tokens, where the busiest GPU got 4x the mean
 load). Chunking changes memory, not results.
+
+Host syncs: all chunks are routed first; the experts then run as one grouped matmul per
+projection where torch has one for the device (``torch._grouped_mm``: CUDA, bf16, compute
+capability 9.0+; :func:`grouped_mm_supported`), which needs no row count on the host, else as the
+per-expert loop (the reference), whose row counts for every chunk are read back in one transfer
+per layer call. Rows per expert are counted with a sort (:func:`expert_counts`), not
+``torch.bincount``, which reads the largest id back on CUDA. So a MoE call makes at most one
+device-to-host sync, whatever the number of chunks (``genolong.memory.host_syncs``).
 """
 
 from __future__ import annotations
@@ -41,7 +49,91 @@ from .config import ModelConfig
 from .layers import SwiGLU, clamped_swiglu
 from .lora import experts_forward_weight
 
-__all__ = ["Router", "Experts", "MoE", "RoutingStats", "RoutingTally", "capacity_keep", "moe_layers", "record_routing"]
+__all__ = ["Router", "Experts", "MoE", "RoutingStats", "RoutingTally", "capacity_keep", "expert_counts", "experts_grouped",
+           "experts_loop", "grouped_mm_supported", "moe_layers", "record_routing"]
+
+
+def expert_counts(flat: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows per id: ``flat [R]`` int64 ids in ``[0, n)`` -> ``[n]`` int64 counts.
+
+    A sort and a binary search (deterministic, sizes known in advance): ``torch.bincount`` gives
+    the same counts but reads the largest id back to the host on CUDA (a sync per call).
+    """
+    ordered = torch.sort(flat).values
+    edges = torch.searchsorted(ordered, torch.arange(n + 1, device=flat.device, dtype=flat.dtype))
+    return edges[1:] - edges[:-1]
+
+
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether the experts run as a grouped matmul for these operands: ``torch._grouped_mm`` exists,
+    ``x`` is on CUDA with compute capability 9.0 or newer, the operands compute in bf16 (their
+    dtype, or the CUDA autocast dtype) and every weight dimension is a multiple of 8 (16-byte rows).
+    Elsewhere (CPU, older GPUs, fp32) the per-expert loop runs (:func:`experts_loop`)."""
+    if not hasattr(torch, "_grouped_mm") or x.device.type != "cuda":
+        return False
+    if torch.is_autocast_enabled("cuda"):  # bf16-mixed: fp32 master weights, cast like F.linear's
+        if torch.get_autocast_dtype("cuda") != torch.bfloat16:
+            return False
+    elif any(t.dtype != torch.bfloat16 for t in (x, *weights)):
+        return False
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    return all(d % 8 == 0 for w in weights for d in w.shape[1:])
+
+
+def experts_grouped(rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                    limit: float) -> torch.Tensor:
+    """The routed experts on rows grouped by expert, as two grouped matmuls (no host sync).
+
+    Args:
+        rows: ``[R, H]``, expert ``e``'s rows after those of experts ``< e``; rows past
+            ``counts.sum()`` (dropped by the capacity) give 0.
+        counts: ``[E]`` int64 rows per expert (on the rows' device).
+        gate_up: ``[E, 2I, H]``; down: ``[E, H, I]`` (the experts' stacked weights).
+        limit: the SwiGLU clamp.
+
+    Returns:
+        ``[R, H]`` the unweighted expert outputs, in the compute dtype (the operands', or the
+        autocast dtype).
+    """
+    dtype = torch.get_autocast_dtype(rows.device.type) if torch.is_autocast_enabled(rows.device.type) else rows.dtype
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    # rows past the last group are neither read nor written by the grouped matmul (its backward
+    # leaves their input gradient unwritten): masked both ways, so they give 0 and get 0
+    kept = torch.arange(rows.shape[0], device=rows.device) < offs[-1:].long()
+    zero = torch.zeros((), dtype=rows.dtype, device=rows.device)
+    rows = torch.where(kept[:, None], rows, zero)
+    with torch.autocast(rows.device.type, enabled=False):
+        h = torch._grouped_mm(rows.to(dtype), gate_up.to(dtype).transpose(-2, -1), offs=offs)  # [R, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(clamped_swiglu(gate, up, limit).contiguous(), down.to(dtype).transpose(-2, -1), offs=offs)
+    return torch.where(kept[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+def experts_loop(rows: torch.Tensor, counts: list[int], weight: Any, limit: float) -> torch.Tensor:
+    """The reference of :func:`experts_grouped`: each expert's clamped SwiGLU on its rows in turn.
+
+    Args:
+        rows: ``[R, H]`` grouped by expert (rows past ``sum(counts)`` give 0).
+        counts: rows per expert, on the host.
+        weight: ``weight(name, e)`` -> expert ``e``'s ``gate_up_proj`` ``[2I, H]`` or ``down_proj``
+            ``[H, I]`` (with its LoRA update when the experts carry adapters).
+        limit: the SwiGLU clamp.
+
+    Returns:
+        ``[R, H]`` unweighted expert outputs. Every expert runs, on zero rows too, so the result
+        always depends on ``rows`` and on every expert's weights (under expert parallelism every
+        rank must run the backward of the all-to-all that brought ``rows``, and FSDP2 needs a
+        gradient for every weight on every rank).
+    """
+    outs, start = [], 0
+    for e, count in enumerate(counts):
+        gate, up = F.linear(rows[start:start + count], weight("gate_up_proj", e)).chunk(2, dim=-1)
+        outs.append(F.linear(clamped_swiglu(gate, up, limit), weight("down_proj", e)))
+        start += count
+    if start < rows.shape[0]:  # rows the capacity dropped (sorted last): zeros
+        outs.append(outs[-1].new_zeros(rows.shape[0] - start, outs[-1].shape[1]))
+    return torch.cat(outs)
 
 
 class Router(nn.Module):
@@ -92,7 +184,7 @@ def capacity_keep(indices: torch.Tensor, weights: torch.Tensor, num_experts: int
     flat, w = indices.reshape(-1), weights.detach().reshape(-1)
     by_weight = w.argsort(descending=True, stable=True)
     order = by_weight[flat[by_weight].argsort(stable=True)]  # grouped by expert, heaviest first
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
     keep = torch.empty_like(flat, dtype=torch.bool)
@@ -205,7 +297,7 @@ class RoutingTally:
             keep = capacity_keep(indices, weights, e, max(1, math.ceil(self.capacity * n * self.top_k / e)))
             self.stats.dropped += (~keep).sum()
             indices = indices.masked_fill(~keep, e)
-        self.stats.load += torch.bincount(indices.reshape(-1), minlength=e + 1)[:e]
+        self.stats.load += expert_counts(indices.reshape(-1), e + 1)[:e]
         return weights, indices
 
     def finish(self, out: torch.Tensor) -> torch.Tensor:
@@ -238,13 +330,22 @@ class Experts(nn.Module):
         nn.init.normal_(self.gate_up_proj, std=config.initializer_range)
         nn.init.normal_(self.down_proj, std=config.initializer_range)
 
-    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def grouped(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`forward` runs the grouped matmul for ``x`` (:func:`grouped_mm_supported`;
+        never with LoRA adapters on the experts, whose per-expert weights the loop builds)."""
+        return getattr(self, "lora", None) is None and grouped_mm_supported(x, self.gate_up_proj, self.down_proj)
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                host_counts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Apply each token's chosen experts.
 
         Args:
             x: ``[N, H]`` tokens.
             indices: ``[N, k]`` chosen experts (``E``: a dropped row, not run).
             weights: ``[N, k]`` their weights.
+            host_counts: the per-expert row counts on the host for the loop (default None: read
+                back here, one sync; :class:`MoE` reads every chunk's at once); unused by the
+                grouped matmul.
 
         Returns:
             ``[N, H]`` weighted sum of expert outputs, and ``[E]`` int64 tokens per expert.
@@ -253,19 +354,18 @@ class Experts(nn.Module):
         num_experts = self.gate_up_proj.shape[0]
         flat = indices.reshape(-1)
         order = flat.argsort(stable=True)  # group (token, slot) pairs by expert; dropped rows last
-        counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+        counts = expert_counts(flat, num_experts + 1)[:num_experts]
         token_of = order // k
+        rows = x[token_of]
+        if self.grouped(x):
+            y = experts_grouped(rows, counts, self.gate_up_proj, self.down_proj, self.limit)
+        else:
+            host = counts.tolist() if host_counts is None else host_counts
+            y = experts_loop(rows, host, lambda name, e: experts_forward_weight(self, name, e), self.limit)
         out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts.tolist()):
-            if count == 0:
-                continue
-            rows = order[start:start + count]
-            tokens = token_of[start:start + count]
-            start += count
-            gate, up = F.linear(x[tokens], experts_forward_weight(self, "gate_up_proj", expert)).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), experts_forward_weight(self, "down_proj", expert))
-            out.index_add_(0, tokens, (y * weights.reshape(-1)[rows, None]).to(out.dtype))
+        # dropped rows (index E, sorted last) have weight 0 here and an output of 0
+        w = weights.reshape(-1)[order].masked_fill(flat[order] >= num_experts, 0)
+        out.index_add_(0, token_of, (y * w[:, None]).to(out.dtype))
         return out, counts
 
 
@@ -311,11 +411,15 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         step = self.chunk_tokens or max(flat.shape[0], 1)
         tally = RoutingTally(self, shape, x.device)
-        outputs = []
-        for start in range(0, flat.shape[0], step):
-            chunk = flat[start:start + step]
-            weights, indices = tally.route(chunk, start)
-            outputs.append(self.experts(chunk, indices, weights)[0])
+        starts = range(0, flat.shape[0], step)
+        routes = [tally.route(flat[start:start + step], start) for start in starts]  # every chunk first
+        host: list[list[int] | None] = [None] * len(routes)
+        if routes and not self.experts.grouped(flat):
+            # the loop's row counts of every chunk in one read (one sync per call, not per chunk)
+            e = self.gate.num_experts
+            host = torch.stack([expert_counts(indices.reshape(-1), e + 1)[:e] for _, indices in routes]).tolist()
+        outputs = [self.experts(flat[start:start + step], indices, weights, counts)[0]
+                   for start, (weights, indices), counts in zip(starts, routes, host)]
         routed = torch.cat(outputs) if outputs else torch.zeros_like(flat)
         return tally.finish(routed.view(shape) + self.shared_experts(x))
 

@@ -18,7 +18,8 @@ backward rebuilds at most ``chunk_tokens`` query positions at a time:
 3. Queries phase, in segments of ``chunk_tokens`` queries, each checkpointed: ``attn_hc ->
    input_layernorm ->`` :meth:`DSAMixer.attend <genolong.model.dsa.DSAMixer.attend>` (q
    projections, indexer top-k, sparse attention over the keys up to the segment's end, ``o_proj``,
-   the indexer KL) ``-> merge_streams``. Kept: nothing of its own (its inputs are views of the
+   the indexer KL: the backend's kernels with the segment's ``q_offset``, the Triton ones on the
+   ``triton`` backend) ``-> merge_streams``. Kept: nothing of its own (its inputs are views of the
    streams, of the keys and of ``prev_indices``).
 
 Per query the arithmetic is the whole half's (every op is position-wise given the keys), so the

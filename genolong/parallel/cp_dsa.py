@@ -14,13 +14,12 @@ ranks) equal the single-process layer on the whole sequence:
    slice's gradient over the ranks whose queries used it; one collective per layer call keeps the
    backward collectives in the same order on every rank). Each rank keeps the pieces of ranks
    ``0..rank``: positions ``[0, end)``, all its queries can see.
-3. Selection over global positions: the local queries score the gathered pools through the same
-   blockwise top-k engine as the single-process indexer
-   (:func:`genolong.kernels.dsa.indexer.causal_topk`, 256-pool tiles, ties to the lowest pool)
-   with the causal limit ``(start + t + 1) // P - 1``; the winners expand to global token
-   positions and the query's own incomplete pool (the tail) is appended, as
-   :func:`~genolong.kernels.dsa.kpool_topk` does. A "shared" layer takes the previous layer's
-   (global) indices instead.
+3. Selection over global positions: the local queries score the gathered pools through the
+   backend's ``kpool_topk`` with ``q_offset=start`` (the kernel the single process runs: the
+   Triton one on the ``triton`` backend, the torch reference otherwise; ties to the lowest pool),
+   the causal limit ``(start + t + 1) // P - 1``; the winners expand to global token positions and
+   the query's own incomplete pool (the tail) is appended. A "shared" layer takes the previous
+   layer's (global) indices instead.
 4. Sparse attention of the local queries over the gathered latent (``kv_b_proj`` absorbed, or
    expanded when ``mixer.absorb`` is False), with the query offset ``start``:
    :func:`genolong.kernels.dsa.sparse_attention` with ``q_offset=start``.
@@ -40,9 +39,9 @@ Communication per rank per layer call (``W`` ranks, ``s`` bytes per element of t
 
 plus, with the indexer KL on, one scalar all-reduce (the number of counted queries).
 
-The indexer KL (``mixer.indexer_kl``) runs :func:`~genolong.kernels.dsa.kpool_indexer_kl_loss`
-on the local queries with ``q_offset=start`` (genolong's torch kernel; the fused backends take no
-offset); each rank's ``last_indexer_kl`` is its share (the shares sum to the single-process loss).
+The indexer KL (``mixer.indexer_kl``) runs the backend's ``kpool_indexer_kl_loss`` on the local
+queries with ``q_offset=start`` (the Triton kernels on the ``triton`` backend); each rank's
+``last_indexer_kl`` is its share (the shares sum to the single-process loss).
 
 The layer is :class:`~genolong.model.dsa.DSAMixer`'s own two phases (``project_keys`` of the
 slice, :func:`gather_keys`, ``attend`` with ``q_offset=start``):

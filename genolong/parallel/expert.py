@@ -9,17 +9,23 @@ the EP mesh, so ``state_dict`` keys and global shapes
 checkpoint format is unchanged (FSDP2 may shard them further over the ranks left,
 :func:`genolong.parallel.parallelize.apply_fsdp`).
 
-Per MoE token chunk (``MoE.chunk_tokens``, or all the rank's tokens) the installed forward:
+The installed forward routes every token chunk (``MoE.chunk_tokens``, or all the rank's tokens)
+of the rank's own tokens first (router and shared expert as in one process), then exchanges the
+per-expert row counts of all chunks at once: an all-to-all of the first chunk's ``E/ep`` int64
+counts per destination, with the rank's chunk count in their high bits, and, when a rank of the
+group has more than one chunk, one more all-to-all of the other chunks' counts. Both are read back
+to the host in one transfer each, so the split sizes cost at most two device-to-host syncs per
+layer call, whatever the number of chunks. Then per chunk:
 
-1. routes the rank's own tokens (router and shared expert as in one process);
-2. sorts the ``(token, slot)`` rows by expert, which also groups them by destination rank
+1. sorts the ``(token, slot)`` rows by expert, which also groups them by destination rank
    (rank ``j`` holds experts ``[j E/ep, (j+1) E/ep)``);
-3. exchanges the per-expert row counts (an all-to-all of ``E/ep`` int64 per destination) and
-   sends each row, ``H`` values, to its expert's rank (the *dispatch* all-to-all, variable
-   splits; the rows a rank keeps do not travel);
-4. runs the local experts on the received rows grouped by expert (inside ``Experts.__call__``,
-   so FSDP2's unshard hooks of the experts unit wrap it);
-5. sends the expert outputs back, unweighted (the *combine* all-to-all), and multiplies by the
+2. sends each row, ``H`` values, to its expert's rank (the *dispatch* all-to-all, variable
+   splits from the host counts; the rows a rank keeps do not travel);
+3. runs the local experts on the received rows grouped by expert (inside ``Experts.__call__``,
+   so FSDP2's unshard hooks of the experts unit wrap it): one grouped matmul per projection where
+   torch has one for the device (:func:`genolong.model.moe.grouped_mm_supported`), else the
+   per-expert loop (the reference);
+4. sends the expert outputs back, unweighted (the *combine* all-to-all), and multiplies by the
    routing weights at the source, so the weights' gradient stays local.
 
 Backward runs the two payload all-to-alls again, reversed (autograd functions over
@@ -28,9 +34,9 @@ forward exchanges run again. Results equal the one-process model up to float sum
 
 Every rank of an EP group must call each MoE the same number of times (true of genolong's
 training: equal CP slices and batch shapes); within one call the ranks agree on the number of
-token chunks through the count exchange itself (the high bits of the counts carry each rank's
-chunk count; a rank with fewer chunks takes part with empty ones), so unequal token counts per
-call are fine.
+token chunks through the count exchange itself (the high bits of the first chunk's counts carry
+each rank's chunk count; a rank with fewer chunks takes part with empty ones), so unequal token
+counts per call are fine.
 
 Measured per process (:class:`AllToAllCounter`, one per model, :func:`ep_comm_counter`): the
 bytes each all-to-all sent to *other* ranks, split into the forward pass (``forward``), forward
@@ -48,14 +54,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import InputError
-from ..model.layers import clamped_swiglu
-from ..model.moe import MoE, RoutingTally
+from ..model.moe import MoE, RoutingTally, expert_counts, experts_grouped, experts_loop, grouped_mm_supported
 
 __all__ = ["AllToAllCounter", "apply_expert_parallel", "ep_comm_counter", "expert_parallel_size", "is_expert_parallel"]
 
@@ -75,7 +79,8 @@ class AllToAllCounter:
         recompute: the same, of forward exchanges run again during backward (recompute).
         backward: payload bytes of the backward all-to-alls (the reversed dispatch and combine).
         splits: bytes of the per-expert count exchanges (``(ep - 1) * E/ep * 8`` per dispatch,
-            forward and recompute; backward reuses the forward's counts).
+            forward and recompute, sent in one or two all-to-alls per layer call; backward reuses
+            the forward's counts).
         dispatches: dispatch all-to-alls run (forward and recompute).
     """
 
@@ -131,25 +136,34 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class _LocalExperts:
     """``Experts.forward`` under EP: ``(rows [R, H] grouped by local expert, counts) -> [R, H]``,
-    each local expert's clamped SwiGLU on its rows (unweighted). Every local expert runs, even on
-    zero rows, so that every rank produces a gradient for all its expert weights (FSDP2's
-    reduce-scatter needs the same parameters on every rank)."""
+    each local expert's clamped SwiGLU on its rows (unweighted): one grouped matmul per projection
+    where torch has one for the device (:func:`~genolong.model.moe.experts_grouped`), else the
+    per-expert loop (:func:`~genolong.model.moe.experts_loop`, the reference; also with LoRA on
+    the experts). Every local expert takes part, even on zero rows, so that every rank produces a
+    gradient for all its expert weights (FSDP2's reduce-scatter needs the same parameters on every
+    rank)."""
 
     def __init__(self, experts: nn.Module):
         self.experts = experts
 
+    def grouped(self, rows: torch.Tensor) -> bool:
+        """Whether :meth:`__call__` runs the grouped matmul on ``rows``."""
+        gate_up, down = _local(self.experts.gate_up_proj), _local(self.experts.down_proj)
+        return getattr(self.experts, "lora", None) is None and grouped_mm_supported(rows, gate_up, down)
+
     def __call__(self, rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         gate_up, down = _local(self.experts.gate_up_proj), _local(self.experts.down_proj)
+        limit = self.experts.limit
+        if rows.shape[0] and self.grouped(rows):
+            device_counts = torch.tensor(list(counts), dtype=torch.int64).to(rows.device, non_blocking=True)
+            return experts_grouped(rows, device_counts, gate_up, down, limit)
         adapters = getattr(self.experts, "lora", None)  # LoRA: the local experts' factors, sharded with them
-        outs, start = [], 0
-        for e, count in enumerate(counts):
-            x = rows[start:start + count]
-            start += count
-            w_gate_up = gate_up[e] if adapters is None else adapters.expert_weight(gate_up, "gate_up_proj", e)
-            w_down = down[e] if adapters is None else adapters.expert_weight(down, "down_proj", e)
-            gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
-            outs.append(F.linear(clamped_swiglu(gate, up, self.experts.limit), w_down))
-        return torch.cat(outs)
+
+        def weight(name: str, e: int) -> torch.Tensor:
+            base = gate_up if name == "gate_up_proj" else down
+            return base[e] if adapters is None else adapters.expert_weight(base, name, e)
+
+        return experts_loop(rows, list(counts), weight, limit)
 
 
 class _ExpertParallelForward:
@@ -165,48 +179,83 @@ class _ExpertParallelForward:
         self.rank = dist.get_rank(group)
         self.local_experts = module.gate.num_experts // self.ep
 
-    def _counts(self, counts: torch.Tensor, n_chunks: int) -> torch.Tensor:
-        """All-to-all of the per-expert counts ``[ep, E/ep]`` (row j to rank j) with this rank's
-        chunk count in the high bits -> ``[ep, E/ep]`` received (row s from rank s)."""
-        send = (counts.view(self.ep, self.local_experts) + (n_chunks << _CHUNK_SHIFT)).reshape(-1)
+    def _exchange(self, counts: torch.Tensor) -> torch.Tensor:
+        """All-to-all of per-expert counts ``[ep, c, E/ep]`` (block j to rank j) -> ``[ep, c, E/ep]``
+        received (block s from rank s); counted as ``c`` count exchanges."""
+        send = counts.contiguous().reshape(-1)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        self.counter.splits += (self.ep - 1) * self.local_experts * send.element_size()
-        self.counter.dispatches += 1
-        return recv.view(self.ep, self.local_experts)
+        self.counter.splits += (self.ep - 1) * counts.shape[1] * self.local_experts * send.element_size()
+        return recv.view(self.ep, counts.shape[1], self.local_experts)
 
-    def _chunk(self, chunk: torch.Tensor, start: int, n_chunks: int, tally: RoutingTally) -> tuple[torch.Tensor, int, int]:
-        """One token chunk ``[n, H]`` (rows from ``start`` of the rank's flattened input) ->
-        (routed output ``[n, H]``, rows received, the group's largest chunk count)."""
+    def _split_sizes(self, counts: list[torch.Tensor]) -> tuple[list[list[int]], list[list[list[int]]]]:
+        """Every chunk's split sizes on the host, in at most two reads.
+
+        Args:
+            counts: per local chunk, ``[E]`` rows this rank routed to each expert (on the device).
+
+        Returns:
+            ``(sent, received)`` for the group's ``n`` chunks (the most any rank has; this rank's
+            missing ones are empty): ``sent[i]`` the ``E`` counts of chunk ``i`` by expert,
+            ``received[i][s]`` the ``E/ep`` counts rank ``s`` sends this rank's experts.
+        """
+        e, n_local = self.module.gate.num_experts, len(counts)
+        dev = counts[0].device if counts else self.module.gate.weight.device
+        local = torch.stack(counts) if counts else torch.zeros(0, e, dtype=torch.int64, device=dev)
+        first = local[:1] if n_local else torch.zeros(1, e, dtype=torch.int64, device=dev)
+        # the first chunk's counts carry this rank's chunk count in their high bits
+        header = self._exchange((first + (n_local << _CHUNK_SHIFT)).view(1, self.ep, self.local_experts).transpose(0, 1))
+        host = torch.cat([header.reshape(-1), local.reshape(-1)]).tolist()  # one read
+        head, sent = host[:header.numel()], host[header.numel():]
+        n = max(v >> _CHUNK_SHIFT for v in head)
+        received = [[[v & _COUNT_MASK for v in head[s * self.local_experts:(s + 1) * self.local_experts]]
+                     for s in range(self.ep)]]
+        sent_rows = [sent[i * e:(i + 1) * e] for i in range(n_local)] + [[0] * e] * (n - n_local)
+        if n > 1:  # the other chunks' counts in one more exchange (padded to the group's n chunks)
+            rest = torch.zeros(n - 1, e, dtype=torch.int64, device=dev)
+            rest[: max(n_local - 1, 0)] = local[1:]
+            more = self._exchange(rest.view(n - 1, self.ep, self.local_experts).transpose(0, 1)).tolist()  # [ep, n-1, E/ep]
+            received += [[more[s][i] for s in range(self.ep)] for i in range(n - 1)]
+        return sent_rows, received
+
+    def _chunk(self, chunk: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, sent: list[int],
+               received: list[list[int]]) -> tuple[torch.Tensor, int]:
+        """One routed token chunk ``[n, H]`` with its split sizes (host lists) -> (routed output
+        ``[n, H]``, rows received)."""
         m = self.module
-        weights, indices = tally.route(chunk, start)
         k = indices.shape[1]
         flat = indices.reshape(-1)
-        counts = torch.bincount(flat, minlength=m.gate.num_experts + 1)[:m.gate.num_experts]
+        self.counter.dispatches += 1
         # (token, slot) rows grouped by expert; rows the capacity dropped (index E) sort last, unsent
-        order = flat.argsort(stable=True)[:int(counts.sum())]
-        header = self._counts(counts, n_chunks).cpu()
-        recv_counts = header & _COUNT_MASK                 # [ep sources, E/ep local experts]
-        group_chunks = int((header >> _CHUNK_SHIFT).max())
-        send_splits = counts.view(self.ep, self.local_experts).sum(1).tolist()
-        recv_splits = recv_counts.sum(1).tolist()
+        order = flat.argsort(stable=True)[:sum(sent)]
+        send_splits = [sum(sent[j * self.local_experts:(j + 1) * self.local_experts]) for j in range(self.ep)]
+        recv_splits = [sum(row) for row in received]
         token_of = order // k
         rows = _AllToAll.apply(chunk[token_of], send_splits, recv_splits, self.group, self.rank, self.counter)
         # received rows: source-major, expert-minor; the local experts want them expert-major
-        lengths = recv_counts.reshape(-1)
-        starts = torch.cumsum(lengths, 0) - lengths        # start of each (source, expert) block
-        seg_len = recv_counts.t().reshape(-1)              # blocks in expert-major order
-        seg_start = starts.view(self.ep, self.local_experts).t().reshape(-1)
-        seg_out = torch.cumsum(seg_len, 0) - seg_len
-        total = int(seg_len.sum())
-        perm = (torch.repeat_interleave(seg_start - seg_out, seg_len) + torch.arange(total)).to(chunk.device)
+        seg_len = [received[s][e] for e in range(self.local_experts) for s in range(self.ep)]
+        block_start, start = [], 0
+        for s in range(self.ep):
+            for e in range(self.local_experts):
+                block_start.append(start)
+                start += received[s][e]
+        seg_start = [block_start[s * self.local_experts + e] for e in range(self.local_experts) for s in range(self.ep)]
+        total = sum(seg_len)
+        seg_out, acc = [], 0
+        for n_rows in seg_len:
+            seg_out.append(acc)
+            acc += n_rows
+        lengths = torch.tensor(seg_len, dtype=torch.int64)
+        shift = torch.tensor([a - b for a, b in zip(seg_start, seg_out)], dtype=torch.int64)
+        perm = (torch.repeat_interleave(shift, lengths, output_size=total) + torch.arange(total)).to(chunk.device)
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(total, device=chunk.device)
-        y = m.experts(rows.index_select(0, perm), recv_counts.sum(0).tolist())
+        per_expert = [sum(received[s][e] for s in range(self.ep)) for e in range(self.local_experts)]
+        y = m.experts(rows.index_select(0, perm), per_expert)
         back = _AllToAll.apply(y.index_select(0, inverse), recv_splits, send_splits, self.group, self.rank, self.counter)
         out = torch.zeros_like(chunk)
         out.index_add_(0, token_of, (back * weights.reshape(-1)[order, None]).to(out.dtype))
-        return out, total, group_chunks
+        return out, total
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
@@ -215,17 +264,24 @@ class _ExpertParallelForward:
         step = m.chunk_tokens or max(flat.shape[0], 1)
         chunks = list(flat.split(step)) if flat.shape[0] else []
         tally = RoutingTally(m, shape, x.device)
-        outputs, received, i, group_chunks = [], 0, 0, 1
-        while i < group_chunks:
-            chunk = chunks[i] if i < len(chunks) else flat[:0]   # empty: another rank has more chunks
-            routed, got, chunks_seen = self._chunk(chunk, i * step, len(chunks), tally)
-            group_chunks = chunks_seen if i == 0 else group_chunks
-            received += got
+        e = m.gate.num_experts
+        routes = [tally.route(chunk, i * step) for i, chunk in enumerate(chunks)]  # every chunk first
+        counts = [expert_counts(indices.reshape(-1), e + 1)[:e] for _, indices in routes]
+        sent, received = self._split_sizes(counts)
+        outputs, total = [], 0
+        for i in range(len(sent)):
+            if i < len(chunks):
+                chunk, (weights, indices) = chunks[i], routes[i]
+            else:  # empty: another rank has more chunks
+                chunk = flat[:0]
+                weights = flat.new_zeros(0, m.gate.top_k)
+                indices = torch.zeros(0, m.gate.top_k, dtype=torch.int64, device=flat.device)
+            routed, got = self._chunk(chunk, weights, indices, sent[i], received[i])
+            total += got
             # kept even when empty (no rows): its exchanges must be in the autograd graph, so that
             # every rank of the group runs the same backward all-to-alls in the same order
             outputs.append(routed)
-            i += 1
-        m.last_received = received
+        m.last_received = total
         return tally.finish(torch.cat(outputs).view(shape) + m.shared_experts(x))
 
 

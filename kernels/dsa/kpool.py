@@ -23,7 +23,7 @@ import torch
 
 from .indexer import causal_topk, indexer_scores
 
-__all__ = ["kpool_keys", "kpool_topk", "kpool_expand"]
+__all__ = ["check_key_range", "kpool_keys", "kpool_topk", "kpool_expand"]
 
 
 def kpool_keys(k_idx: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
@@ -49,13 +49,15 @@ def kpool_keys(k_idx: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor) -> to
     return (a * kk).sum(dim=2)
 
 
-def kpool_expand(pool_indices: torch.Tensor, pool_size: int, tail: bool = True) -> torch.Tensor:
+def kpool_expand(pool_indices: torch.Tensor, pool_size: int, tail: bool = True, q_offset: int = 0) -> torch.Tensor:
     """Expand selected pools into token positions and append each query's incomplete tail pool.
 
     Args:
-        pool_indices: ``[B, T, KP]`` int64 selected pools (``-1`` = none), query ``t`` at row ``t``.
+        pool_indices: ``[B, T, KP]`` int64 selected pools (``-1`` = none), row ``i`` the query at
+            global position ``t = q_offset + i``.
         pool_size: ``P``.
         tail: append the tail (glm5_next ``index_kpool_always_select_tail``, default True).
+        q_offset: the first query's global position (default 0: the whole sequence).
 
     Returns:
         ``[B, T, KP * P + (P - 1 if tail else 0)]`` int64 token positions, ``-1`` padded: pool ``j``
@@ -69,7 +71,7 @@ def kpool_expand(pool_indices: torch.Tensor, pool_size: int, tail: bool = True) 
     tok = tok.masked_fill(pool_indices[..., None] < 0, -1).reshape(B, T, KP * P)
     if not tail or P == 1:
         return tok
-    t = torch.arange(T, device=pool_indices.device)
+    t = torch.arange(q_offset, q_offset + T, device=pool_indices.device)  # global positions
     r = (t + 1) % P  # tokens in the query's incomplete pool
     offs = offs[: P - 1]
     tail_tok = (t + 1 - r)[:, None] + offs[None, :]  # [T, P - 1]
@@ -88,6 +90,7 @@ def kpool_topk(
     query_block: int = 256,
     scale: float | None = None,
     activation: str | None = "relu",
+    q_offset: int = 0,
 ) -> torch.Tensor:
     """GLM-5.3-Flash selection: causal top-(topk // P) pooled keys, expanded to tokens, plus the tail.
 
@@ -95,32 +98,57 @@ def kpool_topk(
     and is eligible for query ``t`` iff ``(j + 1) * P - 1 <= t``. Ties: the lowest pool wins.
     Blockwise over pools and queries (no [T, T / P] matrix).
 
+    A range of queries (a context-parallel slice, a recompute segment) at global positions
+    ``q_offset .. q_offset + T - 1`` selects over the pooled keys of positions ``0 .. TK - 1``
+    (``TK >= q_offset + T``; pools past a query's causal limit are never read): row ``i`` equals
+    row ``q_offset + i`` of the whole-sequence selection (the tiles hold other queries, but every
+    score and the tie rule are per query).
+
     Args:
-        q_idx: ``[B, T, HI, DI]``; k_pool: ``[B, NP, DI]`` from :func:`kpool_keys` (``NP = T // P``).
+        q_idx: ``[B, T, HI, DI]``; k_pool: ``[B, NP, DI]`` from :func:`kpool_keys`
+            (``NP >= (q_offset + T) // P``; ``T // P`` for the whole sequence).
         w_idx: ``[B, T, HI]`` or None. glm5_next multiplies its weights by ``HI ** -0.5``.
         topk: token budget (glm5_next ``index_topk``, 2048); must be divisible by ``pool_size``.
         pool_size: ``P`` (glm5_next ``index_kpool``, 16).
         tail: always append the query's incomplete pool (default True, as glm5_next).
         block_size: pools per tile (default 256); query_block: queries per tile (default 256).
         scale: default ``DI ** -0.5``; activation: default ``"relu"``.
+        q_offset: the first query's global position (default 0).
 
     Returns:
-        token indices ``[B, T, topk + P - 1]`` (``[B, T, topk]`` without tail) int64, ``-1`` padded;
-        selected pools best first, then the tail.
+        token indices ``[B, T, topk + P - 1]`` (``[B, T, topk]`` without tail) int64 global
+        positions, ``-1`` padded; selected pools best first, then the tail.
     """
     B, T, HI, DI = q_idx.shape
     P = pool_size
     if P < 1 or topk % P != 0:
         raise ValueError(f"topk ({topk}) must be divisible by the pool size ({P}), as in glm5_next")
-    if k_pool.shape != (B, T // P, DI):
-        raise ValueError(f"k_pool must be [B, T // P, DI] = {(B, T // P, DI)}; got {tuple(k_pool.shape)}")
+    check_key_range(k_pool, B, T, DI, P, q_offset)
     sc = DI ** -0.5 if scale is None else scale
 
     def score_fn(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         w = None if w_idx is None else w_idx[:, q0:q1]
         return indexer_scores(q_idx[:, q0:q1], k_pool[:, k0:k1], w, sc, activation)
 
-    limit = (torch.arange(T, device=q_idx.device) + 1) // P - 1  # last visible pool
+    limit = (torch.arange(q_offset, q_offset + T, device=q_idx.device) + 1) // P - 1  # last visible pool
     with torch.no_grad():
-        pools = causal_topk(score_fn, limit, T // P, topk // P, block_size, query_block, B, q_idx.device)
-    return kpool_expand(pools, P, tail)
+        pools = causal_topk(score_fn, limit, k_pool.shape[1], topk // P, block_size, query_block, B, q_idx.device)
+    return kpool_expand(pools, P, tail, q_offset)
+
+
+def check_key_range(k_pool: torch.Tensor, B: int, T: int, DI: int, P: int, q_offset: int) -> None:
+    """The key-range check of :func:`kpool_topk` (and its Triton kernel): ``q_offset >= 0`` and
+    ``k_pool [B, NP, DI]`` holding at least the pools queries ``q_offset .. q_offset + T - 1`` see.
+
+    Raises:
+        ValueError: a negative offset, or ``k_pool`` of another batch or width, or too few pools.
+    """
+    if isinstance(q_offset, bool) or not isinstance(q_offset, int) or q_offset < 0:
+        raise ValueError(f"q_offset must be an integer >= 0 (the first query's position); got {q_offset!r}")
+    need = (q_offset + T) // P
+    if k_pool.dim() != 3 or k_pool.shape[0] != B or k_pool.shape[2] != DI or k_pool.shape[1] < need:
+        if q_offset == 0:
+            want = f"[B, T // P, DI] = {(B, need, DI)}"
+        else:
+            want = f"[B, >= (q_offset + T) // P, DI] = [{B}, >= {need}, {DI}] (q_offset {q_offset})"
+        raise ValueError(f"k_pool must be {want}; got {tuple(k_pool.shape)}")

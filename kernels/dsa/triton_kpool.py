@@ -317,7 +317,7 @@ def _kl_target_kernel(
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_pb, stride_pt, stride_pk,
     stride_lb, stride_lt, stride_lk,
-    T, KP, HK, D, a_sc,
+    T, KP, HK, D, Q_OFF, a_sc,
     G: tl.constexpr, P: tl.constexpr, TAIL: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_KP: tl.constexpr,
@@ -325,7 +325,8 @@ def _kl_target_kernel(
     """One program: query ``t`` of batch ``b``; writes ``log p [KP]`` (``-inf`` off the selection)."""
     pid = tl.program_id(0)
     b = (pid // T).to(tl.int64)
-    t = (pid % T).to(tl.int64)
+    t = (pid % T).to(tl.int64)  # the query's row; its global position is Q_OFF + t
+    pos = Q_OFF + t
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_kp = tl.arange(0, BLOCK_KP)
@@ -337,13 +338,13 @@ def _kl_target_kernel(
     mask_g = offs_g < G
     pid_row = PID + b * stride_pb + t * stride_pt
     pools = tl.load(pid_row + offs_kp * stride_pk, mask=offs_kp < KP, other=-1).to(tl.int64)
-    valid = (pools >= 0) & ((pools + 1) * P - 1 <= t)  # [BLOCK_KP]: selected and eligible
+    valid = (pools >= 0) & ((pools + 1) * P - 1 <= pos)  # [BLOCK_KP]: selected and eligible
     if TAIL:
-        n_tail = (t + 1) % P  # tokens of the query's incomplete pool: t + 1 - n_tail .. t
+        n_tail = (pos + 1) % P  # tokens of the query's incomplete pool: pos + 1 - n_tail .. pos
     else:
-        n_tail = (t + 1) * 0
+        n_tail = (pos + 1) * 0
     tail_mask = offs_tail < n_tail
-    tail_row = tl.where(tail_mask, t + 1 - n_tail + offs_tail, 0)
+    tail_row = tl.where(tail_mask, pos + 1 - n_tail + offs_tail, 0)
 
     # Each loop below has its own variables: a name carried by a loop keeps one type and shape on
     # every iteration in compiled Triton (the interpreter does not check it), and the tail's
@@ -369,7 +370,7 @@ def _kl_target_kernel(
         for j0 in range(0, KP, BLOCK_J):
             slot1 = j0 + u_j
             j1 = tl.load(pid_row + slot1 * stride_pk, mask=slot1 < KP, other=-1).to(tl.int64)
-            tmask1 = (u_i < P) & (j1 >= 0) & ((j1 + 1) * P - 1 <= t)
+            tmask1 = (u_i < P) & (j1 >= 0) & ((j1 + 1) * P - 1 <= pos)
             row1 = tl.where(tmask1, j1 * P + u_i, 0)
             s1 = tl.zeros([BLOCK_G, BLOCK_J * BLOCK_P], dtype=tl.float32)
             for d0 in range(0, D, BLOCK_D):
@@ -389,7 +390,7 @@ def _kl_target_kernel(
         for j0 in range(0, KP, BLOCK_J):
             slot2 = j0 + u_j
             j2 = tl.load(pid_row + slot2 * stride_pk, mask=slot2 < KP, other=-1).to(tl.int64)
-            tmask2 = (u_i < P) & (j2 >= 0) & ((j2 + 1) * P - 1 <= t)
+            tmask2 = (u_i < P) & (j2 >= 0) & ((j2 + 1) * P - 1 <= pos)
             row2 = tl.where(tmask2, j2 * P + u_i, 0)
             s2 = tl.zeros([BLOCK_G, BLOCK_J * BLOCK_P], dtype=tl.float32)
             for d0 in range(0, D, BLOCK_D):
@@ -434,7 +435,7 @@ def _kl_rows_kernel(
     stride_dqb, stride_dqt, stride_dqh, stride_dqd,
     stride_dkb, stride_dkj, stride_dkd,
     stride_dwb, stride_dwt, stride_dwh,
-    T, KP, HI, DI, P, i_sc,
+    T, KP, HI, DI, P, Q_OFF, i_sc,
     HAS_W: tl.constexpr, RELU: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_DI: tl.constexpr,
 ):
@@ -442,13 +443,13 @@ def _kl_rows_kernel(
     to ``KL [B, T]``. Backward: reads ``DKL``, writes the dq_idx and dw rows, scatters dk_pool."""
     pid = tl.program_id(0)
     b = (pid // T).to(tl.int64)
-    t = (pid % T).to(tl.int64)
+    t = (pid % T).to(tl.int64)  # the query's row; its global position is Q_OFF + t
     offs_kp = tl.arange(0, BLOCK_KP)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_DI)
     mask_h = offs_h < HI
     pools = tl.load(PID + b * stride_pb + t * stride_pt + offs_kp * stride_pk, mask=offs_kp < KP, other=-1).to(tl.int64)
-    valid = (pools >= 0) & ((pools + 1) * P - 1 <= t)
+    valid = (pools >= 0) & ((pools + 1) * P - 1 <= Q_OFF + t)
     row = tl.where(valid, pools, 0)  # invalid slots are never read
     q_row = QI + b * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh
     kp_rows = KPOOL + b * stride_kb + row[:, None] * stride_kj
@@ -514,13 +515,14 @@ def _pow2_16(n: int) -> int:
 
 
 def _kl_target(q: torch.Tensor, k: torch.Tensor, pools: torch.Tensor, P: int, tail: bool,
-               a_sc: float) -> torch.Tensor:
+               a_sc: float, q_offset: int = 0) -> torch.Tensor:
     """Launch the target kernel: ``log p`` ``[B, T, KP]`` float32, ``-inf`` off the selection.
 
     Args:
-        q: ``[B, T, H, D]``; k: ``[B, T, HK, D]`` (one kernel dtype, the dots' operand dtype).
-        pools: ``[B, T, KP]`` int32/int64 pool ids; P: pool size; tail: the tail enters the
-            denominators; a_sc: the main softmax scale.
+        q: ``[B, T, H, D]`` queries at positions ``q_offset ..``; k: ``[B, q_offset + T, HK, D]``
+            (one kernel dtype, the dots' operand dtype).
+        pools: ``[B, T, KP]`` int32/int64 global pool ids; P: pool size; tail: the tail enters the
+            denominators; a_sc: the main softmax scale; q_offset: the first query's position.
     """
     B, T, H, D = q.shape
     HK = k.shape[2]
@@ -535,7 +537,7 @@ def _kl_target(q: torch.Tensor, k: torch.Tensor, pools: torch.Tensor, P: int, ta
     _kl_target_kernel[(B * T,)](
         q, k, pools, logp,
         *q.stride(), *k.stride(), *pools.stride(), *logp.stride(),
-        T, KP, HK, D, a_sc,
+        T, KP, HK, D, q_offset, a_sc,
         G=G, P=P, TAIL=bool(tail), BLOCK_G=_pow2_16(G), BLOCK_J=BJ, BLOCK_P=BP, BLOCK_TAIL=_pow2_16(P),
         BLOCK_D=min(64, _pow2_16(D)), BLOCK_KP=triton.next_power_of_2(KP),
     )
@@ -560,8 +562,9 @@ def _kl_rows_config(HI: int, KP: int, DI: int, backward: bool) -> dict[str, int]
 
 
 def _kl_rows(qc: torch.Tensor, kc: torch.Tensor, wc: torch.Tensor | None, pools: torch.Tensor, logp: torch.Tensor,
-             P: int, i_sc: float, relu: bool, dkl: torch.Tensor | None = None):
-    """Launch the KL-rows kernel: forward (``dkl`` None) -> ``kl [B, T]`` float32; backward ->
+             P: int, i_sc: float, relu: bool, dkl: torch.Tensor | None = None, q_offset: int = 0):
+    """Launch the KL-rows kernel (queries at positions ``q_offset ..``, ``kc`` the pools of positions
+    ``0 .. q_offset + T - 1``): forward (``dkl`` None) -> ``kl [B, T]`` float32; backward ->
     ``(dq_idx [B, T, HI, DI], dk_pool [B, NP, DI], dw [B, T, HI] or None)`` float32."""
     B, T, HI, DI = qc.shape
     KP = pools.shape[2]
@@ -582,7 +585,7 @@ def _kl_rows(qc: torch.Tensor, kc: torch.Tensor, wc: torch.Tensor | None, pools:
             qc, kc, w_arg, pools, logp, kl, dkl, dq, dkp, dw_arg,
             *qc.stride(), *kc.stride(), *w_strides, *pools.stride(), *logp.stride(), *dkl.stride(),
             *dq.stride(), *dkp.stride(), *dw_strides,
-            T, KP, HI, DI, P, i_sc,
+            T, KP, HI, DI, P, q_offset, i_sc,
             HAS_W=wc is not None, RELU=relu, BACKWARD=backward, **_kl_rows_config(HI, KP, DI, backward),
         )
     return (dq, dkp, dw) if backward else kl
@@ -592,21 +595,21 @@ class _KPoolKLRowsTriton(torch.autograd.Function):
     """``KL_t`` ``[B, T]`` float32 from the indexer inputs and the fixed target; Triton both ways."""
 
     @staticmethod
-    def forward(ctx, q_idx, k_pool, w_idx, pools, logp, P, i_sc, relu):  # type: ignore[override]
+    def forward(ctx, q_idx, k_pool, w_idx, pools, logp, P, i_sc, relu, q_offset):  # type: ignore[override]
         cdt = dot_dtype(q_idx, k_pool)  # the scores' dot operands (bf16-mixed: the 16-bit side)
         qc, kc = q_idx.to(cdt), k_pool.to(cdt)
         wc = None if w_idx is None else _kernel_dtype(w_idx)
         ctx.save_for_backward(qc, kc, wc, pools, logp)
-        ctx.P, ctx.i_sc, ctx.relu = P, i_sc, relu
+        ctx.P, ctx.i_sc, ctx.relu, ctx.q_offset = P, i_sc, relu, q_offset
         ctx.dtypes = (q_idx.dtype, k_pool.dtype, None if w_idx is None else w_idx.dtype)
-        return _kl_rows(qc, kc, wc, pools, logp, P, i_sc, relu)
+        return _kl_rows(qc, kc, wc, pools, logp, P, i_sc, relu, q_offset=q_offset)
 
     @staticmethod
     def backward(ctx, dkl):  # type: ignore[override]
         qc, kc, wc, pools, logp = ctx.saved_tensors
-        dq, dkp, dw = _kl_rows(qc, kc, wc, pools, logp, ctx.P, ctx.i_sc, ctx.relu, dkl.float())
+        dq, dkp, dw = _kl_rows(qc, kc, wc, pools, logp, ctx.P, ctx.i_sc, ctx.relu, dkl.float(), ctx.q_offset)
         q_dt, k_dt, w_dt = ctx.dtypes
-        return dq.to(q_dt), dkp.to(k_dt), None if dw is None else dw.to(w_dt), None, None, None, None, None
+        return dq.to(q_dt), dkp.to(k_dt), None if dw is None else dw.to(w_dt), None, None, None, None, None, None
 
 
 def kpool_indexer_kl_loss_triton(
@@ -622,6 +625,7 @@ def kpool_indexer_kl_loss_triton(
     query_block: int = 64,
     tail: bool = True,
     activation: str | None = "relu",
+    q_offset: int = 0,
 ) -> torch.Tensor:
     """KPool indexer loss as Triton kernels: mean over queries with a selected pool of ``KL(p || softmax(I))``.
 
@@ -646,6 +650,10 @@ def kpool_indexer_kl_loss_triton(
         tail: whether the query's incomplete tail pool enters the target's per-head softmax
             denominators (default True).
         activation: ``"relu"`` (default) or None.
+        q_offset: position of the first query (default 0), as in the reference: the queries are
+            positions ``q_offset .. q_offset + T - 1``, ``k`` and ``k_pool`` cover positions
+            ``0 .. q_offset + T - 1`` and ``pool_indices`` hold global pool ids (a
+            context-parallel slice or a recompute segment; the mean is over its own queries).
 
     Returns:
         scalar loss, float32 (float64 when the indexer inputs are float64, computed in float32);
@@ -655,13 +663,13 @@ def kpool_indexer_kl_loss_triton(
         InputError: shapes, dtypes and options as in the reference (same messages); tensors on
             different devices, or on CPU without ``TRITON_INTERPRET=1``.
     """
-    _check(q, k, q_idx, k_pool, w_idx, pool_indices, pool_size, query_block, activation)
+    _check(q, k, q_idx, k_pool, w_idx, pool_indices, pool_size, query_block, activation, q_offset)
     B, T, H, D = q.shape
     P = pool_size
     a_sc = D ** -0.5 if attn_scale is None else float(attn_scale)
     i_sc = q_idx.shape[-1] ** -0.5 if idx_scale is None else float(idx_scale)
     dt = _compute_dtype(q_idx, k_pool, w_idx)
-    if T // P == 0:  # no complete pool anywhere: nothing to train, but keep the graph connected
+    if (q_offset + T) // P == 0:  # no complete pool anywhere: nothing to train, but keep the graph connected
         zero = torch.zeros((), dtype=dt, device=q.device)
         return sum((x.sum().to(dt) * 0 for x in (q_idx, k_pool, w_idx) if x is not None), zero)
     tensors = [q, k, q_idx, k_pool, pool_indices] + ([] if w_idx is None else [w_idx])
@@ -671,8 +679,8 @@ def kpool_indexer_kl_loss_triton(
     # one operand dtype for the target's dots (bf16-mixed: the 16-bit side; see dot_dtype)
     cdt = dot_dtype(q, k)
     with torch.no_grad():
-        logp = _kl_target(q.detach().to(cdt), k.detach().to(cdt), pools, P, tail, a_sc)
-    kl = _KPoolKLRowsTriton.apply(q_idx, k_pool, w_idx, pools, logp, P, i_sc, activation == "relu")
+        logp = _kl_target(q.detach().to(cdt), k.detach().to(cdt), pools, P, tail, a_sc, q_offset)
+    kl = _KPoolKLRowsTriton.apply(q_idx, k_pool, w_idx, pools, logp, P, i_sc, activation == "relu", q_offset)
     # a query with a selected eligible pool has a finite target somewhere in its row
     count = torch.isfinite(logp).any(-1).sum()
     return (kl.sum() / count.clamp(min=1)).to(dt)

@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from ...errors import InputError
-from .kpool import kpool_expand
+from .kpool import check_key_range, kpool_expand
 from .triton_common import check_runnable, dot_dtype
 
 __all__ = ["kpool_topk_triton"]
@@ -76,12 +76,13 @@ def _kpool_topk_kernel(
     stride_kb, stride_kn, stride_kd,
     stride_wb, stride_wt, stride_wh,
     stride_ob, stride_ot, stride_ok,
-    T, NP, scale,
+    T, NP, Q_OFF, scale,
     HI: tl.constexpr, DI: tl.constexpr, P: tl.constexpr, KSEL: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_W: tl.constexpr, RELU: tl.constexpr,
 ):
-    """One program: queries ``[q0, q0 + BLOCK_Q)`` of batch row ``b``; writes their int32 pool ids."""
+    """One program: query rows ``[q0, q0 + BLOCK_Q)`` of batch row ``b`` (global positions ``Q_OFF +
+    row``); writes their int32 pool ids."""
     pid_q = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     q0 = pid_q * BLOCK_Q
@@ -91,8 +92,8 @@ def _kpool_topk_kernel(
     offs_kk = tl.arange(0, BLOCK_K)
     mask_q = offs_q < T
     mask_d = offs_d < DI
-    n_vis = (offs_q + 1) // P  # pools j < n_vis[t] are eligible for query t
-    n_end = (tl.minimum(q0 + BLOCK_Q, T)) // P  # pools this block needs (the last query sees most)
+    n_vis = (Q_OFF + offs_q + 1) // P  # pools j < n_vis[t] are eligible for the query of row t
+    n_end = (Q_OFF + tl.minimum(q0 + BLOCK_Q, T)) // P  # pools this block needs (the last query sees most)
 
     # INT64_MIN: the key of "no pool", below every real key (the high half of a real key is the
     # image of a float32, at least -2**31 + 2**23 for any non-NaN score)
@@ -177,14 +178,17 @@ def _select_pools(
     query_block: int,
     scale: float,
     activation: str | None,
+    q_offset: int = 0,
 ) -> torch.Tensor:
     """Launch the kernel on validated inputs: the selected pools as int32 ids.
 
     Args:
-        q_idx: ``[B, T, HI, DI]``; k_pool: ``[B, T // P, DI]``; w_idx: ``[B, T, HI]`` or None.
+        q_idx: ``[B, T, HI, DI]`` (queries at positions ``q_offset ..``); k_pool: ``[B, NP, DI]``
+            (``NP >= (q_offset + T) // P``); w_idx: ``[B, T, HI]`` or None.
         ksel: pools kept per query (``topk // P``, ``>= 1``).
         pool_size: ``P``; block_size, query_block: tile hints (see :func:`_blocks`).
         scale: multiplies ``q . k`` before the activation; activation: ``"relu"`` or None.
+        q_offset: the first query's global position.
 
     Returns:
         ``[B, T, ksel]`` int32 pool ids, best first (ties: lowest pool), ``-1`` padded.
@@ -201,7 +205,7 @@ def _select_pools(
         _kpool_topk_kernel[(triton.cdiv(T, bq), B)](
             qc, kc, w, out,
             *qc.stride(), *kc.stride(), *w_strides, *out.stride(),
-            T, NP, float(scale),
+            T, NP, int(q_offset), float(scale),
             HI=HI, DI=DI, P=pool_size, KSEL=ksel,
             BLOCK_Q=bq, BLOCK_N=bn, BLOCK_D=bd, BLOCK_K=bk,
             HAS_W=w_idx is not None, RELU=activation == "relu", num_warps=_num_warps(bq, bn, bk),
@@ -220,6 +224,7 @@ def kpool_topk_triton(
     query_block: int = 256,
     scale: float | None = None,
     activation: str | None = "relu",
+    q_offset: int = 0,
 ) -> torch.Tensor:
     """GLM-5.3-Flash KPool selection as a Triton kernel: causal top-(topk // P) pools, expanded, plus the tail.
 
@@ -229,9 +234,15 @@ def kpool_topk_triton(
     expanded to their ``P`` token positions each, then the query's incomplete tail pool.
     Never materialises a ``[T, T / P]`` score matrix (see the module docstring).
 
+    A range of queries at global positions ``q_offset .. q_offset + T - 1`` (a context-parallel
+    slice, a recompute segment) selects over the pooled keys of positions ``0 .. TK - 1``
+    (``TK >= q_offset + T``), as the reference does: row ``i`` is the whole sequence's row
+    ``q_offset + i``.
+
     Args:
         q_idx: ``[B, T, HI, DI]`` index queries.
-        k_pool: ``[B, T // P, DI]`` pooled keys (:func:`~genolong.kernels.dsa.kpool_keys`).
+        k_pool: ``[B, NP, DI]`` pooled keys (:func:`~genolong.kernels.dsa.kpool_keys`),
+            ``NP >= (q_offset + T) // P`` (``T // P`` for the whole sequence).
         w_idx: ``[B, T, HI]`` head weights or None (weight 1). glm5_next folds ``HI ** -0.5`` in.
         topk: token budget (glm5_next ``index_topk``, 2048); divisible by ``pool_size``.
         pool_size: ``P`` (glm5_next ``index_kpool``, 16).
@@ -242,9 +253,11 @@ def kpool_topk_triton(
             clamped to ``[16, 32]`` (the running buffer lives in registers).
         scale: default ``DI ** -0.5``.
         activation: ``"relu"`` (default) or None (identity); others raise (use the torch backend).
+        q_offset: the first query's global position (default 0).
 
     Returns:
-        token indices ``[B, T, topk + P - 1]`` (``[B, T, topk]`` without tail) int64, ``-1`` padded;
+        token indices ``[B, T, topk + P - 1]`` (``[B, T, topk]`` without tail) int64 global
+        positions, ``-1`` padded;
         selected pools best first, then the tail. Computed without autograd.
 
     Raises:
@@ -261,8 +274,7 @@ def kpool_topk_triton(
     # the reference's two checks, message for message (kernels/dsa/kpool.py::kpool_topk)
     if P < 1 or topk % P != 0:
         raise ValueError(f"topk ({topk}) must be divisible by the pool size ({P}), as in glm5_next")
-    if k_pool.shape != (B, T // P, DI):
-        raise ValueError(f"k_pool must be [B, T // P, DI] = {(B, T // P, DI)}; got {tuple(k_pool.shape)}")
+    check_key_range(k_pool, B, T, DI, P, q_offset)
     if w_idx is not None and w_idx.shape != (B, T, HI):
         raise InputError(f"w_idx must be [B, T, HI] = {(B, T, HI)}; got {tuple(w_idx.shape)}")
     if topk < 0 or block_size < 1 or query_block < 1:
@@ -273,8 +285,8 @@ def kpool_topk_triton(
         raise InputError(
             f"activation {activation!r} has no Triton kernel; use 'relu' or None, or kernel_backend 'torch'"
         )
-    if T // P >= 2**31 - 1:
-        raise InputError(f"{T // P} pools do not fit the kernel's 31-bit pool field")
+    if k_pool.shape[1] >= 2**31 - 1 or q_offset + T >= 2**31 - 1:
+        raise InputError(f"{k_pool.shape[1]} pools (positions up to {q_offset + T}) do not fit the kernel's 31-bit fields")
     tensors = (q_idx, k_pool) if w_idx is None else (q_idx, k_pool, w_idx)
     check_runnable(_kpool_topk_kernel, "genolong.kernels.dsa.triton_topk",
                    "kpool_topk_triton", "q_idx, k_pool and w_idx", *tensors)
@@ -284,5 +296,5 @@ def kpool_topk_triton(
         if ksel == 0:
             pools = torch.full((B, T, 0), -1, dtype=torch.int64, device=q_idx.device)
         else:
-            pools = _select_pools(q_idx, k_pool, w_idx, ksel, P, block_size, query_block, sc, activation)
-        return kpool_expand(pools.long(), P, tail)
+            pools = _select_pools(q_idx, k_pool, w_idx, ksel, P, block_size, query_block, sc, activation, q_offset)
+        return kpool_expand(pools.long(), P, tail, q_offset)

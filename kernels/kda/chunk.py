@@ -51,13 +51,18 @@ def _lower_left_quadrants(M: torch.Tensor, h: int) -> torch.Tensor:
     return d.movedim(-1, -3)[..., h:, :h].reshape(*lead, n * nb, h, h)
 
 
-def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Tensor,
+                 gate_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decay-weighted in-chunk matrices, built bottom-up over blocks of size 1, 2, 4, ..., C.
 
     Args:
         q, k: ``[..., C, K]`` (q already scaled), ``C`` a power of two.
         G: in-chunk inclusive cumulative log decay ``[..., C, K]``.
         beta: ``[..., C]``.
+        gate_bound: a bound ``b >= -g`` on every per-token log decay, or None (default). With it
+            the fast-path choice is made on the host when ``(sub-block - 1) * b`` is below the safe
+            spread (no read of the data, so no device-to-host sync); otherwise, or without it, the
+            largest sub-block spread is read from the data (one sync).
 
     Returns:
         ``(Aqk, Tm)``, both ``[..., C, C]``: ``Aqk`` lower triangular with diagonal (q_t . k_t on
@@ -73,10 +78,14 @@ def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.
     C, K = q.shape[-2:]
     c = min(_SUB_BLOCK, C)
     fast = False
-    if c > 1:
+    safe = _SAFE_SPREAD.get(G.dtype, 80.0)
+    if c > 1 and gate_bound is not None and (c - 1) * gate_bound <= safe:
+        # a sub-block's spread is the decay of its last c - 1 tokens: at most (c - 1) * bound
+        fast = True
+    elif c > 1:
         Gs = G.detach().reshape(*lead, C // c, c, K)
         spread = (Gs[..., 0, :] - Gs[..., -1, :]).max().item()
-        fast = spread <= _SAFE_SPREAD.get(G.dtype, 80.0)
+        fast = spread <= safe
     if fast:
         ns = C // c
         Gv = G.reshape(*lead, ns, c, K)
@@ -134,6 +143,8 @@ def chunk_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    *,
+    gate_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention in chunked (UT transform / WY) form; equal to :func:`recurrent_kda`.
 
@@ -149,6 +160,9 @@ def chunk_kda(
         output_final_state: return the state after the last token (else None). Default False.
         chunk_size: tokens per chunk, a power of two; default 64. Any ``T`` works (the tail chunk
             is padded internally with k = 0, beta = 0, g = 0, which leaves the state unchanged).
+        gate_bound: keyword only, a known bound ``b >= -g`` (the lower-bound gate's ``-lower_bound``,
+            5); default None. It only lets the in-chunk path be chosen without reading ``g`` back
+            to the host (a device-to-host sync per call); the result is the same.
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in ``v``'s dtype; ``final_state`` ``[B, H, K, V]``
@@ -191,7 +205,7 @@ def chunk_kda(
     bc = bc.reshape(BH, N, C)
 
     G = gc.cumsum(-2)                                        # [BH, N, C, K]
-    Aqk, Tm = _intra_chunk(qc, kc, G, bc)                    # [BH, N, C, C]
+    Aqk, Tm = _intra_chunk(qc, kc, G, bc, gate_bound)        # [BH, N, C, C]
     bcol = bc.unsqueeze(-1)
     u = Tm @ (bcol * vc)                                     # [BH, N, C, V]
     w = Tm @ (bcol * torch.exp(G) * kc)                      # [BH, N, C, K]

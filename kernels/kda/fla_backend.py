@@ -290,8 +290,10 @@ def reference_chunk_kda_gated(
     """
     g = kda_gate(g_raw, A_log, dt_bias, lower_bound)
     beta = torch.sigmoid(beta_logits.float())
+    # the lower-bound gate keeps -g below -lower_bound: chunk_kda then needs no read of g (no sync)
+    bound = -lower_bound if lower_bound is not None and lower_bound < 0 else None
     return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state, chunk_size=chunk_size)
+                     output_final_state=output_final_state, chunk_size=chunk_size, gate_bound=bound)
 
 
 def make_fla_chunk_kda_gated(
