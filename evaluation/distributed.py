@@ -44,7 +44,7 @@ from ..integrity import check_weights
 from ..model.loss import model_inputs, next_token_nll
 from ..model.vocab import VocabMap
 from ..signals import SignalFlag
-from .checkpoint import _DCP_META, _local_box, check_adapter, load_eval_model, merge_adapter, scoring_kernel_backend
+from .checkpoint import _DCP_META, check_adapter, load_eval_model, merge_adapter, scoring_kernel_backend
 
 __all__ = [
     "ScoringGroup", "assemble_nll", "broadcast_from_writer", "gather_to_writer", "launch", "load_scoring_model",
@@ -374,60 +374,12 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
 
 def _fill_from_export(model: torch.nn.Module, directory: Path) -> None:
     """Fill a sharded model's local parts from a GLM-5.3-Flash-format directory, reading only this
-    rank's rows of each checkpoint tensor (safetensors slices); floating tensors cast to ``dtype``
-    (buffers keep theirs, as :func:`genolong.model.hf.load_checkpoint`); the parameters are
-    already in their dtype."""
-    from safetensors import safe_open
-    from torch.distributed.tensor import DTensor
+    rank's rows of each checkpoint tensor: the sharded loader training uses too
+    (:func:`genolong.parallel.load.fill_from_safetensors`); floating tensors cast to the
+    parameters' dtype, buffers keep theirs."""
+    from ..parallel.load import fill_from_safetensors
 
-    from ..model.hf import HEAD, _READ_PREFIXES, _weight_map, checkpoint_layout
-
-    weight_map = _weight_map(directory)
-    prefix = next((p for p in _READ_PREFIXES if f"{p}embed_tokens.weight" in weight_map), None)
-    if prefix is None:
-        raise InputError(f"checkpoint {directory} has no embed_tokens.weight; it is not a GLM-5.3-Flash text model")
-    state = model.state_dict()
-    filled: dict[str, int] = {}
-    handles: dict[str, Any] = {}
-    try:
-        for entry in checkpoint_layout(model):
-            target = state[entry.target]
-            local = target.to_local() if isinstance(target, DTensor) else target
-            offset, shape = _local_box(target)
-            # the entry's region of the target: leading dims fixed by its index, the rest whole
-            lo, hi, squeeze = [], [], []
-            for d in range(target.dim()):
-                part = entry.index[d] if d < len(entry.index) else slice(None)
-                if isinstance(part, int):
-                    lo.append(part), hi.append(part + 1), squeeze.append(True)
-                else:
-                    start, stop, _ = part.indices(target.shape[d])
-                    lo.append(start), hi.append(stop), squeeze.append(False)
-            a = [max(l, o) for l, o in zip(lo, offset)]
-            b = [min(h, o + s) for h, o, s in zip(hi, offset, shape)]
-            if any(x >= y for x, y in zip(a, b)):
-                continue  # none of this checkpoint tensor lies in this rank's shard
-            name = HEAD if entry.name == HEAD else f"{prefix}{entry.name}"
-            if name not in weight_map:
-                raise InputError(f"checkpoint {directory} lacks tensor {name}; it is incomplete or config.json describes another model")
-            shard = weight_map[name]
-            if shard not in handles:
-                handles[shard] = safe_open(directory / shard, framework="pt", device="cpu").__enter__()
-            source = handles[shard].get_slice(name)
-            # the source's dims are the target's without the squeezed (integer-indexed) ones
-            index = tuple(slice(x - l, y - l) for x, y, l, sq in zip(a, b, lo, squeeze) if not sq)
-            value = source[index] if index else source[:]
-            dest = local[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, offset))]
-            dest.copy_(value.reshape(dest.shape).to(dest.dtype))
-            filled[entry.target] = filled.get(entry.target, 0) + dest.numel()
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
-    for name, tensor in state.items():
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if filled.get(name, 0) != local.numel():
-            raise InputError(f"checkpoint {directory} does not fill {name} of the model built from config.json; "
-                             "the checkpoint is incomplete or describes another model")
+    fill_from_safetensors(model, directory)
 
 
 def _fill_from_dcp(model: torch.nn.Module, path: Path) -> None:

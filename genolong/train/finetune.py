@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import re
 import shutil
@@ -55,6 +56,7 @@ import signal
 import sys
 import warnings
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -87,6 +89,7 @@ from ..parallel import parallelize
 from ..parallel.timeout import describe_stall, in_frames, stall_guard
 from ..signals import SignalFlag, keep_only
 from ..slurm import check_task_layout, partial_saves
+from ..units import format_bytes
 from .async_checkpoint import BackgroundWriter, snapshot
 from .callbacks import SaveRecipe, StepMetrics, TrainingBar
 from .module import GenoLMModule, OptimSettings
@@ -223,23 +226,82 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
                 self.writer.close()
         super().teardown()
 
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Lightning's model state for a checkpoint; without the frozen parameters when the module
+        says they are read from the base again (``GenoLMModule.checkpoint_frozen`` False): a
+        checkpoint then holds what training changes."""
+        module = self.lightning_module
+        if module is None or getattr(module, "checkpoint_frozen", True):
+            return super().lightning_module_state_dict()
+        assert self.model is not None
+        options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True,
+                                   ignore_frozen_params=True)
+        return get_model_state_dict(self.model, options=options)
+
+    def _absent(self, present: set[str], path: Path) -> list[str]:
+        """The model state keys a checkpoint lacks (``present``: the keys it holds), once checked
+        to be frozen parameters that the base supplies.
+
+        Raises:
+            InputError: a trained parameter or a buffer missing, or frozen ones missing from the
+                checkpoint of a run without a base to read them from.
+        """
+        assert self.model is not None and self.lightning_module is not None
+        frozen = {name for name, p in self.model.named_parameters() if not p.requires_grad}
+        absent = [k for k in self.model.state_dict() if k not in present]
+        trained = [k for k in absent if k not in frozen]
+        if trained:
+            raise InputError(f"{path} lacks {trained[0].removeprefix('model.')}, which this run trains: it was written by a run "
+                             "with other model.freeze / model.lora settings; resume with that recipe")
+        if absent and getattr(self.lightning_module, "checkpoint_frozen", True):
+            raise InputError(f"{path} lacks the frozen {absent[0].removeprefix('model.')}, kept in the base checkpoint it was "
+                             "trained from; set model.checkpoint to that base")
+        return absent
+
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's loader for sharded (DTensor) models; for a plain, unsharded model (one
         process, no FSDP) a full checkpoint file, read with ``weights_only=True`` unless told
-        otherwise: model and optimiser states are set here, the rest is returned to Lightning."""
+        otherwise: model and optimiser states are set here, the rest is returned to Lightning.
+        A checkpoint without the frozen parameters (read from the base by the sharded loader
+        before this runs) restores the rest of the model (:meth:`_absent` checks what it lacks)."""
         assert self.model is not None and self.lightning_module is not None
         if any(isinstance(p, DTensor) for p in self.model.parameters()):
-            self._check_shards(Path(self.broadcast(str(checkpoint_path))))
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            path = Path(self.broadcast(str(checkpoint_path)))
+            self._check_shards(path)
+            from torch.distributed.checkpoint import FileSystemReader
+
+            stored = {k.removeprefix("state_dict.") for k in FileSystemReader(path).read_metadata().state_dict_metadata
+                      if k.startswith("state_dict.")}
+            if not self._absent(stored, path):
+                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            return self._load_partial_dcp(path, stored, weights_only)
         path = Path(self.broadcast(str(checkpoint_path)))
         checkpoint = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
-        strict = self.lightning_module.strict_loading
+        strict = self.lightning_module.strict_loading and not self._absent(set(checkpoint["state_dict"]), path)
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=StateDictOptions(full_state_dict=True, strict=strict))
         # Lightning saved the optimiser states re-keyed by parameter id (torch's standard format)
         for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
             optimizer.load_state_dict(state)
         return checkpoint
 
+
+    def _load_partial_dcp(self, path: Path, stored: set[str], weights_only: bool | None) -> dict[str, Any]:
+        """Lightning's sharded restore (``lightning.fabric.strategies.model_parallel._load_checkpoint``)
+        of a checkpoint that holds only what training changed: the model keys it holds, into the
+        sharded model in place, then the optimiser states; returns the rest (``meta.pt``)."""
+        from torch.distributed.checkpoint import load
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        assert self.model is not None
+        module_state = {k: v for k, v in get_model_state_dict(self.model).items() if k in stored}
+        load({"state_dict": module_state}, checkpoint_id=path)
+        self.model.load_state_dict(module_state, strict=False)
+        for i, optimizer in enumerate(self.optimizers):
+            optim_state = {f"optimizer_{i}": get_optimizer_state_dict(self.model, optimizer)}
+            load(optim_state, checkpoint_id=path)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[f"optimizer_{i}"],
+                                     options=StateDictOptions(cpu_offload=True))
+        return torch.load(path / "meta.pt", weights_only=True if weights_only is None else weights_only)
 
     def _check_shards(self, path: Path) -> None:
         """Each rank checks the checksums of its own shard of a DCP checkpoint (the rest was checked
@@ -280,10 +342,11 @@ def _save_dcp(checkpoint: dict[str, Any], path: Path, group: dist.ProcessGroup |
 
 
 def _tensor_bytes(state: Any) -> int:
-    """The bytes of the tensors in a (nested) checkpoint dict: about its size on disk (this rank's
-    shards for a sharded model)."""
+    """The bytes of the tensors in a (nested) checkpoint dict: about the size on disk of the whole
+    save, every rank's shards together (a DTensor counts with its global shape, a plain tensor
+    once: DCP writes a replicated one once), the same figure on every rank."""
     if isinstance(state, DTensor):
-        return state.to_local().nbytes
+        return math.prod(state.shape) * state.element_size()
     if isinstance(state, torch.Tensor):
         return state.nbytes
     if isinstance(state, dict):
@@ -431,8 +494,66 @@ def _build_model(recipe: Recipe) -> GenoLM:
     chunk = recipe.memory.moe_chunk_tokens
     torch.manual_seed(recipe.seed)
     if recipe.model.checkpoint is not None:
-        return GenoLM.from_pretrained(recipe.model.checkpoint, moe_chunk_tokens=chunk, config=config)
+        # on the meta device: the module shards it, then _load_weights reads each rank's part
+        with torch.device("meta"):
+            return GenoLM(config, moe_chunk_tokens=chunk)
     return GenoLM(config, moe_chunk_tokens=chunk)
+
+
+def _load_weights(recipe: Recipe, resume: bool, model: GenoLM, kept: Mapping[str, torch.Tensor], device: torch.device) -> None:
+    """The sharded loader (:mod:`genolong.parallel.load`) for a model built on the meta device
+    from ``model.checkpoint`` and parallelized: the base's files checked (each rank a share of the
+    checksums), this rank's shards allocated in their dtypes, ``kept`` (LoRA's adapters) put back,
+    and this rank's rows of every base tensor read. With ``resume`` the trained parameters and the
+    buffers are not read: the checkpoint restores them next."""
+    from ..parallel.load import check_base, fill_from_safetensors, materialize
+
+    base = recipe.model.checkpoint
+    assert base is not None
+    check_base(base)
+    materialize(model, device, kept)
+    skip = None
+    if resume:
+        restored = {name for name, p in model.named_parameters() if p.requires_grad} | {name for name, _ in model.named_buffers()}
+        skip = restored.__contains__
+    counter = fill_from_safetensors(model, base, skip=skip)
+    log.info("genolong: read %s of %s for this rank's shards (%d files)", format_bytes(counter.bytes), base, len(counter.files))
+
+
+def _base_reference(recipe: Recipe) -> dict[str, str] | None:
+    """What a run's checkpoints record of its base (``model.checkpoint``): its path and
+    :func:`genolong.parallel.load.base_digest`; None for a run from a preset's fresh weights."""
+    from ..parallel.load import base_digest
+
+    base = recipe.model.checkpoint
+    if base is None:
+        return None
+    return {"path": str(base), "digest": base_digest(base)}
+
+
+def _saved_genolong_state(checkpoint: Path) -> dict[str, Any]:
+    """The ``genolong`` entry of a checkpoint (file, or ``meta.pt`` of a sharded directory), read
+    without its tensors (mmap)."""
+    source = checkpoint / "meta.pt" if checkpoint.is_dir() else checkpoint
+    state = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+    return dict(state.get("genolong", {}))
+
+
+def _check_same_base(checkpoint: Path, base: dict[str, str] | None) -> None:
+    """``--resume`` reads the frozen weights from the recipe's base again: it must be the base the
+    checkpoint was trained from (its digest, recorded at every save).
+
+    Raises:
+        InputError: another base (or none) than the checkpoint's.
+    """
+    saved = _saved_genolong_state(checkpoint).get("base")
+    if saved is None:
+        return  # an older checkpoint, or a run from fresh weights: it holds every parameter
+    if base is None or base["digest"] != saved.get("digest"):
+        now = "no model.checkpoint" if base is None else f"model.checkpoint {base['path']} (digest {base['digest'][:24]}...)"
+        raise InputError(f"--resume: {checkpoint.name} holds only what training changed on the base {saved.get('path')} "
+                         f"(digest {str(saved.get('digest'))[:24]}...), but the recipe has {now}; point model.checkpoint "
+                         "to that base")
 
 
 def _parallelize(recipe: Recipe, model: GenoLM, mesh: DeviceMesh | None) -> GenoLM:
@@ -608,6 +729,9 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
             "that run, or set another name / checkpoint.dir"
         )
 
+    base = _base_reference(recipe)
+    if resume and resume_from is not None:
+        _check_same_base(resume_from, base)
     m = recipe.memory
     module = GenoLMModule(
         build_model=functools.partial(_build_model, recipe),
@@ -627,7 +751,10 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
         frozen_dtype=torch.bfloat16 if recipe.train.precision == "bf16-mixed" else None,
         max_consecutive_nonfinite=recipe.train.max_consecutive_nonfinite,
         indexer_kl_weight=recipe.train.indexer_kl_weight,
-        extra_checkpoint_state={"recipe": recipe.to_dict()},
+        extra_checkpoint_state={"recipe": recipe.to_dict(), **({"base": base} if base is not None else {})},
+        load_weights=None if recipe.model.checkpoint is None else functools.partial(_load_weights, recipe, resume),
+        # with a base checkpoint the frozen weights are read from it again on --resume: not saved
+        checkpoint_frozen=recipe.model.checkpoint is None,
         context_cut=recipe.train.context_cut,
         moe_capacity_factor=m.moe_capacity_factor,
         moe_collapse_steps=recipe.logging.moe_collapse_steps,
