@@ -337,6 +337,7 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
                          "a run directory (runs/NAME) or a sharded runs/NAME/checkpoints/step*.ckpt directory")
     check_weights(path)  # every rank: a damaged file in one line, before anything is read
     vocab = None
+    base = None  # a checkpoint's base reference (it then omits the frozen weights)
     if export:
         config = ModelConfig.from_pretrained(path)
         if config.vocab_size != VOCAB_SIZE:
@@ -347,6 +348,7 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
         if recipe_data is None:
             raise InputError(f"{path} is not a genolong finetune checkpoint (no recipe inside); give a run's export/ directory")
         recipe = parse_recipe(recipe_data, source=str(path))
+        base = meta.get("genolong", {}).get("base")
         if recipe.model.lora is not None:
             raise InputError(f"{path} is a LoRA run's checkpoint (its recipe sets model.lora): score it in one process, "
                              "or score the run's export/ (merged) or its base with --adapter runs/NAME/adapter on several")
@@ -357,6 +359,15 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
         mapped = recipe.vocab_map(config)
         vocab = None if mapped == VocabMap.identity() else mapped
     config = config.replace(kernel_backend=kernel_backend)
+    if not export and base is not None:
+        # a checkpoint of what training changed: the frozen weights from the run's base (sharded
+        # loader), the rest from the checkpoint, then every weight in float32
+        from .checkpoint import _base_names, _to_float32, base_of_checkpoint
+
+        model = base_of_checkpoint(recipe, config, base, path, mesh_fn=lambda m: shard_for_scoring(m, group), device=device)
+        _fill_from_dcp(model, path, _base_names(model))
+        _to_float32(model)
+        return model.eval(), vocab
     with torch.device("meta"):
         model = GenoLM(config)
         for param in model.parameters():  # parameters in ``dtype``; buffers keep theirs (the router bias fp32)
@@ -382,19 +393,24 @@ def _fill_from_export(model: torch.nn.Module, directory: Path) -> None:
     fill_from_safetensors(model, directory)
 
 
-def _fill_from_dcp(model: torch.nn.Module, path: Path) -> None:
+def _fill_from_dcp(model: torch.nn.Module, path: Path, from_base: set[str] | None = None) -> None:
     """Fill a sharded model from a sharded (DCP) finetune checkpoint: ``dcp.load`` into the DTensor
     state dict reads only each rank's parts (resharded from the mesh that wrote it); the
-    optimiser states in it are not read."""
+    optimiser states in it are not read. ``from_base``: names already read from the run's base
+    that the checkpoint may lack (its frozen weights)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     weights = {f"model.{k}": v for k, v in get_model_state_dict(model).items()}
+    if from_base:
+        stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        weights = {k: v for k, v in weights.items() if f"state_dict.{k}" in stored or k.removeprefix("model.") not in from_base}
     try:
         dcp.load({"state_dict": weights}, checkpoint_id=path)
     except Exception as error:  # DCP reports a missing key or another shape as a CheckpointException
         raise InputError(f"{path} does not fit its recipe's model ({str(error).splitlines()[-1][:200]})") from error
-    set_model_state_dict(model, {k.removeprefix("model."): v for k, v in weights.items()})
+    set_model_state_dict(model, {k.removeprefix("model."): v for k, v in weights.items()},
+                         options=StateDictOptions(strict=not from_base))
 
 
 @contextmanager
