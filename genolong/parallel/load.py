@@ -47,8 +47,8 @@ from torch.distributed.tensor import DTensor
 from ..errors import InputError
 from ..model.hf import HEAD, INDEX_FILE, SINGLE_FILE, CheckpointTensor, _READ_PREFIXES, _skip_reason, _weight_map, layout_of
 
-__all__ = ["ReadCounter", "SafetensorsFile", "base_digest", "base_targets", "check_base", "fill_from_safetensors", "local_box",
-           "materialize", "to_meta"]
+__all__ = ["REPORT_VARIABLE", "ReadCounter", "SafetensorsFile", "base_digest", "base_targets", "check_base", "fill_from_safetensors", "load_report", "local_box",
+           "materialize", "resident_peak", "to_meta"]
 
 #: safetensors dtype names -> torch dtypes
 _DTYPES = {
@@ -409,3 +409,45 @@ def check_base(directory: str | os.PathLike[str]) -> None:
     for report in reports:
         if report is not None:
             raise InputError(report)
+
+
+#: an environment variable naming a directory: each rank's load figures are written there as
+#: ``load-rank{R}.json`` (:func:`load_report`; the tests and benchmarks/sharded_load.py read them)
+REPORT_VARIABLE = "GENOLONG_LOAD_REPORT"
+
+
+def resident_peak(reset: bool = False) -> int | None:
+    """This process's resident-set peak (``VmHWM``) in bytes, or with ``reset`` its resident set
+    now (``VmRSS``) after starting the peak again from it (``/proc/self/clear_refs``); None where
+    /proc has neither (not Linux)."""
+    status = Path("/proc/self/status")
+    if not status.is_file():
+        return None
+    if reset:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            return None
+    field = "VmRSS:" if reset else "VmHWM:"
+    for line in status.read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def load_report(model: nn.Module, counter: ReadCounter, before: int | None, peak: int | None) -> None:
+    """Write this rank's load figures to ``$GENOLONG_LOAD_REPORT/load-rank{R}.json`` when that
+    variable is set: ``read`` and ``replicated`` (bytes, :class:`ReadCounter`), ``largest`` (the
+    largest read), ``share`` (bytes of this rank's local tensors), ``increase`` (resident-set peak
+    during the load over the resident set before it; None off Linux)."""
+    directory = os.environ.get(REPORT_VARIABLE)
+    if not directory:
+        return
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    share = sum(_local(t).numel() * t.element_size() for t in model.state_dict(keep_vars=True).values())
+    figures = {"read": counter.bytes, "replicated": counter.replicated, "largest": counter.largest, "share": share,
+               "increase": None if before is None or peak is None else peak - before}
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    Path(directory, f"load-rank{rank}.json").write_text(json.dumps(figures) + "\n")

@@ -508,15 +508,19 @@ def _load_weights(recipe: Recipe, resume: bool, model: GenoLM, kept: Mapping[str
     buffers are not read: the checkpoint restores them next."""
     from ..parallel.load import check_base, fill_from_safetensors, materialize
 
+    from ..parallel.load import load_report, resident_peak
+
     base = recipe.model.checkpoint
     assert base is not None
     check_base(base)
+    before = resident_peak(reset=True)
     materialize(model, device, kept)
     skip = None
     if resume:
         restored = {name for name, p in model.named_parameters() if p.requires_grad} | {name for name, _ in model.named_buffers()}
         skip = restored.__contains__
     counter = fill_from_safetensors(model, base, skip=skip)
+    load_report(model, counter, before, resident_peak())
     log.info("genolong: read %s of %s for this rank's shards (%d files)", format_bytes(counter.bytes), base, len(counter.files))
 
 
