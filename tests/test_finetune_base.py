@@ -133,7 +133,7 @@ def test_resume_against_another_base_is_one_line(sample_store: Path, tmp_path: P
     """--resume reads the frozen weights from the recipe's base: a base other than the one the
     checkpoint recorded (its digest) is refused before anything loads."""
     from genolong.errors import InputError
-    from genolong.train.finetune import _check_same_base
+    from genolong.train.base import check_same_base as _check_same_base
 
     step = tmp_path / "step0000002.ckpt"
     step.mkdir()

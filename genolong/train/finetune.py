@@ -28,8 +28,14 @@ each rank hashes its own shard for the manifest, and checks its own shard on res
 against the checksum manifest written with it; a damaged newer one is named on stderr): the model, optimiser,
 schedule, loop counters, MoE routing biases and the window stream, so the losses of the steps that
 follow equal those of an uninterrupted run (CPU, deterministic). Checkpoints load with
-``weights_only=True``: nothing in them is unpickled as code. They hold the whole model (frozen
-base weights and adapters too), so a resume needs nothing but the checkpoint.
+``weights_only=True``: nothing in them is unpickled as code. A run from a base checkpoint
+(``model.checkpoint``) saves what training changes (trained parameters, their optimiser state,
+adapters, buffers, RNG, data position) and the base's path and digest; ``--resume`` checks the
+digest and reads the frozen weights from the base again (:mod:`genolong.train.base`). A run from
+a preset's fresh weights saves the whole model.
+
+The model of a run from a base is built on the meta device and parallelized, then each rank
+allocates and reads only its own shards (:mod:`genolong.parallel.load`).
 
 In a ``bf16-mixed`` run the frozen parameters (``model.freeze``, or every base weight under
 ``model.lora``) are stored in bf16 where that leaves the forward unchanged
@@ -56,7 +62,6 @@ import signal
 import sys
 import warnings
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -89,8 +94,8 @@ from ..parallel import parallelize
 from ..parallel.timeout import describe_stall, in_frames, stall_guard
 from ..signals import SignalFlag, keep_only
 from ..slurm import check_task_layout, partial_saves
-from ..units import format_bytes
 from .async_checkpoint import BackgroundWriter, snapshot
+from .base import absent_keys, base_reference, check_same_base, load_base_weights, load_partial_dcp
 from .callbacks import SaveRecipe, StepMetrics, TrainingBar
 from .module import GenoLMModule, OptimSettings
 from .preemption import RunCheckpoint, StopSignalConnector, auto_resume_reason, finish_stop, remove_marker
@@ -238,32 +243,12 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
                                    ignore_frozen_params=True)
         return get_model_state_dict(self.model, options=options)
 
-    def _absent(self, present: set[str], path: Path) -> list[str]:
-        """The model state keys a checkpoint lacks (``present``: the keys it holds), once checked
-        to be frozen parameters that the base supplies.
-
-        Raises:
-            InputError: a trained parameter or a buffer missing, or frozen ones missing from the
-                checkpoint of a run without a base to read them from.
-        """
-        assert self.model is not None and self.lightning_module is not None
-        frozen = {name for name, p in self.model.named_parameters() if not p.requires_grad}
-        absent = [k for k in self.model.state_dict() if k not in present]
-        trained = [k for k in absent if k not in frozen]
-        if trained:
-            raise InputError(f"{path} lacks {trained[0].removeprefix('model.')}, which this run trains: it was written by a run "
-                             "with other model.freeze / model.lora settings; resume with that recipe")
-        if absent and getattr(self.lightning_module, "checkpoint_frozen", True):
-            raise InputError(f"{path} lacks the frozen {absent[0].removeprefix('model.')}, kept in the base checkpoint it was "
-                             "trained from; set model.checkpoint to that base")
-        return absent
-
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's loader for sharded (DTensor) models; for a plain, unsharded model (one
         process, no FSDP) a full checkpoint file, read with ``weights_only=True`` unless told
         otherwise: model and optimiser states are set here, the rest is returned to Lightning.
         A checkpoint without the frozen parameters (read from the base by the sharded loader
-        before this runs) restores the rest of the model (:meth:`_absent` checks what it lacks)."""
+        before this runs) restores the rest of the model (:func:`~genolong.train.base.absent_keys` checks what it lacks)."""
         assert self.model is not None and self.lightning_module is not None
         if any(isinstance(p, DTensor) for p in self.model.parameters()):
             path = Path(self.broadcast(str(checkpoint_path)))
@@ -272,36 +257,18 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
 
             stored = {k.removeprefix("state_dict.") for k in FileSystemReader(path).read_metadata().state_dict_metadata
                       if k.startswith("state_dict.")}
-            if not self._absent(stored, path):
+            if not absent_keys(self.model, self.lightning_module, stored, path):
                 return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-            return self._load_partial_dcp(path, stored, weights_only)
+            return load_partial_dcp(self.model, self.optimizers, path, stored, weights_only)
         path = Path(self.broadcast(str(checkpoint_path)))
         checkpoint = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
-        strict = self.lightning_module.strict_loading and not self._absent(set(checkpoint["state_dict"]), path)
+        strict = self.lightning_module.strict_loading and not absent_keys(self.model, self.lightning_module, set(checkpoint["state_dict"]), path)
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=StateDictOptions(full_state_dict=True, strict=strict))
         # Lightning saved the optimiser states re-keyed by parameter id (torch's standard format)
         for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
             optimizer.load_state_dict(state)
         return checkpoint
 
-
-    def _load_partial_dcp(self, path: Path, stored: set[str], weights_only: bool | None) -> dict[str, Any]:
-        """Lightning's sharded restore (``lightning.fabric.strategies.model_parallel._load_checkpoint``)
-        of a checkpoint that holds only what training changed: the model keys it holds, into the
-        sharded model in place, then the optimiser states; returns the rest (``meta.pt``)."""
-        from torch.distributed.checkpoint import load
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-        assert self.model is not None
-        module_state = {k: v for k, v in get_model_state_dict(self.model).items() if k in stored}
-        load({"state_dict": module_state}, checkpoint_id=path)
-        self.model.load_state_dict(module_state, strict=False)
-        for i, optimizer in enumerate(self.optimizers):
-            optim_state = {f"optimizer_{i}": get_optimizer_state_dict(self.model, optimizer)}
-            load(optim_state, checkpoint_id=path)
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[f"optimizer_{i}"],
-                                     options=StateDictOptions(cpu_offload=True))
-        return torch.load(path / "meta.pt", weights_only=True if weights_only is None else weights_only)
 
     def _check_shards(self, path: Path) -> None:
         """Each rank checks the checksums of its own shard of a DCP checkpoint (the rest was checked
@@ -500,66 +467,6 @@ def _build_model(recipe: Recipe) -> GenoLM:
     return GenoLM(config, moe_chunk_tokens=chunk)
 
 
-def _load_weights(recipe: Recipe, resume: bool, model: GenoLM, kept: Mapping[str, torch.Tensor], device: torch.device) -> None:
-    """The sharded loader (:mod:`genolong.parallel.load`) for a model built on the meta device
-    from ``model.checkpoint`` and parallelized: the base's files checked (each rank a share of the
-    checksums), this rank's shards allocated in their dtypes, ``kept`` (LoRA's adapters) put back,
-    and this rank's rows of every base tensor read. With ``resume`` the trained parameters and the
-    buffers are not read: the checkpoint restores them next."""
-    from ..parallel.load import check_base, fill_from_safetensors, materialize
-
-    from ..parallel.load import load_report, resident_peak
-
-    base = recipe.model.checkpoint
-    assert base is not None
-    check_base(base)
-    before = resident_peak(reset=True)
-    materialize(model, device, kept)
-    skip = None
-    if resume:
-        restored = {name for name, p in model.named_parameters() if p.requires_grad} | {name for name, _ in model.named_buffers()}
-        skip = restored.__contains__
-    counter = fill_from_safetensors(model, base, skip=skip)
-    load_report(model, counter, before, resident_peak())
-    log.info("genolong: read %s of %s for this rank's shards (%d files)", format_bytes(counter.bytes), base, len(counter.files))
-
-
-def _base_reference(recipe: Recipe) -> dict[str, str] | None:
-    """What a run's checkpoints record of its base (``model.checkpoint``): its path and
-    :func:`genolong.parallel.load.base_digest`; None for a run from a preset's fresh weights."""
-    from ..parallel.load import base_digest
-
-    base = recipe.model.checkpoint
-    if base is None:
-        return None
-    return {"path": str(base), "digest": base_digest(base)}
-
-
-def _saved_genolong_state(checkpoint: Path) -> dict[str, Any]:
-    """The ``genolong`` entry of a checkpoint (file, or ``meta.pt`` of a sharded directory), read
-    without its tensors (mmap)."""
-    source = checkpoint / "meta.pt" if checkpoint.is_dir() else checkpoint
-    state = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
-    return dict(state.get("genolong", {}))
-
-
-def _check_same_base(checkpoint: Path, base: dict[str, str] | None) -> None:
-    """``--resume`` reads the frozen weights from the recipe's base again: it must be the base the
-    checkpoint was trained from (its digest, recorded at every save).
-
-    Raises:
-        InputError: another base (or none) than the checkpoint's.
-    """
-    saved = _saved_genolong_state(checkpoint).get("base")
-    if saved is None:
-        return  # an older checkpoint, or a run from fresh weights: it holds every parameter
-    if base is None or base["digest"] != saved.get("digest"):
-        now = "no model.checkpoint" if base is None else f"model.checkpoint {base['path']} (digest {base['digest'][:24]}...)"
-        raise InputError(f"--resume: {checkpoint.name} holds only what training changed on the base {saved.get('path')} "
-                         f"(digest {str(saved.get('digest'))[:24]}...), but the recipe has {now}; point model.checkpoint "
-                         "to that base")
-
-
 def _parallelize(recipe: Recipe, model: GenoLM, mesh: DeviceMesh | None) -> GenoLM:
     """The recipe's memory techniques, and over a multi-process ``mesh`` context parallelism and
     FSDP2; a bf16-mixed run all-gathers parameters in bf16 and reduces gradients in fp32."""
@@ -733,9 +640,9 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
             "that run, or set another name / checkpoint.dir"
         )
 
-    base = _base_reference(recipe)
+    base = base_reference(recipe)
     if resume and resume_from is not None:
-        _check_same_base(resume_from, base)
+        check_same_base(resume_from, base)
     m = recipe.memory
     module = GenoLMModule(
         build_model=functools.partial(_build_model, recipe),
@@ -756,7 +663,7 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
         max_consecutive_nonfinite=recipe.train.max_consecutive_nonfinite,
         indexer_kl_weight=recipe.train.indexer_kl_weight,
         extra_checkpoint_state={"recipe": recipe.to_dict(), **({"base": base} if base is not None else {})},
-        load_weights=None if recipe.model.checkpoint is None else functools.partial(_load_weights, recipe, resume),
+        load_weights=None if recipe.model.checkpoint is None else functools.partial(load_base_weights, recipe, resume),
         # with a base checkpoint the frozen weights are read from it again on --resume: not saved
         checkpoint_frozen=recipe.model.checkpoint is None,
         context_cut=recipe.train.context_cut,
