@@ -182,3 +182,40 @@ def test_a_checkpoint_that_disagrees_with_the_model_is_one_line_naming_the_tenso
         fill_from_safetensors(_meta(config), base)
     message = str(error.value)
     assert named in message and "\n" not in message, message
+
+
+def test_the_modules_meta_build_equals_todays_model_with_lora_and_bf16_frozen_weights(tmp_path: Path) -> None:
+    """GenoLMModule.configure_model with a meta-device build and the sharded loader (one process):
+    the same model as today's path (from_pretrained in fp32, LoRA drawn on it from the same seed,
+    the frozen base cast to bf16), bitwise: LoRA's adapters drawn on the meta base are kept aside
+    while the model is on meta and put back."""
+    from functools import partial
+
+    from genolong.config.schema import LoraSection
+    from genolong.model.lora import apply_lora
+    from genolong.train.module import GenoLMModule, OptimSettings, cast_frozen_parameters
+
+    config = PRESETS["tiny"]
+    base = _base(tmp_path, config)
+    lora = LoraSection(targets=("layers.*.self_attn.*",), rank=4, alpha=8.0, routed_experts=True)
+    torch.manual_seed(3)
+    want = GenoLM.from_pretrained(base)
+    apply_lora(want, lora)
+    cast_frozen_parameters(want, torch.bfloat16)
+
+    def build() -> GenoLM:
+        torch.manual_seed(3)
+        with torch.device("meta"):
+            return GenoLM(config)
+
+    def load(model: GenoLM, kept: dict, device: torch.device) -> None:
+        materialize(model, device, kept)
+        fill_from_safetensors(model, base)
+
+    module = GenoLMModule(build_model=build, optim=OptimSettings(), lora=lora, frozen_dtype=torch.bfloat16,
+                          load_weights=partial(load))
+    module.configure_model()
+    got = module.model.state_dict()
+    assert got.keys() == want.state_dict().keys()
+    for name, tensor in want.state_dict().items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name  # exact: the same draws and copies
