@@ -14,7 +14,7 @@ alone in another directory:
   base (path + digest);
 - the resumed steps 3-4 equal the uninterrupted run's losses bitwise (one thread, the same layout);
 - a resume against another base is refused in one line; the checkpoint scores in one process with
-  the base's frozen weights.
+  the base's frozen weights, and on two ranks (sharded loader + DCP) as in one.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from genolong.plan import plan
 from genolong.quickstart import bundled_base
 from genolong.train import read_step_log
 
+from .helpers import run_ranks
 from .test_finetune_distributed import _finetune
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -126,7 +127,23 @@ def test_a_run_from_a_base_loads_its_share_saves_what_trains_and_resumes_exactly
     state = scored.state_dict()
     names = dict(model.named_parameters())
     assert all(torch.equal(state[n], whole[n]) for n, p in names.items() if not p.requires_grad)  # exact: bf16 base values
-    assert any(not torch.equal(state[n], whole[n]) for n, p in names.items() if p.requires_grad)
+    assert any(not torch.equal(state[n], whole[n]) for n, p in names.items() if p.requires_grad)  # exact: a change either way
+    run_ranks(_score_on_two_ranks, 2, tmp_path, str(step), timeout=300.0)  # and on two ranks, sharded
+
+
+def _score_on_two_ranks(rank: int, world: int, checkpoint: str) -> None:
+    """One rank of a 2-process scoring job (ep 2, FSDP2) reading a checkpoint of a run from a base:
+    its model equals the one-process loader's whole model, tensor by tensor."""
+    from genolong.config import ParallelSection
+    from genolong.evaluation.distributed import ScoringGroup, load_scoring_model
+    from genolong.parallel.mesh import build_mesh
+
+    parallel = ParallelSection(accelerator="cpu", devices=world, dp_shard=world, ep=2)
+    model, _ = load_scoring_model(checkpoint, ScoringGroup(build_mesh(parallel, world_size=world), parallel))
+    whole = load_eval_model(checkpoint)[0].state_dict()
+    for name, tensor in model.state_dict().items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        assert torch.equal(full, whole[name]), name  # exact: the same stored values, gathered
 
 
 def test_resume_against_another_base_is_one_line(sample_store: Path, tmp_path: Path) -> None:

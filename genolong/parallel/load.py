@@ -31,11 +31,12 @@ once in its final dtype), which is what :meth:`genolong.model.GenoLM.from_pretra
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,7 +142,7 @@ class SafetensorsFile:
         else:
             run = (box[cut][1] - box[cut][0]) * strides[cut]
             lead = [range(a, b) for a, b in box[:cut]]
-            for index in _product(lead):
+            for index in itertools.product(*lead):
                 offset = sum(i * s for i, s in zip(index, strides)) + box[cut][0] * strides[cut]
                 runs.append((offset, run))
         total = sum(n for _, n in runs)
@@ -168,15 +169,6 @@ class SafetensorsFile:
             if got <= 0:
                 raise InputError(f"{self.path} ends before its header says (truncated); re-download it")
             done += got
-
-
-def _product(ranges: list[range]) -> Iterable[tuple[int, ...]]:
-    if not ranges:
-        yield ()
-        return
-    for i in ranges[0]:
-        for rest in _product(ranges[1:]):
-            yield (i, *rest)
 
 
 def local_box(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
