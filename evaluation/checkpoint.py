@@ -100,19 +100,28 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
         if dtype != torch.float32:
             raise InputError(f"{path}: a Lightning checkpoint is evaluated in float32; for --dtype {dtype} evaluate "
                              "the run's export/ directory (genolong finetune writes it at the end)")
-        model = GenoLM(config)  # the whole model in this process: evaluation runs it unsharded
+        base = state.get("genolong", {}).get("base")
         lora = recipe.model.lora
-        if lora is not None:  # a LoRA run's checkpoint holds the adapted model's names (base + adapters)
-            apply_lora(model, lora)
+        if base is not None:
+            # the checkpoint holds what training changed; the frozen weights are the base's
+            model = base_of_checkpoint(recipe, config, base, path)
+        else:
+            model = GenoLM(config)  # the whole model in this process: evaluation runs it unsharded
+            if lora is not None:  # a LoRA run's checkpoint holds the adapted model's names (base + adapters)
+                apply_lora(model, lora)
+        from_base = _base_names(model) if base is not None else set()
         if sharded:
-            _load_sharded_weights(model, path)
+            _load_sharded_weights(model, path, from_base)
         else:
             weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items()}
             missing, unexpected = model.load_state_dict(weights, strict=False)
+            missing = [m for m in missing if m not in from_base]
             if missing or unexpected:
                 raise InputError(f"{path} does not fit its recipe's model: missing {missing[:3]}, unexpected {unexpected[:3]}")
         if lora is not None:  # scored as the run's export/ is written: the adapters merged in fp32
+            _to_float32(model)
             merge_lora(model)
+        _to_float32(model)
         model = model.to(device=device)
         vocab = recipe.vocab_map(config)
         return model.eval(), None if vocab == VocabMap.identity() else vocab
@@ -142,14 +151,70 @@ def _with_overrides(config: ModelConfig, overrides: Mapping[str, Any] | None, ch
         raise InputError(f"{checkpoint}: overrides {dict(overrides)} are not ModelConfig fields ({exc})") from None
 
 
-def _load_sharded_weights(model: GenoLM, path: Path) -> None:
+def _to_float32(model: torch.nn.Module) -> None:
+    """Every floating parameter of ``model`` in float32 (a run's bf16 frozen weights), in place."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.float()
+
+
+def _base_names(model: torch.nn.Module) -> set[str]:
+    """``model``'s state names that a run's frozen parameters may be missing from its checkpoint
+    for (they were read from the base): its frozen parameters."""
+    return {name for name, param in model.named_parameters() if not param.requires_grad}
+
+
+def base_of_checkpoint(recipe: Any, config: ModelConfig, base: Mapping[str, Any], checkpoint: Path, mesh_fn: Any = None,
+                       device: torch.device | str = "cpu") -> GenoLM:
+    """The model a run's checkpoint that omits the frozen weights (``genolong`` ``base`` entry:
+    path and digest of ``model.checkpoint``) is read into: built from ``config`` (the run's, with
+    the scorer's kernel backend) as the run built it (meta device,
+    LoRA, ``model.freeze``, the frozen weights in bf16 under ``bf16-mixed``), sharded by
+    ``mesh_fn(model)`` when given (several processes), allocated and filled from the base by the
+    sharded loader (:mod:`genolong.parallel.load`); the checkpoint's own tensors are read next by
+    the caller.
+
+    Raises:
+        InputError: the base is gone or is another one than the run's (its digest).
+    """
+    from ..parallel.load import base_digest, check_base, fill_from_safetensors, materialize, to_meta
+    from ..train.module import cast_frozen_parameters, freeze_parameters
+
+    directory = Path(base["path"])
+    if not (directory / "config.json").is_file() or base_digest(directory) != base.get("digest"):
+        raise InputError(f"{checkpoint} holds only what its run trained on the base {directory}, which is "
+                         f"{'gone' if not (directory / 'config.json').is_file() else 'another model now (its digest differs)'}; "
+                         "score the run's export/ instead, or put that base back")
+    torch.manual_seed(recipe.seed)
+    with torch.device("meta"):
+        model = GenoLM(config)
+    if recipe.model.lora is not None:
+        apply_lora(model, recipe.model.lora)  # adapters drawn on the CPU; the checkpoint overwrites them
+    if recipe.model.freeze:
+        freeze_parameters(model, recipe.model.freeze)
+    if recipe.train.precision == "bf16-mixed":  # the frozen weights as the run held them
+        cast_frozen_parameters(model, torch.bfloat16)
+    kept = to_meta(model)
+    if mesh_fn is not None:
+        mesh_fn(model)
+    check_base(directory)
+    materialize(model, device, kept)
+    fill_from_safetensors(model, directory)
+    return model
+
+
+def _load_sharded_weights(model: GenoLM, path: Path, from_base: set[str] | None = None) -> None:
     """Fill ``model`` in place from a multi-process run's sharded checkpoint directory
     (torch.distributed.checkpoint, written by Lightning's ``ModelParallelStrategy``: the model
     under ``state_dict.model.*``), resharded to whole tensors in this one process; the optimiser
-    states in it are not read."""
+    states in it are not read. ``from_base``: names already read from the run's base that the
+    checkpoint may lack (its frozen weights)."""
     import torch.distributed.checkpoint as dcp
 
     weights = {f"model.{k}": v for k, v in model.state_dict().items()}
+    if from_base:
+        stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        weights = {k: v for k, v in weights.items() if f"state_dict.{k}" in stored or k.removeprefix("model.") not in from_base}
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)

@@ -44,7 +44,7 @@ from ..integrity import check_weights
 from ..model.loss import model_inputs, next_token_nll
 from ..model.vocab import VocabMap
 from ..signals import SignalFlag
-from .checkpoint import _DCP_META, _local_box, check_adapter, load_eval_model, merge_adapter, scoring_kernel_backend
+from .checkpoint import _DCP_META, check_adapter, load_eval_model, merge_adapter, scoring_kernel_backend
 
 __all__ = [
     "ScoringGroup", "assemble_nll", "broadcast_from_writer", "gather_to_writer", "launch", "load_scoring_model",
@@ -337,6 +337,7 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
                          "a run directory (runs/NAME) or a sharded runs/NAME/checkpoints/step*.ckpt directory")
     check_weights(path)  # every rank: a damaged file in one line, before anything is read
     vocab = None
+    base = None  # a checkpoint's base reference (it then omits the frozen weights)
     if export:
         config = ModelConfig.from_pretrained(path)
         if config.vocab_size != VOCAB_SIZE:
@@ -347,6 +348,7 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
         if recipe_data is None:
             raise InputError(f"{path} is not a genolong finetune checkpoint (no recipe inside); give a run's export/ directory")
         recipe = parse_recipe(recipe_data, source=str(path))
+        base = meta.get("genolong", {}).get("base")
         if recipe.model.lora is not None:
             raise InputError(f"{path} is a LoRA run's checkpoint (its recipe sets model.lora): score it in one process, "
                              "or score the run's export/ (merged) or its base with --adapter runs/NAME/adapter on several")
@@ -357,6 +359,15 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
         mapped = recipe.vocab_map(config)
         vocab = None if mapped == VocabMap.identity() else mapped
     config = config.replace(kernel_backend=kernel_backend)
+    if not export and base is not None:
+        # a checkpoint of what training changed: the frozen weights from the run's base (sharded
+        # loader), the rest from the checkpoint, then every weight in float32
+        from .checkpoint import _base_names, _to_float32, base_of_checkpoint
+
+        model = base_of_checkpoint(recipe, config, base, path, mesh_fn=lambda m: shard_for_scoring(m, group), device=device)
+        _fill_from_dcp(model, path, _base_names(model))
+        _to_float32(model)
+        return model.eval(), vocab
     with torch.device("meta"):
         model = GenoLM(config)
         for param in model.parameters():  # parameters in ``dtype``; buffers keep theirs (the router bias fp32)
@@ -374,75 +385,32 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
 
 def _fill_from_export(model: torch.nn.Module, directory: Path) -> None:
     """Fill a sharded model's local parts from a GLM-5.3-Flash-format directory, reading only this
-    rank's rows of each checkpoint tensor (safetensors slices); floating tensors cast to ``dtype``
-    (buffers keep theirs, as :func:`genolong.model.hf.load_checkpoint`); the parameters are
-    already in their dtype."""
-    from safetensors import safe_open
-    from torch.distributed.tensor import DTensor
+    rank's rows of each checkpoint tensor: the sharded loader training uses too
+    (:func:`genolong.parallel.load.fill_from_safetensors`); floating tensors cast to the
+    parameters' dtype, buffers keep theirs."""
+    from ..parallel.load import fill_from_safetensors
 
-    from ..model.hf import HEAD, _READ_PREFIXES, _weight_map, checkpoint_layout
-
-    weight_map = _weight_map(directory)
-    prefix = next((p for p in _READ_PREFIXES if f"{p}embed_tokens.weight" in weight_map), None)
-    if prefix is None:
-        raise InputError(f"checkpoint {directory} has no embed_tokens.weight; it is not a GLM-5.3-Flash text model")
-    state = model.state_dict()
-    filled: dict[str, int] = {}
-    handles: dict[str, Any] = {}
-    try:
-        for entry in checkpoint_layout(model):
-            target = state[entry.target]
-            local = target.to_local() if isinstance(target, DTensor) else target
-            offset, shape = _local_box(target)
-            # the entry's region of the target: leading dims fixed by its index, the rest whole
-            lo, hi, squeeze = [], [], []
-            for d in range(target.dim()):
-                part = entry.index[d] if d < len(entry.index) else slice(None)
-                if isinstance(part, int):
-                    lo.append(part), hi.append(part + 1), squeeze.append(True)
-                else:
-                    start, stop, _ = part.indices(target.shape[d])
-                    lo.append(start), hi.append(stop), squeeze.append(False)
-            a = [max(l, o) for l, o in zip(lo, offset)]
-            b = [min(h, o + s) for h, o, s in zip(hi, offset, shape)]
-            if any(x >= y for x, y in zip(a, b)):
-                continue  # none of this checkpoint tensor lies in this rank's shard
-            name = HEAD if entry.name == HEAD else f"{prefix}{entry.name}"
-            if name not in weight_map:
-                raise InputError(f"checkpoint {directory} lacks tensor {name}; it is incomplete or config.json describes another model")
-            shard = weight_map[name]
-            if shard not in handles:
-                handles[shard] = safe_open(directory / shard, framework="pt", device="cpu").__enter__()
-            source = handles[shard].get_slice(name)
-            # the source's dims are the target's without the squeezed (integer-indexed) ones
-            index = tuple(slice(x - l, y - l) for x, y, l, sq in zip(a, b, lo, squeeze) if not sq)
-            value = source[index] if index else source[:]
-            dest = local[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, offset))]
-            dest.copy_(value.reshape(dest.shape).to(dest.dtype))
-            filled[entry.target] = filled.get(entry.target, 0) + dest.numel()
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
-    for name, tensor in state.items():
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if filled.get(name, 0) != local.numel():
-            raise InputError(f"checkpoint {directory} does not fill {name} of the model built from config.json; "
-                             "the checkpoint is incomplete or describes another model")
+    fill_from_safetensors(model, directory)
 
 
-def _fill_from_dcp(model: torch.nn.Module, path: Path) -> None:
+def _fill_from_dcp(model: torch.nn.Module, path: Path, from_base: set[str] | None = None) -> None:
     """Fill a sharded model from a sharded (DCP) finetune checkpoint: ``dcp.load`` into the DTensor
     state dict reads only each rank's parts (resharded from the mesh that wrote it); the
-    optimiser states in it are not read."""
+    optimiser states in it are not read. ``from_base``: names already read from the run's base
+    that the checkpoint may lack (its frozen weights)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     weights = {f"model.{k}": v for k, v in get_model_state_dict(model).items()}
+    if from_base:
+        stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        weights = {k: v for k, v in weights.items() if f"state_dict.{k}" in stored or k.removeprefix("model.") not in from_base}
     try:
         dcp.load({"state_dict": weights}, checkpoint_id=path)
     except Exception as error:  # DCP reports a missing key or another shape as a CheckpointException
         raise InputError(f"{path} does not fit its recipe's model ({str(error).splitlines()[-1][:200]})") from error
-    set_model_state_dict(model, {k.removeprefix("model."): v for k, v in weights.items()})
+    set_model_state_dict(model, {k.removeprefix("model."): v for k, v in weights.items()},
+                         options=StateDictOptions(strict=not from_base))
 
 
 @contextmanager

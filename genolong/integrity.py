@@ -371,7 +371,9 @@ def check_weights(checkpoint: str | os.PathLike[str], shards: tuple[int, int] | 
     ``shards=(rank, world)`` (a rank of a multi-process job, on a DCP directory): the checksums of
     the shard files of the ranks ``i`` with ``i % world == rank`` only (its own shard when the job
     has the writer's size; ``world=0``: no shard), every other file and every size checked as usual;
-    together the ranks of a job read each shard once. Default: every file.
+    together the ranks of a job read each shard once. On a safetensors directory (a base model
+    every rank reads slices of) the same with ``i`` the file's position in the manifest. Default:
+    every file.
 
     Returns:
         True when a manifest vouched for every file, False when there was none (logged).
@@ -395,8 +397,13 @@ def check_weights(checkpoint: str | os.PathLike[str], shards: tuple[int, int] | 
             raise DamagedFileError(file, _truncated(size, expected, "written (checksum manifest)"))
         if size > expected:
             raise DamagedFileError(file, f"{size:,} bytes where {expected:,} were written (checksum manifest)")
+    # the weights files of a safetensors directory (a base model) are shared out by their position
+    # in the manifest, so that the ranks of a job that all read slices of every file hash each once
+    position = {name: i for i, name in enumerate(sorted(listed))} if _kind(path) == "safetensors" else {}
+
     def mine(name: str) -> bool:
         owner = _shard_rank(name)
+        owner = position.get(name) if owner is None else owner
         return shards is None or owner is None or (shards[1] > 0 and owner % shards[1] == shards[0])
 
     hashed = {name: entry for name, entry in listed.items() if mine(name)}

@@ -47,8 +47,8 @@ from ..integrity import DamagedFileError, check_weights, write_manifest
 from ..units import format_bytes
 from .config import ModelConfig
 
-__all__ = ["CheckpointTensor", "checkpoint_layout", "config_text", "export_config", "export_entries", "load_checkpoint",
-           "save_checkpoint", "shard_file"]
+__all__ = ["CheckpointTensor", "checkpoint_layout", "config_text", "export_config", "export_entries", "layout_of",
+           "load_checkpoint", "save_checkpoint", "shard_file"]
 
 log = logging.getLogger("genolong")
 
@@ -97,9 +97,15 @@ def checkpoint_layout(model: nn.Module) -> list[CheckpointTensor]:
     Args:
         model: a GenoLM (any device, meta included).
     """
+    return layout_of((name, tuple(tensor.shape)) for name, tensor in model.state_dict(keep_vars=True).items())
+
+
+def layout_of(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> list[CheckpointTensor]:
+    """:func:`checkpoint_layout` from ``(GenoLM state_dict name, global shape)`` pairs, in their
+    order: for a model whose names differ from a plain GenoLM's (LoRA's wrapped layers), mapped
+    back to them by the caller (:func:`genolong.parallel.load.base_targets`)."""
     layout: list[CheckpointTensor] = []
-    for target, tensor in model.state_dict(keep_vars=True).items():
-        shape = tuple(tensor.shape)
+    for target, shape in shapes:
         if target.endswith(".mlp.experts.gate_up_proj"):
             base, half = target[: -len("gate_up_proj")], shape[1] // 2
             for e in range(shape[0]):

@@ -83,6 +83,11 @@ def format_plan(plan: Plan) -> str:
     lines += [
         "",
         f"pinned host memory for offload: {format_bytes(p.host_per_gpu)} per GPU, {format_bytes(p.host_per_node)} per node{host_budget}",
+        f"checkpoints: {format_bytes(p.checkpoint_bytes)} per save (trained parameters + AdamW state + routing biases"
+        + ("; the frozen weights are read from the base again" if p.load_read_per_rank else "; every parameter") + "), "
+        f"{format_bytes(p.checkpoint_disk_bytes)} on disk with keep_last {p.keep_last}"
+        + (f"; at load each rank reads {format_bytes(p.load_read_per_rank)} of the base (its 1/{p.shard_group}, bf16)"
+           if p.load_read_per_rank else ""),
         f"verdict: {'FITS' if p.fits else 'DOES NOT FIT'} (device {'ok' if p.fits_device else 'over'}, host "
         f"{'ok' if p.fits_host else 'over'})",
     ]

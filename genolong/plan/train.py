@@ -180,6 +180,10 @@ class Plan:
     trainable_suggestion: list[str] = field(default_factory=list)
     trainable_suggestion_total: int | None = None
     kernels_here: str = ""
+    checkpoint_bytes: int = 0
+    checkpoint_disk_bytes: int = 0
+    keep_last: int = 1
+    load_read_per_rank: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict of every field (bytes as integers) for ``genolong plan --json``."""
@@ -247,6 +251,27 @@ def nccl_communicators(gpus: int, cp: int, replicate: int, shard: int, ep: int) 
         efsdp = max(shard // ep, 1)
         out[f"expert fsdp {efsdp}"] = NCCL_COMM_BYTES if efsdp > 1 else NCCL_SINGLE_RANK_BYTES
     return out
+
+
+#: bytes per parameter of a base checkpoint as released (GLM-5.3-Flash's safetensors are bf16)
+BASE_BYTES_PER_PARAM = 2
+
+
+def checkpoint_figures(recipe: Recipe, split: Any, shard: int, routing_biases: int, frozen_bytes: int) -> tuple[int, int, int]:
+    """(bytes per save, bytes on disk with ``checkpoint.keep_last`` saves, bytes each rank reads of
+    the base at load) for a recipe (:mod:`genolong.parallel.load`, :mod:`genolong.train.finetune`).
+
+    A save holds the trained parameters (fp32), their AdamW moments (2 x fp32) and the routing
+    biases (fp32 buffers, ``routing_biases`` of them); the frozen parameters (``frozen_bytes``
+    each) only when the run has no base checkpoint to read them from again (a preset's fresh
+    weights). At load every rank reads its ``1/shard`` of the base (:data:`BASE_BYTES_PER_PARAM`
+    per parameter; the adapters are not in the base); 0 without a base."""
+    save = 12 * split.trained + 4 * routing_biases
+    if recipe.model.checkpoint is None:
+        save += frozen_bytes * split.frozen
+    keep = max(recipe.checkpoint.keep_last, 1)
+    read = 0 if recipe.model.checkpoint is None else math.ceil(BASE_BYTES_PER_PARAM * (split.total - split.adapters) / shard)
+    return save, save * keep, read
 
 
 def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None,
@@ -418,7 +443,10 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
     comm = comm_estimate(cfg, context // cp, cp, batch=recipe.data.batch_size, dtype_bytes=a, recompute=mem.recompute,
                          recompute_modules=mem.recompute_modules, shard_group=shard, dp_replicate=rep, ep=ep,
                          moe_chunk_tokens=mem.moe_chunk_tokens, split=split if split.any_frozen else None)
+    save, on_disk, read = checkpoint_figures(recipe, split, shard, moe_layers * cfg.n_routed_experts, a)
     return Plan(
+        checkpoint_bytes=save, checkpoint_disk_bytes=on_disk, keep_last=max(recipe.checkpoint.keep_last, 1),
+        load_read_per_rank=read,
         recipe=recipe.name, model=_describe(cfg, count, split), gpus=gpus, gpus_per_node=gpus_per_node,
         nodes=math.ceil(gpus / gpus_per_node), cp=cp, dp_shard=dp_shard, dp_replicate=rep, shard_group=shard,
         tokens_per_rank=tokens, precision=recipe.train.precision, recompute=mem.recompute,

@@ -52,7 +52,7 @@ def export_from_checkpoint(recipe: Recipe, checkpoint: Path, out: Path, model_ex
     try:
         with quiet_run():
             config = recipe.model_config()
-            module = _module(recipe, recipe.vocab_map(config))
+            module = _module(recipe, recipe.vocab_map(config), resume=True)  # the trained weights come from the checkpoint
             trainer = _trainer(recipe, RunPaths.of(recipe), [], environment, logger=False, limit_train_batches=0,
                                limit_val_batches=0, val_check_interval=None, enable_progress_bar=False,
                                enable_checkpointing=False, default_root_dir=out)

@@ -31,8 +31,14 @@ each rank hashes its own shard for the manifest, and checks its own shard on res
 against the checksum manifest written with it; a damaged newer one is named on stderr): the model, optimiser,
 schedule, loop counters, MoE routing biases and the window stream, so the losses of the steps that
 follow equal those of an uninterrupted run (CPU, deterministic). Checkpoints load with
-``weights_only=True``: nothing in them is unpickled as code. They hold the whole model (frozen
-base weights and adapters too), so a resume needs nothing but the checkpoint.
+``weights_only=True``: nothing in them is unpickled as code. A run from a base checkpoint
+(``model.checkpoint``) saves what training changes (trained parameters, their optimiser state,
+adapters, buffers, RNG, data position) and the base's path and digest; ``--resume`` checks the
+digest and reads the frozen weights from the base again (:mod:`genolong.train.base`). A run from
+a preset's fresh weights saves the whole model.
+
+The model of a run from a base is built on the meta device and parallelized, then each rank
+allocates and reads only its own shards (:mod:`genolong.parallel.load`).
 
 In a ``bf16-mixed`` run the frozen parameters (``model.freeze``, or every base weight under
 ``model.lora``) are stored in bf16 where that leaves the forward unchanged
@@ -51,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import re
 import shutil
@@ -91,6 +98,7 @@ from ..parallel.timeout import describe_stall, in_frames, stall_guard
 from ..signals import SignalFlag, keep_only
 from ..slurm import check_task_layout, partial_saves
 from .async_checkpoint import BackgroundWriter, snapshot
+from .base import absent_keys, base_reference, check_same_base, load_base_weights, load_partial_dcp
 from .callbacks import SaveRecipe, StepMetrics, TrainingBar
 from .module import GenoLMModule, OptimSettings
 from .preemption import RunCheckpoint, StopSignalConnector, auto_resume_reason, finish_stop, remove_marker
@@ -229,19 +237,36 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
                 self.writer.close()
         super().teardown()
 
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Lightning's model state for a checkpoint; without the frozen parameters when the module
+        says they are read from the base again (``GenoLMModule.checkpoint_frozen`` False): a
+        checkpoint then holds what training changes."""
+        module = self.lightning_module
+        if module is None or getattr(module, "checkpoint_frozen", True):
+            return super().lightning_module_state_dict()
+        assert self.model is not None
+        options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True,
+                                   ignore_frozen_params=True)
+        return get_model_state_dict(self.model, options=options)
+
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's loader for sharded (DTensor) models; for a plain, unsharded model (one
         process, no FSDP) a full checkpoint file, read with ``weights_only=True`` unless told
-        otherwise: model and optimiser states are set here, the rest is returned to Lightning."""
+        otherwise: model and optimiser states are set here, the rest is returned to Lightning.
+        A checkpoint without the frozen parameters (read from the base by the sharded loader
+        before this runs) restores the rest of the model (:func:`~genolong.train.base.absent_keys` checks what it lacks)."""
         assert self.model is not None and self.lightning_module is not None
         path = Path(self.broadcast(str(checkpoint_path)))
         if any(isinstance(p, DTensor) for p in self.model.parameters()):
             self._check_shards(path)
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            stored = _stored_keys(path)
+            if not absent_keys(self.model, self.lightning_module, stored, path):
+                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            return load_partial_dcp(self.model, self.optimizers, path, stored, weights_only)
         if path.is_dir() and self.weights_for_export:
             return self._load_dcp_whole(path, weights_only)
         checkpoint = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
-        strict = self.lightning_module.strict_loading
+        strict = self.lightning_module.strict_loading and not absent_keys(self.model, self.lightning_module, set(checkpoint["state_dict"]), path)
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=StateDictOptions(full_state_dict=True, strict=strict))
         # Lightning saved the optimiser states re-keyed by parameter id (torch's standard format)
         for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
@@ -259,9 +284,13 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         from torch.distributed.checkpoint import load
 
         assert self.model is not None and self.lightning_module is not None
-        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        stored = _stored_keys(path)
+        # a checkpoint without the frozen parameters: the base's, read before this runs, stay
+        absent = absent_keys(self.model, self.lightning_module, stored, path)
+        state: dict[str, Any] = {"state_dict": {k: v for k, v in get_model_state_dict(self.model).items() if k in stored}}
         load(state, checkpoint_id=path)
-        set_model_state_dict(self.model, state.pop("state_dict"), options=StateDictOptions(strict=self.lightning_module.strict_loading))
+        strict = self.lightning_module.strict_loading and not absent
+        set_model_state_dict(self.model, state.pop("state_dict"), options=StateDictOptions(strict=strict))
         return torch.load(path / "meta.pt", map_location="cpu", weights_only=True if weights_only is None else weights_only)
 
     def _check_shards(self, path: Path) -> None:
@@ -303,10 +332,11 @@ def _save_dcp(checkpoint: dict[str, Any], path: Path, group: dist.ProcessGroup |
 
 
 def _tensor_bytes(state: Any) -> int:
-    """The bytes of the tensors in a (nested) checkpoint dict: about its size on disk (this rank's
-    shards for a sharded model)."""
+    """The bytes of the tensors in a (nested) checkpoint dict: about the size on disk of the whole
+    save, every rank's shards together (a DTensor counts with its global shape, a plain tensor
+    once: DCP writes a replicated one once), the same figure on every rank."""
     if isinstance(state, DTensor):
-        return state.to_local().nbytes
+        return math.prod(state.shape) * state.element_size()
     if isinstance(state, torch.Tensor):
         return state.nbytes
     if isinstance(state, dict):
@@ -474,7 +504,9 @@ def _build_model(recipe: Recipe) -> GenoLM:
     chunk = recipe.memory.moe_chunk_tokens
     torch.manual_seed(recipe.seed)
     if recipe.model.checkpoint is not None:
-        return GenoLM.from_pretrained(recipe.model.checkpoint, moe_chunk_tokens=chunk, config=config)
+        # on the meta device: the module shards it, then _load_weights reads each rank's part
+        with torch.device("meta"):
+            return GenoLM(config, moe_chunk_tokens=chunk)
     return GenoLM(config, moe_chunk_tokens=chunk)
 
 
@@ -657,7 +689,10 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
             "that run, or set another name / checkpoint.dir"
         )
 
-    module = _module(recipe, vocab)
+    base = base_reference(recipe)
+    if resume and resume_from is not None:
+        check_same_base(resume_from, base)
+    module = _module(recipe, vocab, resume=resume)
     d = recipe.data
     datamodule = GenomeDataModule(
         d.store, train_length=d.context, eval_length=recipe.eval_context, train_split=d.train_split,
@@ -711,8 +746,19 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
         return _export(recipe, paths, trainer, module, resume_from if resume else None)
 
 
-def _module(recipe: Recipe, vocab: VocabMap) -> GenoLMModule:
-    """The Lightning module of ``recipe`` (the model is built in its ``configure_model``)."""
+def _stored_keys(path: Path) -> set[str]:
+    """The model state keys a sharded (DCP) checkpoint holds (its metadata, without reading data)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return {k.removeprefix("state_dict.") for k in FileSystemReader(path).read_metadata().state_dict_metadata
+            if k.startswith("state_dict.")}
+
+
+def _module(recipe: Recipe, vocab: VocabMap, resume: bool = False) -> GenoLMModule:
+    """The Lightning module of ``recipe`` (the model is built in its ``configure_model``; with a base
+    checkpoint, on the meta device and filled by the sharded loader, which with ``resume`` (or an
+    export's restore) leaves the trained parameters to the checkpoint)."""
+    base = base_reference(recipe)
     m = recipe.memory
     return GenoLMModule(
         build_model=functools.partial(_build_model, recipe),
@@ -732,7 +778,10 @@ def _module(recipe: Recipe, vocab: VocabMap) -> GenoLMModule:
         frozen_dtype=torch.bfloat16 if recipe.train.precision == "bf16-mixed" else None,
         max_consecutive_nonfinite=recipe.train.max_consecutive_nonfinite,
         indexer_kl_weight=recipe.train.indexer_kl_weight,
-        extra_checkpoint_state={"recipe": recipe.to_dict()},
+        extra_checkpoint_state={"recipe": recipe.to_dict(), **({"base": base} if base is not None else {})},
+        load_weights=None if recipe.model.checkpoint is None else functools.partial(load_base_weights, recipe, resume),
+        # with a base checkpoint the frozen weights are read from it again on --resume: not saved
+        checkpoint_frozen=recipe.model.checkpoint is None,
         context_cut=recipe.train.context_cut,
         moe_capacity_factor=m.moe_capacity_factor,
         moe_collapse_steps=recipe.logging.moe_collapse_steps,

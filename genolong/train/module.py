@@ -39,6 +39,7 @@ from ..model.loss import bits_per_base
 from ..model.moe import MoE, RoutingStats, moe_layers
 from ..model.vocab import VocabMap
 from ..parallel.expert import ep_comm_counter
+from ..parallel.load import to_meta
 from ..parallel.mesh import ParallelSizes, build_mesh, cp_rank, cp_size, dp_size, ep_size
 
 __all__ = ["BIAS_UPDATES", "KEEP_FP32", "GenoLMModule", "NonFiniteLossError", "OptimSettings", "WarmupCosine",
@@ -287,6 +288,18 @@ class GenoLMModule(L.LightningModule):
         frozen_dtype: store the frozen parameters (``freeze``, or the base under ``lora``) in this
             dtype (:func:`cast_frozen_parameters`), e.g. ``torch.bfloat16`` in a ``bf16-mixed``
             run; default None: every parameter stays as built (``32-true``).
+        load_weights: ``(model, kept, device) -> None`` for a ``build_model`` that returns a
+            meta-device model (the sharded loader): called once the model is parallelized, it
+            allocates each rank's shards, puts back ``kept`` (the adapters LoRA drew before the
+            model went to meta: :func:`genolong.parallel.load.to_meta`) and reads the base's
+            weights into them (:func:`genolong.parallel.load.materialize`,
+            :func:`~genolong.parallel.load.fill_from_safetensors`). Default None: ``build_model``
+            returns real weights.
+        checkpoint_frozen: whether checkpoints hold the frozen parameters (default True). False
+            when they can be read from the base checkpoint again (``--resume``): a checkpoint
+            then holds only what training changes (trained parameters, buffers, optimiser state,
+            loop and data position, RNG); the strategy saves and restores accordingly
+            (:class:`genolong.train.finetune.AtomicModelParallelStrategy`).
 
     Batches are the data module's: ``tokens`` torch.long ``[B, T]`` (store tokens, case kept).
     Logged every step: ``train/loss`` (nats per counted base), ``train/bits_per_base``,
@@ -321,6 +334,8 @@ class GenoLMModule(L.LightningModule):
         moe_collapse_steps: int = 20,
         lora: LoraSection | None = None,
         frozen_dtype: torch.dtype | None = None,
+        load_weights: Callable[[GenoLM, Mapping[str, torch.Tensor], torch.device], None] | None = None,
+        checkpoint_frozen: bool = True,
     ):
         super().__init__()
         if optim.moe_bias_update not in BIAS_UPDATES:
@@ -341,6 +356,8 @@ class GenoLMModule(L.LightningModule):
             raise InputError("model.freeze beside model.lora: LoRA freezes every base weight itself; drop model.freeze")
         self.lora = lora
         self.frozen_dtype = frozen_dtype
+        self.load_weights = load_weights
+        self.checkpoint_frozen = checkpoint_frozen
         self.lora_modules: list[str] = []  # the module names apply_lora wrapped
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
         self.indexer_kl_weight = indexer_kl_weight
@@ -376,7 +393,14 @@ class GenoLMModule(L.LightningModule):
             freeze_parameters(model, self.freeze)
         if self.frozen_dtype is not None:
             # before parallelize: FSDP2 then shards and gathers the frozen weights in this dtype
+            # (on a meta model only the dtype changes: the shards are allocated in it)
             cast_frozen_parameters(model, self.frozen_dtype)
+        meta = any(p.is_meta for p in model.parameters())
+        if meta and self.load_weights is None:
+            raise InputError("GenoLMModule: build_model returned a meta-device model but no load_weights fills it")
+        # LoRA's adapters, drawn on the CPU when applied to the meta base: kept aside while the
+        # model is sharded on the meta device, each rank's part put back once allocated
+        kept = to_meta(model) if meta else {}
         self.indexers = [m for m in model.modules() if isinstance(m, DSAMixer) and m.indexer is not None]
         moes = moe_layers(model)
         self.moes, self.moe_layers = [m for _, _, m in moes], [index for _, index, _ in moes]
@@ -392,6 +416,10 @@ class GenoLMModule(L.LightningModule):
             if cp_size(self.mesh) > 1 and self.context_cut is not None:
                 raise InputError("train.context_cut trains short pieces one process can hold: set parallel.cp: 1 with it")
         self.model = self.parallelize_fn(model, self.mesh) if self.parallelize_fn is not None else model
+        if meta:
+            assert self.load_weights is not None
+            # each rank's shards allocated in their dtypes and read from the base (genolong.parallel.load)
+            self.load_weights(self.model, kept, self.device)
 
     def _balance_loss_scale(self) -> float:
         """The balance loss's share on this rank: each rank adds the mean loss of its own rows (a
