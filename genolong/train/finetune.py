@@ -668,7 +668,6 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
     keep_only(tuple(signal.Signals[s] for s in recipe.train.stop_signals))
     recipe.check_paths()
     config = recipe.model_config()
-    log.info("genolong: kernels: %s", _kernels(recipe, config.kernel_backend))
     vocab = recipe.vocab_map(config)
     _check_store(recipe)
     paths = RunPaths.of(recipe)
@@ -689,6 +688,9 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
             "that run, or set another name / checkpoint.dir"
         )
 
+    # the kernels, once the input is known good (an input error stays the run's one line) and
+    # before any rank builds a model
+    log.info("genolong: kernels: %s", _kernels(recipe, config.kernel_backend))
     base = base_reference(recipe)
     if resume and resume_from is not None:
         check_same_base(resume_from, base)
