@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
 
 from ..errors import InputError
 from .export import release_offload_pool, write_exports
@@ -45,36 +44,24 @@ def export_from_checkpoint(recipe: Recipe, checkpoint: Path, out: Path, model_ex
         InputError: the checkpoint is damaged or does not fit the recipe's model.
     """
     from ..console import quiet_run
-    from .finetune import _RENDEZVOUS_VARIABLES, AtomicModelParallelStrategy, RunPaths, _module, _trainer
+    from .finetune import AtomicModelParallelStrategy, RunPaths, _module, _trainer, leaves_no_process_group
 
-    had_group = dist.is_available() and dist.is_initialized()
-    rendezvous = {name: os.environ.get(name) for name in _RENDEZVOUS_VARIABLES}
-    try:
-        with quiet_run():
-            config = recipe.model_config()
-            module = _module(recipe, recipe.vocab_map(config), resume=True)  # the trained weights come from the checkpoint
-            trainer = _trainer(recipe, RunPaths.of(recipe), [], environment, logger=False, limit_train_batches=0,
-                               limit_val_batches=0, val_check_interval=None, enable_progress_bar=False,
-                               enable_checkpointing=False, default_root_dir=out)
-            strategy = trainer.strategy
-            assert isinstance(strategy, AtomicModelParallelStrategy)
-            strategy.weights_for_export = True
-            # the restore --resume runs (model, optimiser, loops); limit_train_batches=0: no batch, no data
-            trainer.fit(module, train_dataloaders=[], ckpt_path=checkpoint, weights_only=True)
-            assert module.model is not None
-            release_offload_pool(module.model)
-            adapter, export = write_exports(recipe, module.model, out, model_export, adapter_export)
-            trainer.strategy.barrier("genolong_export")
-            return adapter, export, trainer.is_global_zero
-    finally:
-        # as run(): a one-process export leaves no process group nor launcher variables behind
-        if not had_group and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
-            dist.destroy_process_group()
-            for name, value in rendezvous.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+    with leaves_no_process_group(), quiet_run():
+        config = recipe.model_config()
+        module = _module(recipe, recipe.vocab_map(config), resume=True)  # the trained weights come from the checkpoint
+        trainer = _trainer(recipe, RunPaths.of(recipe), [], environment, logger=False, limit_train_batches=0,
+                           limit_val_batches=0, val_check_interval=None, enable_progress_bar=False,
+                           enable_checkpointing=False, default_root_dir=out)
+        strategy = trainer.strategy
+        assert isinstance(strategy, AtomicModelParallelStrategy)
+        strategy.weights_for_export = True
+        # the restore --resume runs (model, optimiser, loops); limit_train_batches=0: no batch, no data
+        trainer.fit(module, train_dataloaders=[], ckpt_path=checkpoint, weights_only=True)
+        assert module.model is not None
+        release_offload_pool(module.model)
+        adapter, export = write_exports(recipe, module.model, out, model_export, adapter_export)
+        trainer.strategy.barrier("genolong_export")
+        return adapter, export, trainer.is_global_zero
 
 
 #: the recipe keys ``genolong export`` sets to restore a run's checkpoint in one process

@@ -68,6 +68,7 @@ import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -641,18 +642,24 @@ def run(recipe: Recipe, resume: bool = False, environment: ClusterEnvironment | 
         InputError: missing store/checkpoint, a store the model cannot read, ``resume`` with no
             checkpoint, or a fresh run over a directory that already has checkpoints.
     """
+    with leaves_no_process_group(), quiet_run():
+        return _run(recipe, resume, environment)
+
+
+@contextlib.contextmanager
+def leaves_no_process_group() -> Iterator[None]:
+    """Run a one-process Lightning job inside and leave no process group nor launcher variables
+    behind. Lightning starts a process group even for one process and sets the launcher's variables
+    (``_RENDEZVOUS_VARIABLES``), and never undoes either: a one-process run called as a library (the
+    quickstart, a notebook, the tests, ``genolong export``) would leave a TCP store listening on
+    MASTER_PORT, which every later child process inherits (EADDRINUSE), LOCAL_RANK, with which a
+    later ``genolong finetune`` child starts no ranks of its own (a hang), and later code would take
+    this process for one rank of a distributed job. A group that was there before is kept."""
     had_group = dist.is_available() and dist.is_initialized()
     rendezvous = {name: os.environ.get(name) for name in _RENDEZVOUS_VARIABLES}
     try:
-        with quiet_run():
-            return _run(recipe, resume, environment)
+        yield
     finally:
-        # Lightning starts a process group even for one process and sets the launcher's variables
-        # (_RENDEZVOUS_VARIABLES), and never undoes either: a one-process run called as a library
-        # (the quickstart, a notebook, the tests) would leave a TCP store listening on MASTER_PORT,
-        # which every later child process inherits (EADDRINUSE), LOCAL_RANK, with which a later
-        # `genolong finetune` child starts no ranks of its own (a hang), and later code would take
-        # this process for one rank of a distributed job
         if not had_group and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
             dist.destroy_process_group()
             for name, value in rendezvous.items():
