@@ -114,7 +114,7 @@ def violations(source: str, filename: str = "<test>") -> list[str]:
 
 
 def _modules() -> list[Path]:
-    return sorted(p for p in TESTS.glob("*.py") if p.name != "__init__.py")
+    return sorted(p for p in TESTS.rglob("*.py") if p.name != "__init__.py")
 
 
 def test_bitwise_comparisons_only_under_one_thread_or_marked_exact() -> None:
@@ -137,7 +137,7 @@ def test_causality_and_loss_masks() -> None:
 
 
 def test_the_rule_catches_what_it_is_for() -> None:
-    """The checker flags issue 13's comparison (tests/test_model_lm.py before the fix) and accepts the
+    """The checker flags issue 13's comparison (tests/model/test_model_lm.py before the fix) and accepts the
     three ways out: the fixture, a marker with a reason, a tolerance."""
     assert violations(_OLD_CAUSALITY, "old.py") == ["old.py:6: torch.equal outside the one_thread fixture, no '# exact: <why>' comment"]
     fixed = _OLD_CAUSALITY.replace("import torch\n", 'import pytest, torch\npytestmark = pytest.mark.usefixtures("one_thread")\n')
