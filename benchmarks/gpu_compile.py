@@ -56,7 +56,7 @@ instructions in the PTX (``wgmma`` on sm_90, ``tcgen05.mma`` on sm_100, ``mma.sy
 Compiles run ``--jobs`` at a time, each in a forked child killed after ``--timeout`` seconds (a
 kernel whose build takes minutes stalls a training run's first step as long: it counts as an error).
 
-Checks (``--check`` exits 1; ``tests/test_gpu_compile.py`` asserts the same on the JSON): every
+Checks (``--check`` exits 1; ``tests/kernels/test_gpu_compile.py`` asserts the same on the JSON): every
 kernel compiles (within the timeout); shared memory <= 232,448 B per block (H100/H200/B200 opt-in maximum); spill stores
 within the kernel's budget (:data:`SPILL_BUDGETS`, with the reasons); with 16-bit inputs every dot
 runs on tensor cores (no fp32 ``ieee`` dot, and tensor-core instructions in the PTX).
@@ -406,7 +406,7 @@ def meta_key_lists(attention: Any) -> Iterator[None]:
     data-dependent torch ops (``unique``, ``bincount``, ``repeat_interleave``) that a meta tensor
     cannot run. What the launches need of them is only their dtypes (pointer types of the
     signature) and the kernels' integer arguments, which do not depend on the data: the stand-ins
-    give tensors of the real functions' dtypes (tests/test_gpu_compile.py checks them against the
+    give tensors of the real functions' dtypes (tests/kernels/test_gpu_compile.py checks them against the
     real ones) at worst-case sizes (every selected pair its own entry), and one split key tile, so
     that the reduction kernel of split tiles launches too.
     """

@@ -11,7 +11,7 @@ innermost genolong source line): DSA (the model's DSA code and ``kernels/dsa``),
 syncs over its layers (DSA 3, KDA 5, MoE 7 in `tiny`).
 
 The torch backend's DSA top-k and KL engines are the reference and read back per tile and per
-query block (they grow with T); the ``triton`` backend's kernels do not (tests/test_dsa_fast_paths.py).
+query block (they grow with T); the ``triton`` backend's kernels do not (tests/parallel/test_dsa_fast_paths.py).
 
 Example::
 

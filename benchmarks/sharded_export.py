@@ -43,7 +43,7 @@ _MiB = 2**20
 _SHARD = 4 * _MiB
 
 
-def _config():  # the wide reduced model (tests/test_export_sharded.py's)
+def _config():  # the wide reduced model (tests/train/test_export_sharded.py's)
     from genolong.model import PRESETS
 
     return PRESETS["tiny"].replace(num_hidden_layers=4, hidden_size=256, pattern="KDDD",

@@ -1,6 +1,6 @@
 """Sharded loading and trained-only saves against the world size, next to today's path.
 
-On a wide reduced model (tests/test_sharded_load.py's config scaled by ``--hidden``: many experts, a
+On a wide reduced model (tests/parallel/test_sharded_load.py's config scaled by ``--hidden``: many experts, a
 few layers; its checkpoint saved in bf16), for world sizes 1, 2 and 4 (gloo ranks on this CPU),
 each rank:
 

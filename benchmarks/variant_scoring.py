@@ -163,7 +163,7 @@ def child(args: argparse.Namespace) -> None:
         # the naive scorer: per allele one one-shot forward of exactly L bases before the variant,
         # the allele and the window (2 (L + window) tokens). The streamed score of the same variant
         # reads its grid cell's context_used (L to 2L - 1 bases, issue 46), so the two LLRs are not
-        # compared here: tests/test_variant_score.py compares the engine with this oracle from the
+        # compared here: tests/evaluation/test_variant_score.py compares the engine with this oracle from the
         # same start, bitwise.
         pick = sorted(np.random.default_rng(args.seed + 1).choice(chosen, min(args.brute, len(chosen)),
                                                                   replace=False).tolist())

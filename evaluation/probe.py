@@ -175,7 +175,7 @@ def cut_view_span(length: int, distance: int) -> tuple[int, int]:
     It is the last span of :func:`~genolong.data.windows.context_cut_spans` with ``cut = d - 1`` on
     the tile's tail ``[off, length)`` for ``off = (length - 1) % (d - 1)``: there the spans
     ``[k (d - 1), ...)`` end at the tile's end, so ``score_tile(tile[off:], context_cut=d - 1)``
-    scores the copy exactly as this window does (tests/test_probe.py checks it).
+    scores the copy exactly as this window does (tests/evaluation/test_probe.py checks it).
     """
     return int(length) - int(distance), int(length)
 
@@ -200,7 +200,7 @@ def probe_views(model: torch.nn.Module, tokens: np.ndarray, settings: ProbeSetti
     The full views share the tile's first ``L - m`` bases, so the prefix runs once through a
     :class:`~genolong.model.stream.PrefillStream` and its carried state continues with the ``D``
     copies as one batch (per-token NLL equal to one forward of each planted tile up to float
-    rounding; tests/test_probe.py compares). Each cut view is one forward of its ``d``-token window
+    rounding; tests/evaluation/test_probe.py compares). Each cut view is one forward of its ``d``-token window
     (:func:`cut_view_span`). Work per tile: ``L + D m`` tokens (full) plus ``sum(d) < 2 L`` (cut).
 
     Args:

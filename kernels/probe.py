@@ -5,7 +5,7 @@ runs genolong's Triton DSA kernels and fla-core's ``chunk_kda`` or refuses with 
 the fix (:data:`GPU_FIX`); only a recipe that asks for ``torch`` runs the torch reference there.
 This module holds that rule in a form both the run (:func:`genolong.kernels.backends.resolve_auto`,
 which then imports the kernels) and ``genolong plan`` (which must start without torch:
-``tests/test_cli_startup.py``) use:
+``tests/cli/test_cli_startup.py``) use:
 
 - :func:`package_version`: an installed distribution's version from its metadata (no import);
 - :func:`package_problem` / :func:`gpu_kernel_problem`: what is missing or too old for the GPU

@@ -76,6 +76,17 @@ def _interpreter_numpy_problem() -> str | None:
     return None
 
 
+_INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test under ``tests/integration/`` ``integration`` (``-m "not integration"``
+    leaves out the end-to-end and multi-process runs), from its folder rather than by hand."""
+    for item in items:
+        if item.path.is_relative_to(_INTEGRATION):
+            item.add_marker(pytest.mark.integration)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """One line, before any test runs, for a version combination the kernel tests cannot run on."""
     problem = _interpreter_numpy_problem()

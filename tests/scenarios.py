@@ -5,10 +5,10 @@ Two small training set-ups, kept here because product tests run them and nothing
 
 - a collapsed MoE router on ``tiny`` (8 experts, top-2; every layer's expert 0 takes every token)
   trained through ``GenoLMModule`` and Lightning as ``genolong finetune`` trains
-  (``tests/test_moe_balance.py``; every balancing option side by side in
+  (``tests/model/test_moe_balance.py``; every balancing option side by side in
   ``experiments/bundled-base/moe_collapse.py``);
 - a small GenoLM trained from scratch on random DNA with planted periodic repeats, then probed by
-  ``genolong probe`` (``tests/test_probe.py``; the larger runs in
+  ``genolong probe`` (``tests/evaluation/test_probe.py``; the larger runs in
   ``experiments/bundled-base/probe_planted.py``).
 """
 
@@ -94,7 +94,7 @@ def train_collapsed(windows: list[dict[str, Any]], steps: int = STEPS, collapse_
 
 # -- planted repeats in random DNA ------------------------------------------------------------------
 
-#: The small version tests/test_probe.py runs: 200 steps of 32 windows of 32 bases, repeats at
+#: The small version tests/evaluation/test_probe.py runs: 200 steps of 32 windows of 32 bases, repeats at
 #: distances up to 8, 4-base copies (probe distances 8: trained, 16: not).
 SMALL = {"pattern": "K", "train_context": 32, "repeat_bases": 4, "max_distance": 8, "steps": 200, "batch": 32, "lr": 1e-2}
 

@@ -114,17 +114,36 @@ def violations(source: str, filename: str = "<test>") -> list[str]:
 
 
 def _modules() -> list[Path]:
-    return sorted(p for p in TESTS.glob("*.py") if p.name != "__init__.py")
+    return sorted(p for p in TESTS.rglob("*.py") if p.name != "__init__.py")
 
 
 def test_bitwise_comparisons_only_under_one_thread_or_marked_exact() -> None:
     found = []
     for path in _modules():
-        found += violations(path.read_text(), path.name)
+        found += violations(path.read_text(), path.relative_to(TESTS).as_posix())
     assert not found, ("bitwise comparisons that two torch threads can break. Where the values are exact by nature "
                        "(ints, bools, indices, a copy of the same bytes) say so with '# exact: <why>'; where bitwise "
                        "equality of computed floats is the point, put the module under one_thread and use "
                        "assert_bitwise_equal; otherwise compare with a tolerance and say why that one:\n" + "\n".join(found))
+
+
+# The folders of tests/ (docs/contributing.md, "Tests"): one per package, plus integration/; at the
+# top only the repository's own rules and the shared helpers
+_FOLDERS = {"data", "model", "kernels", "parallel", "plan", "train", "evaluation", "cli", "integration"}
+_TOP_LEVEL_TESTS = {"test_readme.py", "test_imports.py", "test_suite_rules.py", "test_experiments_boundary.py",
+                    "test_bench_helper.py"}
+
+
+def test_test_files_live_in_the_package_folders() -> None:
+    """Every test file sits in a package's folder (each a package: ``__init__.py``) or is one of the
+    repository's rules at the top; a new flat ``tests/test_*.py`` goes to the folder of the package
+    it tests (or ``integration/``), as docs/contributing.md says."""
+    top = sorted(p.name for p in TESTS.glob("test_*.py") if p.name not in _TOP_LEVEL_TESTS)
+    assert not top, f"test files at the top of tests/, move each to its package's folder: {top}"
+    deeper = sorted(p.relative_to(TESTS).as_posix() for p in TESTS.rglob("test_*.py")
+                    if len(p.relative_to(TESTS).parts) > 1 and p.relative_to(TESTS).parts[0] not in _FOLDERS)
+    assert not deeper, f"test files outside the package folders {sorted(_FOLDERS)}: {deeper}"
+    assert all((TESTS / folder / "__init__.py").is_file() for folder in _FOLDERS)
 
 
 _OLD_CAUSALITY = '''
@@ -137,7 +156,7 @@ def test_causality_and_loss_masks() -> None:
 
 
 def test_the_rule_catches_what_it_is_for() -> None:
-    """The checker flags issue 13's comparison (tests/test_model_lm.py before the fix) and accepts the
+    """The checker flags issue 13's comparison (tests/model/test_model_lm.py before the fix) and accepts the
     three ways out: the fixture, a marker with a reason, a tolerance."""
     assert violations(_OLD_CAUSALITY, "old.py") == ["old.py:6: torch.equal outside the one_thread fixture, no '# exact: <why>' comment"]
     fixed = _OLD_CAUSALITY.replace("import torch\n", 'import pytest, torch\npytestmark = pytest.mark.usefixtures("one_thread")\n')

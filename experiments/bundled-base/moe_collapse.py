@@ -9,7 +9,7 @@ bundled sample) with each balancing configuration, through ``GenoLMModule`` and 
 ``genolong finetune`` trains; the table is the worst MoE layer's load max/mean every 10 steps and
 at step 50. One torch thread; deterministic (the same figures on every run on one machine).
 
-tests/test_moe_balance.py runs the same scenario (tests/scenarios.py) for two of the configurations.
+tests/model/test_moe_balance.py runs the same scenario (tests/scenarios.py) for two of the configurations.
 
 Example::
 

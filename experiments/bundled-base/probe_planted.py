@@ -14,7 +14,7 @@ should be clearly above zero at the trained distances and is measured beyond the
 Random DNA has no structure but the planted copy: any drop is recall of the source and nothing
 else, and the loss outside the copy is ln 4 = 1.386 nats.
 
-tests/test_probe.py runs the small version of this scenario (tests/scenarios.py, :data:`SMALL`).
+tests/evaluation/test_probe.py runs the small version of this scenario (tests/scenarios.py, :data:`SMALL`).
 
 Example::
 

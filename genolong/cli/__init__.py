@@ -17,7 +17,7 @@ The package, one module per command (its parser and its run), plus what they sha
   ``genolong --help`` lists them (:data:`COMMANDS`).
 
 A new command is a module here with an ``add(sub)`` that adds its parser (imports nothing heavy:
-``genolong --help`` loads no torch, tests/test_cli_startup.py), a ``run(args) -> int`` that imports
+``genolong --help`` loads no torch, tests/cli/test_cli_startup.py), a ``run(args) -> int`` that imports
 what it needs inside, and ``COMMAND = Command("name", add, run)`` (``model=True`` when it runs a
 model); then one import and one entry in :data:`COMMANDS` below.
 """

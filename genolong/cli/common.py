@@ -2,7 +2,7 @@
 the arguments that more than one parser takes (what to score, on which processes, with which
 kernels), each added by one function so that their help reads the same everywhere.
 
-Building a parser imports no numpy, pandas, zarr, torch or Lightning (tests/test_cli_startup.py):
+Building a parser imports no numpy, pandas, zarr, torch or Lightning (tests/cli/test_cli_startup.py):
 help defaults come from :mod:`genolong.defaults`, the ``--kernel-backend`` choices from the kernel
 registry (:mod:`genolong.kernels.backends`, which imports a backend's modules only when the backend
 is first asked for), never from the modules that do the work.

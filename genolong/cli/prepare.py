@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-# help defaults from genolong.defaults, never from the modules that use them (tests/test_cli_startup.py)
+# help defaults from genolong.defaults, never from the modules that use them (tests/cli/test_cli_startup.py)
 from ..defaults import DEFAULT_MIN_GAP, DEFAULT_SPLITS
 from .common import Command, Subcommands
 

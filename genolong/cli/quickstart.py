@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-# help defaults from genolong.defaults, never from the modules that use them (tests/test_cli_startup.py)
+# help defaults from genolong.defaults, never from the modules that use them (tests/cli/test_cli_startup.py)
 from ..defaults import DEFAULT_EVAL_TILES, DEFAULT_PROBE_TILES, PROBE_CONTEXT
 from .common import Command, Subcommands, set_argument, verbose_argument
 

@@ -15,7 +15,7 @@ default; the test suite and CPU rehearsals) every read counts, host-side bookkee
 upper bound of what the same code syncs on a GPU, and the figure whose growth with T, tiles, recompute
 segments and MoE chunks the tests bound (benchmarks/host_syncs.py prints it per layer).
 
-Used by ``tests/test_host_syncs.py`` and ``benchmarks/host_syncs.py``.
+Used by ``tests/parallel/test_host_syncs.py`` and ``benchmarks/host_syncs.py``.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from ..model.config import INDEXED_ATTENTION, LINEAR_ATTENTION
 
 # torch and the model's modules load on first use, not at import: the recipe loader
 # (genolong.config) and ``genolong plan`` read this module's constants without paying torch's
-# import time (tests/test_cli_startup.py checks it)
+# import time (tests/cli/test_cli_startup.py checks it)
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -291,7 +291,7 @@ class ChunkedBlockForward:
     covering the tokens, ``full``'s bitwise; with several chunks the feed-forward's matmuls run on
     fewer rows and its parameter gradients are sums over chunks, and the segmented halves sum the
     gradients of what crosses a segment boundary (KDA state and conv tail, DSA keys) per segment:
-    the same maths in another float order (tests/test_recompute_chunked.py bounds it by fp32
+    the same maths in another float order (tests/parallel/test_recompute_chunked.py bounds it by fp32
     rounding).
 
     Without autograd recording (inference) the plain :meth:`Block.forward` runs.

@@ -25,7 +25,7 @@ those above it):
 - ``report``: the text tables (:func:`format_plan`, :func:`format_eval_plan`).
 
 The whole package imports without torch or Lightning: ``genolong plan`` stays light
-(``tests/test_cli_startup.py``).
+(``tests/cli/test_cli_startup.py``).
 """
 
 from __future__ import annotations

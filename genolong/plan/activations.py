@@ -10,7 +10,7 @@ gather buffers a DSA layer holds besides (:func:`dsa_buffer_bytes`). The kernel 
 (:mod:`genolong.plan.backends`) decides which save sets count: fla-core's ``chunk_kda``, read
 from fla's source (see :func:`_kda`), and genolong's Triton DSA kernels.
 
-What holds it honest: ``tests/test_plan_activations.py`` holds the formulas to within 10% of
+What holds it honest: ``tests/plan/test_plan_activations.py`` holds the formulas to within 10% of
 :class:`~genolong.memory.meter.ActivationMeter` on the ``tiny`` and ``small`` presets over lengths,
 recompute modes, offload and CP (the Triton DSA kernels metered under ``TRITON_INTERPRET=1``,
 EP 2 per layer and rank at its measured expert load on gloo), the growth of chunked recompute's
@@ -422,7 +422,7 @@ def _ffn(cfg: ModelConfig, layer: int, a: int, recomputed: bool, tokens: int, ch
     EP the per-(token, slot) expert tensors live on the rank that holds the expert, which holds
     ``expert_load`` times the mean rows (the busiest rank: the imbalance), and the rows it
     received by the dispatch all-to-all are kept too (H per row, before they are ordered by
-    expert; measured under EP 2 with the meter, ``tests/test_plan_activations.py``).
+    expert; measured under EP 2 with the meter, ``tests/plan/test_plan_activations.py``).
     """
     assert cfg.mlp_layer_types is not None
     H = cfg.hidden_size
@@ -547,7 +547,7 @@ def chunked_recompute_terms(config: ModelConfig, layer: int, tokens: int, chunk_
 
     - saved from forward to backward: the block input ``streams [T, m, H]`` only (one
       block-level checkpoint; on a shared DSA layer also the received top-k indices), as ``full``;
-      ``tests/test_recompute_chunked.py`` meters it per layer.
+      ``tests/parallel/test_recompute_chunked.py`` meters it per layer.
     - held while the layer's backward runs (``layer_bytes``): its block-level recomputation runs
       the attention half again, whose segment checkpoints keep, for a KDA layer, per segment
       boundary the short-conv tail (``kernel - 1`` rows of q|k|v, ``a`` bytes) and the fp32 state
@@ -562,7 +562,7 @@ def chunked_recompute_terms(config: ModelConfig, layer: int, tokens: int, chunk_
       done), and one attention segment (the plain half's saved set for ``c`` tokens; a DSA query
       segment also relayouts and differentiates the keys it reads: ``3 x`` the latent of the
       positions up to the slice's end); either with the gradients of its output and input streams
-      (``2 x [c, m, H]``). ``tests/test_plan_activations.py`` holds the growth of the measured backward peak
+      (``2 x [c, m, H]``). ``tests/plan/test_plan_activations.py`` holds the growth of the measured backward peak
       with ``chunk_tokens`` to this within 10% (tiny, small).
 
     Args:

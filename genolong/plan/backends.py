@@ -3,7 +3,7 @@
 ``auto`` on a GPU recipe is the ``triton`` backend: fla-core's ``chunk_kda`` for KDA (its
 ``save_for_backward`` read from fla's source, see :func:`genolong.plan.activations._kda`; fla cannot
 run on CPU) and genolong's Triton DSA kernels (metered on CPU in Triton's interpreter by the
-tests); on a CPU-only recipe it is ``torch``. ``tests/test_plan_activations.py`` holds the table to
+tests); on a CPU-only recipe it is ``torch``. ``tests/plan/test_plan_activations.py`` holds the table to
 the registry (``genolong.kernels.backends``) and the fla save set to the installed fla-core's source.
 """
 

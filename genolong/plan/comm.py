@@ -14,8 +14,8 @@ rows.
 
 What holds it honest: ``benchmarks/cp_step.py`` holds the CP rows to the bytes counted through
 ``torch.distributed`` (BENCHMARKS.md); ``benchmarks/ep_step.py`` and
-``tests/test_expert_parallel.py`` hold :func:`ep_comm_bytes` to
-:class:`genolong.parallel.expert.AllToAllCounter` to the byte; ``tests/test_plan_comm.py`` holds
+``tests/parallel/test_expert_parallel.py`` hold :func:`ep_comm_bytes` to
+:class:`genolong.parallel.expert.AllToAllCounter` to the byte; ``tests/plan/test_plan_comm.py`` holds
 the rows to the per-call formulas summed by hand and the FSDP units to the model's modules.
 """
 
@@ -248,7 +248,7 @@ def ep_comm_bytes(config: ModelConfig, tokens: int, ep: int, chunk_tokens: int |
 
     :class:`genolong.parallel.expert.AllToAllCounter` measures the same three numbers
     (``forward``, ``backward``, ``splits``); ``benchmarks/ep_step.py`` and
-    ``tests/test_expert_parallel.py`` hold them equal to the byte.
+    ``tests/parallel/test_expert_parallel.py`` hold them equal to the byte.
 
     Args:
         config: the architecture (``num_experts_per_tok``, ``hidden_size``, ``n_routed_experts``,

@@ -11,7 +11,7 @@ keys under CP, one MoE dispatch chunk) or the LM-head phase (:func:`eval_outside
 with ``--segment-tokens`` one segment's working set plus the stream caches
 (:func:`stream_cache_tensors`); host memory for loading each rank's slices.
 
-What holds it honest: ``tests/test_plan_evaluate.py`` measures the no_grad peak of ``token_nll``
+What holds it honest: ``tests/plan/test_plan_evaluate.py`` measures the no_grad peak of ``token_nll``
 (one-shot and streamed, torch kernels, one process) at 0.46-0.82x of the plan's activation lines
 on ``tiny`` and ``small``, and checks the 1M tile on 64 GPUs against an independent count (the
 meta-device model's parameters, fla-core's forward buffers and the gathered latent counted by
@@ -99,7 +99,7 @@ def forward_working_set(config: ModelConfig, layer: int, half: str, tokens: int,
     tensors without recompute (:func:`~genolong.plan.layer_saved_tensors`, ``indexer_kl=False``: evaluation does
     not compute the indexer KL) are every tensor its forward makes that a backward would read, and
     a forward without grad holds them at most all at once (it frees some before the half ends: an
-    upper bound; ``tests/test_plan_evaluate.py`` measures it on ``tiny`` and ``small``). Added: the
+    upper bound; ``tests/plan/test_plan_evaluate.py`` measures it on ``tiny`` and ``small``). Added: the
     half's output streams ``[T, m, H]`` (made while the input streams live); on a KDA half with
     fla-core's kernel its forward temporaries (:func:`_fla_forward_temporaries`); on a DSA half
     :func:`~genolong.plan.dsa_buffer_bytes` without gradients (under CP the all-gathered latent and pooled keys of
@@ -358,7 +358,7 @@ def _eval_once(recipe: Recipe, cfg: ModelConfig, gpus: int, context: int, gpu_me
         "forward only (torch.no_grad): no gradients, no optimizer state, nothing saved for backward; "
         "the peak is the largest half-block's working set: its saved tensors as training would keep them "
         "(the planner's per-tensor inventory, an upper bound: without grad the layer frees them as it goes; "
-        "measured on tiny/small, CPU, fp32, one-shot and streamed: the no_grad peak is 0.46-0.82x of it, tests/test_plan_evaluate.py)"
+        "measured on tiny/small, CPU, fp32, one-shot and streamed: the no_grad peak is 0.46-0.82x of it, tests/plan/test_plan_evaluate.py)"
         + ("; fla chunk_kda's forward temporaries (w, u, kg, v_new, chunk states h) added" if kda_kernel == "fla" else ""),
         f"weights in {dtype} sharded over cp x dp_shard = {shard} ranks (FSDP2"
         + (f"; ep {ep}: {cfg.n_routed_experts // ep} experts per rank, each MoE layer's experts a unit over {shard // ep}"

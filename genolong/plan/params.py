@@ -8,7 +8,7 @@ parameter names) or its ``model.lora`` section (targets over module names, ``rou
 ``genolong.model.lora.apply_lora`` do, and counts trained, frozen and adapter parameters, overall
 and per FSDP2 unit (:meth:`ParameterSplit.unit`).
 
-What holds it honest: ``tests/test_plan_frozen.py`` compares the tables with a real GenoLM's
+What holds it honest: ``tests/plan/test_plan_frozen.py`` compares the tables with a real GenoLM's
 ``named_parameters`` / ``named_modules`` on ``tiny``, ``small`` and a reduced ``glm-5.3-flash``
 geometry, and the trained counts with the model after ``freeze_parameters``.
 """

@@ -3,7 +3,7 @@ checkpoint on disk, its mesh on a number of GPUs (checked), the MoE imbalance th
 sized for, the sizes given on the command line (checked), and the ``--set`` overrides that put a
 suggestion on more GPUs.
 
-No formula lives here; ``tests/test_plan_train.py`` and ``tests/test_plan_evaluate.py`` check the
+No formula lives here; ``tests/plan/test_plan_train.py`` and ``tests/plan/test_plan_evaluate.py`` check the
 errors these raise and the imbalance's sources.
 """
 

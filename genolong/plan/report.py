@@ -6,7 +6,7 @@ tensor by tensor and the activation peak by phase).
 
 Only formatting: every figure comes from :class:`~genolong.plan.train.Plan` or
 :class:`~genolong.plan.evaluate.EvalPlan` (``--json`` prints their fields instead).
-``tests/test_plan_train.py``, ``tests/test_plan_comm.py`` and ``tests/test_plan_evaluate.py`` check
+``tests/plan/test_plan_train.py``, ``tests/plan/test_plan_comm.py`` and ``tests/plan/test_plan_evaluate.py`` check
 the tables' lines, and that the command's JSON is the plan's ``to_dict()``.
 """
 

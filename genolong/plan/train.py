@@ -39,7 +39,7 @@ per node it is that times the GPUs of a node. The plan also carries the communic
 per step (:func:`~genolong.plan.comm.comm_estimate`).
 
 What holds it honest: the activation lines rest on :mod:`genolong.plan.activations`' measurements;
-``tests/test_plan_train.py`` holds the parameter, gradient and optimizer bytes to the model's
+``tests/plan/test_plan_train.py`` holds the parameter, gradient and optimizer bytes to the model's
 parameter count exactly, the reference recipes to the reference run's figures on 64 GPUs (1m's
 180 GiB of pinned host memory per GPU, 256k within 98 GiB) and every suggestion to a plan that
 fits when the change is applied.

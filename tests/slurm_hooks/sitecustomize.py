@@ -1,4 +1,4 @@
-"""Test-only slow-downs for the SLURM tests' jobs (tests/test_slurm.py), loaded by the job's Python
+"""Test-only slow-downs for the SLURM tests' jobs (tests/integration/test_slurm.py), loaded by the job's Python
 through PYTHONPATH. They cost wall time, not CPU, and patch genolong only once it is imported
 (lazily: the start-up of ``genolong finetune`` stays as it is, with its signals caught first).
 

@@ -1,6 +1,6 @@
 """The recipes of the bundled base's chain (experiments/bundled-base/recipes/ and the last stage,
 recipes/sample-base.yaml): each loads, writes out every key with a comment, starts from the one
-before's export, and freezes what its header says. Moved here from tests/test_config.py."""
+before's export, and freezes what its header says. Moved here from tests/cli/test_config.py."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Tests of the data layer; see docs/contributing.md, "The test suite"."""

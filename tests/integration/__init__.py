@@ -1,0 +1,1 @@
+"""End-to-end and multi-process tests; see docs/contributing.md, "The test suite"."""

@@ -1,0 +1,1 @@
+"""Tests of the plan layer; see docs/contributing.md, "The test suite"."""
