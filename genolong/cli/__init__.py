@@ -104,11 +104,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrHandler(logging.Handler):
+    """Writes each record to whatever ``sys.stderr`` is when it is emitted, not to the stream that
+    was ``sys.stderr`` when the handler was made (``logging.StreamHandler``): ``main`` called as a
+    library (a notebook, a test capturing output) would otherwise leave a handler on a stream that
+    is closed later ("I/O operation on closed file" in a later command's output)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:  # logging's own rule: a failing handler reports and carries on
+            self.handleError(record)
+
+
 def _setup_logging() -> None:
     """genolong's own log lines (checkpoint loading, kernel backend) on stderr, once."""
     logger = logging.getLogger("genolong")
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

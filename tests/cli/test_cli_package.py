@@ -99,3 +99,29 @@ def test_the_scoring_commands_report_a_bad_parallel_set_in_one_line(capsys: pyte
         err = capsys.readouterr().err
         assert err == (f"genolong {command[0]}: error: --set 'parallel.timeout_s=0': "
                        "parallel.timeout_s must be a number of seconds > 0\n"), err
+
+
+def test_log_lines_follow_the_stderr_of_the_moment(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """genolong's log handler writes to the ``sys.stderr`` of each record, not to the one it was
+    made under: a handler made under a capture that is closed later would make every later log
+    line an "I/O operation on closed file" error (seen under pytest-xdist)."""
+    import io
+    import logging
+
+    logger = logging.getLogger("genolong")
+    kept, level = list(logger.handlers), logger.level
+    logger.handlers.clear()
+    try:
+        first = io.StringIO()
+        with monkeypatch.context() as m:
+            m.setattr("sys.stderr", first)
+            cli._setup_logging()  # made while sys.stderr is `first`
+            logger.info("into the first stream")
+        assert first.getvalue() == "into the first stream\n"
+        first.close()
+        logger.info("after the first stream closed")
+        captured = capsys.readouterr().err
+        assert "after the first stream closed" in captured and "closed file" not in captured
+    finally:
+        logger.handlers[:] = kept
+        logger.setLevel(level)
