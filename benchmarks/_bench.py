@@ -33,8 +33,22 @@ from typing import Any
 
 from genolong.files import replace_file
 
-__all__ = ["Fresh", "FreshRun", "environment", "fresh_python", "marginal_slope", "median_row", "mem_available_bytes",
-           "peak_rss_bytes", "run_fresh", "sweep_arguments", "sweep_fresh", "utc_now", "wait_any", "write_json"]
+__all__ = [
+    "Fresh",
+    "FreshRun",
+    "environment",
+    "fresh_python",
+    "marginal_slope",
+    "median_row",
+    "mem_available_bytes",
+    "peak_rss_bytes",
+    "run_fresh",
+    "sweep_arguments",
+    "sweep_fresh",
+    "utc_now",
+    "wait_any",
+    "write_json",
+]
 
 GiB = 2**30
 
@@ -42,6 +56,7 @@ GiB = 2**30
 # --------------------------------------------------------------------------------------------------
 # Fresh processes
 # --------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class FreshRun:
@@ -74,8 +89,10 @@ class FreshRun:
 
     def failure(self, tail: int = 3000) -> str:
         """A message naming the command, how it ended and the last ``tail`` characters of its output."""
-        return (f"{' '.join(self.cmd)} failed with exit code {self.returncode} after {self.wall_s:.0f} s, peak RSS "
-                f"{self.peak_rss_bytes / GiB:.2f} GiB:\n{self.output[-tail:]}")
+        return (
+            f"{' '.join(self.cmd)} failed with exit code {self.returncode} after {self.wall_s:.0f} s, peak RSS "
+            f"{self.peak_rss_bytes / GiB:.2f} GiB:\n{self.output[-tail:]}"
+        )
 
     def check(self) -> FreshRun:
         """Exit this script with :meth:`failure` unless the child succeeded (a benchmark stops at a
@@ -126,8 +143,14 @@ class Fresh:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, cmd: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
-              log: str | Path | None = None, **extra: Any) -> Fresh:
+    def start(
+        cls,
+        cmd: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+        log: str | Path | None = None,
+        **extra: Any,
+    ) -> Fresh:
         """Start ``cmd`` (through the small launcher, see :data:`_LAUNCHER`); its stdout and stderr
         go to ``log`` when given, else to a pipe that :meth:`wait` reads. ``extra`` is kept for the
         caller (e.g. which job this is)."""
@@ -138,11 +161,13 @@ class Fresh:
         try:
             if log is not None:
                 with open(log, "wb") as out:  # the child keeps its own descriptor
-                    proc = subprocess.Popen(launcher, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                            pass_fds=(report_w,))
+                    proc = subprocess.Popen(
+                        launcher, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, pass_fds=(report_w,)
+                    )
             else:
-                proc = subprocess.Popen(launcher, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        pass_fds=(report_w,))
+                proc = subprocess.Popen(
+                    launcher, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(report_w,)
+                )
         except BaseException:
             os.close(report_r)
             raise
@@ -168,15 +193,35 @@ class Fresh:
             output = self.log.read_bytes()
         text = output.decode(errors="replace")
         if not report:  # the launcher failed before it could run the command (e.g. not found): its own figures
-            return FreshRun(self.cmd, self.proc.returncode or 1, wall, usage.ru_utime, usage.ru_stime,
-                            int(usage.ru_minflt), int(usage.ru_maxrss) * 1024, text)
+            return FreshRun(
+                self.cmd,
+                self.proc.returncode or 1,
+                wall,
+                usage.ru_utime,
+                usage.ru_stime,
+                int(usage.ru_minflt),
+                int(usage.ru_maxrss) * 1024,
+                text,
+            )
         r = json.loads(report)
-        return FreshRun(self.cmd, r["returncode"], r["wall_s"], r["user_s"], r["system_s"], r["minor_faults"],
-                        r["maxrss_kib"] * 1024, text)
+        return FreshRun(
+            self.cmd,
+            r["returncode"],
+            r["wall_s"],
+            r["user_s"],
+            r["system_s"],
+            r["minor_faults"],
+            r["maxrss_kib"] * 1024,
+            text,
+        )
 
 
-def run_fresh(cmd: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
-              log: str | Path | None = None) -> FreshRun:
+def run_fresh(
+    cmd: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+    log: str | Path | None = None,
+) -> FreshRun:
     """Run ``cmd`` in a fresh process to its end and return its wall time, CPU time, faults, peak RSS
     and output (:class:`FreshRun`; call ``.check()`` to stop at a failure).
 
@@ -206,11 +251,15 @@ def wait_any(running: Iterable[Fresh]) -> Iterable[tuple[Fresh, FreshRun]]:
             yield child, child._ended(status, usage)
 
 
-def sweep_fresh(script: str | Path, lengths: Sequence[int], args: Sequence[str], repeats: int = 1,
-                env: Mapping[str, str] | None = None,
-                skip: Callable[[int, dict[int, list[dict]]], str | None] | None = None,
-                done: Callable[[int, int, dict, dict[int, list[dict]]], None] | None = None,
-                ) -> tuple[dict[int, list[dict]], dict[int, str]]:
+def sweep_fresh(
+    script: str | Path,
+    lengths: Sequence[int],
+    args: Sequence[str],
+    repeats: int = 1,
+    env: Mapping[str, str] | None = None,
+    skip: Callable[[int, dict[int, list[dict]]], str | None] | None = None,
+    done: Callable[[int, int, dict, dict[int, list[dict]]], None] | None = None,
+) -> tuple[dict[int, list[dict]], dict[int, str]]:
     """Run ``python script --worker --T=T *args`` in a fresh process for each length, ``repeats``
     rounds with the lengths alternating inside each round (a burst of load on a shared machine then
     hits every length alike), and collect each worker's last JSON line.
@@ -289,6 +338,7 @@ def peak_rss_bytes() -> int:
 # --------------------------------------------------------------------------------------------------
 # The machine header and the result file
 # --------------------------------------------------------------------------------------------------
+
 
 def utc_now() -> str:
     """The time now, UTC, ISO 8601 to the second (the ``date`` of a result file)."""
@@ -379,4 +429,3 @@ def write_json(path: str | Path, doc: Any, indent: int | None = 1, **dumps: Any)
     path.parent.mkdir(parents=True, exist_ok=True)
     replace_file(path, lambda tmp: tmp.write_text(text))
     return path
-

@@ -69,8 +69,8 @@ def _pybigtools(path: Path, position: np.ndarray, value: np.ndarray, size: int) 
 
 
 def _measure(path: Path, position: np.ndarray, value: np.ndarray, size: int) -> dict[str, float]:
-    import pyBigWig
     import pybigtools
+    import pyBigWig
 
     dense = np.full(size, np.nan)
     dense[position] = value
@@ -82,10 +82,13 @@ def _measure(path: Path, position: np.ndarray, value: np.ndarray, size: int) -> 
         records = list(reader.zoom_records(level, "chr20"))
         for start, end, summary in records:
             inside = dense[start:end][have[start:end]]
-            ok = (summary["bases_covered"] == inside.size and inside.size > 0
-                  and np.float32(summary["min_val"]) == np.float32(inside.min())
-                  and np.float32(summary["max_val"]) == np.float32(inside.max())
-                  and abs(summary["sum"] - inside.sum()) <= 1e-6 * abs(inside.sum()))
+            ok = (
+                summary["bases_covered"] == inside.size
+                and inside.size > 0
+                and np.float32(summary["min_val"]) == np.float32(inside.min())
+                and np.float32(summary["max_val"]) == np.float32(inside.max())
+                and abs(summary["sum"] - inside.sum()) <= 1e-6 * abs(inside.sum())
+            )
             bad += not ok
         upper = 2 * levels[k + 1] if k + 1 < len(levels) else size + 1
         starts, ends = np.array([r[0] for r in records]), np.array([r[1] for r in records])
@@ -108,10 +111,15 @@ def _measure(path: Path, position: np.ndarray, value: np.ndarray, size: int) -> 
             ranges += 1
     last = bw.stats("chr20", size - 152, size, type="mean")[0]
     bw.close()
-    return {"levels": len(levels), "bad_records": bad, "records": sum(len(list(reader.zoom_records(z, "chr20")))
-                                                                     for z in levels),
-            "ranges": ranges, "worst_mean_error": worst, "last152_zoomed": last,
-            "last152_bases": float(dense[size - 152:][have[size - 152:]].mean())}
+    return {
+        "levels": len(levels),
+        "bad_records": bad,
+        "records": sum(len(list(reader.zoom_records(z, "chr20"))) for z in levels),
+        "ranges": ranges,
+        "worst_mean_error": worst,
+        "last152_zoomed": last,
+        "last152_bases": float(dense[size - 152 :][have[size - 152 :]].mean()),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,16 +138,38 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 write(path, position, value, size)
                 seconds.append(time.perf_counter() - t0)
-            row = {"writer": name, "values": int(position.size), "write_s": statistics.median(seconds),
-                   "bytes_per_value": path.stat().st_size / position.size, **_measure(path, position, value, size)}
+            row = {
+                "writer": name,
+                "values": int(position.size),
+                "write_s": statistics.median(seconds),
+                "bytes_per_value": path.stat().st_size / position.size,
+                **_measure(path, position, value, size),
+            }
             rows.append(row)
-    header = ["writer", "levels", "bad records", "worst zoomed mean error", "last 152 bp zoomed / bases", "write s", "B/value"]
+    header = [
+        "writer",
+        "levels",
+        "bad records",
+        "worst zoomed mean error",
+        "last 152 bp zoomed / bases",
+        "write s",
+        "B/value",
+    ]
     print(" | ".join(header))
     for r in rows:
-        print(" | ".join([r["writer"], str(r["levels"]), f"{r['bad_records']:,} / {r['records']:,}",
-                          f"{r['worst_mean_error']:.2e} ({r['ranges']} ranges)",
-                          f"{r['last152_zoomed']:.4f} / {r['last152_bases']:.4f}", f"{r['write_s']:.2f}",
-                          f"{r['bytes_per_value']:.2f}"]))
+        print(
+            " | ".join(
+                [
+                    r["writer"],
+                    str(r["levels"]),
+                    f"{r['bad_records']:,} / {r['records']:,}",
+                    f"{r['worst_mean_error']:.2e} ({r['ranges']} ranges)",
+                    f"{r['last152_zoomed']:.4f} / {r['last152_bases']:.4f}",
+                    f"{r['write_s']:.2f}",
+                    f"{r['bytes_per_value']:.2f}",
+                ]
+            )
+        )
     write_json(args.out, {"environment": environment(), "tiles": args.tiles, "rows": rows})
     return 0
 

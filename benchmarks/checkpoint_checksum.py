@@ -63,7 +63,10 @@ def _state(kind: str, large_gb: float) -> dict[str, object]:
     if kind == "tiny":
         torch.manual_seed(0)
         weights = GenoLM(PRESETS["tiny"]).state_dict()
-        return {"state_dict": weights, "optimizer_states": [{k: (torch.zeros_like(v), torch.zeros_like(v)) for k, v in weights.items()}]}
+        return {
+            "state_dict": weights,
+            "optimizer_states": [{k: (torch.zeros_like(v), torch.zeros_like(v)) for k, v in weights.items()}],
+        }
     return {"state_dict": {"w": torch.ones(int(large_gb * 2**30) // 4)}}
 
 
@@ -111,17 +114,24 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
         rows = [measure(kind, Path(folder), args.large_gb, args.repeats, args.cold) for kind in ("tiny", "large")]
-    print(f"{'checkpoint':>10} {'bytes':>15} {'write s':>8} {'crc32 s':>8} {'sha256 s':>8} {'crc32/write':>11} "
-          f"{'sha256/write':>12} {'crc32 GB/s':>10} {'sha256 GB/s':>11} {'manifest s':>10} {'check s':>8}")
+    print(
+        f"{'checkpoint':>10} {'bytes':>15} {'write s':>8} {'crc32 s':>8} {'sha256 s':>8} {'crc32/write':>11} "
+        f"{'sha256/write':>12} {'crc32 GB/s':>10} {'sha256 GB/s':>11} {'manifest s':>10} {'check s':>8}"
+    )
     for r in rows:
-        print(f"{r['checkpoint']:>10} {r['bytes']:>15,} {r['write_s']:>8.3f} {r['crc32_s']:>8.3f} {r['sha256_s']:>8.3f} "
-              f"{r['crc32_vs_write']:>10.2f}x {r['sha256_vs_write']:>11.2f}x {r['crc32_gb_per_s']:>10.2f} "
-              f"{r['sha256_gb_per_s']:>11.2f} {r['write_manifest_s']:>10.3f} {r['check_weights_s']:>8.3f}")
+        print(
+            f"{r['checkpoint']:>10} {r['bytes']:>15,} {r['write_s']:>8.3f} {r['crc32_s']:>8.3f} {r['sha256_s']:>8.3f} "
+            f"{r['crc32_vs_write']:>10.2f}x {r['sha256_vs_write']:>11.2f}x {r['crc32_gb_per_s']:>10.2f} "
+            f"{r['sha256_gb_per_s']:>11.2f} {r['write_manifest_s']:>10.3f} {r['check_weights_s']:>8.3f}"
+        )
     result = {
-        "benchmark": "checkpoint_checksum", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "benchmark": "checkpoint_checksum",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
-        "repeats": args.repeats, "cold_cache": args.cold, "rows": rows,
+        "repeats": args.repeats,
+        "cold_cache": args.cold,
+        "rows": rows,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")

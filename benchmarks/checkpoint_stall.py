@@ -61,14 +61,25 @@ json.dump({"stalls": stalls, "ends": ends, "run_s": time.perf_counter() - t}, op
 
 def _recipe(folder: Path, store: Path, preset: str, context: int, steps: int, async_save: bool) -> Path:
     recipe = {
-        "name": "stall", "seed": 3, "model": {"preset": preset},
+        "name": "stall",
+        "seed": 3,
+        "model": {"preset": preset},
         "data": {"store": str(store), "context": context},
         "train": {"max_steps": steps, "warmup_steps": 0},
         "eval": {"every_n_steps": 0},
-        "checkpoint": {"dir": str(folder / "runs" / "stall" / "checkpoints"), "every_n_steps": 1, "keep_last": 2,
-                       "export_safetensors": False, "async_save": async_save},
-        "logging": {"dir": str(folder / "runs" / "stall" / "logs"), "progress_bar": False, "tensorboard": False,
-                    "csv": False},
+        "checkpoint": {
+            "dir": str(folder / "runs" / "stall" / "checkpoints"),
+            "every_n_steps": 1,
+            "keep_last": 2,
+            "export_safetensors": False,
+            "async_save": async_save,
+        },
+        "logging": {
+            "dir": str(folder / "runs" / "stall" / "logs"),
+            "progress_bar": False,
+            "tensorboard": False,
+            "csv": False,
+        },
         "parallel": {"accelerator": "cpu"},
     }
     path = folder / f"stall-{'async' if async_save else 'sync'}.yaml"
@@ -86,7 +97,9 @@ def _same(a: Path, b: Path) -> bool:
 
     def records(path: Path) -> dict[str, bytes]:
         with zipfile.ZipFile(path) as z:
-            return {n.split("/", 1)[1]: z.read(n) for n in z.namelist() if not n.endswith(("serialization_id", "data.pkl"))}
+            return {
+                n.split("/", 1)[1]: z.read(n) for n in z.namelist() if not n.endswith(("serialization_id", "data.pkl"))
+            }
 
     states = [torch.load(path, weights_only=True) for path in (a, b)]
     for state in states:
@@ -98,17 +111,23 @@ def _one(folder: Path, store: Path, args: argparse.Namespace, async_save: bool, 
     recipe = _recipe(folder, store, args.preset, args.context, args.steps, async_save)
     out = folder / "child.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    fresh_python(_CHILD.replace("sys.argv[1]", repr(str(recipe))).replace("sys.argv[2]", repr(str(out))), env=env,
-                 cwd=folder).check()
+    fresh_python(
+        _CHILD.replace("sys.argv[1]", repr(str(recipe))).replace("sys.argv[2]", repr(str(out))), env=env, cwd=folder
+    ).check()
     child = json.loads(out.read_text())
     log = [json.loads(line) for line in (folder / "runs" / "stall" / "logs" / "steps.jsonl").read_text().splitlines()]
     compute = [r["perf/step_time_s"] for r in log if "perf/step_time_s" in r]
     ends = child["ends"]
     walls = [b - a for a, b in zip(ends, ends[1:])]
     shutil.move(folder / "runs" / "stall", keep)
-    return {"mode": "async" if async_save else "sync", "stalls_s": child["stalls"], "step_wall_s": walls,
-            "step_compute_s": compute, "run_s": child["run_s"],
-            "checkpoint_bytes": (keep / "checkpoints" / f"step{args.steps:07d}.ckpt").stat().st_size}
+    return {
+        "mode": "async" if async_save else "sync",
+        "stalls_s": child["stalls"],
+        "step_wall_s": walls,
+        "step_compute_s": compute,
+        "run_s": child["run_s"],
+        "checkpoint_bytes": (keep / "checkpoints" / f"step{args.steps:07d}.ckpt").stat().st_size,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--context", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=3, help="optimiser steps per run, a checkpoint after each (default 3)")
+    parser.add_argument(
+        "--steps", type=int, default=3, help="optimiser steps per run, a checkpoint after each (default 3)"
+    )
     parser.add_argument("--repeats", type=int, default=1, help="rounds of (sync, async) runs (default 1)")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "checkpoint_stall.json")
     args = parser.parse_args(argv)
@@ -140,24 +161,46 @@ def main(argv: list[str] | None = None) -> int:
     def med(mode: str, key: str) -> float:
         return statistics.median(x for run in runs if run["mode"] == mode for x in run[key])  # type: ignore[attr-defined]
 
-    rows = [{"mode": m, "stall_s": med(m, "stalls_s"), "max_stall_s": max(x for run in runs if run["mode"] == m
-                                                                           for x in run["stalls_s"]),  # type: ignore[attr-defined]
-             "step_wall_s": med(m, "step_wall_s"), "step_compute_s": med(m, "step_compute_s")} for m in ("sync", "async")]
+    rows = [
+        {
+            "mode": m,
+            "stall_s": med(m, "stalls_s"),
+            "max_stall_s": max(x for run in runs if run["mode"] == m for x in run["stalls_s"]),  # type: ignore[attr-defined]
+            "step_wall_s": med(m, "step_wall_s"),
+            "step_compute_s": med(m, "step_compute_s"),
+        }
+        for m in ("sync", "async")
+    ]
     ratio = rows[0]["stall_s"] / max(rows[1]["stall_s"], 1e-9)
     size = runs[0]["checkpoint_bytes"]
-    print(f"{args.preset} at {args.context} tokens, a checkpoint of {size:,} bytes after each of {args.steps} steps, "
-          f"{args.repeats} round(s), interleaved")
+    print(
+        f"{args.preset} at {args.context} tokens, a checkpoint of {size:,} bytes after each of {args.steps} steps, "
+        f"{args.repeats} round(s), interleaved"
+    )
     print(f"{'save':>6} {'stall s (median)':>17} {'stall s (max)':>14} {'step wall s':>12} {'step compute s':>15}")
     for row in rows:
-        print(f"{row['mode']:>6} {row['stall_s']:>17.3f} {row['max_stall_s']:>14.3f} {row['step_wall_s']:>12.2f} "
-              f"{row['step_compute_s']:>15.2f}")
-    print(f"stall sync / async: {ratio:.1f}x (target >= 3x: {'met' if ratio >= 3 else 'NOT met'}); "
-          f"last checkpoints the same state: {all(identical)}")
-    doc = {"benchmark": "checkpoint_stall", **environment(),
-           "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-           "preset": args.preset, "context": args.context, "steps": args.steps, "repeats": args.repeats,
-           "checkpoint_bytes": size, "rows": rows, "stall_ratio_sync_over_async": ratio,
-           "checkpoints_identical": identical, "runs": runs}
+        print(
+            f"{row['mode']:>6} {row['stall_s']:>17.3f} {row['max_stall_s']:>14.3f} {row['step_wall_s']:>12.2f} "
+            f"{row['step_compute_s']:>15.2f}"
+        )
+    print(
+        f"stall sync / async: {ratio:.1f}x (target >= 3x: {'met' if ratio >= 3 else 'NOT met'}); "
+        f"last checkpoints the same state: {all(identical)}"
+    )
+    doc = {
+        "benchmark": "checkpoint_stall",
+        **environment(),
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "preset": args.preset,
+        "context": args.context,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "checkpoint_bytes": size,
+        "rows": rows,
+        "stall_ratio_sync_over_async": ratio,
+        "checkpoints_identical": identical,
+        "runs": runs,
+    }
     print(f"-> {write_json(args.json, doc)}")
     return 0 if all(identical) else 1
 

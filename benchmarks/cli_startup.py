@@ -30,9 +30,11 @@ from _bench import environment, run_fresh, write_json  # noqa: E402
 ROOT = HERE.parent
 #: the commands timed: ``--help`` and the help of the commands that must not load torch
 COMMANDS = (("--help",), ("prepare", "--help"), ("plan", "--help"), ("compare", "--help"), ("plot", "--help"))
-_PROBE = ("import sys, runpy; sys.argv = ['genolong', *sys.argv[1:]]\n"
-          "try:\n    runpy.run_module('genolong.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
-          "print('LOADED', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'lightning'}), file=sys.stderr)")
+_PROBE = (
+    "import sys, runpy; sys.argv = ['genolong', *sys.argv[1:]]\n"
+    "try:\n    runpy.run_module('genolong.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+    "print('LOADED', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'lightning'}), file=sys.stderr)"
+)
 
 
 def _time(args: tuple[str, ...], cwd: Path) -> tuple[float, float, str]:
@@ -59,11 +61,17 @@ def main() -> None:
             current.append((wall, cpu))
             if args.baseline:
                 baseline.append(_time(command, args.baseline)[:2])
-        row = {"command": "genolong " + " ".join(command), "loads": loaded,
-               "wall_s": statistics.median(w for w, _ in current), "cpu_s": statistics.median(c for _, c in current)}
+        row = {
+            "command": "genolong " + " ".join(command),
+            "loads": loaded,
+            "wall_s": statistics.median(w for w, _ in current),
+            "cpu_s": statistics.median(c for _, c in current),
+        }
         if baseline:
-            row |= {"baseline_wall_s": statistics.median(w for w, _ in baseline),
-                    "baseline_cpu_s": statistics.median(c for _, c in baseline)}
+            row |= {
+                "baseline_wall_s": statistics.median(w for w, _ in baseline),
+                "baseline_cpu_s": statistics.median(c for _, c in baseline),
+            }
             row["ratio"] = row["baseline_wall_s"] / row["wall_s"]
         rows.append(row)
 
@@ -72,7 +80,9 @@ def main() -> None:
         base = f"{r['baseline_wall_s']:15.2f} {r['ratio']:6.1f}" if "ratio" in r else f"{'':>15} {'':>6}"
         print(f"{r['command']:<26} {r['wall_s']:7.2f} {r['cpu_s']:6.2f} {base}  {r['loads']}")
     print(f"medians of {args.repeats} fresh processes; ratio = baseline / current wall time")
-    write_json(args.json, {**environment(), "repeats": args.repeats, "baseline": str(args.baseline or ""), "rows": rows})
+    write_json(
+        args.json, {**environment(), "repeats": args.repeats, "baseline": str(args.baseline or ""), "rows": rows}
+    )
     print(f"wrote {args.json}")
 
 

@@ -56,11 +56,23 @@ import torch.multiprocessing as mp
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
 from _bench import environment, write_json  # noqa: E402
+
 DEFAULT_JSON = HERE / "results" / "cp_step.json"
 #: the module whose collectives belong to each part
 SOURCES = {"genolong.kernels.kda.cp": "kda", "genolong.parallel.cp_dsa": "dsa"}
-OPS = ("all_gather", "all_reduce", "scatter", "reduce_scatter", "all_gather_into_tensor", "reduce_scatter_tensor",
-       "broadcast", "send", "recv", "isend", "irecv")
+OPS = (
+    "all_gather",
+    "all_reduce",
+    "scatter",
+    "reduce_scatter",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
 
 
 def _size(t: torch.Tensor) -> int:
@@ -87,10 +99,10 @@ def _count_bytes(counter: dict[str, int]) -> None:
             if part is None:
                 part = "grad" if caller.f_code.co_filename == __file__ else "other"
             payload = received = 0
-            if name == "all_gather":        # (tensor_list, tensor): W pieces of this size arrive, one is ours
+            if name == "all_gather":  # (tensor_list, tensor): W pieces of this size arrive, one is ours
                 x, out = _arg(args, kwargs, 1, "tensor"), _arg(args, kwargs, 0, "tensor_list")
                 payload, received = _size(x), _size(x) * (len(out) - 1)
-            elif name == "scatter":         # (tensor, scatter_list, src): the source keeps its own piece
+            elif name == "scatter":  # (tensor, scatter_list, src): the source keeps its own piece
                 x, src = _arg(args, kwargs, 0, "tensor"), _arg(args, kwargs, 2, "src")
                 payload = _size(x)
                 received = 0 if (src or 0) == me else _size(x)
@@ -123,14 +135,15 @@ def _rank(rank: int, world: int, init: str, tokens: int, steps: int, out: str) -
     from genolong.parallel.context import apply_context_parallel
 
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=600))
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+        )
     try:
         torch.manual_seed(0)
         model = GenoLM(PRESETS["tiny"])
         ids = torch.randint(1, 5, (1, tokens), generator=torch.Generator().manual_seed(1))
         t = tokens // world
-        local = ids[:, rank * t:(rank + 1) * t]
+        local = ids[:, rank * t : (rank + 1) * t]
         counter: dict[str, int] = {}
         if world > 1:
             apply_context_parallel(model, dist.group.WORLD)
@@ -154,8 +167,9 @@ def _rank(rank: int, world: int, init: str, tokens: int, steps: int, out: str) -
             model.zero_grad(set_to_none=True)
             if step:  # step 0 warms up
                 times.append(elapsed)
-        Path(out, f"rank{rank}.json").write_text(json.dumps({"times": times, "bytes": dict(counter),
-                                                             "kda_meter": meter_bytes}))
+        Path(out, f"rank{rank}.json").write_text(
+            json.dumps({"times": times, "bytes": dict(counter), "kda_meter": meter_bytes})
+        )
     finally:
         if world > 1:
             dist.destroy_process_group()
@@ -196,8 +210,12 @@ def main() -> None:
                 if world == 1:
                     _rank(0, 1, "", T, a.steps, tmp)
                 else:
-                    mp.start_processes(_rank, args=(world, os.path.join(tmp, "init"), T, a.steps, tmp), nprocs=world,
-                                       start_method="spawn")
+                    mp.start_processes(
+                        _rank,
+                        args=(world, os.path.join(tmp, "init"), T, a.steps, tmp),
+                        nprocs=world,
+                        start_method="spawn",
+                    )
                 ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
             step = max(statistics.median(r["times"]) for r in ranks)
             t_local = T // world
@@ -206,10 +224,16 @@ def main() -> None:
             dsa = [_sum(r["bytes"], "dsa", "received") for r in ranks]
             meter = [sum(r["kda_meter"].values()) for r in ranks]
             row = {
-                "cp": world, "tokens": T, "tokens_per_rank": t_local, "step_s": step,
-                "kda_payload_measured": max(kda), "kda_payload_formula": est.part_total("kda"),
-                "kda_ratio": _ratio(max(kda), est.part_total("kda")), "kda_comm_meter": max(meter),
-                "dsa_received_measured": max(dsa), "dsa_received_formula": est.part_total("dsa"),
+                "cp": world,
+                "tokens": T,
+                "tokens_per_rank": t_local,
+                "step_s": step,
+                "kda_payload_measured": max(kda),
+                "kda_payload_formula": est.part_total("kda"),
+                "kda_ratio": _ratio(max(kda), est.part_total("kda")),
+                "kda_comm_meter": max(meter),
+                "dsa_received_measured": max(dsa),
+                "dsa_received_formula": est.part_total("dsa"),
                 "dsa_ratio": _ratio(max(dsa), est.part_total("dsa")),
                 # the indexer KL's count all-reduce (not in cp_dsa_comm_bytes; 0 unless the KL is on)
                 "dsa_allreduce_payload": max(r["bytes"].get("dsa.all_reduce.payload", 0) for r in ranks),
@@ -217,32 +241,51 @@ def main() -> None:
                 "parameters_fp32_bytes": 4 * params,  # the all-reduce covers the parameters that got a gradient
                 "other_payload": max(_sum(r["bytes"], "other", "payload") for r in ranks),
                 "ranks_agree": len(set(kda)) <= 1 and len(set(dsa)) <= 1,
-                "formula_rows": [{"name": x.name, "convention": x.convention, "forward": x.forward,
-                                  "backward": x.backward} for x in est.rows if x.part in ("kda", "dsa")],
+                "formula_rows": [
+                    {"name": x.name, "convention": x.convention, "forward": x.forward, "backward": x.backward}
+                    for x in est.rows
+                    if x.part in ("kda", "dsa")
+                ],
                 "per_rank_bytes": [r["bytes"] for r in ranks],
             }
             rows.append(row)
-            print(f"T={T} CP={world}: step {step:.3f} s; KDA {_mib(row['kda_payload_measured'])} MiB payload "
-                  f"(formula {_mib(row['kda_payload_formula'])}); DSA {_mib(row['dsa_received_measured'])} MiB received "
-                  f"(formula {_mib(row['dsa_received_formula'])})", flush=True)
+            print(
+                f"T={T} CP={world}: step {step:.3f} s; KDA {_mib(row['kda_payload_measured'])} MiB payload "
+                f"(formula {_mib(row['kda_payload_formula'])}); DSA {_mib(row['dsa_received_measured'])} MiB received "
+                f"(formula {_mib(row['dsa_received_formula'])})",
+                flush=True,
+            )
 
     def fmt_ratio(x: float | None) -> str:
         return "-" if x is None else f"{x:.4f}"
 
-    print("\n| T | CP | tokens per rank | step s | KDA payload MiB measured | KDA formula | ratio | "
-          "DSA received MiB measured | DSA formula | ratio | gradient all-reduce MiB |")
+    print(
+        "\n| T | CP | tokens per rank | step s | KDA payload MiB measured | KDA formula | ratio | "
+        "DSA received MiB measured | DSA formula | ratio | gradient all-reduce MiB |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['tokens']:,} | {r['cp']} | {r['tokens_per_rank']:,} | {r['step_s']:.3f} | "
-              f"{_mib(r['kda_payload_measured'])} | {_mib(r['kda_payload_formula'])} | {fmt_ratio(r['kda_ratio'])} | "
-              f"{_mib(r['dsa_received_measured'])} | {_mib(r['dsa_received_formula'])} | {fmt_ratio(r['dsa_ratio'])} | "
-              f"{_mib(r['gradient_allreduce_payload'])} |")
-    write_json(a.json, {"benchmark": "cp_step", **environment("date"),
-                        "command": "OMP_NUM_THREADS=1 python benchmarks/cp_step.py " + " ".join(sys.argv[1:]),
-                        **environment("machine", "cpus", "torch"),
-                        "preset": "tiny", "conventions": {"kda": "payload handed to the collectives per rank",
-                                                          "dsa": "bytes received from other ranks per rank"},
-                        "rows": rows})
+        print(
+            f"| {r['tokens']:,} | {r['cp']} | {r['tokens_per_rank']:,} | {r['step_s']:.3f} | "
+            f"{_mib(r['kda_payload_measured'])} | {_mib(r['kda_payload_formula'])} | {fmt_ratio(r['kda_ratio'])} | "
+            f"{_mib(r['dsa_received_measured'])} | {_mib(r['dsa_received_formula'])} | {fmt_ratio(r['dsa_ratio'])} | "
+            f"{_mib(r['gradient_allreduce_payload'])} |"
+        )
+    write_json(
+        a.json,
+        {
+            "benchmark": "cp_step",
+            **environment("date"),
+            "command": "OMP_NUM_THREADS=1 python benchmarks/cp_step.py " + " ".join(sys.argv[1:]),
+            **environment("machine", "cpus", "torch"),
+            "preset": "tiny",
+            "conventions": {
+                "kda": "payload handed to the collectives per rank",
+                "dsa": "bytes received from other ranks per rank",
+            },
+            "rows": rows,
+        },
+    )
     print(f"wrote {a.json}")
 
 

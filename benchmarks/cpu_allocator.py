@@ -51,10 +51,14 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
 from _bench import environment, run_fresh, write_json  # noqa: E402
+
 ROOT = HERE.parent
 DEFAULT_JSON = HERE / "results" / "cpu_allocator.json"
-JEMALLOC = [Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"), Path("/usr/lib/aarch64-linux-gnu/libjemalloc.so.2"),
-            Path("/usr/lib/libjemalloc.so.2")]
+JEMALLOC = [
+    Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"),
+    Path("/usr/lib/aarch64-linux-gnu/libjemalloc.so.2"),
+    Path("/usr/lib/libjemalloc.so.2"),
+]
 
 
 def _variants(with_jemalloc: bool) -> dict[str, dict[str, str]]:
@@ -75,8 +79,13 @@ def _run(cmd: list[str], env_changes: dict[str, str], cwd: Path) -> dict[str, fl
     env.pop("LD_PRELOAD", None)
     env.update(env_changes)
     run = run_fresh(cmd, env=env, cwd=cwd).check()
-    return {"wall_s": run.wall_s, "user_s": run.user_s, "system_s": run.system_s,
-            "minor_faults": float(run.minor_faults), "peak_rss_bytes": float(run.peak_rss_bytes)}
+    return {
+        "wall_s": run.wall_s,
+        "user_s": run.user_s,
+        "system_s": run.system_s,
+        "minor_faults": float(run.minor_faults),
+        "peak_rss_bytes": float(run.peak_rss_bytes),
+    }
 
 
 def _step_time(logs: Path) -> float:
@@ -88,12 +97,22 @@ def _step_time(logs: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    parser.add_argument("--evaluate", default="8192,65536,262144", help="evaluate tile lengths, comma-separated ('' for none)")
-    parser.add_argument("--finetune", default="8192,32768", help="finetune window lengths, comma-separated ('' for none)")
+    parser.add_argument(
+        "--evaluate", default="8192,65536,262144", help="evaluate tile lengths, comma-separated ('' for none)"
+    )
+    parser.add_argument(
+        "--finetune", default="8192,32768", help="finetune window lengths, comma-separated ('' for none)"
+    )
     parser.add_argument("--steps", type=int, default=2, help="finetune optimiser steps per run (default 2)")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="rounds per case (default 2; evaluate over 100k and finetune over 16k tokens: 1)")
-    parser.add_argument("--jemalloc", action="store_true", help="also jemalloc through LD_PRELOAD, with and without decay")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="rounds per case (default 2; evaluate over 100k and finetune over 16k tokens: 1)",
+    )
+    parser.add_argument(
+        "--jemalloc", action="store_true", help="also jemalloc through LD_PRELOAD, with and without decay"
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--table", type=Path, metavar="JSON", help="print the table of a saved result and stop")
     a = parser.parse_args()
@@ -122,29 +141,73 @@ def main() -> None:
                 for variant in order:
                     out = work / f"{kind}-{length}-{variant}-{round_}"
                     if kind == "evaluate":
-                        cmd = [*genolong, "evaluate", str(base), "--store", str(work / "genome"), "--context", str(length),
-                               "--max-tiles", "1", "--out", str(out), "--quiet"]
+                        cmd = [
+                            *genolong,
+                            "evaluate",
+                            str(base),
+                            "--store",
+                            str(work / "genome"),
+                            "--context",
+                            str(length),
+                            "--max-tiles",
+                            "1",
+                            "--out",
+                            str(out),
+                            "--quiet",
+                        ]
                     else:
-                        cmd = [*genolong, "finetune", str(ROOT / "recipes" / "quickstart.yaml"),
-                               "--set", f"name=alloc-{length}-{variant}-{round_}", "--set", f"data.store={work / 'genome'}",
-                               "--set", f"model.checkpoint={base}", "--set", f"data.context={length}",
-                               "--set", f"train.max_steps={a.steps}", "--set", "eval.every_n_steps=0",
-                               "--set", f"checkpoint.dir={out / 'checkpoints'}", "--set", f"checkpoint.every_n_steps={a.steps}",
-                               "--set", "checkpoint.export_safetensors=false", "--set", f"logging.dir={out / 'logs'}",
-                               "--set", "logging.progress_bar=false", "--set", "logging.tensorboard=false"]
+                        cmd = [
+                            *genolong,
+                            "finetune",
+                            str(ROOT / "recipes" / "quickstart.yaml"),
+                            "--set",
+                            f"name=alloc-{length}-{variant}-{round_}",
+                            "--set",
+                            f"data.store={work / 'genome'}",
+                            "--set",
+                            f"model.checkpoint={base}",
+                            "--set",
+                            f"data.context={length}",
+                            "--set",
+                            f"train.max_steps={a.steps}",
+                            "--set",
+                            "eval.every_n_steps=0",
+                            "--set",
+                            f"checkpoint.dir={out / 'checkpoints'}",
+                            "--set",
+                            f"checkpoint.every_n_steps={a.steps}",
+                            "--set",
+                            "checkpoint.export_safetensors=false",
+                            "--set",
+                            f"logging.dir={out / 'logs'}",
+                            "--set",
+                            "logging.progress_bar=false",
+                            "--set",
+                            "logging.tensorboard=false",
+                        ]
                     measured = _run(cmd, variants[variant], work)
                     if kind == "finetune":
                         measured["step_s"] = _step_time(out / "logs")
                     runs[variant].append(measured)
-                    print(f"{kind} {length:>7} {variant:>8} round {round_}: " + ", ".join(
-                        f"{k} {v / 2**30:.2f} GiB" if k == "peak_rss_bytes" else f"{k} {v:,.1f}" for k, v in measured.items()),
-                        flush=True)
+                    print(
+                        f"{kind} {length:>7} {variant:>8} round {round_}: "
+                        + ", ".join(
+                            f"{k} {v / 2**30:.2f} GiB" if k == "peak_rss_bytes" else f"{k} {v:,.1f}"
+                            for k, v in measured.items()
+                        ),
+                        flush=True,
+                    )
                     shutil.rmtree(out, ignore_errors=True)
             rows.append(_summarise(kind, length, rounds, runs))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    doc = {"benchmark": "cpu_allocator", **environment("date", "machine", "cpus", "python", "load_average_at_end"),
-           "variants": variants, "steps": a.steps, "rows": rows}
+    doc = {
+        "benchmark": "cpu_allocator",
+        **environment("date", "machine", "cpus", "python", "load_average_at_end"),
+        "variants": variants,
+        "steps": a.steps,
+        "rows": rows,
+    }
     _print_table(doc)
     write_json(a.json, doc)
     print(f"wrote {a.json}")
@@ -166,16 +229,24 @@ def _summarise(kind: str, length: int, rounds: int, runs: dict[str, list[dict[st
 
 
 def _print_table(doc: dict[str, Any]) -> None:
-    print("\n| case | tokens | variant | wall s | user s | system s | minor faults | peak RSS GiB | step s | speed-up (wall; step) vs system | peak RSS vs system |")
+    print(
+        "\n| case | tokens | variant | wall s | user s | system s | minor faults | peak RSS GiB | step s | speed-up (wall; step) vs system | peak RSS vs system |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in doc["rows"]:
         for v, m in r["best"].items():
-            speed = "1" if v == "system" else f"{r[f'{v}_speedup_wall']:.2f}x" + (
-                f"; {r[f'{v}_speedup_step']:.2f}x" if r["case"] == "finetune" else "")
+            speed = (
+                "1"
+                if v == "system"
+                else f"{r[f'{v}_speedup_wall']:.2f}x"
+                + (f"; {r[f'{v}_speedup_step']:.2f}x" if r["case"] == "finetune" else "")
+            )
             rss = "1" if v == "system" else f"{r[f'{v}_peak_rss_ratio']:.2f}x"
             step = f"{m['step_s']:.2f}" if "step_s" in m else ""
-            print(f"| {r['case']} | {r['tokens']:,} | {v} | {m['wall_s']:.1f} | {m['user_s']:.1f} | {m['system_s']:.1f} | "
-                  f"{m['minor_faults']:,.0f} | {m['peak_rss_bytes'] / 2**30:.2f} | {step} | {speed} | {rss} |")
+            print(
+                f"| {r['case']} | {r['tokens']:,} | {v} | {m['wall_s']:.1f} | {m['user_s']:.1f} | {m['system_s']:.1f} | "
+                f"{m['minor_faults']:,.0f} | {m['peak_rss_bytes'] / 2**30:.2f} | {step} | {speed} | {rss} |"
+            )
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
 from _bench import environment, marginal_slope, median_row, peak_rss_bytes, sweep_arguments, sweep_fresh, write_json  # noqa: E402
+
 DEFAULT_JSON = HERE / "results" / "dsa_layer.json"
 WARMUP_T = 1024
 
@@ -56,8 +57,11 @@ def worker(a: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     config = PRESETS[a.preset]
     assert config.layer_types is not None and config.indexer_types is not None
-    layer_idx = next(i for i, (lt, it) in enumerate(zip(config.layer_types, config.indexer_types))
-                     if lt == INDEXED_ATTENTION and it == "full")
+    layer_idx = next(
+        i
+        for i, (lt, it) in enumerate(zip(config.layer_types, config.indexer_types))
+        if lt == INDEXED_ATTENTION and it == "full"
+    )
     mixer = DSAMixer(config, layer_idx)
     gen = torch.Generator().manual_seed(1)
 
@@ -79,13 +83,26 @@ def worker(a: argparse.Namespace) -> dict:
     fwd, bwd, io_bytes = run(a.T)
     cpu = time.process_time() - c0
     end = peak()
-    return {"T": a.T, "layer_idx": layer_idx, "fwd_s": fwd, "bwd_s": bwd, "total_s": fwd + bwd, "cpu_s": cpu,
-            "base_peak_bytes": base, "peak_bytes": end, "peak_delta_bytes": end - base, "io_bytes": io_bytes,
-            "dense_scores_bytes": 4 * a.T * a.T, "threads": torch.get_num_threads()}
+    return {
+        "T": a.T,
+        "layer_idx": layer_idx,
+        "fwd_s": fwd,
+        "bwd_s": bwd,
+        "total_s": fwd + bwd,
+        "cpu_s": cpu,
+        "base_peak_bytes": base,
+        "peak_bytes": end,
+        "peak_delta_bytes": end - base,
+        "io_bytes": io_bytes,
+        "dense_scores_bytes": 4 * a.T * a.T,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sweep_arguments(p, "4096,8192,16384,32768,65536", DEFAULT_JSON)
     p.add_argument("--repeats", type=int, default=3, help="rounds over all lengths (fresh process each)")
     p.add_argument("--preset", default="small")
@@ -98,19 +115,27 @@ def main(argv: list[str] | None = None) -> int:
 
     c = PRESETS[a.preset]
     lengths = [int(x) for x in a.lengths.split(",") if x]
-    print(f"DSAMixer ({a.preset}: {c.num_attention_heads} heads, qk {c.qk_head_dim}, v {c.v_head_dim}, indexer "
-          f"{c.index_n_heads}x{c.index_head_dim}, pools of {c.index_kpool}, topk {c.index_topk}) fwd+bwd on CPU, "
-          f"fp32, {a.threads} threads, {a.repeats} rounds; load {os.getloadavg()}", flush=True)
+    print(
+        f"DSAMixer ({a.preset}: {c.num_attention_heads} heads, qk {c.qk_head_dim}, v {c.v_head_dim}, indexer "
+        f"{c.index_n_heads}x{c.index_head_dim}, pools of {c.index_kpool}, topk {c.index_topk}) fwd+bwd on CPU, "
+        f"fp32, {a.threads} threads, {a.repeats} rounds; load {os.getloadavg()}",
+        flush=True,
+    )
 
     def done(i: int, T: int, run: dict, runs: dict[int, list[dict]]) -> None:
-        print(f"  round {i + 1}: T={T:>6} fwd+bwd {run['total_s']:7.2f} s (cpu {run['cpu_s']:.2f}), "
-              f"peak delta {run['peak_delta_bytes'] / 2**20:.0f} MiB", flush=True)
+        print(
+            f"  round {i + 1}: T={T:>6} fwd+bwd {run['total_s']:7.2f} s (cpu {run['cpu_s']:.2f}), "
+            f"peak delta {run['peak_delta_bytes'] / 2**20:.0f} MiB",
+            flush=True,
+        )
 
     runs, _ = sweep_fresh(__file__, lengths, [f"--threads={a.threads}", f"--preset={a.preset}"], a.repeats, done=done)
 
     rows: list[dict] = []
-    print(f"{'T':>7} {'fwd s':>7} {'bwd s':>7} {'total s':>8} {'cpu s':>7} {'cpu us/tok':>10} {'dpeak MiB':>9} "
-          f"{'dpeak KB/tok':>12} {'slope KB/tok':>12} {'TxT fp32 MiB':>12}")
+    print(
+        f"{'T':>7} {'fwd s':>7} {'bwd s':>7} {'total s':>8} {'cpu s':>7} {'cpu us/tok':>10} {'dpeak MiB':>9} "
+        f"{'dpeak KB/tok':>12} {'slope KB/tok':>12} {'TxT fp32 MiB':>12}"
+    )
     for T in lengths:
         row = median_row(T, runs[T], ("fwd_s", "bwd_s", "total_s", "cpu_s", "peak_bytes", "peak_delta_bytes"))
         row["dense_scores_bytes"] = 4 * T * T
@@ -121,19 +146,30 @@ def main(argv: list[str] | None = None) -> int:
         row["cpu_growth_vs_first"] = row["cpu_s"] / (rows[0]["cpu_s"] if rows else row["cpu_s"])
         rows.append(row)
         slope = "-" if row["slope_bytes_per_token"] is None else f"{row['slope_bytes_per_token'] / 1e3:.1f}"
-        print(f"{T:>7} {row['fwd_s']:>7.2f} {row['bwd_s']:>7.2f} {row['total_s']:>8.2f} {row['cpu_s']:>7.2f} "
-              f"{row['cpu_us_per_token']:>10.0f} {row['peak_delta_bytes'] / 2**20:>9.0f} "
-              f"{row['peak_delta_bytes_per_token'] / 1e3:>12.1f} {slope:>12} {row['dense_scores_bytes'] / 2**20:>12.0f}")
+        print(
+            f"{T:>7} {row['fwd_s']:>7.2f} {row['bwd_s']:>7.2f} {row['total_s']:>8.2f} {row['cpu_s']:>7.2f} "
+            f"{row['cpu_us_per_token']:>10.0f} {row['peak_delta_bytes'] / 2**20:>9.0f} "
+            f"{row['peak_delta_bytes_per_token'] / 1e3:>12.1f} {slope:>12} {row['dense_scores_bytes'] / 2**20:>12.0f}"
+        )
     first, last = rows[0], rows[-1]
-    print(f"{last['T']}/{first['T']}: {last['T'] / first['T']:.0f}x tokens, time {last['total_s'] / first['total_s']:.2f}x "
-          f"(cpu {last['cpu_s'] / first['cpu_s']:.2f}x), peak delta {last['peak_delta_bytes'] / first['peak_delta_bytes']:.2f}x")
+    print(
+        f"{last['T']}/{first['T']}: {last['T'] / first['T']:.0f}x tokens, time {last['total_s'] / first['total_s']:.2f}x "
+        f"(cpu {last['cpu_s'] / first['cpu_s']:.2f}x), peak delta {last['peak_delta_bytes'] / first['peak_delta_bytes']:.2f}x"
+    )
     out = {
         "benchmark": "dsa_layer",
         "command": "dsa_layer.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         **environment("date"),
         "target": "peak memory linear in T",
-        "config": {"preset": a.preset, "hf_config": c.to_hf_dict(), "batch": 1, "dtype": "float32",
-                   "threads": a.threads, "repeats": a.repeats, "warmup_tokens": WARMUP_T},
+        "config": {
+            "preset": a.preset,
+            "hf_config": c.to_hf_dict(),
+            "batch": 1,
+            "dtype": "float32",
+            "threads": a.threads,
+            "repeats": a.repeats,
+            "warmup_tokens": WARMUP_T,
+        },
         "machine": environment("cpus", "platform", "python", "torch", "loadavg_at_end"),
         "rows": rows,
     }

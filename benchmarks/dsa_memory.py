@@ -33,6 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
 from _bench import environment, marginal_slope, peak_rss_bytes, sweep_arguments, sweep_fresh, write_json  # noqa: E402
+
 DEFAULT_JSON = HERE / "results" / "dsa_memory.json"
 
 
@@ -64,14 +65,22 @@ def worker(a: argparse.Namespace) -> dict:
     assert idx.shape == (B, T, a.topk) and q.grad is not None and torch.isfinite(q.grad).all()
     end = peak()
     return {
-        "T": T, "base_peak_bytes": base, "peak_bytes": end, "dsa_peak_bytes": end - base,
-        "indexer_s": t1 - t0, "attn_fwd_s": t2 - t1, "attn_bwd_s": t3 - t2, "total_s": t3 - t0,
+        "T": T,
+        "base_peak_bytes": base,
+        "peak_bytes": end,
+        "dsa_peak_bytes": end - base,
+        "indexer_s": t1 - t0,
+        "attn_fwd_s": t2 - t1,
+        "attn_bwd_s": t3 - t2,
+        "total_s": t3 - t0,
         "dense_scores_bytes": 4 * T * T,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sweep_arguments(p, "4096,8192,16384,32768,65536", DEFAULT_JSON)
     p.add_argument("--topk", type=int, default=256)
     p.add_argument("--hi", type=int, default=4, help="indexer heads (default 4)")
@@ -89,13 +98,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     lengths = [int(x) for x in a.lengths.split(",") if x]
-    common = [f"--topk={a.topk}", f"--hi={a.hi}", f"--di={a.di}", f"--h={a.h}", f"--hk={a.hk}", f"--d={a.d}",
-              f"--dv={a.dv}", f"--block-size={a.block_size}", f"--query-block={a.query_block}",
-              f"--attn-block={a.attn_block}", f"--threads={a.threads}"]
-    print(f"DSA fwd+bwd on CPU, {a.threads} threads, topk {a.topk}, indexer {a.hi}x{a.di}, "
-          f"attention H={a.h} HK={a.hk} D={a.d} DV={a.dv}; load {os.getloadavg()}")
-    print(f"{'T':>7} {'DSA peak MiB':>12} {'bytes/T':>9} {'slope B/tok':>11} {'dense TxT MiB':>13} "
-          f"{'indexer s':>9} {'fwd s':>7} {'bwd s':>7}")
+    common = [
+        f"--topk={a.topk}",
+        f"--hi={a.hi}",
+        f"--di={a.di}",
+        f"--h={a.h}",
+        f"--hk={a.hk}",
+        f"--d={a.d}",
+        f"--dv={a.dv}",
+        f"--block-size={a.block_size}",
+        f"--query-block={a.query_block}",
+        f"--attn-block={a.attn_block}",
+        f"--threads={a.threads}",
+    ]
+    print(
+        f"DSA fwd+bwd on CPU, {a.threads} threads, topk {a.topk}, indexer {a.hi}x{a.di}, "
+        f"attention H={a.h} HK={a.hk} D={a.d} DV={a.dv}; load {os.getloadavg()}"
+    )
+    print(
+        f"{'T':>7} {'DSA peak MiB':>12} {'bytes/T':>9} {'slope B/tok':>11} {'dense TxT MiB':>13} "
+        f"{'indexer s':>9} {'fwd s':>7} {'bwd s':>7}"
+    )
     runs, _ = sweep_fresh(__file__, lengths, common)
     rows: list[dict] = []
     for T in lengths:
@@ -104,9 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         row["slope_bytes_per_token"] = marginal_slope(rows, row, "dsa_peak_bytes")
         rows.append(row)
         slope = "-" if row["slope_bytes_per_token"] is None else f"{row['slope_bytes_per_token']:.0f}"
-        print(f"{T:>7} {row['dsa_peak_bytes'] / 2**20:>12.1f} {row['bytes_per_T']:>9.0f} {slope:>11} "
-              f"{row['dense_scores_bytes'] / 2**20:>13.0f} {row['indexer_s']:>9.2f} {row['attn_fwd_s']:>7.2f} "
-              f"{row['attn_bwd_s']:>7.2f}", flush=True)
+        print(
+            f"{T:>7} {row['dsa_peak_bytes'] / 2**20:>12.1f} {row['bytes_per_T']:>9.0f} {slope:>11} "
+            f"{row['dense_scores_bytes'] / 2**20:>13.0f} {row['indexer_s']:>9.2f} {row['attn_fwd_s']:>7.2f} "
+            f"{row['attn_bwd_s']:>7.2f}",
+            flush=True,
+        )
     out = {
         "benchmark": "dsa_memory",
         **environment("date"),

@@ -49,6 +49,7 @@ from genolong.plan import ep_comm_bytes
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
 from _bench import environment, write_json  # noqa: E402
+
 DEFAULT_JSON = HERE / "results" / "ep_step.json"
 
 
@@ -57,13 +58,16 @@ def _balanced_router(experts: int, k: int) -> Any:
         token = torch.arange(x.shape[0])
         indices = torch.stack([(2 * token + j) % experts for j in range(k)], dim=1)
         return x.new_zeros(x.shape[0], experts), torch.full((x.shape[0], k), 1.0 / k), indices
+
     return route
 
 
 def _run(rank: int, world: int, init: str, tokens: int, chunk: int, steps: int, out: str) -> None:
     torch.set_num_threads(1)
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+        )
     from torch.distributed.device_mesh import init_device_mesh
 
     from genolong.model import PRESETS, GenoLM
@@ -98,8 +102,11 @@ def _run(rank: int, world: int, init: str, tokens: int, chunk: int, steps: int, 
             model.zero_grad(set_to_none=True)
         counter = ep_comm_counter(model)
         received = [int(getattr(m, "last_received", tokens * config.num_experts_per_tok)) for m in moes]
-        result[routing] = {"step_s": statistics.median(times), "bytes": counter.as_dict() if counter else None,
-                           "received": received}
+        result[routing] = {
+            "step_s": statistics.median(times),
+            "bytes": counter.as_dict() if counter else None,
+            "received": received,
+        }
     torch.save(result, Path(out) / f"rank{rank}.pt")
     if world > 1:
         dist.destroy_process_group()
@@ -127,8 +134,10 @@ def main() -> None:
 
     config = PRESETS["tiny"]
     rows = []
-    print(f"{'EP':>3} {'routing':>9} {'step s':>8} {'vs EP1':>7} {'fwd bytes (max rank)':>21} {'bwd bytes':>11} "
-          f"{'count bytes':>11} {'formula fwd':>12} {'match':>6} {'busiest/mean':>13}")
+    print(
+        f"{'EP':>3} {'routing':>9} {'step s':>8} {'vs EP1':>7} {'fwd bytes (max rank)':>21} {'bwd bytes':>11} "
+        f"{'count bytes':>11} {'formula fwd':>12} {'match':>6} {'busiest/mean':>13}"
+    )
     base: dict[str, float] = {}
     for ep in [int(x) for x in args.ep.split(",")]:
         ranks = measure(ep, args.tokens, args.chunk, args.steps)
@@ -142,17 +151,31 @@ def main() -> None:
             imbalance = float((received.max(0).values / received.mean(0)).max())
             match = routing == "balanced" and all(
                 c["forward"] == want["forward"] and c["backward"] == want["backward"] and c["splits"] == want["splits"]
-                for c in counted)
-            row = {"ep": ep, "routing": routing, "tokens_per_rank": args.tokens, "chunk": args.chunk, "step_s": step,
-                   "step_vs_ep1": step / base[routing], "bytes_by_rank": counted, "formula": want,
-                   "balanced_matches_formula": match if routing == "balanced" else None,
-                   "busiest_over_mean": imbalance}
+                for c in counted
+            )
+            row = {
+                "ep": ep,
+                "routing": routing,
+                "tokens_per_rank": args.tokens,
+                "chunk": args.chunk,
+                "step_s": step,
+                "step_vs_ep1": step / base[routing],
+                "bytes_by_rank": counted,
+                "formula": want,
+                "balanced_matches_formula": match if routing == "balanced" else None,
+                "busiest_over_mean": imbalance,
+            }
             rows.append(row)
-            print(f"{ep:>3} {routing:>9} {step:>8.3f} {step / base[routing]:>7.2f} {max(c['forward'] for c in counted):>21,} "
-                  f"{max(c['backward'] for c in counted):>11,} {max(c['splits'] for c in counted):>11,} "
-                  f"{want['forward']:>12,} {str(match) if routing == 'balanced' else '-':>6} {imbalance:>13.2f}")
-    write_json(args.json, {"benchmark": "ep_step", **environment("date", "machine", "torch"), "preset": "tiny",
-                           "rows": rows}, indent=2)
+            print(
+                f"{ep:>3} {routing:>9} {step:>8.3f} {step / base[routing]:>7.2f} {max(c['forward'] for c in counted):>21,} "
+                f"{max(c['backward'] for c in counted):>11,} {max(c['splits'] for c in counted):>11,} "
+                f"{want['forward']:>12,} {str(match) if routing == 'balanced' else '-':>6} {imbalance:>13.2f}"
+            )
+    write_json(
+        args.json,
+        {"benchmark": "ep_step", **environment("date", "machine", "torch"), "preset": "tiny", "rows": rows},
+        indent=2,
+    )
     print(f"wrote {args.json}")
 
 

@@ -52,9 +52,9 @@ def _child(out: Path, argv: list[str]) -> int:
     code = 0 if argv == ["--imports-only"] else main(argv)
     rank = int(os.environ.get("RANK", "0"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "peak_rss_bytes": peak_rss_bytes(),
-        "seconds": time.perf_counter() - began}))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps({"rank": rank, "peak_rss_bytes": peak_rss_bytes(), "seconds": time.perf_counter() - began})
+    )
     return code
 
 
@@ -62,7 +62,11 @@ def _launch(out: Path, argv: list[str], nproc: int = 1, malloc: str | None = Non
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     if malloc is not None:
         env["GENOLONG_MALLOC"] = malloc
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        if nproc > 1
+        else [sys.executable]
+    )
     run = run_fresh([*launcher, __file__, "--child", str(out), "--", *argv], env=env)
     if not run.ok:
         raise SystemExit(f"child failed ({run.returncode}): {run.output[-3000:]}")
@@ -72,7 +76,9 @@ def _launch(out: Path, argv: list[str], nproc: int = 1, malloc: str | None = Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the widened small preset (default: %(default)s)")
+    parser.add_argument(
+        "--hidden", type=int, default=1024, help="hidden size of the widened small preset (default: %(default)s)"
+    )
     parser.add_argument("--context", type=int, default=4096, help="tile length (default: %(default)s)")
     parser.add_argument("--tiles", type=int, default=2, help="tiles scored (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=_RESULTS, help="JSON result (default: %(default)s)")
@@ -96,16 +102,30 @@ def main() -> None:
         params = sum(p.numel() for p in model.parameters())
         model.save_pretrained(tmp / "model")
         del model
-        common = ["evaluate", str(tmp / "model"), "--store", str(tmp / "genome"), "--context", str(args.context),
-                  "--max-tiles", str(args.tiles), "--quiet", "--no-tokens", "--segment-tokens", "0"]
+        common = [
+            "evaluate",
+            str(tmp / "model"),
+            "--store",
+            str(tmp / "genome"),
+            "--context",
+            str(args.context),
+            "--max-tiles",
+            str(args.tiles),
+            "--quiet",
+            "--no-tokens",
+            "--segment-tokens",
+            "0",
+        ]
         four = ["--set", "parallel.accelerator=cpu", "--set", "parallel.devices=4", "--set", "parallel.cp=2"]
         runs: dict[str, list[dict]] = {"imports only": _launch(tmp / "r0", ["--imports-only"])}
         sums = {}
         # as a user runs them (one process: freed memory kept; 4 ranks: glibc's allocator), then one
         # process on glibc's allocator (GENOLONG_MALLOC=system), the same allocator as the ranks
-        for name, nproc, extra, malloc in (("1 process (kept freed memory)", 1, [], None),
-                                           ("4 ranks, cp 2 x dp_shard 2 (glibc)", 4, four, None),
-                                           ("1 process, GENOLONG_MALLOC=system (glibc)", 1, [], "system")):
+        for name, nproc, extra, malloc in (
+            ("1 process (kept freed memory)", 1, [], None),
+            ("4 ranks, cp 2 x dp_shard 2 (glibc)", 4, four, None),
+            ("1 process, GENOLONG_MALLOC=system (glibc)", 1, [], "system"),
+        ):
             out = tmp / f"o{nproc}{malloc}"
             runs[name] = _launch(tmp / f"r{nproc}{malloc}", [*common, "--out", str(out), *extra], nproc, malloc)
             sums[name] = json.loads((out / "meta.json").read_text())["nll_sum"]
@@ -116,24 +136,46 @@ def main() -> None:
     rows = []
     for name, ranks in runs.items():
         peak = max(r["peak_rss_bytes"] for r in ranks)
-        rows.append({"run": name, "ranks": len(ranks), "peak_rss_gib_max_rank": peak / gib,
-                     "peak_rss_gib_per_rank": [r["peak_rss_bytes"] / gib for r in ranks],
-                     "above_imports_gib": (peak - base) / gib,
-                     "above_imports_ratio_to_one_process": (peak - base) / (one_kept - base),
-                     "above_imports_ratio_to_one_process_glibc": (peak - base) / (one_glibc - base),
-                     "seconds": max(r["seconds"] for r in ranks), "nll_sum": sums.get(name)})
-    print(f"model: small preset at hidden {h}: {params / 1e6:.1f}M parameters ({params * 4 / gib:.2f} GiB fp32); "
-          f"{args.tiles} tiles of {args.context:,}; peak RSS above the imports' against one process's")
+        rows.append(
+            {
+                "run": name,
+                "ranks": len(ranks),
+                "peak_rss_gib_max_rank": peak / gib,
+                "peak_rss_gib_per_rank": [r["peak_rss_bytes"] / gib for r in ranks],
+                "above_imports_gib": (peak - base) / gib,
+                "above_imports_ratio_to_one_process": (peak - base) / (one_kept - base),
+                "above_imports_ratio_to_one_process_glibc": (peak - base) / (one_glibc - base),
+                "seconds": max(r["seconds"] for r in ranks),
+                "nll_sum": sums.get(name),
+            }
+        )
+    print(
+        f"model: small preset at hidden {h}: {params / 1e6:.1f}M parameters ({params * 4 / gib:.2f} GiB fp32); "
+        f"{args.tiles} tiles of {args.context:,}; peak RSS above the imports' against one process's"
+    )
     print("| run | ranks | peak RSS (GiB, max rank) | above imports (GiB) | / 1 process | / 1 process on glibc | s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['run']} | {r['ranks']} | {r['peak_rss_gib_max_rank']:.3f} | {r['above_imports_gib']:.3f} | "
-              f"{r['above_imports_ratio_to_one_process']:.2f} | {r['above_imports_ratio_to_one_process_glibc']:.2f} | "
-              f"{r['seconds']:.0f} |")
+        print(
+            f"| {r['run']} | {r['ranks']} | {r['peak_rss_gib_max_rank']:.3f} | {r['above_imports_gib']:.3f} | "
+            f"{r['above_imports_ratio_to_one_process']:.2f} | {r['above_imports_ratio_to_one_process_glibc']:.2f} | "
+            f"{r['seconds']:.0f} |"
+        )
     sums = [r["nll_sum"] for r in rows if r["nll_sum"] is not None]
-    print(f"nll_sum of the runs: {', '.join(f'{x:.6f}' for x in sums)} (max relative spread {(max(sums) - min(sums)) / max(sums):.1e})")
-    write_json(args.out, {"hidden": h, "parameters": params, "context": args.context, "tiles": args.tiles, "rows": rows,
-                          "command": " ".join(["python", "benchmarks/evaluate_memory.py", *sys.argv[1:]])})
+    print(
+        f"nll_sum of the runs: {', '.join(f'{x:.6f}' for x in sums)} (max relative spread {(max(sums) - min(sums)) / max(sums):.1e})"
+    )
+    write_json(
+        args.out,
+        {
+            "hidden": h,
+            "parameters": params,
+            "context": args.context,
+            "tiles": args.tiles,
+            "rows": rows,
+            "command": " ".join(["python", "benchmarks/evaluate_memory.py", *sys.argv[1:]]),
+        },
+    )
     print(f"-> {args.out}")
 
 

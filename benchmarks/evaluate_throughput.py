@@ -41,6 +41,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
 from _bench import environment, write_json  # noqa: E402
+
 DEFAULT_JSON = HERE / "results" / "evaluate_throughput.json"
 
 
@@ -92,38 +93,59 @@ def main() -> None:
                     times[name].append(time.perf_counter() - t0)
                     scored = result.tokens
                     if name == "evaluate":
-                        sizes = {"tokens_table": _tree_bytes(out / "tokens"),
-                                 "aggregates": _tree_bytes(out) - _tree_bytes(out / "tokens")}
+                        sizes = {
+                            "tokens_table": _tree_bytes(out / "tokens"),
+                            "aggregates": _tree_bytes(out) - _tree_bytes(out / "tokens"),
+                        }
                     shutil.rmtree(out)
             med = {k: statistics.median(v) for k, v in times.items()}
             row = {
-                "context": context, "tiles": a.tiles, "scored_tokens": scored,
-                "baseline_s": med["baseline"], "evaluate_s": med["evaluate"], "cut_s": med["cut"],
-                "baseline_tokens_per_s": scored / med["baseline"], "evaluate_tokens_per_s": scored / med["evaluate"],
+                "context": context,
+                "tiles": a.tiles,
+                "scored_tokens": scored,
+                "baseline_s": med["baseline"],
+                "evaluate_s": med["evaluate"],
+                "cut_s": med["cut"],
+                "baseline_tokens_per_s": scored / med["baseline"],
+                "evaluate_tokens_per_s": scored / med["evaluate"],
                 "cut_tokens_per_s": scored / med["cut"],
-                "evaluate_over_baseline": med["evaluate"] / med["baseline"], "cut_over_baseline": med["cut"] / med["baseline"],
+                "evaluate_over_baseline": med["evaluate"] / med["baseline"],
+                "cut_over_baseline": med["cut"] / med["baseline"],
                 "tokens_table_bytes_per_million": sizes["tokens_table"] / scored * 1e6,
                 "aggregates_bytes": sizes["aggregates"],
             }
             rows.append(row)
-            print(f"L={context:>6}: {scored:,} tokens; baseline {row['baseline_tokens_per_s']:,.0f} tok/s, "
-                  f"evaluate {row['evaluate_tokens_per_s']:,.0f} tok/s ({row['evaluate_over_baseline']:.3f}x time), "
-                  f"cut {row['cut_tokens_per_s']:,.0f} tok/s ({row['cut_over_baseline']:.3f}x); per-token table "
-                  f"{row['tokens_table_bytes_per_million'] / 2**20:.2f} MiB per M tokens, aggregates {row['aggregates_bytes'] / 1024:.0f} KiB",
-                  flush=True)
+            print(
+                f"L={context:>6}: {scored:,} tokens; baseline {row['baseline_tokens_per_s']:,.0f} tok/s, "
+                f"evaluate {row['evaluate_tokens_per_s']:,.0f} tok/s ({row['evaluate_over_baseline']:.3f}x time), "
+                f"cut {row['cut_tokens_per_s']:,.0f} tok/s ({row['cut_over_baseline']:.3f}x); per-token table "
+                f"{row['tokens_table_bytes_per_million'] / 2**20:.2f} MiB per M tokens, aggregates {row['aggregates_bytes'] / 1024:.0f} KiB",
+                flush=True,
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    print("\n| L | scored tokens | baseline tok/s | evaluate tok/s | time vs baseline | cut 1k tok/s | cut vs baseline | per-token table, MiB per M tokens | aggregates, KiB |")
+    print(
+        "\n| L | scored tokens | baseline tok/s | evaluate tok/s | time vs baseline | cut 1k tok/s | cut vs baseline | per-token table, MiB per M tokens | aggregates, KiB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['context']:,} | {r['scored_tokens']:,} | {r['baseline_tokens_per_s']:,.0f} | {r['evaluate_tokens_per_s']:,.0f} | "
-              f"{r['evaluate_over_baseline']:.3f}x | {r['cut_tokens_per_s']:,.0f} | {r['cut_over_baseline']:.3f}x | "
-              f"{r['tokens_table_bytes_per_million'] / 2**20:.2f} | {r['aggregates_bytes'] / 1024:.0f} |")
-    write_json(a.json, {
-        "benchmark": "evaluate_throughput", **environment("date", "machine", "torch"), "threads": a.threads,
-        "repeats": a.repeats, "cut": a.cut, "rows": rows,
-    })
+        print(
+            f"| {r['context']:,} | {r['scored_tokens']:,} | {r['baseline_tokens_per_s']:,.0f} | {r['evaluate_tokens_per_s']:,.0f} | "
+            f"{r['evaluate_over_baseline']:.3f}x | {r['cut_tokens_per_s']:,.0f} | {r['cut_over_baseline']:.3f}x | "
+            f"{r['tokens_table_bytes_per_million'] / 2**20:.2f} | {r['aggregates_bytes'] / 1024:.0f} |"
+        )
+    write_json(
+        a.json,
+        {
+            "benchmark": "evaluate_throughput",
+            **environment("date", "machine", "torch"),
+            "threads": a.threads,
+            "repeats": a.repeats,
+            "cut": a.cut,
+            "rows": rows,
+        },
+    )
     print(f"wrote {a.json}")
 
 

@@ -80,6 +80,7 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
 from _bench import environment, write_json  # noqa: E402
+
 GiB = 2**30
 
 
@@ -127,6 +128,7 @@ class Check:
 
 # ------------------------------------------------------------------------------------------------
 # helpers
+
 
 def _finite(obj: Any) -> Any:
     """``obj`` with every non-finite float replaced by its name (``"nan"``, ``"inf"``, ``"-inf"``),
@@ -179,8 +181,8 @@ def causal_random_indices(T: int, topk: int, device: torch.device, seed: int = 0
     gen = torch.Generator().manual_seed(seed)
     span = max(4 * topk, topk + 1)
     off = torch.randperm(span - 1, generator=gen)[: topk - 1] + 1
-    off = torch.cat([torch.zeros(1, dtype=torch.long), off.sort().values])          # [topk]
-    idx = torch.arange(T).unsqueeze(1) - off.unsqueeze(0)                              # [T, topk]
+    off = torch.cat([torch.zeros(1, dtype=torch.long), off.sort().values])  # [topk]
+    idx = torch.arange(T).unsqueeze(1) - off.unsqueeze(0)  # [T, topk]
     idx = torch.where(idx >= 0, idx, torch.full_like(idx, -1))
     return idx.to(torch.int32).unsqueeze(0).to(device)
 
@@ -197,6 +199,7 @@ def _ratios(ref: list[torch.Tensor], got: list[torch.Tensor], names: list[str]) 
 
 # ------------------------------------------------------------------------------------------------
 # (a) correctness
+
 
 def _interpreter_problem() -> str | None:
     """Why Triton's CPU interpreter cannot run genolong's kernels here, or None.
@@ -218,8 +221,10 @@ def _interpreter_problem() -> str | None:
         return parts[0], parts[1] if len(parts) > 1 else 0
 
     if major_minor(triton_v) < (3, 7) and major_minor(numpy_v) >= (2, 4):
-        return (f"triton {triton_v}'s interpreter cannot run with numpy {numpy_v} (int() of a 1-element array; "
-                "numpy < 2.4 or triton >= 3.7 needed): the Triton op is not checked on CPU here")
+        return (
+            f"triton {triton_v}'s interpreter cannot run with numpy {numpy_v} (int() of a 1-element array; "
+            "numpy < 2.4 or triton >= 3.7 needed): the Triton op is not checked on CPU here"
+        )
     return None
 
 
@@ -231,7 +236,13 @@ def check_dsa_correctness(c: Check, a: argparse.Namespace, device: torch.device)
     cfg = PRESETS[a.preset]
     T, H, C = a.correct_T, cfg.num_attention_heads, cfg.kv_lora_rank
     topk = cfg.index_topk + cfg.index_kpool - 1
-    res: dict[str, Any] = {"T": T, "heads": H, "latent_dim": C, "topk": topk, "form": "absorbed MLA: v is k (the latent)"}
+    res: dict[str, Any] = {
+        "T": T,
+        "heads": H,
+        "latent_dim": C,
+        "topk": topk,
+        "form": "absorbed MLA: v is k (the latent)",
+    }
     c.doc.setdefault("correctness", {})["dsa_sparse_attention"] = res
     # the Triton op on CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1, as the test
     # suite sets it: the same call at tiny sizes); else the bf16 torch reference (script check only)
@@ -276,8 +287,11 @@ def check_dsa_correctness(c: Check, a: argparse.Namespace, device: torch.device)
     # bf16-mixed autocast with fp32 master weights: 16-bit queries, the fp32 latent of the RMSNorm
     res["mixed_rms_ratio"] = _ratios(ref, run(candidate, half, torch.float32), names)
     res["finite"] = all(bool(torch.isfinite(x).all()) for x in ref)
-    print(f"[gpu_check] DSA sparse attention T={T} (v is k, {res['half_dtype']}): {res['rms_ratio']}; 16-bit q + fp32 latent: "
-          f"{res['mixed_rms_ratio']}", flush=True)
+    print(
+        f"[gpu_check] DSA sparse attention T={T} (v is k, {res['half_dtype']}): {res['rms_ratio']}; 16-bit q + fp32 latent: "
+        f"{res['mixed_rms_ratio']}",
+        flush=True,
+    )
 
 
 def check_kda_correctness(c: Check, a: argparse.Namespace, device: torch.device) -> None:
@@ -292,9 +306,11 @@ def check_kda_correctness(c: Check, a: argparse.Namespace, device: torch.device)
     c.doc.setdefault("correctness", {})["kda_fla"] = res
     if res["fla_core"] is None:
         # never a silent torch fallback: without fla-core this part has nothing to check
-        raise RuntimeError("fla-core is not importable here (no fla-core distribution on sys.path): this part checks "
-                           "fla-core's chunk_kda; put its wheel beside the checkout (bash benchmarks/gpu_wheels.sh, "
-                           "carry .gpu-wheels) or pip install 'fla-core>=0.5.2'")
+        raise RuntimeError(
+            "fla-core is not importable here (no fla-core distribution on sys.path): this part checks "
+            "fla-core's chunk_kda; put its wheel beside the checkout (bash benchmarks/gpu_wheels.sh, "
+            "carry .gpu-wheels) or pip install 'fla-core>=0.5.2'"
+        )
     from fla.ops.kda.naive import naive_recurrent_kda  # pure torch (imports fla, hence Triton)
 
     if device.type == "cuda":
@@ -302,6 +318,7 @@ def check_kda_correctness(c: Check, a: argparse.Namespace, device: torch.device)
         as_layer = make_fla_chunk_kda()  # what the KDA layer runs: float32 q, k, v in the kernel
         res["impl"] = "fla-core chunk_kda via genolong adapter (q, k, v, beta bf16; g, state fp32)"
     else:
+
         def naive(*, chunk_size: int, **kw: Any) -> Any:  # fla's naive op takes no chunk_size
             return naive_recurrent_kda(**kw)
 
@@ -322,8 +339,10 @@ def check_kda_correctness(c: Check, a: argparse.Namespace, device: torch.device)
 
     def run(fn: Callable, dtype: torch.dtype) -> list[torch.Tensor]:
         xs = [x.detach().to(dtype).clone().requires_grad_(True) for x in (q, k, v)]
-        gg, bb, hh = (x.detach().to(dt).clone().requires_grad_(True)
-                      for x, dt in ((g, torch.float32), (beta, dtype), (h0, torch.float32)))
+        gg, bb, hh = (
+            x.detach().to(dt).clone().requires_grad_(True)
+            for x, dt in ((g, torch.float32), (beta, dtype), (h0, torch.float32))
+        )
         o, ht = fn(*xs, gg, bb, initial_state=hh, output_final_state=True)
         loss = (o.float() * dout).sum() + (ht.float() * dht).sum()
         grads = torch.autograd.grad(loss, [*xs, gg, bb, hh])
@@ -340,9 +359,11 @@ def check_kda_correctness(c: Check, a: argparse.Namespace, device: torch.device)
     print(f"[gpu_check] KDA fla (fp32 inputs, as the layer calls it) T={T}: {res['fp32_inputs_rms_ratio']}", flush=True)
     c.write()
     # forward+backward time of one call (bf16 candidate vs the float32 torch reference)
-    res["fwd_bwd_ms"] = {"candidate_bf16": _timed(lambda: run(candidate, torch.bfloat16), device, 2)["ms"],
-                         "candidate_fp32": _timed(lambda: run(as_layer, torch.float32), device, 2)["ms"],
-                         "torch_fp32": _timed(lambda: run(chunk_kda, torch.float32), device, 1)["ms"]}
+    res["fwd_bwd_ms"] = {
+        "candidate_bf16": _timed(lambda: run(candidate, torch.bfloat16), device, 2)["ms"],
+        "candidate_fp32": _timed(lambda: run(as_layer, torch.float32), device, 2)["ms"],
+        "torch_fp32": _timed(lambda: run(chunk_kda, torch.float32), device, 1)["ms"],
+    }
 
     # the gated op: gate and beta from their raw inputs, in fla's kernel (the layer's lower-bound gate)
     from genolong.kernels.kda.fla_backend import make_fla_chunk_kda_gated, reference_chunk_kda_gated
@@ -355,8 +376,17 @@ def check_kda_correctness(c: Check, a: argparse.Namespace, device: torch.device)
     else:
         from fla.ops.kda.gate import naive_kda_lowerbound_gate
 
-        def naive_gated(*, chunk_size: int, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
-                        A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float, safe_gate: bool, **kw: Any) -> Any:
+        def naive_gated(
+            *,
+            chunk_size: int,
+            use_gate_in_kernel: bool,
+            use_beta_sigmoid_in_kernel: bool,
+            A_log: torch.Tensor,
+            dt_bias: torch.Tensor,
+            lower_bound: float,
+            safe_gate: bool,
+            **kw: Any,
+        ) -> Any:
             kw["g"] = naive_kda_lowerbound_gate(kw["g"], A_log, dt_bias, lower_bound)
             kw["beta"] = torch.sigmoid(kw["beta"])
             return naive_recurrent_kda(**kw)
@@ -386,6 +416,7 @@ def check_kda_correctness(c: Check, a: argparse.Namespace, device: torch.device)
 # ------------------------------------------------------------------------------------------------
 # (b) DSA layer vs dense causal SDPA
 
+
 def bench_dsa_vs_sdpa(c: Check, a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
     from genolong.model import PRESETS, DSAMixer
     from genolong.model.config import INDEXED_ATTENTION
@@ -393,14 +424,23 @@ def bench_dsa_vs_sdpa(c: Check, a: argparse.Namespace, device: torch.device, dty
     cfg = PRESETS[a.preset].replace(kernel_backend=a.backend)
     if not a.small:
         cfg = cfg.replace(index_topk=2048)
-    layer_idx = next(i for i, (lt, it) in enumerate(zip(cfg.layer_types, cfg.indexer_types))
-                     if lt == INDEXED_ATTENTION and it == "full")
+    layer_idx = next(
+        i
+        for i, (lt, it) in enumerate(zip(cfg.layer_types, cfg.indexer_types))
+        if lt == INDEXED_ATTENTION and it == "full"
+    )
     torch.manual_seed(0)
     with torch.device(device):
         mixer = DSAMixer(cfg, layer_idx).to(dtype)
     rows: list[dict[str, Any]] = []
-    c.doc["dsa_vs_sdpa"] = {"preset": a.preset, "layer": layer_idx, "topk": cfg.index_topk,
-                            "backend": mixer.kernels.name, "dtype": str(dtype), "rows": rows}
+    c.doc["dsa_vs_sdpa"] = {
+        "preset": a.preset,
+        "layer": layer_idx,
+        "topk": cfg.index_topk,
+        "backend": mixer.kernels.name,
+        "dtype": str(dtype),
+        "rows": rows,
+    }
     H, D = cfg.num_attention_heads, cfg.qk_nope_head_dim
     for T in a.dsa_lengths:
         if c.over_budget(f"dsa_vs_sdpa T={T}"):
@@ -435,6 +475,7 @@ def bench_dsa_vs_sdpa(c: Check, a: argparse.Namespace, device: torch.device, dty
 # ------------------------------------------------------------------------------------------------
 # (c) the 1b preset: tokens/s and peak memory
 
+
 def bench_model(c: Check, a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
     from genolong.model import PRESETS, GenoLM
     from genolong.parallel import parallelize
@@ -443,8 +484,13 @@ def bench_model(c: Check, a: argparse.Namespace, device: torch.device, dtype: to
         raise KeyError(f"preset {a.model_preset!r} not in genolong.model.PRESETS ({', '.join(PRESETS)})")
     cfg = PRESETS[a.model_preset].replace(kernel_backend=a.backend)
     rows: list[dict[str, Any]] = []
-    c.doc["model"] = {"preset": a.model_preset, "backend": a.backend, "dtype": str(dtype), "recompute": "full",
-                      "rows": rows}
+    c.doc["model"] = {
+        "preset": a.model_preset,
+        "backend": a.backend,
+        "dtype": str(dtype),
+        "recompute": "full",
+        "rows": rows,
+    }
     for offload in (True, False):  # the target configuration (recompute + offload) first
         if c.over_budget(f"model offload={offload}"):
             return
@@ -475,9 +521,12 @@ def bench_model(c: Check, a: argparse.Namespace, device: torch.device, dtype: to
 
                 try:
                     timing = _timed(step, device, 1, warmup=False)
-                    row.update(seconds=timing["ms"] / 1e3, tokens_per_s=round(T / (timing["ms"] / 1e3), 1),
-                               peak_bytes=timing["peak_bytes"],
-                               peak_gib=None if timing["peak_bytes"] is None else round(timing["peak_bytes"] / GiB, 2))
+                    row.update(
+                        seconds=timing["ms"] / 1e3,
+                        tokens_per_s=round(T / (timing["ms"] / 1e3), 1),
+                        peak_bytes=timing["peak_bytes"],
+                        peak_gib=None if timing["peak_bytes"] is None else round(timing["peak_bytes"] / GiB, 2),
+                    )
                 except Exception as exc:  # e.g. out of memory at 128k without offload
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
                     model.zero_grad(set_to_none=True)
@@ -492,6 +541,7 @@ def bench_model(c: Check, a: argparse.Namespace, device: torch.device, dtype: to
 
 
 # ------------------------------------------------------------------------------------------------
+
 
 def _lengths(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
@@ -519,7 +569,8 @@ def _parts(text: str) -> list[str]:
     for name in (x.strip() for x in text.split(",") if x.strip()):
         if name not in PART_ORDER and name not in PART_ALIASES:
             raise argparse.ArgumentTypeError(
-                f"unknown part {name!r}; choose from {', '.join((*PART_ORDER, *PART_ALIASES))}")
+                f"unknown part {name!r}; choose from {', '.join((*PART_ORDER, *PART_ALIASES))}"
+            )
         wanted.update(PART_ALIASES.get(name, (name,)))
     return [name for name in PART_ORDER if name in wanted]
 
@@ -528,26 +579,47 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", nargs="?", default=None, help="JSON path (default $OUT/gpu_check.json or benchmarks/results)")
     p.add_argument("--out", dest="out_opt", default=None, help="JSON path (same as the positional argument)")
-    p.add_argument("--small", "--dry-run", action="store_true", help="tiny sizes on any device (script check, < 1 min on CPU)")
+    p.add_argument(
+        "--small", "--dry-run", action="store_true", help="tiny sizes on any device (script check, < 1 min on CPU)"
+    )
     p.add_argument("--backend", default="auto", help="kernel backend for parts dsa and model (default auto)")
-    p.add_argument("--parts", type=_parts, default=list(PART_ORDER),
-                   help=f"comma list of {', '.join(PART_ORDER)} (correctness: both correctness parts); "
-                        "they always run in that order")
-    p.add_argument("--budget-s", type=float, default=420.0,
-                   help="total seconds; each part gets its own budget within it (default 420)")
-    p.add_argument("--part-budgets", default="",
-                   help="per-part budgets in seconds, e.g. 'model=200,kda=90' (default "
-                        + ", ".join(f"{k}={v:.0f}" for k, v in PART_BUDGET_S.items()) + f"; small: {SMALL_PART_BUDGET_S:.0f} each)")
-    p.add_argument("--in-process", action="store_true",
-                   help="run the parts in this process (default: one process per part)")
+    p.add_argument(
+        "--parts",
+        type=_parts,
+        default=list(PART_ORDER),
+        help=f"comma list of {', '.join(PART_ORDER)} (correctness: both correctness parts); "
+        "they always run in that order",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="total seconds; each part gets its own budget within it (default 420)",
+    )
+    p.add_argument(
+        "--part-budgets",
+        default="",
+        help="per-part budgets in seconds, e.g. 'model=200,kda=90' (default "
+        + ", ".join(f"{k}={v:.0f}" for k, v in PART_BUDGET_S.items())
+        + f"; small: {SMALL_PART_BUDGET_S:.0f} each)",
+    )
+    p.add_argument(
+        "--in-process", action="store_true", help="run the parts in this process (default: one process per part)"
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one part, run by the parent process
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per DSA/SDPA point (default 3; small 1)")
-    p.add_argument("--correct-T", type=int, default=None, help="length of the correctness parts (default 32768; small 200)")
+    p.add_argument(
+        "--correct-T", type=int, default=None, help="length of the correctness parts (default 32768; small 200)"
+    )
     p.add_argument("--dsa-lengths", type=_lengths, default=None, help="part dsa lengths (default 32768,131072)")
     p.add_argument("--model-lengths", type=_lengths, default=None, help="part model lengths (default 32768,131072)")
     p.add_argument("--model-preset", default=None, help="part model preset (default 1b; small: tiny)")
-    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                   help="parts dsa and model (default auto: bf16 on CUDA, fp32 elsewhere)")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="parts dsa and model (default auto: bf16 on CUDA, fp32 elsewhere)",
+    )
     a = p.parse_args(argv)
     small = a.small
     a.preset = "tiny" if small else "1b"
@@ -558,7 +630,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a.model_lengths = a.model_lengths or ([128, 256] if small else [32768, 131072])
     out = a.out_opt or a.out
     if out is None:
-        out = Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else HERE / "results" / "gpu_check.json"
+        out = (
+            Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else HERE / "results" / "gpu_check.json"
+        )
     a.out = Path(out)
     budgets = dict.fromkeys(PART_ORDER, SMALL_PART_BUDGET_S) if small else dict(PART_BUDGET_S)
     for item in (x for x in a.part_budgets.split(",") if x):
@@ -583,9 +657,17 @@ def _versions() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             return None
 
-    return {"python": platform.python_version(), "executable": sys.executable, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "triton": dist("triton"), "fla_core": fla_version(),
-            "numpy": dist("numpy"), "transformers": dist("transformers"), "einops": dist("einops")}
+    return {
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": dist("triton"),
+        "fla_core": fla_version(),
+        "numpy": dist("numpy"),
+        "transformers": dist("transformers"),
+        "einops": dist("einops"),
+    }
 
 
 def _device_meta(cuda: bool) -> dict[str, Any]:
@@ -593,8 +675,12 @@ def _device_meta(cuda: bool) -> dict[str, Any]:
     if not cuda:
         return {"device": "cpu", "device_name": platform.processor() or platform.machine()}
     props = torch.cuda.get_device_properties(0)
-    return {"device": "cuda", "device_name": torch.cuda.get_device_name(0),
-            "device_memory_gib": round(props.total_memory / GiB, 1), "capability": f"sm_{props.major}{props.minor}"}
+    return {
+        "device": "cuda",
+        "device_name": torch.cuda.get_device_name(0),
+        "device_memory_gib": round(props.total_memory / GiB, 1),
+        "capability": f"sm_{props.major}{props.minor}",
+    }
 
 
 def _run_parts_here(c: Check, a: argparse.Namespace, parts: list[str]) -> None:
@@ -618,10 +704,12 @@ def _run_parts_here(c: Check, a: argparse.Namespace, parts: list[str]) -> None:
         meta["backend"] = a.backend = "torch"
         meta["backend_impls"] = dict(get_backend("torch").impls)
     c.write()
-    run = {"dsa_correctness": lambda: check_dsa_correctness(c, a, device),
-           "kda": lambda: check_kda_correctness(c, a, device),
-           "dsa": lambda: bench_dsa_vs_sdpa(c, a, device, dtype),
-           "model": lambda: bench_model(c, a, device, dtype)}
+    run = {
+        "dsa_correctness": lambda: check_dsa_correctness(c, a, device),
+        "kda": lambda: check_kda_correctness(c, a, device),
+        "dsa": lambda: bench_dsa_vs_sdpa(c, a, device, dtype),
+        "model": lambda: bench_model(c, a, device, dtype),
+    }
     for part in parts:
         c.guard(PART_KEYS[part], run[part])  # writes the document, with the dispatch counts so far
 
@@ -674,10 +762,30 @@ def _run_child(cmd: list[str], budget_s: float) -> tuple[int | None, bool, str, 
 
 
 def _child_command(a: argparse.Namespace, part: str, out: Path, soft_budget_s: float) -> list[str]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", part, "--out", str(out),
-           "--budget-s", f"{soft_budget_s:.1f}", "--backend", a.backend, "--repeats", str(a.repeats),
-           "--correct-T", str(a.correct_T), "--dsa-lengths", ",".join(map(str, a.dsa_lengths)),
-           "--model-lengths", ",".join(map(str, a.model_lengths)), "--model-preset", a.model_preset, "--dtype", a.dtype]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        part,
+        "--out",
+        str(out),
+        "--budget-s",
+        f"{soft_budget_s:.1f}",
+        "--backend",
+        a.backend,
+        "--repeats",
+        str(a.repeats),
+        "--correct-T",
+        str(a.correct_T),
+        "--dsa-lengths",
+        ",".join(map(str, a.dsa_lengths)),
+        "--model-lengths",
+        ",".join(map(str, a.model_lengths)),
+        "--model-preset",
+        a.model_preset,
+        "--dtype",
+        a.dtype,
+    ]
     return cmd + (["--small"] if a.small else [])
 
 
@@ -725,7 +833,9 @@ def run_isolated(c: Check, a: argparse.Namespace) -> None:
                 child = {}
         meta = _merge_part(c, part, child)
         # the backend's fields only where a backend runs the ops (the correctness parts name their op in "impl")
-        fields = ("device", "device_name") + (("backend", "backend_impls", "dispatch") if part in ("dsa", "model") else ())
+        fields = ("device", "device_name") + (
+            ("backend", "backend_impls", "dispatch") if part in ("dsa", "model") else ()
+        )
         record.update({k: meta[k] for k in fields if k in meta})
         ok = rc == 0 and not timed_out and child.get("done") is True
         record["status"] = "ok" if ok and key not in c.doc["errors"] else ("error" if ok else "crashed")
@@ -747,10 +857,18 @@ def main(argv: list[str] | None = None) -> int:
     c = Check(a.out, a.budget_s)
     import genolong
 
-    c.doc["meta"] = {**environment("date"), "command": " ".join([sys.executable, *sys.argv]), "small": a.small,
-                     "genolong": getattr(genolong, "__version__", None), "genolong_from": str(Path(genolong.__file__).parent),
-                     **_versions(), "requested_backend": a.backend,
-                     "isolated": not (a.in_process or a.child), "parts": a.parts, "part_budget_s": a.part_budget_s}
+    c.doc["meta"] = {
+        **environment("date"),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "small": a.small,
+        "genolong": getattr(genolong, "__version__", None),
+        "genolong_from": str(Path(genolong.__file__).parent),
+        **_versions(),
+        "requested_backend": a.backend,
+        "isolated": not (a.in_process or a.child),
+        "parts": a.parts,
+        "part_budget_s": a.part_budget_s,
+    }
     c.write()
     if a.child:
         _run_parts_here(c, a, [a.child])
@@ -762,7 +880,9 @@ def main(argv: list[str] | None = None) -> int:
     c.doc["done"] = True
     c.write()
     if not a.child:
-        print(f"[gpu_check] wrote {a.out} in {c.elapsed():.1f} s; errors: {list(c.doc['errors']) or 'none'}", flush=True)
+        print(
+            f"[gpu_check] wrote {a.out} in {c.elapsed():.1f} s; errors: {list(c.doc['errors']) or 'none'}", flush=True
+        )
     return 0
 
 

@@ -93,6 +93,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
 from _bench import environment, write_json  # noqa: E402
+
 ROOT = HERE.parent
 DEFAULT_JSON = HERE / "results" / "gpu_compile.json"
 
@@ -110,24 +111,36 @@ SPILL_BUDGETS: dict[str, tuple[int, str]] = {
     "_kpool_fwd_kernel": (0, "a [16, 64] softmax per program: nothing should spill"),
     "_kpool_bwd_kernel": (0, "a [16, 64] softmax and its partial dape per program: nothing should spill"),
     "_kpool_topk_kernel": (0, "the [BLOCK_Q, BLOCK_K] int64 running top-k and one score tile fit in registers"),
-    "_kl_target_kernel": (16, "[G, 64] score tiles over 64-channel slices; at the 1b shape ptxas keeps one "
-                              "4-byte value in local memory with 72 registers in use (a placement choice, not "
-                              "pressure: GLM-5.3-Flash uses 103 registers and spills nothing)"),
+    "_kl_target_kernel": (
+        16,
+        "[G, 64] score tiles over 64-channel slices; at the 1b shape ptxas keeps one "
+        "4-byte value in local memory with 72 registers in use (a placement choice, not "
+        "pressure: GLM-5.3-Flash uses 103 registers and spills nothing)",
+    ),
     "_kl_rows_kernel": (0, "[HI, KP] scores with num_warps chosen per shape: nothing should spill"),
-    "_sparse_attn_fwd_kernel": (384, "the GLM-5.3-Flash [64, 512] fp32 accumulator over 8 warps uses every register "
-                                     "(255); ptxas spills 72-76 B (bf16, sm_90) to 308-312 B (bf16 q with the fp32 "
-                                     "latent cast in the kernel, sm_90); 4 warps spilled 3.1 KB before"),
+    "_sparse_attn_fwd_kernel": (
+        384,
+        "the GLM-5.3-Flash [64, 512] fp32 accumulator over 8 warps uses every register "
+        "(255); ptxas spills 72-76 B (bf16, sm_90) to 308-312 B (bf16 q with the fp32 "
+        "latent cast in the kernel, sm_90); 4 warps spilled 3.1 KB before",
+    ),
     "_sparse_attn_bwd_dq_kernel": (0, "the head group split over programs keeps dQ's accumulator at 16K elements"),
-    "_sparse_attn_bwd_dkv_kernel": (256, "key-major: the 1b shape on sm_90 holds a [16, 256] dK accumulator and the "
-                                         "Q/dO operand rows at 255 registers, spilling 160 B; GLM-5.3-Flash 0 B"),
+    "_sparse_attn_bwd_dkv_kernel": (
+        256,
+        "key-major: the 1b shape on sm_90 holds a [16, 256] dK accumulator and the "
+        "Q/dO operand rows at 255 registers, spilling 160 B; GLM-5.3-Flash 0 B",
+    ),
     "_sparse_attn_dkv_reduce_kernel": (0, "an elementwise sum of float32 partials"),
 }
 #: Budget of kernels without an entry (e.g. new ones): a few spilled registers around a loop cost
 #: little next to the gathered loads; kilobytes mean the tiles or num_warps are wrong.
 DEFAULT_SPILL_BUDGET = (512, "default: a few spilled registers around a loop; kilobytes mean the tiles are wrong")
 
-_TC_PATTERNS = {"wgmma": re.compile(r"\bwgmma\.mma_async"), "tcgen05": re.compile(r"\btcgen05\.mma"),
-                "mma": re.compile(r"\bmma\.sync")}
+_TC_PATTERNS = {
+    "wgmma": re.compile(r"\bwgmma\.mma_async"),
+    "tcgen05": re.compile(r"\btcgen05\.mma"),
+    "mma": re.compile(r"\bmma\.sync"),
+}
 _DOT_RE = re.compile(r"tt\.dot\s([^:\n]*):\s*tensor<(?:\d+x)*(\w+)>\s*\*\s*tensor<(?:\d+x)*(\w+)>")
 _PREC_RE = re.compile(r"inputPrecision\s*=\s*(\w+)")
 
@@ -155,8 +168,17 @@ def geometry(name: str) -> Geometry:
     from genolong.model.config import PRESETS
 
     c = PRESETS[name]
-    return Geometry(name, c.num_attention_heads, c.kv_lora_rank + c.qk_rope_head_dim, c.qk_head_dim, c.index_topk,
-                    c.index_kpool, c.index_kpool_always_select_tail, c.index_n_heads, c.index_head_dim)
+    return Geometry(
+        name,
+        c.num_attention_heads,
+        c.kv_lora_rank + c.qk_rope_head_dim,
+        c.qk_head_dim,
+        c.index_topk,
+        c.index_kpool,
+        c.index_kpool_always_select_tail,
+        c.index_n_heads,
+        c.index_head_dim,
+    )
 
 
 def recipe_lengths() -> list[tuple[int, int]]:
@@ -174,7 +196,7 @@ def routed_wrappers() -> list[tuple[str, str]]:
     """``(module, function)`` of every Triton op the ``triton`` backend routes to (the
     ``_triton_op("module", "function")`` calls in ``kernels/backends.py``)."""
     text = (ROOT / "kernels" / "backends.py").read_text()
-    body = text[text.index("def _triton_backend"):]
+    body = text[text.index("def _triton_backend") :]
     body = body[: body.index("\ndef ", 1)]
     return re.findall(r'_triton_op\("(\w+)",\s*"(\w+)"\)', body)
 
@@ -206,9 +228,11 @@ def jit_cache_hook(hook: Callable[..., bool]) -> Iterator[None]:
     """
     if triton_version() < (3, 4):
         from triton.runtime.jit import JITFunction as owner
+
         name = "cache_hook"
     else:
         from triton import knobs
+
         owner, name = knobs.runtime, "jit_cache_hook"
     saved = getattr(owner, name)
     setattr(owner, name, hook)
@@ -285,8 +309,18 @@ def ptxas_command(arch: int, options: dict[str, Any], ptx: Path, cubin: Path) ->
     fmad = [] if options.get("enable_fp_fusion", True) else ["--fmad=false"]
     extra = options["ptx_options"].split(" ") if version >= (3, 4) and options.get("ptx_options") else []
     reg_alloc = ["--regAllocOptLevel=2"] if version >= (3, 7) else []
-    return [exe, "-lineinfo", *fmad, "-v", *reg_alloc, *extra, f"--gpu-name={nv.sm_arch_from_capability(arch)}",
-            str(ptx), "-o", str(cubin)]
+    return [
+        exe,
+        "-lineinfo",
+        *fmad,
+        "-v",
+        *reg_alloc,
+        *extra,
+        f"--gpu-name={nv.sm_arch_from_capability(arch)}",
+        str(ptx),
+        "-o",
+        str(cubin),
+    ]
 
 
 def triton_cache_dir() -> Path:
@@ -337,10 +371,17 @@ class Launch:
 
     def key(self) -> str:
         """A digest of everything the compile depends on: launches with the same key compile once."""
-        blob = repr((self.module, self.kernel, self.arch, sorted(self.signature.items()),
-                     sorted((k, repr(v)) for k, v in self.constexprs.items()),
-                     sorted((k, repr(v)) for k, v in self.attrs.items()),
-                     sorted((k, repr(v)) for k, v in self.options.items())))
+        blob = repr(
+            (
+                self.module,
+                self.kernel,
+                self.arch,
+                sorted(self.signature.items()),
+                sorted((k, repr(v)) for k, v in self.constexprs.items()),
+                sorted((k, repr(v)) for k, v in self.attrs.items()),
+                sorted((k, repr(v)) for k, v in self.options.items()),
+            )
+        )
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -363,9 +404,18 @@ def capturing(arch: int) -> Iterator[_Capture]:
 
     def record(*, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
         kernel = fn.jit_function.fn
-        cap.launches.append(Launch(kernel.__module__, kernel.__name__, cap.phase, arch, dict(compile["signature"]),
-                                   dict(compile["constants"]), dict(compile["configs"][0]),
-                                   options_from_specialization(compile["specialization_data"])))
+        cap.launches.append(
+            Launch(
+                kernel.__module__,
+                kernel.__name__,
+                cap.phase,
+                arch,
+                dict(compile["signature"]),
+                dict(compile["constants"]),
+                dict(compile["configs"][0]),
+                options_from_specialization(compile["specialization_data"]),
+            )
+        )
         return True  # skip the compile and the launch
 
     def autotune_run(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -418,9 +468,11 @@ def meta_key_lists(attention: Any) -> Iterator[None]:
         B, T, K = indices.shape
         entries = B * T * K
         tiles = B * -(-TK // block_k)
-        return attention._KeyLists(torch.empty(entries, dtype=torch.int32, device="meta"),
-                                   torch.empty(entries, dtype=torch.int32, device="meta"),
-                                   torch.empty(tiles, dtype=torch.int64, device="meta"))
+        return attention._KeyLists(
+            torch.empty(entries, dtype=torch.int32, device="meta"),
+            torch.empty(entries, dtype=torch.int32, device="meta"),
+            torch.empty(tiles, dtype=torch.int64, device="meta"),
+        )
 
     def segments(counts: torch.Tensor, segment: int) -> Any:
         programs = torch.empty(counts.numel() + 1, dtype=torch.int64, device="meta")
@@ -457,7 +509,7 @@ def _drive(cap: _Capture, function: str, fn: Callable, g: Geometry, variant: str
         lat = leaf((B, T, 1, g.latent), dt_["latent"])
         idx = torch.empty(B, tl_, K, dtype=torch.int64, **meta)
         with meta_key_lists(importlib.import_module(fn.__module__)):
-            backward(fn(q, lat, lat, idx, scale=g.qk_head_dim ** -0.5, q_offset=T - tl_))
+            backward(fn(q, lat, lat, idx, scale=g.qk_head_dim**-0.5, q_offset=T - tl_))
     elif function == "kpool_keys_triton":
         k_idx, gate = leaf((B, tl_, g.idx_dim), dt_["k_idx"]), leaf((B, tl_, g.idx_dim), dt_["gate"])
         backward(fn(k_idx, gate, leaf((P, g.idx_dim), dt_["ape"])))
@@ -466,7 +518,7 @@ def _drive(cap: _Capture, function: str, fn: Callable, g: Geometry, variant: str
         q_idx = leaf((B, tl_, g.idx_heads, g.idx_dim), dt_["q_idx"], False)
         k_pool = leaf((B, T // P, g.idx_dim), dt_["k_pool"], False)
         w = leaf((B, tl_, g.idx_heads), dt_["w"], False)
-        fn(q_idx, k_pool, w, g.topk, P, tail=g.tail, scale=g.idx_dim ** -0.5, activation="relu", q_offset=T - tl_)
+        fn(q_idx, k_pool, w, g.topk, P, tail=g.tail, scale=g.idx_dim**-0.5, activation="relu", q_offset=T - tl_)
     elif function == "kpool_indexer_kl_loss_triton":
         q = leaf((B, tl_, g.heads, g.latent), dt_["q"], False)
         k = leaf((B, T, 1, g.latent), dt_["latent"], False)
@@ -474,11 +526,26 @@ def _drive(cap: _Capture, function: str, fn: Callable, g: Geometry, variant: str
         k_pool = leaf((B, T // P, g.idx_dim), dt_["k_pool"])
         w = leaf((B, tl_, g.idx_heads), dt_["w"])
         pools = torch.empty(B, tl_, g.topk // P, dtype=torch.int64, **meta)
-        backward(fn(q, k, q_idx, k_pool, w, pools, P, attn_scale=g.qk_head_dim ** -0.5,
-                    idx_scale=g.idx_dim ** -0.5, tail=g.tail, q_offset=T - tl_))
+        backward(
+            fn(
+                q,
+                k,
+                q_idx,
+                k_pool,
+                w,
+                pools,
+                P,
+                attn_scale=g.qk_head_dim**-0.5,
+                idx_scale=g.idx_dim**-0.5,
+                tail=g.tail,
+                q_offset=T - tl_,
+            )
+        )
     else:
-        raise SystemExit(f"the triton backend routes to {function}, which this harness has no driver for: "
-                         "add one to benchmarks/gpu_compile.py::_drive")
+        raise SystemExit(
+            f"the triton backend routes to {function}, which this harness has no driver for: "
+            "add one to benchmarks/gpu_compile.py::_drive"
+        )
 
 
 @contextlib.contextmanager
@@ -502,8 +569,9 @@ class Job:
     lengths: list[str] = field(default_factory=list)
 
 
-def capture_jobs(shapes: list[str], dtypes: list[str], archs: tuple[int, ...],
-                 lengths: list[tuple[int, int]]) -> tuple[list[Job], list[str]]:
+def capture_jobs(
+    shapes: list[str], dtypes: list[str], archs: tuple[int, ...], lengths: list[tuple[int, int]]
+) -> tuple[list[Job], list[str]]:
     """All distinct compiles, and the names of the Triton kernels of the routed modules never launched."""
     from triton.runtime.jit import JITFunction
 
@@ -525,7 +593,7 @@ def capture_jobs(shapes: list[str], dtypes: list[str], archs: tuple[int, ...],
                 g = geometry(shape)
                 for variant in dtypes:
                     for T, cp in lengths:
-                        for c in ([1] if cp == 1 else [1, cp]):
+                        for c in [1] if cp == 1 else [1, cp]:
                             for function, fn in wrappers:
                                 start = len(cap.launches)
                                 _drive(cap, function, fn, g, variant, T, c)
@@ -548,9 +616,13 @@ def _parse_ptxas(log: str) -> dict[str, Any] | None:
     regs = num(r"Used (\d+) registers")
     if regs is None:
         return None
-    return {"registers": regs, "spill_stores": num(r"(\d+) bytes spill stores"),
-            "spill_loads": num(r"(\d+) bytes spill loads"), "stack": num(r"(\d+) bytes stack frame"),
-            "source": "ptxas -v"}
+    return {
+        "registers": regs,
+        "spill_stores": num(r"(\d+) bytes spill stores"),
+        "spill_loads": num(r"(\d+) bytes spill loads"),
+        "stack": num(r"(\d+) bytes stack frame"),
+        "source": "ptxas -v",
+    }
 
 
 def _ptxas_stats(ptx: str, arch: int, options: dict[str, Any], cache_dir: Path, log: str) -> dict[str, Any]:
@@ -603,13 +675,17 @@ def compile_job(launch: Launch) -> dict[str, Any]:
         out["compile_s"] = round(time.perf_counter() - t0, 2)
         return out
     ptx, ttir = ck.asm["ptx"], ck.asm["ttir"]
-    dots = [(m.group(1), (p.group(1) if (p := _PREC_RE.search(m.group(1))) else ""), m.group(2), m.group(3))
-            for m in _DOT_RE.finditer(ttir)]
+    dots = [
+        (m.group(1), (p.group(1) if (p := _PREC_RE.search(m.group(1))) else ""), m.group(2), m.group(3))
+        for m in _DOT_RE.finditer(ttir)
+    ]
     out["shared"] = int(ck.metadata.shared)
     out["num_warps"], out["num_stages"] = int(ck.metadata.num_warps), int(ck.metadata.num_stages)
     out["dots"] = len(dots)
     # TTIR prints inputPrecision only when it is not the default, ieee (on f32 operands: FMA, no tensor cores)
-    out["dot_types"] = sorted({f"{a}x{b}" + (f"/{prec or 'ieee'}" if a == b == "f32" else "") for _, prec, a, b in dots})
+    out["dot_types"] = sorted(
+        {f"{a}x{b}" + (f"/{prec or 'ieee'}" if a == b == "f32" else "") for _, prec, a, b in dots}
+    )
     out["dots_fp32_ieee"] = sum(1 for _, prec, a, b in dots if a == b == "f32" and prec in ("", "ieee"))
     out["tensor_core_ops"] = {name: len(p.findall(ptx)) for name, p in _TC_PATTERNS.items() if p.search(ptx)}
     out.update(_ptxas_stats(ptx, launch.arch, launch.options, triton_cache_dir() / "genolong_ptxas", log.getvalue()))
@@ -652,8 +728,11 @@ def compile_all(launches: dict[str, Launch], jobs: int, timeout: float) -> dict[
                 results[key] = {"status": "error", "error": f"compiler process died (exit {proc.exitcode})"}
             elif time.perf_counter() - t0 > timeout:
                 proc.kill()
-                results[key] = {"status": "error", "error": f"compile took over {timeout:g} s (killed)",
-                                "compile_s": round(time.perf_counter() - t0, 1)}
+                results[key] = {
+                    "status": "error",
+                    "error": f"compile took over {timeout:g} s (killed)",
+                    "compile_s": round(time.perf_counter() - t0, 1),
+                }
             else:
                 continue
             proc.join()
@@ -682,7 +761,9 @@ def problems(row: dict[str, Any]) -> list[str]:
         out.append(f"spills {row['spill_stores']} B per thread > budget {budget} B")
     if _is16(row["dtype"]) and row["dots"]:
         if row["dots_fp32_ieee"]:
-            out.append(f"{row['dots_fp32_ieee']} of {row['dots']} dots are fp32 ieee (no tensor cores) with 16-bit inputs")
+            out.append(
+                f"{row['dots_fp32_ieee']} of {row['dots']} dots are fp32 ieee (no tensor cores) with 16-bit inputs"
+            )
         if not row["tensor_core_ops"]:
             out.append("no tensor-core instruction in the PTX with 16-bit inputs")
     return out
@@ -717,16 +798,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         r = results[j.launch.key()]
         budget, why = SPILL_BUDGETS.get(j.launch.kernel, DEFAULT_SPILL_BUDGET)
         opts = j.launch.options
-        row = {"kernel": j.launch.kernel, "module": j.launch.module, "phase": j.launch.phase, "shape": j.shape,
-               "dtype": j.dtype, "arch": ARCHS[j.launch.arch], "lengths": j.lengths,
-               "requested_num_warps": opts.get("num_warps"), "requested_num_stages": opts.get("num_stages"),
-               "constexprs": _named_constexprs(j.launch),
-               "i64_args": sorted(n for n, t in j.launch.signature.items() if t == "i64"),
-               "spill_budget": budget, "spill_budget_reason": why, **r}
+        row = {
+            "kernel": j.launch.kernel,
+            "module": j.launch.module,
+            "phase": j.launch.phase,
+            "shape": j.shape,
+            "dtype": j.dtype,
+            "arch": ARCHS[j.launch.arch],
+            "lengths": j.lengths,
+            "requested_num_warps": opts.get("num_warps"),
+            "requested_num_stages": opts.get("num_stages"),
+            "constexprs": _named_constexprs(j.launch),
+            "i64_args": sorted(n for n, t in j.launch.signature.items() if t == "i64"),
+            "spill_budget": budget,
+            "spill_budget_reason": why,
+            **r,
+        }
         row["problems"] = problems(row)
         rows.append(row)
-    rows.sort(key=lambda r: (r["module"], r["kernel"], r["phase"], SHAPES.index(r["shape"]) if r["shape"] in SHAPES else 9,
-                             r["dtype"], r["arch"], r["lengths"]))
+    rows.sort(
+        key=lambda r: (
+            r["module"],
+            r["kernel"],
+            r["phase"],
+            SHAPES.index(r["shape"]) if r["shape"] in SHAPES else 9,
+            r["dtype"],
+            r["arch"],
+            r["lengths"],
+        )
+    )
     return {
         "benchmark": "gpu_compile",
         **environment("date"),
@@ -764,50 +864,69 @@ def _plain(v: Any) -> Any:
 
 def _named_constexprs(launch: Launch) -> dict[str, Any]:
     names = list(launch.signature)
-    return {names[k[0]] if len(k) == 1 else str(k): _plain(v) for k, v in launch.constexprs.items()
-            if launch.signature.get(names[k[0]]) == "constexpr" and not names[k[0]].startswith("stride")}
+    return {
+        names[k[0]] if len(k) == 1 else str(k): _plain(v)
+        for k, v in launch.constexprs.items()
+        if launch.signature.get(names[k[0]]) == "constexpr" and not names[k[0]].startswith("stride")
+    }
 
 
 def print_table(doc: dict[str, Any]) -> None:
     """The table: one line per (kernel, phase, shape, dtype, arch, signature)."""
-    hdr = (f"{'kernel [phase]':42} {'shape':13} {'dtype':10} {'arch':6} {'warps':>5} {'smem B':>8} {'regs':>4} "
-           f"{'spill':>6} {'tensor cores':14} {'lengths':24} result")
+    hdr = (
+        f"{'kernel [phase]':42} {'shape':13} {'dtype':10} {'arch':6} {'warps':>5} {'smem B':>8} {'regs':>4} "
+        f"{'spill':>6} {'tensor cores':14} {'lengths':24} result"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in doc["rows"]:
         lab = f"{r['kernel']} [{r['phase']}]"
         lengths = ",".join(r["lengths"])
         if r["status"] != "ok":
-            print(f"{lab:42} {r['shape']:13} {r['dtype']:10} {r['arch']:6} {r['requested_num_warps']:>5} {'-':>8} "
-                  f"{'-':>4} {'-':>6} {'-':14} {lengths[:24]:24} FAIL {r['error']}")
+            print(
+                f"{lab:42} {r['shape']:13} {r['dtype']:10} {r['arch']:6} {r['requested_num_warps']:>5} {'-':>8} "
+                f"{'-':>4} {'-':>6} {'-':14} {lengths[:24]:24} FAIL {r['error']}"
+            )
             continue
         tc = ("+".join(f"{k}" for k in r["tensor_core_ops"]) or "none") if r["dots"] else "(no dots)"
         if r["dots_fp32_ieee"]:
             tc += f" {r['dots_fp32_ieee']}xfp32"
         res = "ok" if not r["problems"] else "FAIL " + "; ".join(r["problems"])
-        print(f"{lab:42} {r['shape']:13} {r['dtype']:10} {r['arch']:6} {r['num_warps']:>5} {r['shared']:>8,} "
-              f"{r['registers']:>4} {r['spill_stores']:>6} {tc:14} {lengths[:24]:24} {res}")
-    print(f"\n{len(doc['rows'])} rows, {doc['unique_compiles']} distinct compiles; capture {doc['capture_s']} s, "
-          f"compile {doc['compile_s']} s ({doc['jobs']} processes); {doc['failures']} rows fail the checks")
+        print(
+            f"{lab:42} {r['shape']:13} {r['dtype']:10} {r['arch']:6} {r['num_warps']:>5} {r['shared']:>8,} "
+            f"{r['registers']:>4} {r['spill_stores']:>6} {tc:14} {lengths[:24]:24} {res}"
+        )
+    print(
+        f"\n{len(doc['rows'])} rows, {doc['unique_compiles']} distinct compiles; capture {doc['capture_s']} s, "
+        f"compile {doc['compile_s']} s ({doc['jobs']} processes); {doc['failures']} rows fail the checks"
+    )
     if doc["kernels_never_launched"]:
         print("Triton kernels of the routed modules never launched: " + ", ".join(doc["kernels_never_launched"]))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--shapes", default=",".join(SHAPES), help="model presets (default: %(default)s)")
     p.add_argument("--dtypes", default=",".join(DEFAULT_DTYPES), help=f"of {', '.join(DTYPES)} (default: %(default)s)")
     p.add_argument("--archs", default="90,100", help="compute capabilities (default: %(default)s)")
     p.add_argument("--lengths", default=None, help="CONTEXT[/CP],... (default: those of recipes/*.yaml)")
     p.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)), help="compile processes")
-    p.add_argument("--timeout", type=float, default=240.0, help="seconds per compile before it counts as an error "
-                   "(default: %(default)s)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=240.0,
+        help="seconds per compile before it counts as an error (default: %(default)s)",
+    )
     p.add_argument("--kernels", default=None, help="only compile kernels whose name matches this regex")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="output (default: %(default)s)")
     p.add_argument("--check", action="store_true", help="exit 1 when a row fails the checks")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise SystemExit("gpu_compile.py compiles for GPUs: unset TRITON_INTERPRET (the interpreter replaces the kernels)")
+        raise SystemExit(
+            "gpu_compile.py compiles for GPUs: unset TRITON_INTERPRET (the interpreter replaces the kernels)"
+        )
     doc = run(args)
     print_table(doc)
     write_json(args.json, doc, allow_nan=False)

@@ -63,8 +63,13 @@ REGIONS = ("chr22", "HLA", "chr16", "chrM")
 #: the runs: the base, the base read as the fine-tune reads it, the fine-tuned model, each cut at --cut where named
 MODELS = ("base", "base-read", "base-read cut", "tuned", "tuned cut")
 #: (run A, run B, label): B compared with A, B - A
-COMPARISONS = (("tuned cut", "tuned", "tuned: full - cut"), ("base-read cut", "base-read", "base-read: full - cut"), ("base-read", "tuned", "tuned - base-read"),
-               ("base", "base-read", "base-read - base"), ("base", "tuned", "tuned - base"))
+COMPARISONS = (
+    ("tuned cut", "tuned", "tuned: full - cut"),
+    ("base-read cut", "base-read", "base-read: full - cut"),
+    ("base-read", "tuned", "tuned - base-read"),
+    ("base", "base-read", "base-read - base"),
+    ("base", "tuned", "tuned - base"),
+)
 
 
 def spread(n_whole: int, n: int) -> np.ndarray:
@@ -93,9 +98,13 @@ def pooled(regions: dict[str, dict[str, Any]], a: str, b: str, n_boot: int = 200
     ci = hierarchical_paired_bootstrap(groups, n_boot=n_boot, seed=seed)
     labels = [*next(iter(regions.values()))["buckets"], "all"]
     spread_ = np.asarray(per_region)
-    return {"buckets": {lab: {"change_pct": float(100 * ci.rel[i]), "ci": [float(100 * ci.rel_lo[i]), float(100 * ci.rel_hi[i])]}
-                        for i, lab in enumerate(labels)},
-            "range": {lab: [float(spread_[:, i].min()), float(spread_[:, i].max())] for i, lab in enumerate(labels)}}
+    return {
+        "buckets": {
+            lab: {"change_pct": float(100 * ci.rel[i]), "ci": [float(100 * ci.rel_lo[i]), float(100 * ci.rel_hi[i])]}
+            for i, lab in enumerate(labels)
+        },
+        "range": {lab: [float(spread_[:, i].min()), float(spread_[:, i].max())] for i, lab in enumerate(labels)},
+    }
 
 
 def pooled_from_json(doc: dict[str, Any], comparison: str, bucket: str = "all") -> dict[str, Any]:
@@ -106,21 +115,36 @@ def pooled_from_json(doc: dict[str, Any], comparison: str, bucket: str = "all") 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quickstart", type=Path, default=Path("genolong-quickstart"),
-                        help="the quickstart's output directory (default: %(default)s)")
+    parser.add_argument(
+        "--quickstart",
+        type=Path,
+        default=Path("genolong-quickstart"),
+        help="the quickstart's output directory (default: %(default)s)",
+    )
     parser.add_argument("--data", type=Path, default=DATA, help="the held-out FASTAs (default: %(default)s)")
     parser.add_argument("--regions", default=",".join(REGIONS), help="regions, comma-separated (default: %(default)s)")
     parser.add_argument("--tiles", type=int, default=8, help="tiles spread over each region (default: %(default)s)")
-    parser.add_argument("--context", type=int, default=8192, help="tile length (default: %(default)s, the quickstart's)")
+    parser.add_argument(
+        "--context", type=int, default=8192, help="tile length (default: %(default)s, the quickstart's)"
+    )
     parser.add_argument("--cut", type=int, default=1024, help="the fine-tuned model's cut view (default: %(default)s)")
-    parser.add_argument("--models", default=",".join(MODELS),
-                        help="runs to score and compare, comma-separated (default: %(default)s)")
-    parser.add_argument("--work", type=Path, default=None,
-                        help="keep each region's store and each run's result here and reuse complete ones on a rerun "
-                             "(default: a temporary directory)")
-    parser.add_argument("--only", default=None, metavar="MODELS",
-                        help="score only these runs (comma-separated, of --models' names) into --work "
-                             "and stop, e.g. the base's while the quickstart still trains (default: all, then compare)")
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help="runs to score and compare, comma-separated (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="keep each region's store and each run's result here and reuse complete ones on a rerun "
+        "(default: a temporary directory)",
+    )
+    parser.add_argument(
+        "--only",
+        default=None,
+        metavar="MODELS",
+        help="score only these runs (comma-separated, of --models' names) into --work "
+        "and stop, e.g. the base's while the quickstart still trains (default: all, then compare)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="output JSON (default: %(default)s)")
     args = parser.parse_args()
@@ -153,10 +177,15 @@ def main() -> None:
     if needs_tuned and not (tuned_dir / "config.json").is_file():
         parser.error(f"{tuned_dir} is not a model directory; run `genolong quickstart --out {args.quickstart}` first")
     # the reading of the quickstart's recipe (the export's config.json says the same once it exists)
-    tuned_config = (ModelConfig.from_pretrained(tuned_dir) if (tuned_dir / "config.json").is_file()
-                    else ModelConfig.from_pretrained(base_dir).replace(**_recipe_overrides()))
+    tuned_config = (
+        ModelConfig.from_pretrained(tuned_dir)
+        if (tuned_dir / "config.json").is_file()
+        else ModelConfig.from_pretrained(base_dir).replace(**_recipe_overrides())
+    )
     changes = reading_changes(ModelConfig.from_pretrained(base_dir), tuned_config)
-    wanted_models = [m for m in MODELS if m in (only or chosen_models) and not (m.startswith("base-read") and not changes)]
+    wanted_models = [
+        m for m in MODELS if m in (only or chosen_models) and not (m.startswith("base-read") and not changes)
+    ]
     models: dict[str, tuple[Any, int | None]] = {}
     for m in wanted_models:
         if m == "base":
@@ -182,16 +211,27 @@ def main() -> None:
                 other_fasta = FASTAS["chrM" if name != "chrM" else "chr16"][0]
                 path = work_dir / f"store-{name}"
                 if not (path / "DONE").is_file():  # a store of an earlier --work run is reused
-                    prepare_genome([args.data / fasta, args.data / other_fasta], path, train=[other], eval=[record],
-                                   progress=False, force=True)
+                    prepare_genome(
+                        [args.data / fasta, args.data / other_fasta],
+                        path,
+                        train=[other],
+                        eval=[record],
+                        progress=False,
+                        force=True,
+                    )
                     (path / "DONE").touch()
                 split = GenomeStore.open(path).split("eval")
             frame = EvalTiles(split, args.context).tiles
             whole = frame[frame["length"] == args.context].reset_index(drop=True)
             chosen = whole.iloc[spread(len(whole), args.tiles)]
             # one base at each chosen tile's start selects exactly that tile (evaluate --regions)
-            picks = Regions(intervals={c: np.stack([g["start"].to_numpy(), g["start"].to_numpy() + 1], axis=1).astype(np.int64)
-                                       for c, g in chosen.groupby("contig")}, source=f"{name} spread")
+            picks = Regions(
+                intervals={
+                    c: np.stack([g["start"].to_numpy(), g["start"].to_numpy() + 1], axis=1).astype(np.int64)
+                    for c, g in chosen.groupby("contig")
+                },
+                source=f"{name} spread",
+            )
             results = {}
             for label, (model, cut) in models.items():
                 out_dir = work_dir / f"{name}-{args.context}-{args.tiles}-{label.replace(' ', '-')}"
@@ -199,24 +239,40 @@ def main() -> None:
                     results[label] = EvalResult.load(out_dir)
                     continue
                 print(f"{name}: scoring {label} on {len(chosen)} of {len(whole)} whole tiles", flush=True)
-                results[label] = evaluate(model, split, out_dir, args.context, context_cut=cut, write_tokens=False,
-                                          progress=False, label=label, regions=picks, force=True)
+                results[label] = evaluate(
+                    model,
+                    split,
+                    out_dir,
+                    args.context,
+                    context_cut=cut,
+                    write_tokens=False,
+                    progress=False,
+                    label=label,
+                    regions=picks,
+                    force=True,
+                )
                 (out_dir / "DONE").touch()
             if only is not None:
                 continue
             first = next(iter(results.values()))
             # split by soft-masking where the FASTA is soft-masked (chr16: 42%); not for a stray lower-case base (chrM has 1)
             masked = first.has_softmask and int(first.softmask_tokens[:, :, 1].sum()) >= 0.01 * first.tokens
-            region = {"tiles": len(chosen), "whole_tiles": len(whole), "bases": int(first.tokens),
-                      "starts": [int(s) for s in chosen["start"]], "softmasked": masked,
-                      "buckets": [str(b) for b in compare(first, first)["bucket"] if b != "all"],
-                      "nats": {label: float(r.mean_nll) for label, r in results.items()},
-                      "runs": {label: {"tokens": r.tile_tokens.astype(int).tolist(), "nll": np.round(r.tile_nll, 4).tolist()}
-                               for label, r in results.items()}}
+            region = {
+                "tiles": len(chosen),
+                "whole_tiles": len(whole),
+                "bases": int(first.tokens),
+                "starts": [int(s) for s in chosen["start"]],
+                "softmasked": masked,
+                "buckets": [str(b) for b in compare(first, first)["bucket"] if b != "all"],
+                "nats": {label: float(r.mean_nll) for label, r in results.items()},
+                "runs": {
+                    label: {"tokens": r.tile_tokens.astype(int).tolist(), "nll": np.round(r.tile_nll, 4).tolist()}
+                    for label, r in results.items()
+                },
+            }
             for a, b, what in comparisons:
                 table = compare(results[a], results[b]).set_index("bucket")
-                row = {"region": name, "comparison": what,
-                       "buckets": {str(k): _change(r) for k, r in table.iterrows()}}
+                row = {"region": name, "comparison": what, "buckets": {str(k): _change(r) for k, r in table.iterrows()}}
                 if masked:
                     split_table, _ = compare_softmask(results[a], results[b])
                     for flag, part in ((False, "unmasked"), (True, "softmasked")):
@@ -233,10 +289,22 @@ def main() -> None:
     # the base read as it reads (its starting point) where the fine-tuned model was not scored
     headline = next((w for w in ("tuned: full - cut", "base-read: full - cut") if w in pooled_out), None)
     _print(regions, rows, pooled_out, args)
-    out = {"benchmark": "heldout_spread", **environment("date", "machine", "torch"), "base": str(base_dir),
-           "tuned": str(tuned_dir), "reading": changes, "context": args.context, "cut": args.cut,
-           "tiles_per_region": args.tiles, "models": list(models), "threads": args.threads, "regions": regions, "rows": rows, "pooled": pooled_out,
-           "headline": headline}
+    out = {
+        "benchmark": "heldout_spread",
+        **environment("date", "machine", "torch"),
+        "base": str(base_dir),
+        "tuned": str(tuned_dir),
+        "reading": changes,
+        "context": args.context,
+        "cut": args.cut,
+        "tiles_per_region": args.tiles,
+        "models": list(models),
+        "threads": args.threads,
+        "regions": regions,
+        "rows": rows,
+        "pooled": pooled_out,
+        "headline": headline,
+    }
     write_json(args.json, out)
     print(f"\nwrote {args.json}")
 
@@ -263,8 +331,10 @@ def _fmt(change: dict[str, Any]) -> str:
 def _print(regions: dict[str, Any], rows: list[dict[str, Any]], pooled_out: dict[str, Any], args: Any) -> None:
     """The spread table: per comparison, each region's figure (all bases, the last bucket) then the pooled one."""
     last = next(iter(regions.values()))["buckets"][-1]
-    print(f"\ntiles of {args.context:,}, {args.tiles} spread over each region; cut at {args.cut:,}; change B - A in % "
-          f"(95% CI: per region over tiles, pooled over regions then tiles)\n")
+    print(
+        f"\ntiles of {args.context:,}, {args.tiles} spread over each region; cut at {args.cut:,}; change B - A in % "
+        f"(95% CI: per region over tiles, pooled over regions then tiles)\n"
+    )
     print(f"| comparison | region | tiles | bases | all | {last} |")
     print("|---|---|---:|---:|---|---|")
     for what, p in pooled_out.items():
@@ -272,16 +342,22 @@ def _print(regions: dict[str, Any], rows: list[dict[str, Any]], pooled_out: dict
             if r["comparison"] != what:
                 continue
             reg = regions[r["region"]]
-            print(f"| {what} | {r['region']} | {reg['tiles']} | {reg['bases']:,} | {_fmt(r['buckets']['all'])} | "
-                  f"{_fmt(r['buckets'][last])} |")
+            print(
+                f"| {what} | {r['region']} | {reg['tiles']} | {reg['bases']:,} | {_fmt(r['buckets']['all'])} | "
+                f"{_fmt(r['buckets'][last])} |"
+            )
             for part in ("unmasked", "softmasked"):
                 if part in r:
-                    print(f"| {what} | {r['region']} {part} | | {r[part]['all']['tokens']:,} | {_fmt(r[part]['all'])} | "
-                          f"{_fmt(r[part][last])} |")
+                    print(
+                        f"| {what} | {r['region']} {part} | | {r[part]['all']['tokens']:,} | {_fmt(r[part]['all'])} | "
+                        f"{_fmt(r[part][last])} |"
+                    )
         rng = p["range"]
-        print(f"| {what} | **pooled** (range) | {sum(x['tiles'] for x in regions.values())} | "
-              f"{sum(x['bases'] for x in regions.values()):,} | {_fmt(p['buckets']['all'])} ({rng['all'][0]:+.2f} .. "
-              f"{rng['all'][1]:+.2f}) | {_fmt(p['buckets'][last])} ({rng[last][0]:+.2f} .. {rng[last][1]:+.2f}) |")
+        print(
+            f"| {what} | **pooled** (range) | {sum(x['tiles'] for x in regions.values())} | "
+            f"{sum(x['bases'] for x in regions.values()):,} | {_fmt(p['buckets']['all'])} ({rng['all'][0]:+.2f} .. "
+            f"{rng['all'][1]:+.2f}) | {_fmt(p['buckets'][last])} ({rng[last][0]:+.2f} .. {rng[last][1]:+.2f}) |"
+        )
 
 
 if __name__ == "__main__":

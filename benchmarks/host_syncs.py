@@ -30,10 +30,22 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-KINDS = {"dsa": ("dsa.py", "indexer.py", "kpool.py", "kpool_loss.py", "attention.py", "triton_attention.py",
-                 "triton_topk.py", "triton_kpool.py", "chunked_dsa.py", "cp_dsa.py"),
-         "kda": ("chunk.py", "kda.py", "cp.py", "chunked_kda.py", "fla_backend.py"),
-         "moe": ("moe.py", "expert.py")}
+KINDS = {
+    "dsa": (
+        "dsa.py",
+        "indexer.py",
+        "kpool.py",
+        "kpool_loss.py",
+        "attention.py",
+        "triton_attention.py",
+        "triton_topk.py",
+        "triton_kpool.py",
+        "chunked_dsa.py",
+        "cp_dsa.py",
+    ),
+    "kda": ("chunk.py", "kda.py", "cp.py", "chunked_kda.py", "fla_backend.py"),
+    "moe": ("moe.py", "expert.py"),
+}
 
 
 def _kind(site: str) -> str:
@@ -70,16 +82,23 @@ def measure(tokens: int, chunk: int, moe_chunk: int, grouped: bool = False, seed
     with HostSyncCounter(sites=True) as syncs:
         nll, weight = model.loss(ids)
         (nll / weight).backward()
-    layers = {"dsa": sum(t == "indexed_attention" for t in config.layer_types),
-              "kda": sum(t == "linear_attention" for t in config.layer_types),
-              "moe": sum(t == "sparse" for t in config.mlp_layer_types)}
+    layers = {
+        "dsa": sum(t == "indexed_attention" for t in config.layer_types),
+        "kda": sum(t == "linear_attention" for t in config.layer_types),
+        "moe": sum(t == "sparse" for t in config.mlp_layer_types),
+    }
     by_kind: Counter[str] = Counter()
     for (_, site), n in syncs.by_site.items():
         by_kind[_kind(site)] += n
-    return {"tokens": tokens, "moe_path": "grouped" if grouped else "loop", "total": syncs.total, "per_layer_all": syncs.total / config.num_hidden_layers,
-            "by_kind": dict(by_kind),
-            "per_layer": {k: by_kind.get(k, 0) / n for k, n in layers.items()},
-            "by_site": {f"{kind} {site}": n for (kind, site), n in sorted(syncs.by_site.items())}}
+    return {
+        "tokens": tokens,
+        "moe_path": "grouped" if grouped else "loop",
+        "total": syncs.total,
+        "per_layer_all": syncs.total / config.num_hidden_layers,
+        "by_kind": dict(by_kind),
+        "per_layer": {k: by_kind.get(k, 0) / n for k, n in layers.items()},
+        "by_site": {f"{kind} {site}": n for (kind, site), n in sorted(syncs.by_site.items())},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,8 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="256,1024", help="two or more context lengths (default 256,1024)")
     p.add_argument("--chunk", type=int, default=256, help="recompute_chunk_tokens (default 256)")
     p.add_argument("--moe-chunk", type=int, default=64, help="MoE chunk_tokens (default 64)")
-    p.add_argument("--grouped", action="store_true",
-                   help="MoE experts as the grouped matmul (the GPU path; torch's CPU build has it), not the loop")
+    p.add_argument(
+        "--grouped",
+        action="store_true",
+        help="MoE experts as the grouped matmul (the GPU path; torch's CPU build has it), not the loop",
+    )
     p.add_argument("--label", default="this tree", help="name of the code measured (e.g. before / after)")
     p.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "host_syncs.json")
     args = p.parse_args(argv)
@@ -104,16 +126,29 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     rows = [measure(t, args.chunk, args.moe_chunk, args.grouped) for t in lengths]
-    print(f"host syncs per step ({args.label}; tiny, torch backend, CPU, chunked recompute {args.chunk}, "
-          f"MoE chunks {args.moe_chunk}, MoE {'grouped matmul' if args.grouped else 'loop'})")
+    print(
+        f"host syncs per step ({args.label}; tiny, torch backend, CPU, chunked recompute {args.chunk}, "
+        f"MoE chunks {args.moe_chunk}, MoE {'grouped matmul' if args.grouped else 'loop'})"
+    )
     print(f"{'T':>6} {'total':>6} {'/layer':>7} {'DSA/layer':>10} {'KDA/layer':>10} {'MoE/layer':>10} {'other':>6}")
     for r in rows:
         pl = r["per_layer"]
-        print(f"{r['tokens']:>6} {r['total']:>6} {r['per_layer_all']:>7.1f} {pl['dsa']:>10.1f} {pl['kda']:>10.1f} "
-              f"{pl['moe']:>10.1f} {r['by_kind'].get('other', 0):>6}")
-    out = {"label": args.label, "moe_path": "grouped" if args.grouped else "loop", "preset": "tiny", "backend": "torch", "device": "cpu",
-           "recompute_chunk_tokens": args.chunk, "moe_chunk_tokens": args.moe_chunk,
-           "torch": torch.__version__, "python": platform.python_version(), "rows": rows}
+        print(
+            f"{r['tokens']:>6} {r['total']:>6} {r['per_layer_all']:>7.1f} {pl['dsa']:>10.1f} {pl['kda']:>10.1f} "
+            f"{pl['moe']:>10.1f} {r['by_kind'].get('other', 0):>6}"
+        )
+    out = {
+        "label": args.label,
+        "moe_path": "grouped" if args.grouped else "loop",
+        "preset": "tiny",
+        "backend": "torch",
+        "device": "cpu",
+        "recompute_chunk_tokens": args.chunk,
+        "moe_chunk_tokens": args.moe_chunk,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "rows": rows,
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.json}")

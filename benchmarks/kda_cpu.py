@@ -74,13 +74,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="4096,8192,16384,32768,65536", help="comma-separated T values")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fla-max-t", type=int, default=16384, help="largest T for fla's naive chunk form")
-    ap.add_argument("--recurrent-tokens", type=int, default=2048,
-                    help="tokens to time the recurrent form on (extrapolated linearly); 0 = time every T fully")
+    ap.add_argument(
+        "--recurrent-tokens",
+        type=int,
+        default=2048,
+        help="tokens to time the recurrent form on (extrapolated linearly); 0 = time every T fully",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    ap.add_argument("--keep-denormals", action="store_true",
-                    help="do not flush denormal floats to zero (by default they are flushed: strongly decayed "
-                         "states and gradients otherwise fall into the denormal range, which makes some runs of "
-                         "every form 10-50x slower on x86 CPUs, the recurrent form most)")
+    ap.add_argument(
+        "--keep-denormals",
+        action="store_true",
+        help="do not flush denormal floats to zero (by default they are flushed: strongly decayed "
+        "states and gradients otherwise fall into the denormal range, which makes some runs of "
+        "every form 10-50x slower on x86 CPUs, the recurrent form most)",
+    )
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "kda_cpu.json"))
     args = ap.parse_args(argv)
     if args.threads:
@@ -128,10 +135,17 @@ def main(argv: list[str] | None = None) -> int:
         fla_r = f"{row['speedup_vs_fla_naive_chunk']:8.1f}x" if "fla_naive_chunk" in row else f"{'-':>9}"
         ext = " extrap." if row["recurrent"]["extrapolated"] else ""
         if len(rows) == 1:
-            print(f"KDA fwd+bwd on CPU, B={B} H={H} K={K} V={V} float32, {torch.get_num_threads()} threads (seconds, median)")
-            print(f"{'T':>7} {'ours fwd':>9} {'ours f+b':>9} {'tok/s':>8} {'fla f+b':>9} {'vs fla':>9} {'rec f+b':>9} {'vs rec':>8}")
-        print(f"{T:>7} {row['ours_chunk']['fwd_s']:9.3f} {ours:9.3f} {row['ours_tokens_per_s']:8.0f} {fla_s} {fla_r} "
-              f"{row['recurrent']['fwd_bwd_s']:9.2f} {row['speedup_vs_recurrent']:7.1f}x{ext}", flush=True)
+            print(
+                f"KDA fwd+bwd on CPU, B={B} H={H} K={K} V={V} float32, {torch.get_num_threads()} threads (seconds, median)"
+            )
+            print(
+                f"{'T':>7} {'ours fwd':>9} {'ours f+b':>9} {'tok/s':>8} {'fla f+b':>9} {'vs fla':>9} {'rec f+b':>9} {'vs rec':>8}"
+            )
+        print(
+            f"{T:>7} {row['ours_chunk']['fwd_s']:9.3f} {ours:9.3f} {row['ours_tokens_per_s']:8.0f} {fla_s} {fla_r} "
+            f"{row['recurrent']['fwd_bwd_s']:9.2f} {row['speedup_vs_recurrent']:7.1f}x{ext}",
+            flush=True,
+        )
 
     out = {
         "benchmark": "kda_cpu",

@@ -78,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     store_dir = scratch / "logprob_gap_sample"
     prepared = prepare_sample(store_dir, progress=False)
     split = GenomeStore.open(prepared.path).split("eval")
-    print(f"eval split: {', '.join(sorted(set(split.segments['contig'])))}; {len(split.segments)} segments; "
-          f"tiles of {args.context} tokens, first {args.max_tiles}; {torch.get_num_threads()} threads", flush=True)
+    print(
+        f"eval split: {', '.join(sorted(set(split.segments['contig'])))}; {len(split.segments)} segments; "
+        f"tiles of {args.context} tokens, first {args.max_tiles}; {torch.get_num_threads()} threads",
+        flush=True,
+    )
 
     runs = []
     header = f"{'model':>8} {'dtype':>9} {'bucket':>10} {'tokens':>7} {'mean |diff|':>12} {'max |diff|':>11}"
@@ -88,31 +91,42 @@ def main(argv: list[str] | None = None) -> int:
         for dname in dtypes:
             model = load_model(name, DTYPES[dname])
             t0 = time.perf_counter()
-            gap = check_logprobs(model, split, args.context, max_tiles=args.max_tiles,
-                                 first_bucket=args.first_bucket, label=f"{name} {dname}")
+            gap = check_logprobs(
+                model,
+                split,
+                args.context,
+                max_tiles=args.max_tiles,
+                first_bucket=args.first_bucket,
+                label=f"{name} {dname}",
+            )
             seconds = time.perf_counter() - t0
             out_dir = scratch / "logprob_gap" / f"{name}-{dname}"
             paths = gap.save(out_dir)
             table = gap.table()
             for _, row in table.iterrows():
-                print(f"{name:>8} {dname:>9} {row['bucket']:>10} {int(row['tokens']):>7} "
-                      f"{row['mean_abs_diff']:12.3e} {row['max_abs_diff']:11.3e}", flush=True)
-            runs.append({
-                "model": name,
-                "checkpoint": "random init, seed 0" if name == "tiny" else str(bundled_base()),
-                "dtype": dname,
-                "parameters": sum(p.numel() for p in model.parameters()),
-                "context": args.context,
-                "tiles": gap.tiles,
-                "tokens": gap.tokens,
-                "seconds": seconds,
-                "decode_seconds": gap.extra["decode_seconds"],
-                "train_seconds": gap.extra["train_seconds"],
-                "decode_ms_per_step": 1000 * gap.extra["decode_seconds"] / max(1, gap.tiles * (args.context - 1)),
-                "bucket_edges": [int(e) for e in gap.edges],
-                "table": json.loads(table.to_json(orient="records")),
-                "figure": str(paths["png"]),
-            })
+                print(
+                    f"{name:>8} {dname:>9} {row['bucket']:>10} {int(row['tokens']):>7} "
+                    f"{row['mean_abs_diff']:12.3e} {row['max_abs_diff']:11.3e}",
+                    flush=True,
+                )
+            runs.append(
+                {
+                    "model": name,
+                    "checkpoint": "random init, seed 0" if name == "tiny" else str(bundled_base()),
+                    "dtype": dname,
+                    "parameters": sum(p.numel() for p in model.parameters()),
+                    "context": args.context,
+                    "tiles": gap.tiles,
+                    "tokens": gap.tokens,
+                    "seconds": seconds,
+                    "decode_seconds": gap.extra["decode_seconds"],
+                    "train_seconds": gap.extra["train_seconds"],
+                    "decode_ms_per_step": 1000 * gap.extra["decode_seconds"] / max(1, gap.tiles * (args.context - 1)),
+                    "bucket_edges": [int(e) for e in gap.edges],
+                    "table": json.loads(table.to_json(orient="records")),
+                    "figure": str(paths["png"]),
+                }
+            )
             del model
 
     out = {

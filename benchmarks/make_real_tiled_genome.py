@@ -61,8 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     """Write the tiled genome; prints its records and size."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="output .fa.gz")
-    p.add_argument("--mbp", type=float, default=133.0, help="total size in Mbp, split over records 1 and 2 (default 133)")
-    p.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help=f"folder of the real pieces (default {DEFAULT_SOURCE})")
+    p.add_argument(
+        "--mbp", type=float, default=133.0, help="total size in Mbp, split over records 1 and 2 (default 133)"
+    )
+    p.add_argument(
+        "--source", type=Path, default=DEFAULT_SOURCE, help=f"folder of the real pieces (default {DEFAULT_SOURCE})"
+    )
     a = p.parse_args(argv)
     pieces = [read_sequence(a.source / name) for name in PIECES]
     total = int(a.mbp * 1e6)
@@ -76,15 +80,18 @@ def main(argv: list[str] | None = None) -> int:
             seq = tiled(pieces, length, start=3 * i)
             gz.stdin.write(f">{name}\n".encode())
             for s in range(0, len(seq), LINE * 100_000):  # 6 Mbp of lines at a time
-                block = seq[s:s + LINE * 100_000]
-                gz.stdin.write(b"\n".join(block[j:j + LINE] for j in range(0, len(block), LINE)) + b"\n")
+                block = seq[s : s + LINE * 100_000]
+                gz.stdin.write(b"\n".join(block[j : j + LINE] for j in range(0, len(block), LINE)) + b"\n")
         gz.stdin.close()
         if gz.wait() != 0:
             raise SystemExit("gzip failed")
     os.replace(tmp, a.out)
     n = sum(piece.upper().count(b"N") for piece in pieces)
-    print(f"{a.out}: records 1 ({lengths['1']:,} bp) and 2 ({lengths['2']:,} bp) tiled from {len(PIECES)} real pieces "
-          f"({sum(map(len, pieces)):,} bp, {n:,} N); {a.out.stat().st_size:,} bytes gzip -1", file=sys.stderr)
+    print(
+        f"{a.out}: records 1 ({lengths['1']:,} bp) and 2 ({lengths['2']:,} bp) tiled from {len(PIECES)} real pieces "
+        f"({sum(map(len, pieces)):,} bp, {n:,} N); {a.out.stat().st_size:,} bytes gzip -1",
+        file=sys.stderr,
+    )
     return 0
 
 

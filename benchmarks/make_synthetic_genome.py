@@ -48,12 +48,30 @@ from _bench import write_json  # noqa: E402
 
 # hg38 primary chromosome lengths (UCSC order; chrM left out).
 HG38_LENGTHS: dict[str, int] = {
-    "chr1": 248_956_422, "chr2": 242_193_529, "chr3": 198_295_559, "chr4": 190_214_555,
-    "chr5": 181_538_259, "chr6": 170_805_979, "chr7": 159_345_973, "chr8": 145_138_636,
-    "chr9": 138_394_717, "chr10": 133_797_422, "chr11": 135_086_622, "chr12": 133_275_309,
-    "chr13": 114_364_328, "chr14": 107_043_718, "chr15": 101_991_189, "chr16": 90_338_345,
-    "chr17": 83_257_441, "chr18": 80_373_285, "chr19": 58_617_616, "chr20": 64_444_167,
-    "chr21": 46_709_983, "chr22": 50_818_468, "chrX": 156_040_895, "chrY": 57_227_415,
+    "chr1": 248_956_422,
+    "chr2": 242_193_529,
+    "chr3": 198_295_559,
+    "chr4": 190_214_555,
+    "chr5": 181_538_259,
+    "chr6": 170_805_979,
+    "chr7": 159_345_973,
+    "chr8": 145_138_636,
+    "chr9": 138_394_717,
+    "chr10": 133_797_422,
+    "chr11": 135_086_622,
+    "chr12": 133_275_309,
+    "chr13": 114_364_328,
+    "chr14": 107_043_718,
+    "chr15": 101_991_189,
+    "chr16": 90_338_345,
+    "chr17": 83_257_441,
+    "chr18": 80_373_285,
+    "chr19": 58_617_616,
+    "chr20": 64_444_167,
+    "chr21": 46_709_983,
+    "chr22": 50_818_468,
+    "chrX": 156_040_895,
+    "chrY": 57_227_415,
 }
 # Extra small records of a UCSC hg38 file (--with-extras): chrM and a few unplaced/random contigs.
 EXTRAS: dict[str, int] = {
@@ -467,7 +485,9 @@ def generate(
             fam = rng.choice(len(lib.length), size=nm, p=lib.weight)
             offset = rng.integers(0, 1 << 30, size=nm) % lib.length[fam]
             minus = rng.random(nm) < 0.5
-            div = np.where(lib.microsat[fam], rng.uniform(0.0, 0.05, nm), rng.uniform(0.02, 0.25, nm)).astype(np.float32)
+            div = np.where(lib.microsat[fam], rng.uniform(0.0, 0.05, nm), rng.uniform(0.02, 0.25, nm)).astype(
+                np.float32
+            )
             # A handful of IUPAC codes (one per ~50 Mbp, at least 2), never inside a gap.
             niu = 0 if small else max(2, length // 50_000_000)
             cand = rng.integers(0, length, size=4 * niu + 8)
@@ -539,9 +559,13 @@ def generate(
         print(f"wrote {out} ({fmt}) in {secs:.1f} s")
         print(f"  records   {len(names)}: {shown}")
         print(f"  bases     {stats.bases:,} ({stats.n_bases:,} N in {stats.gaps} gaps, {stats.iupac} IUPAC)")
-        print(f"  lowercase {summary['lowercase_fraction_of_non_n']:.3f} of non-N; GC {summary['gc_fraction_of_non_n']:.3f}")
-        print(f"  file      {size / 1e6:.1f} MB ({summary['bits_per_non_n_base']:.2f} bits per non-N base); "
-              f"{stats.bases / 1e6 / secs:.0f} Mbp/s")
+        print(
+            f"  lowercase {summary['lowercase_fraction_of_non_n']:.3f} of non-N; GC {summary['gc_fraction_of_non_n']:.3f}"
+        )
+        print(
+            f"  file      {size / 1e6:.1f} MB ({summary['bits_per_non_n_base']:.2f} bits per non-N base); "
+            f"{stats.bases / 1e6 / secs:.0f} Mbp/s"
+        )
         extra = [str(out) + e for e in (".fai", ".gzi") if Path(str(out) + e).exists()]
         if extra:
             print(f"  indexes   {', '.join(extra)}")
@@ -549,18 +573,29 @@ def generate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", required=True, type=Path, help="output FASTA path (e.g. syn.fa.gz)")
     p.add_argument("--mbp", type=float, default=500.0, help="total size in Mbp (default 500)")
     p.add_argument("--chrom-mbp", type=float, default=None, help="instead: one record chr1 of this many Mbp")
-    p.add_argument("--records", default=None, metavar="NAME=MBP,...",
-                   help="instead: exactly these records, e.g. chr1=250,chr22=1")
-    p.add_argument("--layout", choices=["hg38", "scaled"], default="hg38",
-                   help="hg38: real lengths in UCSC order, last one truncated (default); scaled: all 24 scaled")
+    p.add_argument(
+        "--records", default=None, metavar="NAME=MBP,...", help="instead: exactly these records, e.g. chr1=250,chr22=1"
+    )
+    p.add_argument(
+        "--layout",
+        choices=["hg38", "scaled"],
+        default="hg38",
+        help="hg38: real lengths in UCSC order, last one truncated (default); scaled: all 24 scaled",
+    )
     p.add_argument("--with-extras", action="store_true", help="append chrM and a few chrUn/_random contigs")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--format", choices=["gzip", "bgzip", "plain"], default="gzip",
-                   help="gzip (isal, one member), bgzip (+ .fai, .gzi) or plain (+ .fai)")
+    p.add_argument(
+        "--format",
+        choices=["gzip", "bgzip", "plain"],
+        default="gzip",
+        help="gzip (isal, one member), bgzip (+ .fai, .gzi) or plain (+ .fai)",
+    )
     p.add_argument("--line-width", type=int, default=60)
     p.add_argument("--level", type=int, default=1, help="compression level (isal 0-3; default 1)")
     p.add_argument("--threads", type=int, default=1, help="compression threads (default 1, beside the generator)")
@@ -570,8 +605,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--line-width must be >= 1")
     try:
         records = parse_records(a.records) if a.records else None
-        summary = generate(a.out, a.mbp, a.seed, a.format, a.line_width, a.layout, a.chrom_mbp,
-                           a.with_extras, a.level, a.threads, records=records)
+        summary = generate(
+            a.out,
+            a.mbp,
+            a.seed,
+            a.format,
+            a.line_width,
+            a.layout,
+            a.chrom_mbp,
+            a.with_extras,
+            a.level,
+            a.threads,
+            records=records,
+        )
     except ValueError as e:
         p.error(str(e))
     if a.json:

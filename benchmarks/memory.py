@@ -61,6 +61,7 @@ from genolong.parallel import DEFAULT_SELECTIVE, parallelize
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
 from _bench import environment, mem_available_bytes, write_json  # noqa: E402
+
 DEFAULT_JSON = HERE / "results" / "memory.json"
 MODES = ("none", "selective", "full", "offload", "full+offload")
 GiB = 2**30
@@ -80,8 +81,10 @@ def techniques(mode: str, min_bytes: int) -> dict[str, Any]:
 def layered(config: ModelConfig, n: int) -> ModelConfig:
     """``config`` with ``n`` layers (a multiple of 4) repeating its first four (KKDD, layer 3 shared)."""
     return config.replace(
-        num_hidden_layers=n, layer_types=config.layer_types[:4] * (n // 4),
-        mlp_layer_types=("dense",) + ("sparse",) * (n - 1), indexer_types=config.indexer_types[:4] * (n // 4),
+        num_hidden_layers=n,
+        layer_types=config.layer_types[:4] * (n // 4),
+        mlp_layer_types=("dense",) + ("sparse",) * (n - 1),
+        indexer_types=config.indexer_types[:4] * (n // 4),
     )
 
 
@@ -144,13 +147,18 @@ def run_lengths(a: argparse.Namespace, out: dict[str, Any]) -> None:
                     t_prev, rise = last[mode]
                     need, avail = rise * T / t_prev, mem_available_bytes()
                     if need > 0.7 * avail:
-                        rows[mode] = {"skipped": f"needs ~{need / GiB:.1f} GiB (extrapolated), {avail / GiB:.1f} GiB available"}
+                        rows[mode] = {
+                            "skipped": f"needs ~{need / GiB:.1f} GiB (extrapolated), {avail / GiB:.1f} GiB available"
+                        }
                         print(f"T={T} {mode}: skipped, {rows[mode]['skipped']}", flush=True)
                         continue
                 res = step(models[mode], tokens)
-                print(f"T={T} round {r} {mode}: {res['seconds']:.1f} s, resident {res['resident_bytes'] / GiB:.3f} GiB, "
-                      f"offloaded {res['offloaded_bytes'] / GiB:.3f} GiB, +RSS {res['rss_rise_bytes'] / GiB:.2f} GiB, "
-                      f"load {os.getloadavg()[0]:.1f}", flush=True)
+                print(
+                    f"T={T} round {r} {mode}: {res['seconds']:.1f} s, resident {res['resident_bytes'] / GiB:.3f} GiB, "
+                    f"offloaded {res['offloaded_bytes'] / GiB:.3f} GiB, +RSS {res['rss_rise_bytes'] / GiB:.2f} GiB, "
+                    f"load {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
                 if mode in rows:
                     rows[mode]["all_seconds"].append(res["seconds"])
                     rows[mode]["seconds"] = min(rows[mode]["all_seconds"])
@@ -174,9 +182,14 @@ def run_flat(a: argparse.Namespace, out: dict[str, Any]) -> None:
             torch.manual_seed(0)
             model = parallelize(GenoLM(layered(PRESETS[a.preset], n)), **techniques(mode, a.offload_min_bytes))
             res = step(model, tokens)
-            out["flat"].setdefault(mode, {})[str(n)] = {k: res[k] for k in ("resident_bytes", "offloaded_bytes", "seconds")}
-            print(f"flat T={a.flat_T} {mode} layers={n}: resident {res['resident_bytes'] / 2**20:.1f} MiB, "
-                  f"offloaded {res['offloaded_bytes'] / 2**20:.1f} MiB", flush=True)
+            out["flat"].setdefault(mode, {})[str(n)] = {
+                k: res[k] for k in ("resident_bytes", "offloaded_bytes", "seconds")
+            }
+            print(
+                f"flat T={a.flat_T} {mode} layers={n}: resident {res['resident_bytes'] / 2**20:.1f} MiB, "
+                f"offloaded {res['offloaded_bytes'] / 2**20:.1f} MiB",
+                flush=True,
+            )
             del model
     write(a, out)
 
@@ -188,8 +201,11 @@ def write(a: argparse.Namespace, out: dict[str, Any]) -> None:
 
 def table(out: dict[str, Any]) -> str:
     """Markdown tables of the results."""
-    lines = ["| T | technique | resident saved (GiB) | offloaded (GiB) | peak RSS (GiB) | +RSS (GiB) | step (s) "
-             "| resident / none | time / none |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| T | technique | resident saved (GiB) | offloaded (GiB) | peak RSS (GiB) | +RSS (GiB) | step (s) "
+        "| resident / none | time / none |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for T, rows in out["lengths"].items():
         for mode, row in rows.items():
             if row.get("skipped"):
@@ -199,14 +215,26 @@ def table(out: dict[str, Any]) -> str:
             lines.append(
                 f"| {int(T) // 1024}k | {mode} | {row['resident_bytes'] / GiB:.3f} | {row['offloaded_bytes'] / GiB:.3f} "
                 f"| {row['peak_rss_bytes'] / GiB:.2f} | {row['rss_rise_bytes'] / GiB:.2f} | {row['seconds']:.1f} "
-                f"| {ratio('resident_vs_none')} | {ratio('time_vs_none')} |")
+                f"| {ratio('resident_vs_none')} | {ratio('time_vs_none')} |"
+            )
     if out["flat"]:
-        lines += ["", f"Flatness in layers at T = {out['config']['flat_T']}: peak resident saved bytes (MiB)", "",
-                  "| technique | " + " | ".join(f"{n} layers" for n in out["config"]["flat_layers"]) + " |",
-                  "|---|" + "---|" * len(out["config"]["flat_layers"])]
+        lines += [
+            "",
+            f"Flatness in layers at T = {out['config']['flat_T']}: peak resident saved bytes (MiB)",
+            "",
+            "| technique | " + " | ".join(f"{n} layers" for n in out["config"]["flat_layers"]) + " |",
+            "|---|" + "---|" * len(out["config"]["flat_layers"]),
+        ]
         for mode, by_n in out["flat"].items():
-            lines.append(f"| {mode} | " + " | ".join(f"{by_n[str(n)]['resident_bytes'] / 2**20:.1f}"
-                                                     for n in out["config"]["flat_layers"] if str(n) in by_n) + " |")
+            lines.append(
+                f"| {mode} | "
+                + " | ".join(
+                    f"{by_n[str(n)]['resident_bytes'] / 2**20:.1f}"
+                    for n in out["config"]["flat_layers"]
+                    if str(n) in by_n
+                )
+                + " |"
+            )
     return "\n".join(lines)
 
 
@@ -235,9 +263,18 @@ def main(argv: list[str] | None = None) -> None:
         **environment("date"),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "machine": environment("nproc", "platform", "python", "torch", "loadavg_at_start", "mem_available_bytes"),
-        "config": {"preset": a.preset, "modes": a.modes, "repeats": a.repeats, "repeat_max_T": a.repeat_max_T,
-                   "offload_min_bytes": a.offload_min_bytes, "selective_modules": list(DEFAULT_SELECTIVE),
-                   "threads": a.threads, "flat_T": a.flat_T, "flat_layers": a.flat_layers, "batch": 1},
+        "config": {
+            "preset": a.preset,
+            "modes": a.modes,
+            "repeats": a.repeats,
+            "repeat_max_T": a.repeat_max_T,
+            "offload_min_bytes": a.offload_min_bytes,
+            "selective_modules": list(DEFAULT_SELECTIVE),
+            "threads": a.threads,
+            "flat_T": a.flat_T,
+            "flat_layers": a.flat_layers,
+            "batch": 1,
+        },
         "lengths": {},
         "flat": {},
     }

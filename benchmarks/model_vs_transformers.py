@@ -44,6 +44,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
 from _bench import environment, peak_rss_bytes, run_fresh, write_json  # noqa: E402
+
 DEFAULT_JSON = HERE / "results" / "model_vs_transformers.json"
 WARMUP_T = 256
 
@@ -112,14 +113,31 @@ def worker(a: argparse.Namespace) -> dict:
     loss, fwd, bwd = step(ids)
     cpu = time.process_time() - c0
     end = peak_rss_bytes()
-    return {"side": a.worker, "T": a.T, "loss": float(loss), "fwd_s": fwd, "bwd_s": bwd, "step_s": fwd + bwd, "cpu_s": cpu,
-            "base_peak_bytes": base, "peak_bytes": end, "peak_delta_bytes": end - base,
-            "threads": torch.get_num_threads()}
+    return {
+        "side": a.worker,
+        "T": a.T,
+        "loss": float(loss),
+        "fwd_s": fwd,
+        "bwd_s": bwd,
+        "step_s": fwd + bwd,
+        "cpu_s": cpu,
+        "base_peak_bytes": base,
+        "peak_bytes": end,
+        "peak_delta_bytes": end - base,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def _run_child(side: str, T: int, a: argparse.Namespace, state: str) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), f"--worker={side}", f"--T={T}", f"--state={state}",
-           f"--threads={a.threads}", f"--preset={a.preset}"]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        f"--worker={side}",
+        f"--T={T}",
+        f"--state={state}",
+        f"--threads={a.threads}",
+        f"--preset={a.preset}",
+    ]
     r = run_fresh(cmd)
     if not r.ok:
         raise RuntimeError(f"{side} at T={T} failed:\n{r.output.strip()[-3000:]}")
@@ -127,11 +145,17 @@ def _run_child(side: str, T: int, a: argparse.Namespace, state: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--lengths", default="2048,4096,8192,16384", help="comma-separated T values")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (ours, transformers) per T")
-    p.add_argument("--hf-repeats-above", type=int, default=8192,
-                   help="above this T, transformers runs once per T (it is slow); ours keeps --repeats")
+    p.add_argument(
+        "--hf-repeats-above",
+        type=int,
+        default=8192,
+        help="above this T, transformers runs once per T (it is slow); ours keeps --repeats",
+    )
     p.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)), help="torch threads, both sides")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seed", type=int, default=0, help="seed of the shared random weights")
@@ -154,10 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(a.seed)
         state = str(Path(tmp) / "state.pt")
         torch.save(GenoLM(PRESETS[a.preset]).state_dict(), state)
-        print(f"{a.preset} model fwd+bwd on CPU, batch 1, fp32, {a.threads} threads, medians of up to {a.repeats} "
-              f"interleaved fresh-process runs; load {os.getloadavg()}")
-        print(f"{'T':>6} {'ours s':>8} {'hf s':>8} {'speedup':>8} {'cpu spd':>8} {'ours peak':>10} {'hf peak':>9} "
-              f"{'ours dpeak':>10} {'hf dpeak':>9} {'mem ratio':>9} {'loss diff':>9}")
+        print(
+            f"{a.preset} model fwd+bwd on CPU, batch 1, fp32, {a.threads} threads, medians of up to {a.repeats} "
+            f"interleaved fresh-process runs; load {os.getloadavg()}"
+        )
+        print(
+            f"{'T':>6} {'ours s':>8} {'hf s':>8} {'speedup':>8} {'cpu spd':>8} {'ours peak':>10} {'hf peak':>9} "
+            f"{'ours dpeak':>10} {'hf dpeak':>9} {'mem ratio':>9} {'loss diff':>9}"
+        )
         rows = []
         for T in lengths:
             runs: dict[str, list[dict]] = {"ours": [], "transformers": []}
@@ -167,8 +195,18 @@ def main(argv: list[str] | None = None) -> int:
                     runs["transformers"].append(_run_child("transformers", T, a, state))
             row: dict = {"T": T, "runs": runs}
             for side, rs in runs.items():
-                row[side] = {key: statistics.median(r[key] for r in rs)
-                             for key in ("fwd_s", "bwd_s", "step_s", "cpu_s", "peak_bytes", "peak_delta_bytes", "base_peak_bytes")}
+                row[side] = {
+                    key: statistics.median(r[key] for r in rs)
+                    for key in (
+                        "fwd_s",
+                        "bwd_s",
+                        "step_s",
+                        "cpu_s",
+                        "peak_bytes",
+                        "peak_delta_bytes",
+                        "base_peak_bytes",
+                    )
+                }
                 row[side]["repeats"] = len(rs)
             o, h = row["ours"], row["transformers"]
             row["speedup"] = h["step_s"] / o["step_s"]
@@ -179,10 +217,13 @@ def main(argv: list[str] | None = None) -> int:
             row["loss_ours"], row["loss_transformers"], row["loss_abs_diff"] = lo, lh, abs(lo - lh)
             rows.append(row)
             mib = 2**20
-            print(f"{T:>6} {o['step_s']:>8.2f} {h['step_s']:>8.2f} {row['speedup']:>7.1f}x {row['speedup_cpu']:>7.1f}x "
-                  f"{o['peak_bytes'] / mib:>8.0f}Mi {h['peak_bytes'] / mib:>7.0f}Mi {o['peak_delta_bytes'] / mib:>8.0f}Mi "
-                  f"{h['peak_delta_bytes'] / mib:>7.0f}Mi {row['peak_delta_ratio_hf_over_ours']:>8.1f}x "
-                  f"{row['loss_abs_diff']:>9.1e}", flush=True)
+            print(
+                f"{T:>6} {o['step_s']:>8.2f} {h['step_s']:>8.2f} {row['speedup']:>7.1f}x {row['speedup_cpu']:>7.1f}x "
+                f"{o['peak_bytes'] / mib:>8.0f}Mi {h['peak_bytes'] / mib:>7.0f}Mi {o['peak_delta_bytes'] / mib:>8.0f}Mi "
+                f"{h['peak_delta_bytes'] / mib:>7.0f}Mi {row['peak_delta_ratio_hf_over_ours']:>8.1f}x "
+                f"{row['loss_abs_diff']:>9.1e}",
+                flush=True,
+            )
 
     from importlib.metadata import version
 
@@ -191,11 +232,22 @@ def main(argv: list[str] | None = None) -> int:
         "command": "model_vs_transformers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         **environment("date"),
         "targets": {"speedup": ">= 3x", "peak_memory": "ours lower"},
-        "config": {"preset": a.preset, "hf_config": PRESETS[a.preset].to_hf_dict(), "batch": 1, "dtype": "float32",
-                   "threads": a.threads, "repeats": a.repeats, "hf_repeats_above": a.hf_repeats_above,
-                   "warmup_tokens": WARMUP_T, "loss": "mean next-token cross-entropy over full logits"},
-        "machine": {**environment("cpus", "platform", "python", "torch"), "transformers": version("transformers"),
-                    **environment("loadavg_at_end")},
+        "config": {
+            "preset": a.preset,
+            "hf_config": PRESETS[a.preset].to_hf_dict(),
+            "batch": 1,
+            "dtype": "float32",
+            "threads": a.threads,
+            "repeats": a.repeats,
+            "hf_repeats_above": a.hf_repeats_above,
+            "warmup_tokens": WARMUP_T,
+            "loss": "mean next-token cross-entropy over full logits",
+        },
+        "machine": {
+            **environment("cpus", "platform", "python", "torch"),
+            "transformers": version("transformers"),
+            **environment("loadavg_at_end"),
+        },
         "rows": rows,
     }
     write_json(a.json, out)

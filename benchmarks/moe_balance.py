@@ -37,6 +37,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
 from _bench import environment, write_json  # noqa: E402
+
 DEFAULT_JSON = HERE / "results" / "moe_balance.json"
 CONFIGS: dict[str, dict[str, Any]] = {
     "baseline": {"routing_entropy": False, "balance_loss_weight": 0.0, "capacity_factor": None},
@@ -66,7 +67,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     with pysam.FastaFile(str(sample_fasta())) as fasta:
-        tokens = torch.from_numpy(encode(fasta.fetch("chr4:103000000-105000000", 0, args.tokens)).astype(np.int64))[None]
+        tokens = torch.from_numpy(encode(fasta.fetch("chr4:103000000-105000000", 0, args.tokens)).astype(np.int64))[
+            None
+        ]
     torch.manual_seed(0)
     model = GenoLM(ModelConfig.from_preset("small"))
     moes = [m for m in model.modules() if isinstance(m, MoE)]
@@ -99,19 +102,36 @@ def main() -> None:
     reduce_s = (time.perf_counter() - began) / 20
 
     best = {name: min(values) for name, values in times.items()}
-    rows = [{"config": name, "best_step_s": best[name], "median_step_s": float(np.median(times[name])),
-             "ratio_vs_baseline": best[name] / best["baseline"]} for name in CONFIGS]
+    rows = [
+        {
+            "config": name,
+            "best_step_s": best[name],
+            "median_step_s": float(np.median(times[name])),
+            "ratio_vs_baseline": best[name] / best["baseline"],
+        }
+        for name in CONFIGS
+    ]
     print(f"small, T = {args.tokens:,}, fp32, 1 thread, {args.rounds} rounds (best round per configuration)\n")
     print(f"| {'configuration':16s} | best step (s) | median (s) | vs baseline |")
     print("|---|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['config']:16s} | {row['best_step_s']:.3f} | {row['median_step_s']:.3f} | {row['ratio_vs_baseline']:.3f}x |")
-    print(f"\ntrainer's reduction + summaries of the statistics: {reduce_s * 1e3:.2f} ms per step "
-          f"({reduce_s / best['all']:.2%} of the step)")
+        print(
+            f"| {row['config']:16s} | {row['best_step_s']:.3f} | {row['median_step_s']:.3f} | {row['ratio_vs_baseline']:.3f}x |"
+        )
+    print(
+        f"\ntrainer's reduction + summaries of the statistics: {reduce_s * 1e3:.2f} ms per step "
+        f"({reduce_s / best['all']:.2%} of the step)"
+    )
     out = {
-        "benchmark": "moe_balance", **environment("date", "machine", "python", "torch"),
-        "preset": "small", "tokens": args.tokens, "rounds": args.rounds, "configs": CONFIGS, "rows": rows,
-        "times_s": times, "trainer_reduce_s": reduce_s,
+        "benchmark": "moe_balance",
+        **environment("date", "machine", "python", "torch"),
+        "preset": "small",
+        "tokens": args.tokens,
+        "rounds": args.rounds,
+        "configs": CONFIGS,
+        "rows": rows,
+        "times_s": times,
+        "trainer_reduce_s": reduce_s,
     }
     write_json(args.json, out)
     print(f"\nwrote {args.json}")

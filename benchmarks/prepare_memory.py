@@ -37,9 +37,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from _bench import environment, write_json  # noqa: E402
 from make_synthetic_genome import generate  # noqa: E402
 from prepare_throughput import dir_bytes, genolong_cmd, machine, time_bin  # noqa: E402
-from _bench import environment, write_json  # noqa: E402
 
 DEFAULT_SCRATCH = Path("/tmp/genolong-bench")
 DEFAULT_JSON = HERE / "results" / "prepare_memory.json"
@@ -122,7 +122,7 @@ def measure(cmd: list[str], interval: float) -> dict:
     }
     if tb:
         text = Path(tv).read_text()
-        grab = lambda pat: (m.group(1) if (m := re.search(pat, text)) else None)  # noqa: E731
+        grab = lambda pat: m.group(1) if (m := re.search(pat, text)) else None  # noqa: E731
         rss = grab(r"Maximum resident set size \(kbytes\): (\d+)")
         res["time_v_max_rss_kib"] = int(rss) if rss else None
         res["user_seconds"] = float(grab(r"User time \(seconds\): ([\d.]+)") or "nan")
@@ -150,7 +150,9 @@ def synthetic(scratch: Path, chrom_mbp: float, eval_mbp: float, seed: int, fmt: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--chrom-mbp", type=float, default=250.0, help="size of the train chromosome chr1 (default 250)")
     p.add_argument("--eval-mbp", type=float, default=1.0, help="size of the held-out chr22 (default 1)")
     p.add_argument("--formats", default="gzip", help="comma-separated: gzip, bgzip, plain (default gzip)")
@@ -161,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--interval", type=float, default=0.05, help="process-tree polling interval, seconds")
     p.add_argument("--scratch", type=Path, default=DEFAULT_SCRATCH)
-    p.add_argument("--prepare-arg", action="append", default=[], help="extra argument for genolong prepare (repeatable)")
+    p.add_argument(
+        "--prepare-arg", action="append", default=[], help="extra argument for genolong prepare (repeatable)"
+    )
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
     a = p.parse_args(argv)
     a.scratch.mkdir(parents=True, exist_ok=True)
@@ -183,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for label, path in inputs:
         store = a.scratch / f"store-memory-{label}"
-        cmd = genolong_cmd() + ["prepare", str(path), "--out", str(store), "--force",
-                                "--train", a.train, "--eval", a.eval] + a.prepare_arg
+        cmd = (
+            genolong_cmd()
+            + ["prepare", str(path), "--out", str(store), "--force", "--train", a.train, "--eval", a.eval]
+            + a.prepare_arg
+        )
         for i in range(a.repeats):
             print(f"\n== {label}: {' '.join(cmd)}", flush=True)
             r = measure(cmd, a.interval)
@@ -198,20 +205,28 @@ def main(argv: list[str] | None = None) -> int:
                 print("   FAILED: " + r["stderr_tail"].strip()[-1500:])
             shutil.rmtree(store, ignore_errors=True)
 
-    head = f"{'input':<8} {'file MB':>8} {'wall s':>7} {'CPU %':>6} {'time -v RSS MiB':>15} {'tree RSS MiB':>12} " \
-           f"{'tree PSS MiB':>12} {'procs':>5} {'< 1.5 GB':>8}"
+    head = (
+        f"{'input':<8} {'file MB':>8} {'wall s':>7} {'CPU %':>6} {'time -v RSS MiB':>15} {'tree RSS MiB':>12} "
+        f"{'tree PSS MiB':>12} {'procs':>5} {'< 1.5 GB':>8}"
+    )
     print("\n" + head + "\n" + "-" * len(head))
     mib = lambda k: "-" if not k else f"{k / 1024:.0f}"  # noqa: E731
-    print(f"{'baseline':<8} {'':>8} {base['wall_seconds']:>7.2f} {base.get('cpu_percent') or '-':>6} "
-          f"{mib(base.get('time_v_max_rss_kib')):>15} {mib(base['poll_peak_tree_rss_kib']):>12} "
-          f"{mib(base['poll_peak_tree_pss_kib']):>12} {base['poll_peak_processes']:>5} {'':>8}")
+    print(
+        f"{'baseline':<8} {'':>8} {base['wall_seconds']:>7.2f} {base.get('cpu_percent') or '-':>6} "
+        f"{mib(base.get('time_v_max_rss_kib')):>15} {mib(base['poll_peak_tree_rss_kib']):>12} "
+        f"{mib(base['poll_peak_tree_pss_kib']):>12} {base['poll_peak_processes']:>5} {'':>8}"
+    )
     for r in results:
-        print(f"{r['label']:<8} {r['file_bytes'] / 1e6:>8.1f} {r['wall_seconds']:>7.2f} {r.get('cpu_percent') or '-':>6} "
-              f"{mib(r.get('time_v_max_rss_kib')):>15} {mib(r['poll_peak_tree_rss_kib']):>12} "
-              f"{mib(r['poll_peak_tree_pss_kib']):>12} {r['poll_peak_processes']:>5} "
-              f"{('yes' if r['pass'] else 'NO' if r['rc'] == 0 else 'FAILED'):>8}")
-    print(f"baseline = genolong prepare --help (imports only). Target: peak RSS < 1.5 GB ({TARGET_BYTES / 2**20:,.0f} MiB); "
-          f"tree RSS/PSS polled every {a.interval:g} s.")
+        print(
+            f"{r['label']:<8} {r['file_bytes'] / 1e6:>8.1f} {r['wall_seconds']:>7.2f} {r.get('cpu_percent') or '-':>6} "
+            f"{mib(r.get('time_v_max_rss_kib')):>15} {mib(r['poll_peak_tree_rss_kib']):>12} "
+            f"{mib(r['poll_peak_tree_pss_kib']):>12} {r['poll_peak_processes']:>5} "
+            f"{('yes' if r['pass'] else 'NO' if r['rc'] == 0 else 'FAILED'):>8}"
+        )
+    print(
+        f"baseline = genolong prepare --help (imports only). Target: peak RSS < 1.5 GB ({TARGET_BYTES / 2**20:,.0f} MiB); "
+        f"tree RSS/PSS polled every {a.interval:g} s."
+    )
 
     info.update(environment("loadavg_at_end"))
     doc = {

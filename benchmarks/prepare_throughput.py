@@ -192,7 +192,9 @@ def describe(inp: Input) -> Input:
     found = {chrom_of(r) for r in inp.requested} | set(inp.requested)
     missing = [n for n in inp.train + inp.eval if n not in found]
     if missing:
-        raise SystemExit(f"{inp.path}: no record named {', '.join(missing)} (has {', '.join(list(inp.record_lengths)[:30])})")
+        raise SystemExit(
+            f"{inp.path}: no record named {', '.join(missing)} (has {', '.join(list(inp.record_lengths)[:30])})"
+        )
     return inp
 
 
@@ -312,8 +314,11 @@ def run_input(inp: Input, repeats: int, scratch: Path, extra: list[str], keep: b
     store = scratch / f"store-{safe}"
     floor_name, fcmd = floor_cmd(inp)
     pcmd = prepare_cmd(inp, store, extra)
-    print(f"\n== {inp.label}: {inp.path} ({inp.kind}{', indexed' if inp.indexed else ''}, "
-          f"{inp.file_bytes / 1e6:.1f} MB; train {','.join(inp.train) or '-'} eval {','.join(inp.eval) or '-'})", flush=True)
+    print(
+        f"\n== {inp.label}: {inp.path} ({inp.kind}{', indexed' if inp.indexed else ''}, "
+        f"{inp.file_bytes / 1e6:.1f} MB; train {','.join(inp.train) or '-'} eval {','.join(inp.eval) or '-'})",
+        flush=True,
+    )
     print(f"   floor:   {floor_name}")
     print(f"   prepare: {' '.join(pcmd)}", flush=True)
     subprocess.run(["cat", str(inp.path)], stdout=subprocess.DEVNULL)  # page cache warm for both sides
@@ -333,7 +338,10 @@ def run_input(inp: Input, repeats: int, scratch: Path, extra: list[str], keep: b
         if p["cpu_seconds"] is not None:
             mem += f", CPU {p['cpu_seconds']:.2f} s = {p['cpu_seconds'] / p['seconds']:.2f} cores"
         fcpu = "" if f["cpu_seconds"] is None else f" (CPU {f['cpu_seconds']:.2f} s)"
-        print(f"   repeat {i + 1}: floor {f['seconds']:.2f} s{fcpu}, prepare {p['seconds']:.2f} s ({status}{mem})", flush=True)
+        print(
+            f"   repeat {i + 1}: floor {f['seconds']:.2f} s{fcpu}, prepare {p['seconds']:.2f} s ({status}{mem})",
+            flush=True,
+        )
         if p["rc"] != 0:
             errors.append(f"prepare rc={p['rc']}: {p['stderr'].strip()[-1500:]}")
             print("   " + p["stderr"].strip().replace("\n", "\n   ")[-1500:])
@@ -398,7 +406,7 @@ def profile_prepare(inp: Input, scratch: Path, extra: list[str], top: int = 25) 
     """One extra prepare under cProfile (main thread only); return the top of the report."""
     store = scratch / "store-profile"
     prof = scratch / "prepare.prof"
-    args = prepare_cmd(inp, store, extra)[len(genolong_cmd()):]
+    args = prepare_cmd(inp, store, extra)[len(genolong_cmd()) :]
     code = (
         "import cProfile, sys\n"
         "from genolong.cli import main\n"
@@ -406,8 +414,8 @@ def profile_prepare(inp: Input, scratch: Path, extra: list[str], top: int = 25) 
         f"cProfile.run('main()', {str(prof)!r})\n"
     )
     subprocess.run([sys.executable, "-c", code], check=False)
-    import pstats
     import io
+    import pstats
 
     buf = io.StringIO()
     if prof.exists():
@@ -448,8 +456,10 @@ def machine() -> dict:
         if head.returncode == 0:
             import hashlib
 
-            git = {"commit": head.stdout.strip(), "genolong_uncommitted_diff_sha256":
-                   hashlib.sha256(diff.stdout).hexdigest() if diff.stdout else None}
+            git = {
+                "commit": head.stdout.strip(),
+                "genolong_uncommitted_diff_sha256": hashlib.sha256(diff.stdout).hexdigest() if diff.stdout else None,
+            }
     except OSError:
         pass
     return {
@@ -466,9 +476,21 @@ def machine() -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    cols = [("input", 34, "s"), ("format", 9, "s"), ("Mbp", 7, ".1f"), ("MB", 7, ".1f"), ("floor s", 8, ".2f"),
-            ("prep s", 8, ".2f"), ("ratio", 6, ".2f"), ("floor MB/s", 10, ".1f"), ("prep MB/s", 9, ".1f"),
-            ("prep Mbp/s", 10, ".1f"), ("RSS MiB", 8, ".0f"), ("isal s", 7, ".2f"), ("CPU ratio", 9, ".2f")]
+    cols = [
+        ("input", 34, "s"),
+        ("format", 9, "s"),
+        ("Mbp", 7, ".1f"),
+        ("MB", 7, ".1f"),
+        ("floor s", 8, ".2f"),
+        ("prep s", 8, ".2f"),
+        ("ratio", 6, ".2f"),
+        ("floor MB/s", 10, ".1f"),
+        ("prep MB/s", 9, ".1f"),
+        ("prep Mbp/s", 10, ".1f"),
+        ("RSS MiB", 8, ".0f"),
+        ("isal s", 7, ".2f"),
+        ("CPU ratio", 9, ".2f"),
+    ]
 
     def cell(x, width: int, spec: str) -> str:
         if x is None:
@@ -479,33 +501,67 @@ def print_table(results: list[dict]) -> None:
     print("\n" + head)
     print("-" * len(head))
     for r in results:
-        vals = [r["label"][:34], r["format"] + ("+fai" if r["indexed"] else ""), r["requested_bases"] / 1e6,
-                r["file_bytes"] / 1e6, r["floor_median_s"], r["prepare_median_s"], r["ratio"], r["floor_mb_per_s"],
-                r["prepare_mb_per_s"], r["prepare_mbp_per_s"], r["prepare_max_rss_mib"], r["isal_read_median_s"], r.get("ratio_cpu")]
+        vals = [
+            r["label"][:34],
+            r["format"] + ("+fai" if r["indexed"] else ""),
+            r["requested_bases"] / 1e6,
+            r["file_bytes"] / 1e6,
+            r["floor_median_s"],
+            r["prepare_median_s"],
+            r["ratio"],
+            r["floor_mb_per_s"],
+            r["prepare_mb_per_s"],
+            r["prepare_mbp_per_s"],
+            r["prepare_max_rss_mib"],
+            r["isal_read_median_s"],
+            r.get("ratio_cpu"),
+        ]
         print(" ".join(cell(v, w, spec) for v, (_, w, spec) in zip(vals, cols)))
         for e in r["errors"]:
             print(f"   ERROR: {e.splitlines()[-1] if e.splitlines() else e}")
-    print("ratio = median(prepare) / median(floor); target <= 1.5. MB/s counts the input file's bytes, "
-          "Mbp/s the requested chromosomes;\nRSS: prepare's peak (GNU time); isal s: python-isal reading the whole "
-          "gzip file (a stricter reference, not the floor);\nCPU ratio: median CPU seconds (user + sys, all threads) of prepare over the floor's.")
+    print(
+        "ratio = median(prepare) / median(floor); target <= 1.5. MB/s counts the input file's bytes, "
+        "Mbp/s the requested chromosomes;\nRSS: prepare's peak (GNU time); isal s: python-isal reading the whole "
+        "gzip file (a stricter reference, not the floor);\nCPU ratio: median CPU seconds (user + sys, all threads) of prepare over the floor's."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", action="append", type=Path, default=[], help="FASTA to benchmark (repeatable); replaces the defaults")
-    p.add_argument("--train", default=None, help="comma-separated train chromosomes for --input (default: all but the held-out one)")
-    p.add_argument("--eval", default=None, help="comma-separated eval chromosomes for --input (default: chr22 if present, else the last record)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--input", action="append", type=Path, default=[], help="FASTA to benchmark (repeatable); replaces the defaults"
+    )
+    p.add_argument(
+        "--train",
+        default=None,
+        help="comma-separated train chromosomes for --input (default: all but the held-out one)",
+    )
+    p.add_argument(
+        "--eval",
+        default=None,
+        help="comma-separated eval chromosomes for --input (default: chr22 if present, else the last record)",
+    )
     p.add_argument("--mbp", type=float, default=500.0, help="size of the synthetic genome (default 500)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--scratch", type=Path, default=DEFAULT_SCRATCH, help=f"scratch directory (default {DEFAULT_SCRATCH})")
+    p.add_argument(
+        "--scratch", type=Path, default=DEFAULT_SCRATCH, help=f"scratch directory (default {DEFAULT_SCRATCH})"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-synthetic", action="store_true", help="skip the synthetic inputs")
     p.add_argument("--no-bgzip", action="store_true", help="skip the synthetic bgzip input")
     p.add_argument("--no-sample", action="store_true", help="skip data/sample/")
-    p.add_argument("--prepare-arg", action="append", default=[], help="extra argument for genolong prepare (repeatable)")
-    p.add_argument("--profile", action="store_true", help="also run one prepare per input under cProfile and print the top")
+    p.add_argument(
+        "--prepare-arg", action="append", default=[], help="extra argument for genolong prepare (repeatable)"
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="also run one prepare per input under cProfile and print the top"
+    )
     p.add_argument("--keep-stores", action="store_true", help="keep the prepared stores in --scratch")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results JSON (default {DEFAULT_JSON.relative_to(REPO)})")
+    p.add_argument(
+        "--json", type=Path, default=DEFAULT_JSON, help=f"results JSON (default {DEFAULT_JSON.relative_to(REPO)})"
+    )
     a = p.parse_args(argv)
     a.scratch.mkdir(parents=True, exist_ok=True)
     split = lambda s: [x for x in s.split(",") if x] if s else []  # noqa: E731

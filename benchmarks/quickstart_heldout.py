@@ -50,6 +50,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
 from _bench import environment, write_json  # noqa: E402
+
 ROOT = HERE.parent
 DEFAULT_JSON = HERE / "results" / "quickstart_heldout.json"
 CHR16 = ROOT / "tests" / "data" / "hg38_chr16_186964-397118.softmasked.fa.gz"
@@ -59,18 +60,38 @@ SETS = ("chr22", "chr16", "chrM", "chr22-more")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quickstart", type=Path, default=Path("genolong-quickstart"),
-                        help="the quickstart's output directory (default: %(default)s)")
+    parser.add_argument(
+        "--quickstart",
+        type=Path,
+        default=Path("genolong-quickstart"),
+        help="the quickstart's output directory (default: %(default)s)",
+    )
     parser.add_argument("--base", type=Path, default=None, help="base model (default: the bundled data/sample/base)")
-    parser.add_argument("--tuned", action="append", default=None,
-                        help="fine-tuned model, DIR or LABEL=DIR; repeat for several (default: QUICKSTART/runs/quickstart/export)")
-    parser.add_argument("--sets", default="chr16,chrM,chr22-more",
-                        help=f"held-out sets, comma-separated, of {', '.join(SETS)} (default: %(default)s)")
-    parser.add_argument("--context", type=int, default=8192, help="tile length (default: %(default)s, the quickstart's)")
-    parser.add_argument("--more-tiles", type=int, default=32, help="chr22 tiles after the quickstart's 8 (default: %(default)s)")
-    parser.add_argument("--cut", type=int, default=None, metavar="C",
-                        help="also score each fine-tuned model with its context cut at C bases, and compare full with cut "
-                             "(the quickstart's cut is 1024; default: off)")
+    parser.add_argument(
+        "--tuned",
+        action="append",
+        default=None,
+        help="fine-tuned model, DIR or LABEL=DIR; repeat for several (default: QUICKSTART/runs/quickstart/export)",
+    )
+    parser.add_argument(
+        "--sets",
+        default="chr16,chrM,chr22-more",
+        help=f"held-out sets, comma-separated, of {', '.join(SETS)} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--context", type=int, default=8192, help="tile length (default: %(default)s, the quickstart's)"
+    )
+    parser.add_argument(
+        "--more-tiles", type=int, default=32, help="chr22 tiles after the quickstart's 8 (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--cut",
+        type=int,
+        default=None,
+        metavar="C",
+        help="also score each fine-tuned model with its context cut at C bases, and compare full with cut "
+        "(the quickstart's cut is 1024; default: off)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="output JSON (default: %(default)s)")
     args = parser.parse_args()
@@ -121,7 +142,9 @@ def main() -> None:
         for name, record, other in (("chr16", "chr16", "MT_human"), ("chrM", "MT_human", "chr16")):
             if name not in wanted:
                 continue
-            store = prepare_genome([CHR16, CHRM], work_dir / f"store-{name}", train=[other], eval=[record], progress=False)
+            store = prepare_genome(
+                [CHR16, CHRM], work_dir / f"store-{name}", train=[other], eval=[record], progress=False
+            )
             split = GenomeStore.open(store.path).split("eval")
             sets.append({"set": name, "split": split, "first": 0, "tiles": len(EvalTiles(split, args.context))})
         if "chr22-more" in wanted:
@@ -131,22 +154,41 @@ def main() -> None:
         for s in sets:
             results = {}
             for label, model in models.items():
-                results[label] = evaluate(model, s["split"], work_dir / f"{s['set']}-{label}", args.context,
-                                          max_tiles=s["first"] + s["tiles"], write_tokens=bool(s["first"]), progress=False,
-                                          label=label)
+                results[label] = evaluate(
+                    model,
+                    s["split"],
+                    work_dir / f"{s['set']}-{label}",
+                    args.context,
+                    max_tiles=s["first"] + s["tiles"],
+                    write_tokens=bool(s["first"]),
+                    progress=False,
+                    label=label,
+                )
             if s["first"]:  # only the tiles after the quickstart's own
-                results = {label: _tail(r, work_dir / f"{s['set']}-{label}", s["first"]) for label, r in results.items()}
+                results = {
+                    label: _tail(r, work_dir / f"{s['set']}-{label}", s["first"]) for label, r in results.items()
+                }
             if args.cut is not None and not s["first"]:
                 for tuned in tuned_dirs:
-                    results[f"{tuned} cut"] = evaluate(models[tuned], s["split"], work_dir / f"{s['set']}-{tuned}-cut",
-                                                       args.context, context_cut=args.cut, max_tiles=s["tiles"],
-                                                       write_tokens=False, progress=False, label=f"{tuned} cut")
+                    results[f"{tuned} cut"] = evaluate(
+                        models[tuned],
+                        s["split"],
+                        work_dir / f"{s['set']}-{tuned}-cut",
+                        args.context,
+                        context_cut=args.cut,
+                        max_tiles=s["tiles"],
+                        write_tokens=False,
+                        progress=False,
+                        label=f"{tuned} cut",
+                    )
             masked = not s["first"] and int(results["base"].softmask_tokens[:, :, 1].sum()) > 0
             for tuned in tuned_dirs:
                 pairs = [("base", tuned, f"{tuned} - base")]
                 if tuned in read_as:  # the reading alone, then the training alone
-                    pairs += [("base", read_as[tuned], f"{read_as[tuned]} - base"),
-                              (read_as[tuned], tuned, f"{tuned} - {read_as[tuned]}")]
+                    pairs += [
+                        ("base", read_as[tuned], f"{read_as[tuned]} - base"),
+                        (read_as[tuned], tuned, f"{tuned} - {read_as[tuned]}"),
+                    ]
                 if f"{tuned} cut" in results:
                     pairs.append((f"{tuned} cut", tuned, f"{tuned}: full - cut {args.cut}"))
                 for a, b, what in pairs:
@@ -159,32 +201,57 @@ def main() -> None:
                         for flag, name in ((False, "unmasked"), (True, "softmasked")):
                             part = table[table["softmask"] == flag].set_index("bucket")
                             row[name] = {str(k): {**_change(r), "tokens": int(r.tokens)} for k, r in part.iterrows()}
-                        row["gap_pts"] = {str(r.bucket): {"gap": float(r.gap_pct), "ci": [float(r.gap_ci_lo), float(r.gap_ci_hi)]}
-                                          for r in gap.itertuples(index=False)}
+                        row["gap_pts"] = {
+                            str(r.bucket): {"gap": float(r.gap_pct), "ci": [float(r.gap_ci_lo), float(r.gap_ci_hi)]}
+                            for r in gap.itertuples(index=False)
+                        }
                     splits.append(row)
             for tuned in tuned_dirs:
                 table = compare(results["base"], results[tuned]).set_index("bucket")
                 overall = table.loc["all"]
-                rows.append({
-                    "set": s["set"], "model": tuned, "tiles": results["base"].n_tiles, "bases": results["base"].tokens,
-                    "base_nats": results["base"].mean_nll, "tuned_nats": results[tuned].mean_nll,
-                    "change_pct": float(overall.rel_pct), "ci_lo_pct": float(overall.rel_ci_lo), "ci_hi_pct": float(overall.rel_ci_hi),
-                    "buckets": {str(b): {"change_pct": float(r.rel_pct), "ci": [float(r.rel_ci_lo), float(r.rel_ci_hi)]}
-                                for b, r in table.iterrows() if b != "all"},
-                    "routing": {label: [{k: x[k] for k in ("layer", "load_max_over_mean", "dead_experts")} for x in r.meta["routing"]]
-                                for label, r in results.items() if label in ("base", tuned)},
-                })
+                rows.append(
+                    {
+                        "set": s["set"],
+                        "model": tuned,
+                        "tiles": results["base"].n_tiles,
+                        "bases": results["base"].tokens,
+                        "base_nats": results["base"].mean_nll,
+                        "tuned_nats": results[tuned].mean_nll,
+                        "change_pct": float(overall.rel_pct),
+                        "ci_lo_pct": float(overall.rel_ci_lo),
+                        "ci_hi_pct": float(overall.rel_ci_hi),
+                        "buckets": {
+                            str(b): {"change_pct": float(r.rel_pct), "ci": [float(r.rel_ci_lo), float(r.rel_ci_hi)]}
+                            for b, r in table.iterrows()
+                            if b != "all"
+                        },
+                        "routing": {
+                            label: [
+                                {k: x[k] for k in ("layer", "load_max_over_mean", "dead_experts")}
+                                for x in r.meta["routing"]
+                            ]
+                            for label, r in results.items()
+                            if label in ("base", tuned)
+                        },
+                    }
+                )
     print(f"base {base_dir} vs {', '.join(f'{k} {v}' for k, v in tuned_dirs.items())}, tiles of {args.context:,}\n")
-    print("| held-out set | fine-tuned model | tiles | bases | base nats | fine-tuned nats | change (95% CI) "
-          "| worst MoE max/mean base / tuned |")
+    print(
+        "| held-out set | fine-tuned model | tiles | bases | base nats | fine-tuned nats | change (95% CI) "
+        "| worst MoE max/mean base / tuned |"
+    )
     print("|---|---|---:|---:|---:|---:|---|---|")
     for r in rows:
         worst = [max(x["load_max_over_mean"] for x in r["routing"][label]) for label in ("base", r["model"])]
-        print(f"| {r['set']} | {r['model']} | {r['tiles']} | {r['bases']:,} | {r['base_nats']:.4f} | {r['tuned_nats']:.4f} | "
-              f"{r['change_pct']:+.2f}% [{r['ci_lo_pct']:+.2f}, {r['ci_hi_pct']:+.2f}] | {worst[0]:.2f} / {worst[1]:.2f} |")
+        print(
+            f"| {r['set']} | {r['model']} | {r['tiles']} | {r['bases']:,} | {r['base_nats']:.4f} | {r['tuned_nats']:.4f} | "
+            f"{r['change_pct']:+.2f}% [{r['ci_lo_pct']:+.2f}, {r['ci_hi_pct']:+.2f}] | {worst[0]:.2f} / {worst[1]:.2f} |"
+        )
     if splits:
-        print("\nBy context bucket (change in %, 95% CI); on soft-masked sets split into unique sequence / repeats, and "
-              "the gap repeats - unique in points:\n")
+        print(
+            "\nBy context bucket (change in %, 95% CI); on soft-masked sets split into unique sequence / repeats, and "
+            "the gap repeats - unique in points:\n"
+        )
         print("| set | comparison | bucket | all bases | unique (upper case) | repeats (lower case) | gap, points |")
         print("|---|---|---|---|---|---|---|")
         for r in splits:
@@ -193,16 +260,27 @@ def main() -> None:
                 cells = [_fmt(pooled)]
                 if "gap_pts" in r:
                     g = r["gap_pts"][bucket]
-                    cells += [_fmt(r["unmasked"][bucket]), _fmt(r["softmasked"][bucket]),
-                              f"{g['gap']:+.2f} [{g['ci'][0]:+.2f}, {g['ci'][1]:+.2f}]"]
+                    cells += [
+                        _fmt(r["unmasked"][bucket]),
+                        _fmt(r["softmasked"][bucket]),
+                        f"{g['gap']:+.2f} [{g['ci'][0]:+.2f}, {g['ci'][1]:+.2f}]",
+                    ]
                 else:
                     cells += ["", "", ""]
                 print(f"| {r['set']} | {r['comparison']} | {bucket} | " + " | ".join(cells) + " |")
     tuned_out: Any = {k: str(v) for k, v in tuned_dirs.items()}
     if list(tuned_dirs) == ["fine-tuned"]:
         tuned_out = tuned_out["fine-tuned"]  # one model: the file as before, a path
-    out = {"benchmark": "quickstart_heldout", **environment("date", "machine", "torch"), "base": str(base_dir),
-           "tuned": tuned_out, "context": args.context, "cut": args.cut, "rows": rows, "by_bucket": splits}
+    out = {
+        "benchmark": "quickstart_heldout",
+        **environment("date", "machine", "torch"),
+        "base": str(base_dir),
+        "tuned": tuned_out,
+        "context": args.context,
+        "cut": args.cut,
+        "rows": rows,
+        "by_bucket": splits,
+    }
     write_json(args.json, out)
     print(f"\nwrote {args.json}")
 
@@ -228,13 +306,25 @@ def _tail(result: Any, directory: Path, first: int) -> Any:
     head = read_tokens(directory)
     head = head[head.tile < first]
     position_tokens = result.position_tokens - np.bincount(head.offset, minlength=result.context)
-    position_nll = result.position_nll - np.bincount(head.offset, weights=head.nll.astype(np.float64), minlength=result.context)
-    meta = {**result.meta, "tiles": result.n_tiles - first, "tokens": int(result.tile_tokens[first:].sum()),
-            "nll_sum": float(result.tile_nll[first:].sum())}
+    position_nll = result.position_nll - np.bincount(
+        head.offset, weights=head.nll.astype(np.float64), minlength=result.context
+    )
+    meta = {
+        **result.meta,
+        "tiles": result.n_tiles - first,
+        "tokens": int(result.tile_tokens[first:].sum()),
+        "nll_sum": float(result.tile_nll[first:].sum()),
+    }
     tiles = result.tiles.iloc[first:].reset_index(drop=True)
     tiles["tile"] = np.arange(len(tiles))
-    return EvalResult(meta=meta, tiles=tiles, tile_tokens=result.tile_tokens[first:], tile_nll=result.tile_nll[first:],
-                      position_tokens=position_tokens, position_nll=position_nll)
+    return EvalResult(
+        meta=meta,
+        tiles=tiles,
+        tile_tokens=result.tile_tokens[first:],
+        tile_nll=result.tile_nll[first:],
+        position_tokens=position_tokens,
+        position_nll=position_nll,
+    )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,9 @@ def _rank(rank: int, world: int, init_file: str, way: str, forwards: int) -> Non
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
     for layer in model:
@@ -89,7 +90,9 @@ def wilson(failed: int, n: int, z: float = 1.96) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--jobs", type=int, default=60, help="2-rank jobs per way (default 60)")
-    parser.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated subset of {','.join(WAYS)} (default all)")
+    parser.add_argument(
+        "--ways", default=",".join(WAYS), help=f"comma-separated subset of {','.join(WAYS)} (default all)"
+    )
     parser.add_argument("--forwards", type=int, default=10, help="forward passes per job (default 10)")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "rank_exit.json"))
     args = parser.parse_args(argv)
@@ -107,17 +110,27 @@ def main(argv: list[str] | None = None) -> int:
         failed = [s for s in statuses[way] if any(code != 0 for code in s)]
         low, high = wilson(len(failed), args.jobs)
         signals = sorted({code for s in failed for code in s if code != 0})
-        rows.append({"way": way, "jobs": args.jobs, "failed": len(failed), "ci95": [low, high],
-                     "exit_statuses_seen": signals})
-    print(f"2-rank gloo jobs, FSDP2 over an 8-layer MLP, {args.forwards} forwards each; {args.jobs} jobs per way, interleaved")
+        rows.append(
+            {"way": way, "jobs": args.jobs, "failed": len(failed), "ci95": [low, high], "exit_statuses_seen": signals}
+        )
+    print(
+        f"2-rank gloo jobs, FSDP2 over an 8-layer MLP, {args.forwards} forwards each; {args.jobs} jobs per way, interleaved"
+    )
     print(f"{'way':>9} {'failed':>7} {'share':>7} {'95% interval':>15}  statuses")
     for row in rows:
         low, high = row["ci95"]
-        print(f"{row['way']:>9} {row['failed']:>4}/{row['jobs']:<3} {row['failed'] / row['jobs']:>6.1%} "
-              f"[{low:>5.1%}, {high:>5.1%}]  {row['exit_statuses_seen']}")
-    doc = {"benchmark": "rank_exit", **environment(),
-           "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-           "forwards": args.forwards, "rows": rows, "statuses": statuses}
+        print(
+            f"{row['way']:>9} {row['failed']:>4}/{row['jobs']:<3} {row['failed'] / row['jobs']:>6.1%} "
+            f"[{low:>5.1%}, {high:>5.1%}]  {row['exit_statuses_seen']}"
+        )
+    doc = {
+        "benchmark": "rank_exit",
+        **environment(),
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "forwards": args.forwards,
+        "rows": rows,
+        "statuses": statuses,
+    }
     print(f"-> {write_json(args.json, doc)}")
     return 0
 

@@ -48,6 +48,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
 from _bench import environment, mem_available_bytes, run_fresh, write_json  # noqa: E402
+
 DEFAULT_JSON = HERE / "results" / "recompute_granularity.json"
 CONFIGS = ("full", "chunked", "selective")
 GiB = 2**30
@@ -62,8 +63,15 @@ def _techniques(config: str, chunk_tokens: int) -> dict[str, Any]:
     }[config]
 
 
-def child(config: str, tokens: int, chunk_tokens: int, preset: str, threads: int, live: bool = False,
-          allocator: str = "genolong") -> None:
+def child(
+    config: str,
+    tokens: int,
+    chunk_tokens: int,
+    preset: str,
+    threads: int,
+    live: bool = False,
+    allocator: str = "genolong",
+) -> None:
     """One configuration's step in this process; prints its figures as one JSON line (with
     ``live``: the live-bytes peak of the step instead of its time)."""
     if allocator == "genolong":
@@ -92,15 +100,37 @@ def child(config: str, tokens: int, chunk_tokens: int, preset: str, threads: int
     if live:
         print(json.dumps({"live_peak_bytes": tracker.peak, "loss": loss.item()}))  # type: ignore[union-attr]
         return
-    print(json.dumps({"step_s": seconds, "loss": loss.item(), "saved_bytes": meter.peak_resident_bytes,
-                      "layer_saved_bytes": [layer.resident_bytes for layer in meter.layers],
-                      "meter_peak_rss_bytes": meter.peak_rss_bytes}))
+    print(
+        json.dumps(
+            {
+                "step_s": seconds,
+                "loss": loss.item(),
+                "saved_bytes": meter.peak_resident_bytes,
+                "layer_saved_bytes": [layer.resident_bytes for layer in meter.layers],
+                "meter_peak_rss_bytes": meter.peak_rss_bytes,
+            }
+        )
+    )
 
 
 def _run_child_rusage(config: str, tokens: int, a: argparse.Namespace, live: bool = False) -> dict[str, Any]:
     """Run one child; its figures plus the process's own peak RSS (``ru_maxrss``) and wall time."""
-    cmd = [sys.executable, __file__, "--child", config, "--lengths", str(tokens), "--chunk-tokens", str(a.chunk_tokens),
-           "--preset", a.preset, "--threads", str(a.threads), "--allocator", a.allocator] + (["--live"] if live else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        config,
+        "--lengths",
+        str(tokens),
+        "--chunk-tokens",
+        str(a.chunk_tokens),
+        "--preset",
+        a.preset,
+        "--threads",
+        str(a.threads),
+        "--allocator",
+        a.allocator,
+    ] + (["--live"] if live else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
     run = run_fresh(cmd, env=env).check()
     result = run.last_json()
@@ -121,9 +151,11 @@ def _summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def _table(doc: dict[str, Any]) -> str:
-    lines = ["| T | recompute | step s | time vs full | peak RSS GiB | peak RSS vs full | live-bytes peak GiB | vs full "
-             "| saved (meter) GiB |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| T | recompute | step s | time vs full | peak RSS GiB | peak RSS vs full | live-bytes peak GiB | vs full "
+        "| saved (meter) GiB |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for tokens, row in doc["lengths"].items():
         for c in CONFIGS:
             if c in row.get("skipped", {}):
@@ -136,10 +168,12 @@ def _table(doc: dict[str, Any]) -> str:
             rv = row.get("peak_rss_vs_full", {}).get(c)
             lb = row.get("live_peak_bytes", {}).get(c)
             lr = row.get("live_peak_vs_full", {}).get(c)
-            lines.append(f"| {int(tokens):,} | {c} | {b['step_s']:.1f} | {'' if tv is None else f'{tv:.2f}x'} | "
-                         f"{b['peak_rss_bytes'] / GiB:.2f} | {'' if rv is None else f'{rv:.2f}x'} | "
-                         f"{'' if lb is None else f'{lb / GiB:.2f}'} | {'' if lr is None else f'{lr:.2f}x'} | "
-                         f"{b['saved_bytes'] / GiB:.3f} |")
+            lines.append(
+                f"| {int(tokens):,} | {c} | {b['step_s']:.1f} | {'' if tv is None else f'{tv:.2f}x'} | "
+                f"{b['peak_rss_bytes'] / GiB:.2f} | {'' if rv is None else f'{rv:.2f}x'} | "
+                f"{'' if lb is None else f'{lb / GiB:.2f}'} | {'' if lr is None else f'{lr:.2f}x'} | "
+                f"{b['saved_bytes'] / GiB:.3f} |"
+            )
     return "\n".join(lines)
 
 
@@ -147,17 +181,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--lengths", default="8192,32768", help="tokens per step, comma-separated")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {', '.join(CONFIGS)}")
-    parser.add_argument("--long-configs", default="full,chunked",
-                        help="configurations for lengths over 16k (default full,chunked: selective at 32k needs ~15 GiB "
-                             "and ten minutes more on a 2-core machine)")
-    parser.add_argument("--chunk-tokens", type=int, default=4096, help="chunked's recompute_chunk_tokens (default 4096)")
+    parser.add_argument(
+        "--long-configs",
+        default="full,chunked",
+        help="configurations for lengths over 16k (default full,chunked: selective at 32k needs ~15 GiB "
+        "and ten minutes more on a 2-core machine)",
+    )
+    parser.add_argument(
+        "--chunk-tokens", type=int, default=4096, help="chunked's recompute_chunk_tokens (default 4096)"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="rounds per length (default 2; lengths over 16k: 1)")
     parser.add_argument("--preset", default="small")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
-    parser.add_argument("--allocator", choices=("genolong", "system"), default="genolong",
-                        help="genolong: keep_freed_memory() as the genolong commands do (default); system: glibc's defaults")
-    parser.add_argument("--no-live", action="store_true", help="skip the live-bytes pass (one more run per configuration)")
+    parser.add_argument(
+        "--allocator",
+        choices=("genolong", "system"),
+        default="genolong",
+        help="genolong: keep_freed_memory() as the genolong commands do (default); system: glibc's defaults",
+    )
+    parser.add_argument(
+        "--no-live", action="store_true", help="skip the live-bytes pass (one more run per configuration)"
+    )
     parser.add_argument("--live", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     a = parser.parse_args()
@@ -166,9 +211,14 @@ def main() -> None:
         return
     configs = [c for c in a.configs.split(",") if c]
     doc: dict[str, Any] = {
-        "benchmark": "recompute_granularity", **environment("date"),
-        "command": " ".join(sys.argv), **environment("machine", "cpus"),
-        "preset": a.preset, "chunk_tokens": a.chunk_tokens, "threads": a.threads, "allocator": a.allocator,
+        "benchmark": "recompute_granularity",
+        **environment("date"),
+        "command": " ".join(sys.argv),
+        **environment("machine", "cpus"),
+        "preset": a.preset,
+        "chunk_tokens": a.chunk_tokens,
+        "threads": a.threads,
+        "allocator": a.allocator,
         "lengths": {},
     }
     previous: dict[str, tuple[int, int]] = {}  # config -> (T, peak RSS) of its last length
@@ -184,7 +234,9 @@ def main() -> None:
                 t0, rss0 = previous[c]
                 need = rss0 * tokens / t0
                 if need > 0.7 * mem_available_bytes():
-                    skipped[c] = f"needs ~{need / GiB:.1f} GiB (extrapolated), {mem_available_bytes() / GiB:.1f} GiB available"
+                    skipped[c] = (
+                        f"needs ~{need / GiB:.1f} GiB (extrapolated), {mem_available_bytes() / GiB:.1f} GiB available"
+                    )
         for round_ in range(rounds):
             order = configs if round_ % 2 == 0 else list(reversed(configs))
             for c in order:
@@ -192,9 +244,12 @@ def main() -> None:
                     continue
                 res = _run_child_rusage(c, tokens, a)
                 runs[c].append(res)
-                print(f"T {tokens:>6} {c:>9} round {round_}: step {res['step_s']:.1f} s, peak RSS "
-                      f"{res['peak_rss_bytes'] / GiB:.2f} GiB, saved {res['saved_bytes'] / GiB:.3f} GiB, "
-                      f"loss {res['loss']:.6f}", flush=True)
+                print(
+                    f"T {tokens:>6} {c:>9} round {round_}: step {res['step_s']:.1f} s, peak RSS "
+                    f"{res['peak_rss_bytes'] / GiB:.2f} GiB, saved {res['saved_bytes'] / GiB:.3f} GiB, "
+                    f"loss {res['loss']:.6f}",
+                    flush=True,
+                )
         live: dict[str, int] = {}
         for c in configs:
             if runs[c] and not a.no_live:

@@ -46,9 +46,15 @@ _SHARD = 4 * _MiB
 def _config():  # the wide reduced model (tests/train/test_export_sharded.py's)
     from genolong.model import PRESETS
 
-    return PRESETS["tiny"].replace(num_hidden_layers=4, hidden_size=256, pattern="KDDD",
-                                   mlp_layer_types=("dense", "sparse", "sparse", "sparse"), n_routed_experts=32,
-                                   moe_intermediate_size=128, intermediate_size=512)
+    return PRESETS["tiny"].replace(
+        num_hidden_layers=4,
+        hidden_size=256,
+        pattern="KDDD",
+        mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
+        n_routed_experts=32,
+        moe_intermediate_size=128,
+        intermediate_size=512,
+    )
 
 
 def _status(field: str) -> int:
@@ -72,7 +78,9 @@ def _measure(work) -> tuple[float, int]:
 
 def _rank(rank: int, world: int, init: str, folder: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
     from genolong.config import ParallelSection
     from genolong.model import GenoLM
     from genolong.parallel import parallelize
@@ -83,7 +91,9 @@ def _rank(rank: int, world: int, init: str, folder: str) -> None:
     out = Path(folder)
     torch.manual_seed(0)
     model = GenoLM(_config())
-    mesh = build_mesh(ParallelSection(accelerator="cpu", devices=world, dp_shard=world, cp=1, ep=world), world_size=world)
+    mesh = build_mesh(
+        ParallelSection(accelerator="cpu", devices=world, dp_shard=world, cp=1, ep=world), world_size=world
+    )
     parallelize(model, mesh=mesh, ep=ep_size(mesh))
     sharded = _measure(lambda: export_model(model, out / "sharded", max_shard_bytes=_SHARD))
 
@@ -105,10 +115,13 @@ def _world(world: int) -> dict:
         ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
         names = sorted(p.name for p in (folder / "gathered").iterdir())
         same = names == sorted(p.name for p in (folder / "sharded").iterdir()) and all(
-            filecmp.cmp(folder / "gathered" / n, folder / "sharded" / n, shallow=False) for n in names)
+            filecmp.cmp(folder / "gathered" / n, folder / "sharded" / n, shallow=False) for n in names
+        )
     return {
-        "world": world, "files_equal": same,
-        "sharded_s": max(r["sharded"][0] for r in ranks), "gathered_s": max(r["gathered"][0] for r in ranks),
+        "world": world,
+        "files_equal": same,
+        "sharded_s": max(r["sharded"][0] for r in ranks),
+        "gathered_s": max(r["gathered"][0] for r in ranks),
         "sharded_peak_mib": [round(r["sharded"][1] / _MiB, 1) for r in ranks],
         "gathered_peak_mib": [round(r["gathered"][1] / _MiB, 1) for r in ranks],
     }
@@ -126,17 +139,30 @@ def _planner(disk_gbps: float, writer_gbps: float) -> dict:
     ranks = recipe.parallel.world_size
     one = export_bytes / (min(disk_gbps, writer_gbps) * 1e9)
     spread = export_bytes / (min(disk_gbps, writer_gbps * ranks) * 1e9)
-    return {"recipe": "recipes/1m-node.yaml", "trained_parameters": p.trained_parameters,
-            "frozen_parameters": p.frozen_parameters, "export_bytes": export_bytes, "ranks": ranks,
-            "disk_gbps": disk_gbps, "writer_gbps": writer_gbps, "gathered_write_s": one, "sharded_write_s": spread,
-            "gathered_rank0_host_bytes": export_bytes, "sharded_rank_host_bytes": "one 5 GB shard + the largest tensor"}
+    return {
+        "recipe": "recipes/1m-node.yaml",
+        "trained_parameters": p.trained_parameters,
+        "frozen_parameters": p.frozen_parameters,
+        "export_bytes": export_bytes,
+        "ranks": ranks,
+        "disk_gbps": disk_gbps,
+        "writer_gbps": writer_gbps,
+        "gathered_write_s": one,
+        "sharded_write_s": spread,
+        "gathered_rank0_host_bytes": export_bytes,
+        "sharded_rank_host_bytes": "one 5 GB shard + the largest tensor",
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--disk-gbps", type=float, default=8.0, help="the node's disk write bandwidth, GB/s (default 8: 4 NVMe)")
-    parser.add_argument("--writer-gbps", type=float, default=2.0, help="one writing process's bandwidth, GB/s (default 2)")
+    parser.add_argument(
+        "--disk-gbps", type=float, default=8.0, help="the node's disk write bandwidth, GB/s (default 8: 4 NVMe)"
+    )
+    parser.add_argument(
+        "--writer-gbps", type=float, default=2.0, help="one writing process's bandwidth, GB/s (default 2)"
+    )
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "sharded_export.json")
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # the ranks' glibc: freed tensors leave at once
@@ -147,23 +173,37 @@ def main() -> int:
     state = GenoLM(_config()).state_dict()
     whole, largest = sum(t.nbytes for t in state.values()), max(t.nbytes for t in state.values())
     rows = [_world(w) for w in args.worlds]
-    print(f"model {whole / _MiB:.1f} MiB fp32, largest tensor {largest / _MiB:.1f} MiB, shards of {_SHARD / _MiB:.0f} MiB "
-          f"(bound per rank: {(largest + _SHARD) / _MiB:.1f} MiB)")
-    print(f"{'world':>5} | {'sharded s':>9} | {'gathered s':>10} | {'sharded peak RSS per rank, MiB':<32} | "
-          f"{'gathered peak RSS per rank, MiB':<32} | equal")
+    print(
+        f"model {whole / _MiB:.1f} MiB fp32, largest tensor {largest / _MiB:.1f} MiB, shards of {_SHARD / _MiB:.0f} MiB "
+        f"(bound per rank: {(largest + _SHARD) / _MiB:.1f} MiB)"
+    )
+    print(
+        f"{'world':>5} | {'sharded s':>9} | {'gathered s':>10} | {'sharded peak RSS per rank, MiB':<32} | "
+        f"{'gathered peak RSS per rank, MiB':<32} | equal"
+    )
     for r in rows:
-        print(f"{r['world']:>5} | {r['sharded_s']:>9.2f} | {r['gathered_s']:>10.2f} | {str(r['sharded_peak_mib']):<32} | "
-              f"{str(r['gathered_peak_mib']):<32} | {r['files_equal']}")
+        print(
+            f"{r['world']:>5} | {r['sharded_s']:>9.2f} | {r['gathered_s']:>10.2f} | {str(r['sharded_peak_mib']):<32} | "
+            f"{str(r['gathered_peak_mib']):<32} | {r['files_equal']}"
+        )
     node = _planner(args.disk_gbps, args.writer_gbps)
-    print(f"1m-node export (planner): {node['export_bytes'] / 1e9:.0f} GB ({node['frozen_parameters'] / 1e9:.1f}B frozen bf16 + "
-          f"{node['trained_parameters'] / 1e9:.2f}B trained fp32); at {args.disk_gbps:g} GB/s disk, {args.writer_gbps:g} GB/s "
-          f"per writer: gathered (rank 0 writes) {node['gathered_write_s'] / 60:.1f} min + the gather, "
-          f"sharded ({node['ranks']} writers) {node['sharded_write_s'] / 60:.1f} min")
+    print(
+        f"1m-node export (planner): {node['export_bytes'] / 1e9:.0f} GB ({node['frozen_parameters'] / 1e9:.1f}B frozen bf16 + "
+        f"{node['trained_parameters'] / 1e9:.2f}B trained fp32); at {args.disk_gbps:g} GB/s disk, {args.writer_gbps:g} GB/s "
+        f"per writer: gathered (rank 0 writes) {node['gathered_write_s'] / 60:.1f} min + the gather, "
+        f"sharded ({node['ranks']} writers) {node['sharded_write_s'] / 60:.1f} min"
+    )
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _bench import environment, write_json
 
-    result = {**environment(), "model_bytes": whole, "largest_tensor_bytes": largest, "shard_bytes": _SHARD, "rows": rows,
-              "1m-node": node}
+    result = {
+        **environment(),
+        "model_bytes": whole,
+        "largest_tensor_bytes": largest,
+        "shard_bytes": _SHARD,
+        "rows": rows,
+        "1m-node": node,
+    }
     write_json(args.json, result)
     print(f"-> {args.json}")
     return 0 if all(r["files_equal"] for r in rows) else 1

@@ -37,6 +37,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
 from _bench import Fresh, environment, wait_any, write_json  # noqa: E402
+
 DEFAULT_JSON = HERE / "results" / "stream_eval.json"
 DEFAULT_BASE = HERE.parent / "data" / "sample" / "base"
 GiB = 1 << 30
@@ -55,7 +56,7 @@ def _tile(store: str, tokens: int) -> tuple[str, str, int, np.ndarray]:
         if lengths[i] >= tokens:
             row = split.segments.iloc[i]
             off = int(row["offset"])
-            return name, str(row["contig"]), int(row["start"]), np.asarray(split.tokens[off:off + tokens])
+            return name, str(row["contig"]), int(row["start"]), np.asarray(split.tokens[off : off + tokens])
     raise SystemExit(f"no segment of {tokens:,} tokens in {store}'s eval or train split")
 
 
@@ -77,14 +78,39 @@ def child(a: argparse.Namespace) -> None:
     seconds = time.perf_counter() - t0
     if a.nll_out:
         np.save(a.nll_out, scores.nll)
-    print(json.dumps({"score_s": seconds, "split": split, "contig": contig, "start": start,
-                      "scored": int(scores.nll.shape[0]), "mean_nll": float(scores.nll.astype(np.float64).mean())}))
+    print(
+        json.dumps(
+            {
+                "score_s": seconds,
+                "split": split,
+                "contig": contig,
+                "start": start,
+                "scored": int(scores.nll.shape[0]),
+                "mean_nll": float(scores.nll.astype(np.float64).mean()),
+            }
+        )
+    )
 
 
 def _start(a: argparse.Namespace, tokens: int, segment_tokens: int, nll_out: str, log: Path) -> dict[str, Any]:
     """Start one child (its output to ``log``); :func:`_finish` collects it."""
-    cmd = [sys.executable, __file__, "--child", "--store", a.store, "--base", str(a.base), "--tokens", str(tokens),
-           "--segment", str(segment_tokens), "--threads", str(a.threads), "--nll-out", nll_out]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--store",
+        a.store,
+        "--base",
+        str(a.base),
+        "--tokens",
+        str(tokens),
+        "--segment",
+        str(segment_tokens),
+        "--threads",
+        str(a.threads),
+        "--nll-out",
+        nll_out,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
     return {"fresh": Fresh.start(cmd, env=env, log=log), "segment_tokens": segment_tokens}
 
@@ -97,15 +123,18 @@ def _finish(jobs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for fresh, run in wait_any(job["fresh"] for job in jobs.values()):
         name = names[id(fresh)]
         result = run.check().last_json()  # a failed child (e.g. -9: the OOM killer) ends the benchmark
-        result.update(wall_s=run.wall_s, peak_rss_bytes=run.peak_rss_bytes,
-                      segment_tokens=jobs[name]["segment_tokens"] or None)
+        result.update(
+            wall_s=run.wall_s, peak_rss_bytes=run.peak_rss_bytes, segment_tokens=jobs[name]["segment_tokens"] or None
+        )
         done[name] = result
     return done
 
 
 def _table(doc: dict[str, Any]) -> str:
-    lines = [f"{'T':>9} {'run':>18} {'peak RSS GiB':>12} {'score s':>8} {'wall s':>7} {'RSS / one-shot':>14} "
-             f"{'time / one-shot':>15} {'max |dNLL|':>10}"]
+    lines = [
+        f"{'T':>9} {'run':>18} {'peak RSS GiB':>12} {'score s':>8} {'wall s':>7} {'RSS / one-shot':>14} "
+        f"{'time / one-shot':>15} {'max |dNLL|':>10}"
+    ]
     for t, row in doc["lengths"].items():
         base = row.get("one-shot")
         for name, r in row.items():
@@ -114,24 +143,34 @@ def _table(doc: dict[str, Any]) -> str:
             rss = f"{r['peak_rss_bytes'] / base['peak_rss_bytes']:.2f}" if base else "-"
             tim = f"{r['score_s'] / base['score_s']:.2f}" if base else "-"
             diff = f"{r['max_abs_nll_diff']:.1e}" if "max_abs_nll_diff" in r else "-"
-            lines.append(f"{int(t):>9,} {name:>18} {r['peak_rss_bytes'] / GiB:>12.2f} {r['score_s']:>8.1f} "
-                         f"{r['wall_s']:>7.1f} {rss:>14} {tim:>15} {diff:>10}")
+            lines.append(
+                f"{int(t):>9,} {name:>18} {r['peak_rss_bytes'] / GiB:>12.2f} {r['score_s']:>8.1f} "
+                f"{r['wall_s']:>7.1f} {rss:>14} {tim:>15} {diff:>10}"
+            )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store", required=True, help="the quickstart's genome store (genolong quickstart --prepare-only)")
+    parser.add_argument(
+        "--store", required=True, help="the quickstart's genome store (genolong quickstart --prepare-only)"
+    )
     parser.add_argument("--base", type=Path, default=DEFAULT_BASE, help="model directory (default: the bundled base)")
     parser.add_argument("--lengths", default="65536,262144", help="tile lengths run both ways, comma-separated")
     parser.add_argument("--stream-only", default="", help="tile lengths run streamed only (e.g. 1048576)")
-    parser.add_argument("--segment-tokens", default="16384,65536",
-                        help="the streamed runs' segments, comma-separated; a length runs the largest one shorter than "
-                             "it (--stream-only lengths: the largest) (default 16384,65536)")
+    parser.add_argument(
+        "--segment-tokens",
+        default="16384,65536",
+        help="the streamed runs' segments, comma-separated; a length runs the largest one shorter than "
+        "it (--stream-only lengths: the largest) (default 16384,65536)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads per run (default 2)")
-    parser.add_argument("--concurrent", action="store_true",
-                        help="start a length's runs at the same time (each child's peak RSS is still its own; both "
-                             "see the same contention, their times include it): for a busy machine")
+    parser.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="start a length's runs at the same time (each child's peak RSS is still its own; both "
+        "see the same contention, their times include it): for a busy machine",
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
@@ -142,12 +181,20 @@ def main() -> None:
         child(a)
         return
     doc: dict[str, Any] = {
-        "benchmark": "stream_eval", **environment("date"),
-        "command": " ".join(sys.argv), **environment("machine", "cpus"),
-        "base": str(a.base), "dtype": "float32", "threads": a.threads, "segment_tokens": a.segment_tokens,
-        **environment("load_average_at_start"), "lengths": {},
+        "benchmark": "stream_eval",
+        **environment("date"),
+        "command": " ".join(sys.argv),
+        **environment("machine", "cpus"),
+        "base": str(a.base),
+        "dtype": "float32",
+        "threads": a.threads,
+        "segment_tokens": a.segment_tokens,
+        **environment("load_average_at_start"),
+        "lengths": {},
     }
-    plan = [(int(t), True) for t in a.lengths.split(",") if t] + [(int(t), False) for t in a.stream_only.split(",") if t]
+    plan = [(int(t), True) for t in a.lengths.split(",") if t] + [
+        (int(t), False) for t in a.stream_only.split(",") if t
+    ]
     segments = sorted(int(s) for s in a.segment_tokens.split(",") if s)
     with tempfile.TemporaryDirectory() as tmp:
         for tokens, both in plan:
@@ -171,8 +218,11 @@ def main() -> None:
                     row[name]["max_abs_nll_diff"] = float(np.abs(np.load(f"{tmp}/{seg}.npy") - ref).max())
             for name, _ in runs:
                 r = row[name]
-                print(f"T {tokens:>9,} {name:>14}: peak RSS {r['peak_rss_bytes'] / GiB:.2f} GiB, score {r['score_s']:.1f} s, "
-                      f"mean NLL {r['mean_nll']:.6f}", flush=True)
+                print(
+                    f"T {tokens:>9,} {name:>14}: peak RSS {r['peak_rss_bytes'] / GiB:.2f} GiB, score {r['score_s']:.1f} s, "
+                    f"mean NLL {r['mean_nll']:.6f}",
+                    flush=True,
+                )
             doc.update(environment("load_average_at_end"))
             write_json(a.json, doc)
     print(_table(doc))

@@ -34,10 +34,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # benchmarks/_bench.py, also when a test imports this script
 from _bench import environment, run_fresh, write_json  # noqa: E402
 
-_READ = ("import sys, pathlib, pyarrow as pa, pyarrow.parquet as pq\n"
-         "parts = sorted(pathlib.Path(sys.argv[1], 'tokens').glob('part-*.parquet'))\n"
-         "frame = pa.concat_tables([pq.read_table(p) for p in parts]).to_pandas()\n"
-         "print(len(frame))")
+_READ = (
+    "import sys, pathlib, pyarrow as pa, pyarrow.parquet as pq\n"
+    "parts = sorted(pathlib.Path(sys.argv[1], 'tokens').glob('part-*.parquet'))\n"
+    "frame = pa.concat_tables([pq.read_table(p) for p in parts]).to_pandas()\n"
+    "print(len(frame))"
+)
 
 
 def _results(work: Path, tiles: int, context: int, cut: int) -> tuple[Path, Path]:
@@ -51,10 +53,21 @@ def _results(work: Path, tiles: int, context: int, cut: int) -> tuple[Path, Path
     prepare_sample(work / "store", progress=False)
     torch.manual_seed(0)
     GenoLM(PRESETS["tiny"]).save_pretrained(work / "model")
-    common = [str(work / "model"), "--store", str(work / "store"), "--context", str(context), "--max-tiles", str(tiles),
-              "--quiet", "--force"]
+    common = [
+        str(work / "model"),
+        "--store",
+        str(work / "store"),
+        "--context",
+        str(context),
+        "--max-tiles",
+        str(tiles),
+        "--quiet",
+        "--force",
+    ]
     assert main(["evaluate", *common, "--label", "full", "--out", str(work / "full")]) == 0
-    assert main(["evaluate", *common, "--label", f"cut {cut}", "--context-cut", str(cut), "--out", str(work / "cut")]) == 0
+    assert (
+        main(["evaluate", *common, "--label", f"cut {cut}", "--context-cut", str(cut), "--out", str(work / "cut")]) == 0
+    )
     return work / "full", work / "cut"
 
 
@@ -75,7 +88,11 @@ def _in_process(full: Path, cut: Path, work: Path, repeats: int) -> dict[str, li
         found, sizes, source = tracks_for_results([EvalResult.load(d) for d in dirs])
         write_tracks(out, found, sizes, source)
 
-    jobs = {"read": read, "one": lambda: tracks([full], work / "in-one"), "two": lambda: tracks([full, cut], work / "in-two")}
+    jobs = {
+        "read": read,
+        "one": lambda: tracks([full], work / "in-one"),
+        "two": lambda: tracks([full, cut], work / "in-two"),
+    }
     times: dict[str, list[float]] = {k: [] for k in jobs}
     for _ in range(repeats):
         for key, job in jobs.items():
@@ -89,9 +106,15 @@ def main() -> None:
     from genolong.defaults import DEFAULT_EVAL_TILES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiles", type=int, default=DEFAULT_EVAL_TILES, help="tiles per result (default: the quickstart's)")
-    parser.add_argument("--context", type=int, default=8192, help="tile length (default: the quickstart's eval context)")
-    parser.add_argument("--cut", type=int, default=1024, help="the second result's context cut (default: the base's context)")
+    parser.add_argument(
+        "--tiles", type=int, default=DEFAULT_EVAL_TILES, help="tiles per result (default: the quickstart's)"
+    )
+    parser.add_argument(
+        "--context", type=int, default=8192, help="tile length (default: the quickstart's eval context)"
+    )
+    parser.add_argument(
+        "--cut", type=int, default=1024, help="the second result's context cut (default: the base's context)"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "tracks_speed.json")
     args = parser.parse_args()
@@ -102,7 +125,17 @@ def main() -> None:
         commands = {
             "read": [sys.executable, "-c", _READ, str(full)],
             "one": [sys.executable, "-m", "genolong.cli", "tracks", str(full), "--out", str(work / "one"), "--force"],
-            "two": [sys.executable, "-m", "genolong.cli", "tracks", str(full), str(cut), "--out", str(work / "two"), "--force"],
+            "two": [
+                sys.executable,
+                "-m",
+                "genolong.cli",
+                "tracks",
+                str(full),
+                str(cut),
+                "--out",
+                str(work / "two"),
+                "--force",
+            ],
         }
         times: dict[str, list[float]] = {k: [] for k in commands}
         for _ in range(args.repeats):
@@ -112,21 +145,35 @@ def main() -> None:
         work_s = _in_process(full, cut, work, args.repeats)
         sizes = {p.name: p.stat().st_size for p in sorted((work / "two").iterdir())}
     median = {k: statistics.median(v) for k, v in times.items()}
-    rows = [("read the per-token table (baseline)", "read"), ("genolong tracks A", "one"), ("genolong tracks A B", "two")]
-    print(f"{args.tiles} tiles of {args.context:,}: {tokens:,} scored bases per result; median of {args.repeats} fresh runs")
+    rows = [
+        ("read the per-token table (baseline)", "read"),
+        ("genolong tracks A", "one"),
+        ("genolong tracks A B", "two"),
+    ]
+    print(
+        f"{args.tiles} tiles of {args.context:,}: {tokens:,} scored bases per result; median of {args.repeats} fresh runs"
+    )
     work_median = {k: statistics.median(v) for k, v in work_s.items()}
     print(f"| {'what':<36} | wall s | x baseline | work s (imported) | x baseline |")
     print(f"|{'-' * 38}|--------|------------|-------------------|------------|")
     for title, key in rows:
-        print(f"| {title:<36} | {median[key]:6.2f} | {median[key] / median['read']:10.2f} | "
-              f"{work_median[key]:17.3f} | {work_median[key] / work_median['read']:10.2f} |")
+        print(
+            f"| {title:<36} | {median[key]:6.2f} | {median[key] / median['read']:10.2f} | "
+            f"{work_median[key]:17.3f} | {work_median[key] / work_median['read']:10.2f} |"
+        )
     doc = {
         "environment": environment(),
         "command": "python benchmarks/tracks_speed.py " + " ".join(sys.argv[1:]),
-        "tiles": args.tiles, "context": args.context, "cut": args.cut, "tokens_per_result": tokens,
-        "repeats": args.repeats, "wall_s": times, "median_s": median,
+        "tiles": args.tiles,
+        "context": args.context,
+        "cut": args.cut,
+        "tokens_per_result": tokens,
+        "repeats": args.repeats,
+        "wall_s": times,
+        "median_s": median,
         "ratio_to_read": {k: median[k] / median["read"] for k in ("one", "two")},
-        "work_s": work_s, "work_median_s": work_median,
+        "work_s": work_s,
+        "work_median_s": work_median,
         "work_ratio_to_read": {k: work_median[k] / work_median["read"] for k in ("one", "two")},
         "file_bytes": sizes,
     }

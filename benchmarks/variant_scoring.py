@@ -113,7 +113,7 @@ def _select(blocks: list[Any], args: argparse.Namespace) -> list[Any]:
     if args.blocks:  # e.g. the blocks an earlier --spread-blocks run left out
         return [blocks[int(i)] for i in args.blocks.split(",") if int(i) < len(blocks)]
     if args.max_blocks:  # the first blocks of the whole plan: the variants' density and the blocks are the full run's
-        return blocks[:args.max_blocks]
+        return blocks[: args.max_blocks]
     if args.spread_blocks and args.spread_blocks < len(blocks):  # over the whole region: not only its start
         keep = sorted({int(round(x)) for x in np.linspace(0, len(blocks) - 1, args.spread_blocks)})
         return [blocks[i] for i in keep]
@@ -151,33 +151,69 @@ def child(args: argparse.Namespace) -> None:
             t, c = time.perf_counter(), time.process_time()
             scores = score_block(model, ref, variants, block, args.window, args.segment_tokens, vocab)
             llr.update({i: s.llr for i, s in zip(block.indices, scores)})
-            per_block.append({"block": plan.index(block), "start": block.start, "variants": len(block.indices),
-                              "prefix_tokens": max(variants[i].pos for i in block.indices) - block.start,
-                              "seconds": time.perf_counter() - t, "cpu_seconds": time.process_time() - c})
+            per_block.append(
+                {
+                    "block": plan.index(block),
+                    "start": block.start,
+                    "variants": len(block.indices),
+                    "prefix_tokens": max(variants[i].pos for i in block.indices) - block.start,
+                    "seconds": time.perf_counter() - t,
+                    "cpu_seconds": time.process_time() - c,
+                }
+            )
             _progress({**per_block[-1], "llr": {str(i): s.llr for i, s in zip(block.indices, scores)}})
         seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
-        print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "variants": len(chosen), "blocks": len(blocks),
-                          "plan_blocks": len(plan), "prefix_tokens": sum(b["prefix_tokens"] for b in per_block),
-                          "per_block": per_block, "llr": {str(i): llr[i] for i in chosen}}))
+        print(
+            json.dumps(
+                {
+                    "seconds": seconds,
+                    "cpu_seconds": cpu,
+                    "variants": len(chosen),
+                    "blocks": len(blocks),
+                    "plan_blocks": len(plan),
+                    "prefix_tokens": sum(b["prefix_tokens"] for b in per_block),
+                    "per_block": per_block,
+                    "llr": {str(i): llr[i] for i in chosen},
+                }
+            )
+        )
     else:
         # the naive scorer: per allele one one-shot forward of exactly L bases before the variant,
         # the allele and the window (2 (L + window) tokens). The streamed score of the same variant
         # reads its grid cell's context_used (L to 2L - 1 bases, issue 46), so the two LLRs are not
         # compared here: tests/evaluation/test_variant_score.py compares the engine with this oracle from the
         # same start, bitwise.
-        pick = sorted(np.random.default_rng(args.seed + 1).choice(chosen, min(args.brute, len(chosen)),
-                                                                  replace=False).tolist())
+        pick = sorted(
+            np.random.default_rng(args.seed + 1).choice(chosen, min(args.brute, len(chosen)), replace=False).tolist()
+        )
         llr_list, per_variant = [], []
         for i in pick:
             t, c = time.perf_counter(), time.process_time()
             start = max(0, variants[i].pos - args.context)
             llr_list.append(brute_force_llr(model, ref, variants[i], start, args.window, vocab).llr)
-            per_variant.append({"variant": i, "tokens": variants[i].pos - start, "seconds": time.perf_counter() - t,
-                                "cpu_seconds": time.process_time() - c, "llr": llr_list[-1]})
+            per_variant.append(
+                {
+                    "variant": i,
+                    "tokens": variants[i].pos - start,
+                    "seconds": time.perf_counter() - t,
+                    "cpu_seconds": time.process_time() - c,
+                    "llr": llr_list[-1],
+                }
+            )
             _progress(per_variant[-1])
         seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
-        print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "variants": len(pick), "picked": pick,
-                          "llr": llr_list, "per_variant": per_variant}))
+        print(
+            json.dumps(
+                {
+                    "seconds": seconds,
+                    "cpu_seconds": cpu,
+                    "variants": len(pick),
+                    "picked": pick,
+                    "llr": llr_list,
+                    "per_variant": per_variant,
+                }
+            )
+        )
 
 
 def token_model(args: argparse.Namespace, context: int) -> dict[str, Any]:
@@ -203,17 +239,55 @@ def token_model(args: argparse.Namespace, context: int) -> dict[str, Any]:
             lead = (v.pos - b.start) % 64
             branch += 2 * lead + len(v.ref) + len(v.alt) + 2 * w
             naive += 2 * min(context, v.pos) + len(v.ref) + len(v.alt) + 2 * w
-    return {"context": context, "variants": len(variants), "blocks": len(plan), "prefix_tokens": prefix,
-            "branch_tokens": branch, "streamed_tokens": prefix + branch, "naive_tokens": naive,
-            "ratio": naive / (prefix + branch)}
+    return {
+        "context": context,
+        "variants": len(variants),
+        "blocks": len(plan),
+        "prefix_tokens": prefix,
+        "branch_tokens": branch,
+        "streamed_tokens": prefix + branch,
+        "naive_tokens": naive,
+        "ratio": naive / (prefix + branch),
+    }
 
 
 def _command(args: argparse.Namespace, kind: str, context: int) -> list[str]:
-    cmd = [sys.executable, __file__, "--child", kind, "--context", context, "--variants", args.variants,
-           "--region-bases", args.region_bases, "--brute", args.brute, "--contig", args.contig, "--fasta", args.fasta,
-           "--checkpoint", args.checkpoint, "--window", args.window, "--segment-tokens", args.segment_tokens,
-           "--seed", args.seed, "--threads", args.threads, "--max-blocks", args.max_blocks,
-           "--spread-blocks", args.spread_blocks, "--span", args.span, "--blocks", args.blocks]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        kind,
+        "--context",
+        context,
+        "--variants",
+        args.variants,
+        "--region-bases",
+        args.region_bases,
+        "--brute",
+        args.brute,
+        "--contig",
+        args.contig,
+        "--fasta",
+        args.fasta,
+        "--checkpoint",
+        args.checkpoint,
+        "--window",
+        args.window,
+        "--segment-tokens",
+        args.segment_tokens,
+        "--seed",
+        args.seed,
+        "--threads",
+        args.threads,
+        "--max-blocks",
+        args.max_blocks,
+        "--spread-blocks",
+        args.spread_blocks,
+        "--span",
+        args.span,
+        "--blocks",
+        args.blocks,
+    ]
     return [str(c) for c in cmd]
 
 
@@ -242,50 +316,80 @@ def measure_both(args: argparse.Namespace, context: int) -> tuple[dict[str, Any]
     if not args.concurrent:
         return measure(args, "streamed", context), measure(args, "brute", context)
     logs = _logs(args)
-    started = [Fresh.start(_command(args, k, context), cwd=ROOT, log=logs / f"{k}-{context}.log", kind=k)
-               for k in ("streamed", "brute")]
+    started = [
+        Fresh.start(_command(args, k, context), cwd=ROOT, log=logs / f"{k}-{context}.log", kind=k)
+        for k in ("streamed", "brute")
+    ]
     got = {child.extra["kind"]: _figures(run, child.extra["kind"], context) for child, run in wait_any(started)}
     return got["streamed"], got["brute"]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--context", type=int, default=2048, help="context of the streamed-vs-brute comparison (default 2048)")
+    p.add_argument(
+        "--context", type=int, default=2048, help="context of the streamed-vs-brute comparison (default 2048)"
+    )
     p.add_argument("--contexts", default="", help="more contexts for streamed-only throughput rows, e.g. 8192,1048576")
     p.add_argument("--variants", type=int, default=40, help="random variants (default 40)")
     p.add_argument("--region-bases", type=int, default=20000, help="the region the variants lie in (default 20,000)")
-    p.add_argument("--brute", type=int, default=3,
-                   help="variants the brute force scores (default 3; 0: the streamed run only)")
+    p.add_argument(
+        "--brute", type=int, default=3, help="variants the brute force scores (default 3; 0: the streamed run only)"
+    )
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--segment-tokens", type=int, default=16384)
     p.add_argument("--contig", default="chr22:20000001-21000000")
     p.add_argument("--fasta", default=str(ROOT / "data" / "sample" / "sample.fa.gz"))
     p.add_argument("--checkpoint", default=str(ROOT / "data" / "sample" / "base"))
-    p.add_argument("--max-blocks", type=int, default=0,
-                   help="score only the first N blocks of the plan (and brute-force variants of those); 0: all")
-    p.add_argument("--spread-blocks", type=int, default=0,
-                   help="score only N blocks evenly spaced over the plan (first and last included); 0: all")
-    p.add_argument("--blocks", default="",
-                   help="score only these blocks of the plan, e.g. 1,3,5 (indices from 0); default: all")
-    p.add_argument("--span", type=int, default=0,
-                   help="block span in bases (plan_blocks; default 0: the context); "
-                        "a small span keeps a 1M block's prefix near 1M")
-    p.add_argument("--logs", default="",
-                   help="a folder for the children's logs (kept: a progress line per block); default temporary")
-    p.add_argument("--concurrent", action="store_true",
-                   help="run the streamed and the brute-force child at the same time (a busy machine: the same load)")
+    p.add_argument(
+        "--max-blocks",
+        type=int,
+        default=0,
+        help="score only the first N blocks of the plan (and brute-force variants of those); 0: all",
+    )
+    p.add_argument(
+        "--spread-blocks",
+        type=int,
+        default=0,
+        help="score only N blocks evenly spaced over the plan (first and last included); 0: all",
+    )
+    p.add_argument(
+        "--blocks", default="", help="score only these blocks of the plan, e.g. 1,3,5 (indices from 0); default: all"
+    )
+    p.add_argument(
+        "--span",
+        type=int,
+        default=0,
+        help="block span in bases (plan_blocks; default 0: the context); "
+        "a small span keeps a 1M block's prefix near 1M",
+    )
+    p.add_argument(
+        "--logs",
+        default="",
+        help="a folder for the children's logs (kept: a progress line per block); default temporary",
+    )
+    p.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="run the streamed and the brute-force child at the same time (a busy machine: the same load)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=str(DEFAULT_JSON))
-    p.add_argument("--tokens-only", action="store_true",
-                   help="print the plan's token counts (streamed vs naive) at --context and --contexts; run no model")
+    p.add_argument(
+        "--tokens-only",
+        action="store_true",
+        help="print the plan's token counts (streamed vs naive) at --context and --contexts; run no model",
+    )
     p.add_argument("--child", choices=["streamed", "brute"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args)
         return
-    doc: dict[str, Any] = {"environment": environment(), "args": {k: v for k, v in vars(args).items() if k != "child"},
-                           "runs": []}
+    doc: dict[str, Any] = {
+        "environment": environment(),
+        "args": {k: v for k, v in vars(args).items() if k != "child"},
+        "runs": [],
+    }
     if args.tokens_only:  # the plan's token counts, no model run
         contexts = [args.context] + [int(x) for x in args.contexts.split(",") if x]
         doc["token_model"] = [token_model(args, c) for c in contexts]
@@ -293,8 +397,10 @@ def main() -> None:
         print("| context | variants | blocks | prefix tokens | branch tokens | streamed | naive | naive / streamed |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for t in doc["token_model"]:
-            print(f"| {t['context']:,} | {t['variants']:,} | {t['blocks']:,} | {t['prefix_tokens']:,} | "
-                  f"{t['branch_tokens']:,} | {t['streamed_tokens']:,} | {t['naive_tokens']:,} | {t['ratio']:.1f}x |")
+            print(
+                f"| {t['context']:,} | {t['variants']:,} | {t['blocks']:,} | {t['prefix_tokens']:,} | "
+                f"{t['branch_tokens']:,} | {t['streamed_tokens']:,} | {t['naive_tokens']:,} | {t['ratio']:.1f}x |"
+            )
         return
     if args.brute:
         streamed, brute = measure_both(args, args.context)
@@ -303,28 +409,40 @@ def main() -> None:
         per_b = brute["seconds"] / brute["variants"]
         cpu_s = streamed["cpu_seconds"] / streamed["variants"]
         cpu_b = brute["cpu_seconds"] / brute["variants"]
-        doc["comparison"] = {"context": args.context, "streamed_s_per_variant": per_s, "brute_s_per_variant": per_b,
-                             "ratio": per_b / per_s, "streamed_cpu_s_per_variant": cpu_s,
-                             "brute_cpu_s_per_variant": cpu_b, "cpu_ratio": cpu_b / cpu_s}
+        doc["comparison"] = {
+            "context": args.context,
+            "streamed_s_per_variant": per_s,
+            "brute_s_per_variant": per_b,
+            "ratio": per_b / per_s,
+            "streamed_cpu_s_per_variant": cpu_s,
+            "brute_cpu_s_per_variant": cpu_b,
+            "cpu_ratio": cpu_b / cpu_s,
+        }
     else:  # throughput only
         doc["runs"].append(measure(args, "streamed", args.context))
     write_json(args.json, doc)
     for c in [int(x) for x in args.contexts.split(",") if x]:
         doc["runs"].append(measure(args, "streamed", c))
         write_json(args.json, doc)
-    print("| context | run | variants | blocks | prefix tokens | wall s | CPU s | CPU s / variant | variants / CPU s "
-          "| variants / wall s | peak RSS |")
+    print(
+        "| context | run | variants | blocks | prefix tokens | wall s | CPU s | CPU s / variant | variants / CPU s "
+        "| variants / wall s | peak RSS |"
+    )
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in doc["runs"]:
-        print(f"| {r['context']:,} | {r['kind']} | {r['variants']} | {r.get('blocks', '')} | "
-              f"{r.get('prefix_tokens', '')} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} | "
-              f"{r['cpu_seconds'] / r['variants']:.3f} | {r['variants'] / r['cpu_seconds']:.3f} | "
-              f"{r['variants'] / r['seconds']:.3f} | {r['peak_rss_bytes'] / GiB:.2f} GiB |")
+        print(
+            f"| {r['context']:,} | {r['kind']} | {r['variants']} | {r.get('blocks', '')} | "
+            f"{r.get('prefix_tokens', '')} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} | "
+            f"{r['cpu_seconds'] / r['variants']:.3f} | {r['variants'] / r['cpu_seconds']:.3f} | "
+            f"{r['variants'] / r['seconds']:.3f} | {r['peak_rss_bytes'] / GiB:.2f} GiB |"
+        )
     if "comparison" not in doc:
         return
     c = doc["comparison"]
-    print(f"\nat context {c['context']:,}: brute force / streamed time per variant = {c['ratio']:.1f}x (wall), "
-          f"{c['cpu_ratio']:.1f}x (CPU)")
+    print(
+        f"\nat context {c['context']:,}: brute force / streamed time per variant = {c['ratio']:.1f}x (wall), "
+        f"{c['cpu_ratio']:.1f}x (CPU)"
+    )
 
 
 if __name__ == "__main__":

@@ -45,12 +45,17 @@ DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "window_reads.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("store", type=Path, help="store directory made by `genolong prepare` (nothing is built here)")
     p.add_argument("--split", default="train", help="split to read (default: train)")
     p.add_argument("--length", type=int, default=1_000_000, help="window length in tokens (default: 1,000,000)")
-    p.add_argument("--shrink-to-fit", action="store_true",
-                   help="if no segment holds --length tokens, use the longest segment's length instead of failing")
+    p.add_argument(
+        "--shrink-to-fit",
+        action="store_true",
+        help="if no segment holds --length tokens, use the longest segment's length instead of failing",
+    )
     p.add_argument("--count", type=int, default=200, help="windows per measurement (default: 200)")
     p.add_argument("--warmup", type=int, default=5, help="windows read before timing (default: 5)")
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes (default: 2)")
@@ -106,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.workers > 0:
         windows.position = 2 * total  # fresh windows, not the ones just read (page cache aside)
-        loader = DataLoader(TrainWindowDataset(windows, 1), batch_size=1, num_workers=args.workers,
-                            collate_fn=collate_windows)  # as GenomeDataModule.train_dataloader
+        loader = DataLoader(
+            TrainWindowDataset(windows, 1), batch_size=1, num_workers=args.workers, collate_fn=collate_windows
+        )  # as GenomeDataModule.train_dataloader
         iterator = iter(loader)
         t0 = time.perf_counter()
         first = next(iterator)
@@ -120,15 +126,26 @@ def main(argv: list[str] | None = None) -> int:
             next(iterator)
         seconds = time.perf_counter() - t0
         del iterator
-        results.append(row(f"DataLoader, {args.workers} workers (torch.long)", args.count, seconds, length,
-                           first_batch_s=round(startup, 3)))
+        results.append(
+            row(
+                f"DataLoader, {args.workers} workers (torch.long)",
+                args.count,
+                seconds,
+                length,
+                first_batch_s=round(startup, 3),
+            )
+        )
 
     width = max(len(r["mode"]) for r in results)
-    print(f"\nstore {args.store} split {args.split!r}, window length {length:,} tokens"
-          f"{' (shrunk to the longest segment)' if shrunk else ''}, {os.cpu_count()} CPUs")
+    print(
+        f"\nstore {args.store} split {args.split!r}, window length {length:,} tokens"
+        f"{' (shrunk to the longest segment)' if shrunk else ''}, {os.cpu_count()} CPUs"
+    )
     print(f"{'mode':<{width}}  {'windows':>7}  {'seconds':>8}  {'windows/s':>9}  {'Mtokens/s':>9}")
     for r in results:
-        print(f"{r['mode']:<{width}}  {r['windows']:>7}  {r['seconds']:>8.2f}  {r['windows_per_s']:>9.1f}  {r['mtokens_per_s']:>9.1f}")
+        print(
+            f"{r['mode']:<{width}}  {r['windows']:>7}  {r['seconds']:>8.2f}  {r['windows_per_s']:>9.1f}  {r['mtokens_per_s']:>9.1f}"
+        )
     if "first_batch_s" in results[-1]:
         print(f"(DataLoader first batch, incl. worker start-up: {results[-1]['first_batch_s']:.2f} s)")
 

@@ -67,11 +67,13 @@ def main() -> None:
             out.write(f"::: {name}\n")
         rows.append(f"| [`{name}`]({path.as_posix()}) | {summary(source)} |")
     with mkdocs_gen_files.open("reference/index.md", "w") as out:
-        out.write("# API reference\n\n"
-                  "Every module genolong installs, generated from its docstrings at build time. "
-                  "`genolong.kernels` is the repository's `kernels/` directory and `genolong.evaluation` "
-                  "its `evaluation/` (see `package-dir` in `pyproject.toml`).\n\n"
-                  "| module | what it is |\n|---|---|\n" + "\n".join(rows) + "\n")
+        out.write(
+            "# API reference\n\n"
+            "Every module genolong installs, generated from its docstrings at build time. "
+            "`genolong.kernels` is the repository's `kernels/` directory and `genolong.evaluation` "
+            "its `evaluation/` (see `package-dir` in `pyproject.toml`).\n\n"
+            "| module | what it is |\n|---|---|\n" + "\n".join(rows) + "\n"
+        )
     with mkdocs_gen_files.open("reference/SUMMARY.md", "w") as out:
         out.write("* [Overview](index.md)\n")
         out.writelines(nav.build_literate_nav())

@@ -78,8 +78,9 @@ def split_grouped_entries(text: str) -> str:
             continue
         body_start = i + consumed
         body_end = body_start
-        while body_end < len(lines) and (not lines[body_end].strip() or
-                                         len(lines[body_end]) - len(lines[body_end].lstrip()) > indent):
+        while body_end < len(lines) and (
+            not lines[body_end].strip() or len(lines[body_end]) - len(lines[body_end].lstrip()) > indent
+        ):
             body_end += 1
         while body_end > body_start and not lines[body_end - 1].strip():
             body_end -= 1  # a blank line before the next entry stays where it is

@@ -81,7 +81,11 @@ def lay_out(found: dict[str, Path], tree: Path) -> None:
         shutil.rmtree(tree)
     for name, source in found.items():
         parts = name.split(".")
-        target = tree.joinpath(*parts, "__init__.py") if source.name == "__init__.py" else tree.joinpath(*parts[:-1], f"{parts[-1]}.py")
+        target = (
+            tree.joinpath(*parts, "__init__.py")
+            if source.name == "__init__.py"
+            else tree.joinpath(*parts[:-1], f"{parts[-1]}.py")
+        )
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
 

@@ -65,8 +65,9 @@ def zoom_reductions(bin_size: int, max_size: int) -> list[int]:
     return out
 
 
-def _zoom_records(chrom: np.ndarray, start: np.ndarray, end: np.ndarray, value: np.ndarray,
-                  reduction: int) -> np.ndarray:
+def _zoom_records(
+    chrom: np.ndarray, start: np.ndarray, end: np.ndarray, value: np.ndarray, reduction: int
+) -> np.ndarray:
     """The zoom records of one level: ``[m]`` structured (chrom, start, end, count, min, max, sum, sumsq).
 
     Args:
@@ -91,8 +92,18 @@ def _zoom_records(chrom: np.ndarray, start: np.ndarray, end: np.ndarray, value: 
     return records
 
 
-_ZOOM_DTYPE = np.dtype([("chrom", "<u4"), ("start", "<u4"), ("end", "<u4"), ("count", "<u4"), ("min", "<f4"),
-                        ("max", "<f4"), ("sum", "<f4"), ("sumsq", "<f4")])
+_ZOOM_DTYPE = np.dtype(
+    [
+        ("chrom", "<u4"),
+        ("start", "<u4"),
+        ("end", "<u4"),
+        ("count", "<u4"),
+        ("min", "<f4"),
+        ("max", "<f4"),
+        ("sum", "<f4"),
+        ("sumsq", "<f4"),
+    ]
+)
 _BEDGRAPH_DTYPE = np.dtype([("start", "<u4"), ("end", "<u4"), ("value", "<f4")])
 _VARSTEP_DTYPE = np.dtype([("start", "<u4"), ("value", "<f4")])
 
@@ -117,10 +128,32 @@ def _write_rtree(f: io.BufferedWriter, blocks: list[_Block], end_of_data: int) -
     spans = [[(b.chrom, b.start, b.chrom, b.end) for b in blocks]]  # spans[L][i]: item i of level L
     while len(spans[-1]) > _BLOCK_SIZE:
         below = spans[-1]
-        spans.append([(below[i][0], below[i][1], below[min(i + _BLOCK_SIZE, len(below)) - 1][2],
-                       below[min(i + _BLOCK_SIZE, len(below)) - 1][3]) for i in range(0, len(below), _BLOCK_SIZE)])
-    f.write(struct.pack("<IIQIIIIQII", _RTREE_MAGIC, _BLOCK_SIZE, len(blocks), blocks[0].chrom, blocks[0].start,
-                        blocks[-1].chrom, blocks[-1].end, end_of_data, ITEMS_PER_SLOT, 0))
+        spans.append(
+            [
+                (
+                    below[i][0],
+                    below[i][1],
+                    below[min(i + _BLOCK_SIZE, len(below)) - 1][2],
+                    below[min(i + _BLOCK_SIZE, len(below)) - 1][3],
+                )
+                for i in range(0, len(below), _BLOCK_SIZE)
+            ]
+        )
+    f.write(
+        struct.pack(
+            "<IIQIIIIQII",
+            _RTREE_MAGIC,
+            _BLOCK_SIZE,
+            len(blocks),
+            blocks[0].chrom,
+            blocks[0].start,
+            blocks[-1].chrom,
+            blocks[-1].end,
+            end_of_data,
+            ITEMS_PER_SLOT,
+            0,
+        )
+    )
     top = len(spans) - 1
     offset = f.tell()
     node_offsets: dict[int, list[int]] = {}  # level -> file offset of each of its nodes
@@ -133,7 +166,7 @@ def _write_rtree(f: io.BufferedWriter, blocks: list[_Block], end_of_data: int) -
     for level in range(top, -1, -1):
         items = spans[level]
         for k in range(0, len(items), _BLOCK_SIZE):
-            chunk = items[k:k + _BLOCK_SIZE]
+            chunk = items[k : k + _BLOCK_SIZE]
             f.write(struct.pack("<BBH", 1 if level == 0 else 0, 0, len(chunk)))
             for i, (c0, s0, c1, e1) in enumerate(chunk, k):
                 if level == 0:
@@ -143,8 +176,15 @@ def _write_rtree(f: io.BufferedWriter, blocks: list[_Block], end_of_data: int) -
     assert f.tell() == offset
 
 
-def write_bigwig_file(path: str | os.PathLike[str], sizes: Mapping[str, int], contig: np.ndarray,
-                      start: np.ndarray, end: np.ndarray, value: np.ndarray, bin_size: int = 1) -> None:
+def write_bigwig_file(
+    path: str | os.PathLike[str],
+    sizes: Mapping[str, int],
+    contig: np.ndarray,
+    start: np.ndarray,
+    end: np.ndarray,
+    value: np.ndarray,
+    bin_size: int = 1,
+) -> None:
     """Write a bigWig file.
 
     Args:
@@ -176,8 +216,16 @@ def write_bigwig_file(path: str | os.PathLike[str], sizes: Mapping[str, int], co
         summary_offset = f.tell()
         v = value.astype(np.float64)
         length = (end - start).astype(np.float64)
-        f.write(struct.pack("<Qdddd", int((end - start).sum()), float(value.min()), float(value.max()),
-                            float((length * v).sum()), float((length * v * v).sum())))
+        f.write(
+            struct.pack(
+                "<Qdddd",
+                int((end - start).sum()),
+                float(value.min()),
+                float(value.max()),
+                float((length * v).sum()),
+                float((length * v * v).sum()),
+            )
+        )
         # chromosome B+ tree: one leaf holding every chromosome (keys: names zero-padded, in byte order)
         chrom_tree_offset = f.tell()
         key_size = max(1, max(len(n.encode()) for n in names))
@@ -217,15 +265,37 @@ def write_bigwig_file(path: str | os.PathLike[str], sizes: Mapping[str, int], co
                 raw = records[a:b].tobytes()
                 uncompressed = max(uncompressed, len(raw))
                 packed = zlib.compress(raw)
-                zblocks.append(_Block(int(records["chrom"][a]), int(records["start"][a]), int(records["end"][b - 1]),
-                                      f.tell(), len(packed)))
+                zblocks.append(
+                    _Block(
+                        int(records["chrom"][a]),
+                        int(records["start"][a]),
+                        int(records["end"][b - 1]),
+                        f.tell(),
+                        len(packed),
+                    )
+                )
                 f.write(packed)
             zoom_index = f.tell()
             _write_rtree(f, zblocks, zoom_index)
             zoom_headers.append((reduction, zoom_data, zoom_index))
         f.write(struct.pack("<I", BIGWIG_MAGIC))
         f.seek(0)
-        f.write(struct.pack("<IHHQQQHHQQIQ", BIGWIG_MAGIC, 4, len(zoom_headers), chrom_tree_offset, data_offset,
-                            index_offset, 0, 0, 0, summary_offset, uncompressed, 0))
+        f.write(
+            struct.pack(
+                "<IHHQQQHHQQIQ",
+                BIGWIG_MAGIC,
+                4,
+                len(zoom_headers),
+                chrom_tree_offset,
+                data_offset,
+                index_offset,
+                0,
+                0,
+                0,
+                summary_offset,
+                uncompressed,
+                0,
+            )
+        )
         for reduction, zoom_data, zoom_index in zoom_headers:
             f.write(struct.pack("<IIQQ", reduction, 0, zoom_data, zoom_index))

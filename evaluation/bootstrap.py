@@ -23,11 +23,22 @@ import pandas as pd
 from ..errors import InputError
 
 __all__ = [
-    "bucket_edges", "bucket_labels", "format_bases",
-    "resample_indices", "resample_counts", "bootstrap_replicates", "block_bootstrap",
-    "PairedCI", "paired_bootstrap", "paired_replicates", "paired_ci", "hierarchical_paired_bootstrap",
+    "bucket_edges",
+    "bucket_labels",
+    "format_bases",
+    "resample_indices",
+    "resample_counts",
+    "bootstrap_replicates",
+    "block_bootstrap",
+    "PairedCI",
+    "paired_bootstrap",
+    "paired_replicates",
+    "paired_ci",
+    "hierarchical_paired_bootstrap",
     "bucket_table_from_arrays",
-    "split_bucket_table_from_arrays", "BUCKET_COLUMNS", "SOFTMASK_CLASSES",
+    "split_bucket_table_from_arrays",
+    "BUCKET_COLUMNS",
+    "SOFTMASK_CLASSES",
 ]
 
 
@@ -204,13 +215,14 @@ def bootstrap_replicates(tokens: np.ndarray, nll: np.ndarray, n_boot: int = 2000
     row = 0
     for counts in resample_counts(t.shape[0], n_boot, seed):
         sums = counts.astype(np.float64) @ x
-        out[row:row + counts.shape[0]] = _ratio(sums[:, :k], sums[:, k:])
+        out[row : row + counts.shape[0]] = _ratio(sums[:, :k], sums[:, k:])
         row += counts.shape[0]
     return out
 
 
-def block_bootstrap(tokens: np.ndarray, nll: np.ndarray, n_boot: int = 2000, seed: int = 0,
-                    level: float = 0.95) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def block_bootstrap(
+    tokens: np.ndarray, nll: np.ndarray, n_boot: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Mean NLL per bucket with a percentile block-bootstrap interval over tiles.
 
     Tiles are the blocks: tokens inside one tile are dependent, tiles are resampled whole.
@@ -253,8 +265,9 @@ class PairedCI(NamedTuple):
     rel_hi: np.ndarray
 
 
-def paired_replicates(a_tokens: np.ndarray, a_nll: np.ndarray, b_tokens: np.ndarray, b_nll: np.ndarray,
-                      n_boot: int = 2000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def paired_replicates(
+    a_tokens: np.ndarray, a_nll: np.ndarray, b_tokens: np.ndarray, b_nll: np.ndarray, n_boot: int = 2000, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-replicate difference and relative change of mean NLL from run A to run B (paired).
 
     Both runs are resampled with the SAME tile indices (those of :func:`resample_counts`) in every
@@ -275,7 +288,9 @@ def paired_replicates(a_tokens: np.ndarray, a_nll: np.ndarray, b_tokens: np.ndar
     at, an = _check_pair(a_tokens, a_nll, "run A")
     bt, bn = _check_pair(b_tokens, b_nll, "run B")
     if at.shape != bt.shape:
-        raise InputError(f"paired bootstrap needs the same [tiles, buckets] in both runs, got {at.shape} and {bt.shape}")
+        raise InputError(
+            f"paired bootstrap needs the same [tiles, buckets] in both runs, got {at.shape} and {bt.shape}"
+        )
     k = at.shape[1]
     x = np.concatenate([an, at, bn, bt], axis=1)
     diffs = np.empty((int(n_boot), k))
@@ -283,17 +298,24 @@ def paired_replicates(a_tokens: np.ndarray, a_nll: np.ndarray, b_tokens: np.ndar
     row = 0
     for counts in resample_counts(at.shape[0], n_boot, seed):
         s = counts.astype(np.float64) @ x
-        ma = _ratio(s[:, :k], s[:, k:2 * k])
-        mb = _ratio(s[:, 2 * k:3 * k], s[:, 3 * k:])
+        ma = _ratio(s[:, :k], s[:, k : 2 * k])
+        mb = _ratio(s[:, 2 * k : 3 * k], s[:, 3 * k :])
         c = counts.shape[0]
-        diffs[row:row + c] = mb - ma
-        rels[row:row + c] = _ratio(mb, ma) - 1.0
+        diffs[row : row + c] = mb - ma
+        rels[row : row + c] = _ratio(mb, ma) - 1.0
         row += c
     return diffs, rels
 
 
-def paired_bootstrap(a_tokens: np.ndarray, a_nll: np.ndarray, b_tokens: np.ndarray, b_nll: np.ndarray,
-                     n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> PairedCI:
+def paired_bootstrap(
+    a_tokens: np.ndarray,
+    a_nll: np.ndarray,
+    b_tokens: np.ndarray,
+    b_nll: np.ndarray,
+    n_boot: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> PairedCI:
     """Difference and relative change of mean NLL between runs A and B on the same tiles.
 
     Both runs are resampled with the SAME tile indices in every replicate, so tile-to-tile variation
@@ -310,12 +332,20 @@ def paired_bootstrap(a_tokens: np.ndarray, a_nll: np.ndarray, b_tokens: np.ndarr
         :class:`PairedCI` of ``[K]`` arrays (NaN where a bucket has no tokens).
     """
     _check_level(level)
-    return paired_ci(a_tokens, a_nll, b_tokens, b_nll, *paired_replicates(a_tokens, a_nll, b_tokens, b_nll, n_boot, seed),
-                     level)
+    return paired_ci(
+        a_tokens, a_nll, b_tokens, b_nll, *paired_replicates(a_tokens, a_nll, b_tokens, b_nll, n_boot, seed), level
+    )
 
 
-def paired_ci(a_tokens: np.ndarray, a_nll: np.ndarray, b_tokens: np.ndarray, b_nll: np.ndarray,
-              diffs: np.ndarray, rels: np.ndarray, level: float = 0.95) -> PairedCI:
+def paired_ci(
+    a_tokens: np.ndarray,
+    a_nll: np.ndarray,
+    b_tokens: np.ndarray,
+    b_nll: np.ndarray,
+    diffs: np.ndarray,
+    rels: np.ndarray,
+    level: float = 0.95,
+) -> PairedCI:
     """:class:`PairedCI` from the point sums (``[W, K]`` each, as :func:`paired_replicates`) and the
     replicates ``diffs``, ``rels`` (``[n_boot, K]``) that :func:`paired_replicates` drew."""
     _check_level(level)
@@ -331,8 +361,12 @@ def paired_ci(a_tokens: np.ndarray, a_nll: np.ndarray, b_tokens: np.ndarray, b_n
     return PairedCI(a_mean, b_mean, b_mean - a_mean, diff_lo, diff_hi, _ratio(b_mean, a_mean) - 1.0, rel_lo, rel_hi)
 
 
-def hierarchical_paired_bootstrap(groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
-                                  n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> PairedCI:
+def hierarchical_paired_bootstrap(
+    groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+    n_boot: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> PairedCI:
     """Paired comparison of runs A and B pooled over groups of tiles (regions), with a two-stage
     bootstrap: resample the groups, then the tiles inside each drawn group.
 
@@ -377,10 +411,10 @@ def hierarchical_paired_bootstrap(groups: Sequence[tuple[np.ndarray, np.ndarray,
             if rows.size:  # these replicates draw group g in this slot: a fresh tile resample each
                 idx = rng.integers(0, x.shape[0], size=(rows.size, x.shape[0]))
                 sums[rows] += x[idx].sum(axis=1)
-    ma = _ratio(sums[:, :k], sums[:, k:2 * k])
-    mb = _ratio(sums[:, 2 * k:3 * k], sums[:, 3 * k:])
+    ma = _ratio(sums[:, :k], sums[:, k : 2 * k])
+    mb = _ratio(sums[:, 2 * k : 3 * k], sums[:, 3 * k :])
     diffs, rels = mb - ma, _ratio(mb, ma) - 1.0
-    a_n, a_t, b_n, b_t = (np.concatenate([x[:, i * k:(i + 1) * k] for x in checked]) for i in range(4))
+    a_n, a_t, b_n, b_t = (np.concatenate([x[:, i * k : (i + 1) * k] for x in checked]) for i in range(4))
     return paired_ci(a_t, a_n, b_t, b_n, diffs, rels, level)
 
 
@@ -398,22 +432,32 @@ def _with_overall(x: np.ndarray) -> np.ndarray:
 
 def _bucket_frame(edges: np.ndarray) -> pd.DataFrame:
     edges = np.asarray(edges, dtype=np.int64)
-    return pd.DataFrame({
-        "bucket": bucket_labels(edges) + ["all"],
-        "lo": np.append(edges[:-1], edges[0]).astype(np.int64),
-        "hi": np.append(edges[1:], edges[-1]).astype(np.int64),
-    })
+    return pd.DataFrame(
+        {
+            "bucket": bucket_labels(edges) + ["all"],
+            "lo": np.append(edges[:-1], edges[0]).astype(np.int64),
+            "hi": np.append(edges[1:], edges[-1]).astype(np.int64),
+        }
+    )
 
 
 def _check_edges(edges: np.ndarray, k: int) -> np.ndarray:
     e = np.asarray(edges, dtype=np.int64)
     if e.ndim != 1 or len(e) != k + 1 or len(e) < 2 or (np.diff(e) <= 0).any() or e[0] < 1:
-        raise InputError(f"bucket edges must be {k + 1} strictly increasing offsets >= 1 for {k} buckets, got {list(np.ravel(edges))}")
+        raise InputError(
+            f"bucket edges must be {k + 1} strictly increasing offsets >= 1 for {k} buckets, got {list(np.ravel(edges))}"
+        )
     return e
 
 
-def bucket_table_from_arrays(tile_tokens: np.ndarray, tile_nll: np.ndarray, edges: np.ndarray,
-                             n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
+def bucket_table_from_arrays(
+    tile_tokens: np.ndarray,
+    tile_nll: np.ndarray,
+    edges: np.ndarray,
+    n_boot: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> pd.DataFrame:
     """The bucket table of one run: per bucket and overall, tokens, mean NLL and a block-bootstrap CI.
 
     Args:
@@ -449,8 +493,14 @@ def _split_columns(x: np.ndarray) -> np.ndarray:
     return np.concatenate([_with_overall(x[:, :, c]) for c in range(x.shape[2])], axis=1)
 
 
-def split_bucket_table_from_arrays(tile_tokens: np.ndarray, tile_nll: np.ndarray, edges: np.ndarray,
-                                   n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
+def split_bucket_table_from_arrays(
+    tile_tokens: np.ndarray,
+    tile_nll: np.ndarray,
+    edges: np.ndarray,
+    n_boot: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> pd.DataFrame:
     """The bucket table of one run split by the soft-mask class of the target base.
 
     One block bootstrap over tiles for every (class, bucket) column, so both classes' intervals

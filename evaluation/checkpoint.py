@@ -29,14 +29,24 @@ from ..model.lm import GenoLM
 from ..model.lora import LoraSettings, apply_lora, merge_lora
 from ..model.vocab import VocabMap
 
-__all__ = ["check_adapter", "load_eval_model", "merge_adapter", "recipe_context", "run_recipe", "scoring_kernel_backend"]
+__all__ = [
+    "check_adapter",
+    "load_eval_model",
+    "merge_adapter",
+    "recipe_context",
+    "run_recipe",
+    "scoring_kernel_backend",
+]
 
 
-def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu",
-                    kernel_backend: str | None = None,
-                    adapter: str | os.PathLike[str] | None = None,
-                    overrides: Mapping[str, Any] | None = None) -> tuple[GenoLM, VocabMap | None]:
+def load_eval_model(
+    checkpoint: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    kernel_backend: str | None = None,
+    adapter: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> tuple[GenoLM, VocabMap | None]:
     """The model to evaluate and its vocabulary map, from any of:
 
     - a GLM-5.3-Flash-format directory (config.json + safetensors; e.g. a run's ``export/``);
@@ -70,8 +80,9 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
     """
     if adapter is not None:
         check_adapter(checkpoint, adapter)  # before the base loads
-        model, vocab = load_eval_model(checkpoint, dtype=dtype, device=device, kernel_backend=kernel_backend,
-                                       overrides=overrides)
+        model, vocab = load_eval_model(
+            checkpoint, dtype=dtype, device=device, kernel_backend=kernel_backend, overrides=overrides
+        )
         merge_adapter(model, adapter)
         return model, vocab
     from ..config import parse_recipe
@@ -93,13 +104,17 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
         state = torch.load(path / _DCP_META if sharded else path, map_location="cpu", weights_only=True)
         recipe_data = state.get("genolong", {}).get("recipe")
         if recipe_data is None or (not sharded and "state_dict" not in state):
-            raise InputError(f"{path} is not a genolong finetune checkpoint (no recipe or state_dict inside); "
-                             "give a run's export/ directory or a step*.ckpt written by genolong finetune")
+            raise InputError(
+                f"{path} is not a genolong finetune checkpoint (no recipe or state_dict inside); "
+                "give a run's export/ directory or a step*.ckpt written by genolong finetune"
+            )
         recipe = parse_recipe(recipe_data, source=str(path))
         config = _with_overrides(recipe.model_config(), overrides, path).replace(kernel_backend=kernel_backend)
         if dtype != torch.float32:
-            raise InputError(f"{path}: a Lightning checkpoint is evaluated in float32; for --dtype {dtype} evaluate "
-                             "the run's export/ directory (genolong finetune writes it at the end)")
+            raise InputError(
+                f"{path}: a Lightning checkpoint is evaluated in float32; for --dtype {dtype} evaluate "
+                "the run's export/ directory (genolong finetune writes it at the end)"
+            )
         base = state.get("genolong", {}).get("base")
         lora = recipe.model.lora
         if base is not None:
@@ -117,7 +132,9 @@ def load_eval_model(checkpoint: str | os.PathLike[str], dtype: torch.dtype = tor
             missing, unexpected = model.load_state_dict(weights, strict=False)
             missing = [m for m in missing if m not in from_base]
             if missing or unexpected:
-                raise InputError(f"{path} does not fit its recipe's model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+                raise InputError(
+                    f"{path} does not fit its recipe's model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+                )
         if lora is not None:  # scored as the run's export/ is written: the adapters merged in fp32
             _to_float32(model)
             merge_lora(model)
@@ -143,8 +160,10 @@ def _with_overrides(config: ModelConfig, overrides: Mapping[str, Any] | None, ch
     from ..config import SHAPE_FIELDS
 
     if shaped := sorted(set(overrides) & set(SHAPE_FIELDS)):
-        raise InputError(f"{checkpoint}: cannot read its weights with another {', '.join(shaped)} (a parameter shape); "
-                         "override only fields such as index_topk")
+        raise InputError(
+            f"{checkpoint}: cannot read its weights with another {', '.join(shaped)} (a parameter shape); "
+            "override only fields such as index_topk"
+        )
     try:
         return config.replace(**overrides)
     except TypeError as exc:
@@ -164,8 +183,14 @@ def _base_names(model: torch.nn.Module) -> set[str]:
     return {name for name, param in model.named_parameters() if not param.requires_grad}
 
 
-def base_of_checkpoint(recipe: Any, config: ModelConfig, base: Mapping[str, Any], checkpoint: Path, mesh_fn: Any = None,
-                       device: torch.device | str = "cpu") -> GenoLM:
+def base_of_checkpoint(
+    recipe: Any,
+    config: ModelConfig,
+    base: Mapping[str, Any],
+    checkpoint: Path,
+    mesh_fn: Any = None,
+    device: torch.device | str = "cpu",
+) -> GenoLM:
     """The model a run's checkpoint that omits the frozen weights (``genolong`` ``base`` entry:
     path and digest of ``model.checkpoint``) is read into: built from ``config`` (the run's, with
     the scorer's kernel backend) as the run built it (meta device,
@@ -182,9 +207,11 @@ def base_of_checkpoint(recipe: Any, config: ModelConfig, base: Mapping[str, Any]
 
     directory = Path(base["path"])
     if not (directory / "config.json").is_file() or base_digest(directory) != base.get("digest"):
-        raise InputError(f"{checkpoint} holds only what its run trained on the base {directory}, which is "
-                         f"{'gone' if not (directory / 'config.json').is_file() else 'another model now (its digest differs)'}; "
-                         "score the run's export/ instead, or put that base back")
+        raise InputError(
+            f"{checkpoint} holds only what its run trained on the base {directory}, which is "
+            f"{'gone' if not (directory / 'config.json').is_file() else 'another model now (its digest differs)'}; "
+            "score the run's export/ instead, or put that base back"
+        )
     torch.manual_seed(recipe.seed)
     with torch.device("meta"):
         model = GenoLM(config)
@@ -214,7 +241,9 @@ def _load_sharded_weights(model: GenoLM, path: Path, from_base: set[str] | None 
     weights = {f"model.{k}": v for k, v in model.state_dict().items()}
     if from_base:
         stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-        weights = {k: v for k, v in weights.items() if f"state_dict.{k}" in stored or k.removeprefix("model.") not in from_base}
+        weights = {
+            k: v for k, v in weights.items() if f"state_dict.{k}" in stored or k.removeprefix("model.") not in from_base
+        }
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -238,9 +267,11 @@ def check_adapter(checkpoint: str | os.PathLike[str], adapter: str | os.PathLike
     read_adapter_config(adapter)
     lora = ((run_recipe(checkpoint) or {}).get("model") or {}).get("lora")
     if lora:
-        raise InputError(f"--adapter {adapter}: {checkpoint} belongs to a LoRA fine-tune run (its recipe sets model.lora), "
-                         "whose weights already hold its adapters; give the base model the adapter was trained on "
-                         "(the run's model.checkpoint) with --adapter, or this checkpoint without --adapter")
+        raise InputError(
+            f"--adapter {adapter}: {checkpoint} belongs to a LoRA fine-tune run (its recipe sets model.lora), "
+            "whose weights already hold its adapters; give the base model the adapter was trained on "
+            "(the run's model.checkpoint) with --adapter, or this checkpoint without --adapter"
+        )
 
 
 def merge_adapter(model: GenoLM, adapter: str | os.PathLike[str]) -> LoraSettings:

@@ -47,8 +47,20 @@ from ..signals import SignalFlag
 from .checkpoint import _DCP_META, check_adapter, load_eval_model, merge_adapter, scoring_kernel_backend
 
 __all__ = [
-    "ScoringGroup", "assemble_nll", "broadcast_from_writer", "gather_to_writer", "launch", "load_scoring_model",
-    "padded_length", "padding_tile", "raise_on_every_rank", "shard_for_scoring", "share_nll", "stop_if_signalled", "tile_rounds", "unsharded",
+    "ScoringGroup",
+    "assemble_nll",
+    "broadcast_from_writer",
+    "gather_to_writer",
+    "launch",
+    "load_scoring_model",
+    "padded_length",
+    "padding_tile",
+    "raise_on_every_rank",
+    "shard_for_scoring",
+    "share_nll",
+    "stop_if_signalled",
+    "tile_rounds",
+    "unsharded",
 ]
 
 _T = TypeVar("_T")
@@ -127,8 +139,13 @@ class ScoringGroup:
             return {"world": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "ep": 1}
         from ..parallel.mesh import ep_size
 
-        return {"world": self.world, "dp_replicate": self.mesh["dp_replicate"].size(),
-                "dp_shard": self.mesh["dp_shard"].size(), "cp": self.cp_size, "ep": ep_size(self.mesh)}
+        return {
+            "world": self.world,
+            "dp_replicate": self.mesh["dp_replicate"].size(),
+            "dp_shard": self.mesh["dp_shard"].size(),
+            "cp": self.cp_size,
+            "ep": ep_size(self.mesh),
+        }
 
 
 def launch(parallel: Any, function: Callable[[ScoringGroup], _T]) -> _T:
@@ -171,9 +188,15 @@ def launch(parallel: Any, function: Callable[[ScoringGroup], _T]) -> _T:
     with quiet_run():
         accelerator = "cuda" if parallel.accelerator == "gpu" else parallel.accelerator
         timeout_s = float(getattr(parallel, "timeout_s", None) or ParallelSection().timeout_s)
-        strategy = ModelParallelStrategy(parallelize_fn=lambda model, mesh: model, data_parallel_size=parallel.dp_size,
-                                         tensor_parallel_size=parallel.cp, timeout=timedelta(seconds=timeout_s))
-        fabric = L.Fabric(accelerator=accelerator, devices=parallel.devices, num_nodes=parallel.num_nodes, strategy=strategy)
+        strategy = ModelParallelStrategy(
+            parallelize_fn=lambda model, mesh: model,
+            data_parallel_size=parallel.dp_size,
+            tensor_parallel_size=parallel.cp,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        fabric = L.Fabric(
+            accelerator=accelerator, devices=parallel.devices, num_nodes=parallel.num_nodes, strategy=strategy
+        )
         fabric.launch()
         # a rank that stops answering ends the others within parallel.timeout_s, with one line naming it
         with stall_guard(timeout_s, lambda exc: "scoring"):
@@ -219,9 +242,15 @@ def padded_length(length: int, multiple: int) -> int:
 
 
 @torch.no_grad()
-def share_nll(model: torch.nn.Module, tokens: np.ndarray, group: ScoringGroup, multiple: int,
-              vocab: VocabMap | None = None, chunk_size: int = 4096,
-              device: torch.device | str = "cpu") -> np.ndarray:
+def share_nll(
+    model: torch.nn.Module,
+    tokens: np.ndarray,
+    group: ScoringGroup,
+    multiple: int,
+    vocab: VocabMap | None = None,
+    chunk_size: int = 4096,
+    device: torch.device | str = "cpu",
+) -> np.ndarray:
     """This CP rank's per-target NLL of one tile (or a batch of tiles), the model's context
     parallelism installed.
 
@@ -257,7 +286,7 @@ def share_nll(model: torch.nn.Module, tokens: np.ndarray, group: ScoringGroup, m
     hidden = model(inputs)  # [B, n, H]
     if hi < total:  # the slice's last row predicts the next slice's first token
         hidden = F.pad(hidden, (0, 0, 0, 1))  # a dummy row: next_token_nll scores rows [:-1]
-        nll = next_token_nll(hidden, model.lm_head.weight, ids[:, lo:hi + 1], chunk_size, vocab)
+        nll = next_token_nll(hidden, model.lm_head.weight, ids[:, lo : hi + 1], chunk_size, vocab)
     else:
         nll = next_token_nll(hidden, model.lm_head.weight, local, chunk_size, vocab)
     out = nll.float().cpu().numpy()
@@ -275,7 +304,9 @@ def assemble_nll(slices: Sequence[np.ndarray], length: int) -> np.ndarray:
 # -- the model on the mesh -------------------------------------------------------------------------
 
 
-def shard_for_scoring(model: torch.nn.Module, group: ScoringGroup, moe_chunk_tokens: int | None = None) -> torch.nn.Module:
+def shard_for_scoring(
+    model: torch.nn.Module, group: ScoringGroup, moe_chunk_tokens: int | None = None
+) -> torch.nn.Module:
     """Install the job's parallelism on a plain model, in place, for forward-only scoring: context
     parallelism over the CP ranks, expert parallelism (``parallel.ep``), FSDP2 over ``dp_shard x cp``
     (:func:`genolong.parallel.parallelize`; no recompute, no offload: nothing is saved for a
@@ -293,10 +324,14 @@ def shard_for_scoring(model: torch.nn.Module, group: ScoringGroup, moe_chunk_tok
     return parallelize(model, moe_chunk_tokens=moe_chunk_tokens, mesh=group.mesh, ep=ep)
 
 
-def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, dtype: torch.dtype = torch.float32,
-                       device: torch.device | str = "cpu",
-                       kernel_backend: str | None = None,
-                       adapter: str | os.PathLike[str] | None = None) -> tuple[torch.nn.Module, VocabMap | None]:
+def load_scoring_model(
+    checkpoint: str | os.PathLike[str],
+    group: ScoringGroup,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    kernel_backend: str | None = None,
+    adapter: str | os.PathLike[str] | None = None,
+) -> tuple[torch.nn.Module, VocabMap | None]:
     """The model to score with and its vocabulary map, on ``group``'s mesh.
 
     One process: :func:`genolong.evaluation.checkpoint.load_eval_model` (the whole model). Several: the
@@ -331,10 +366,14 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
     sharded = path.is_dir() and path.suffix == ".ckpt" and (path / _DCP_META).is_file()
     if not export and not sharded:
         if path.is_file() and path.suffix == ".ckpt":
-            raise InputError(f"{path} is a one-process checkpoint file (one pickle of the whole model): evaluate it in one "
-                             "process, or its run's export/ directory on several")
-        raise InputError(f"{path} is not a checkpoint: give a directory with config.json + safetensors (a run's export/), "
-                         "a run directory (runs/NAME) or a sharded runs/NAME/checkpoints/step*.ckpt directory")
+            raise InputError(
+                f"{path} is a one-process checkpoint file (one pickle of the whole model): evaluate it in one "
+                "process, or its run's export/ directory on several"
+            )
+        raise InputError(
+            f"{path} is not a checkpoint: give a directory with config.json + safetensors (a run's export/), "
+            "a run directory (runs/NAME) or a sharded runs/NAME/checkpoints/step*.ckpt directory"
+        )
     check_weights(path)  # every rank: a damaged file in one line, before anything is read
     vocab = None
     base = None  # a checkpoint's base reference (it then omits the frozen weights)
@@ -346,16 +385,22 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
         meta = torch.load(path / _DCP_META, map_location="cpu", weights_only=True, mmap=True)
         recipe_data = meta.get("genolong", {}).get("recipe")
         if recipe_data is None:
-            raise InputError(f"{path} is not a genolong finetune checkpoint (no recipe inside); give a run's export/ directory")
+            raise InputError(
+                f"{path} is not a genolong finetune checkpoint (no recipe inside); give a run's export/ directory"
+            )
         recipe = parse_recipe(recipe_data, source=str(path))
         base = meta.get("genolong", {}).get("base")
         if recipe.model.lora is not None:
-            raise InputError(f"{path} is a LoRA run's checkpoint (its recipe sets model.lora): score it in one process, "
-                             "or score the run's export/ (merged) or its base with --adapter runs/NAME/adapter on several")
+            raise InputError(
+                f"{path} is a LoRA run's checkpoint (its recipe sets model.lora): score it in one process, "
+                "or score the run's export/ (merged) or its base with --adapter runs/NAME/adapter on several"
+            )
         config = recipe.model_config()
         if dtype != torch.float32:
-            raise InputError(f"{path}: a Lightning checkpoint is evaluated in float32; for --dtype {dtype} evaluate "
-                             "the run's export/ directory (genolong finetune writes it at the end)")
+            raise InputError(
+                f"{path}: a Lightning checkpoint is evaluated in float32; for --dtype {dtype} evaluate "
+                "the run's export/ directory (genolong finetune writes it at the end)"
+            )
         mapped = recipe.vocab_map(config)
         vocab = None if mapped == VocabMap.identity() else mapped
     config = config.replace(kernel_backend=kernel_backend)
@@ -364,7 +409,9 @@ def load_scoring_model(checkpoint: str | os.PathLike[str], group: ScoringGroup, 
         # loader), the rest from the checkpoint, then every weight in float32
         from .checkpoint import _base_names, _to_float32, base_of_checkpoint
 
-        model = base_of_checkpoint(recipe, config, base, path, mesh_fn=lambda m: shard_for_scoring(m, group), device=device)
+        model = base_of_checkpoint(
+            recipe, config, base, path, mesh_fn=lambda m: shard_for_scoring(m, group), device=device
+        )
         _fill_from_dcp(model, path, _base_names(model))
         _to_float32(model)
         return model.eval(), vocab
@@ -404,13 +451,16 @@ def _fill_from_dcp(model: torch.nn.Module, path: Path, from_base: set[str] | Non
     weights = {f"model.{k}": v for k, v in get_model_state_dict(model).items()}
     if from_base:
         stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-        weights = {k: v for k, v in weights.items() if f"state_dict.{k}" in stored or k.removeprefix("model.") not in from_base}
+        weights = {
+            k: v for k, v in weights.items() if f"state_dict.{k}" in stored or k.removeprefix("model.") not in from_base
+        }
     try:
         dcp.load({"state_dict": weights}, checkpoint_id=path)
     except Exception as error:  # DCP reports a missing key or another shape as a CheckpointException
         raise InputError(f"{path} does not fit its recipe's model ({str(error).splitlines()[-1][:200]})") from error
-    set_model_state_dict(model, {k.removeprefix("model."): v for k, v in weights.items()},
-                         options=StateDictOptions(strict=not from_base))
+    set_model_state_dict(
+        model, {k.removeprefix("model."): v for k, v in weights.items()}, options=StateDictOptions(strict=not from_base)
+    )
 
 
 @contextmanager
@@ -442,16 +492,20 @@ def _reshards_after_forward(unit: torch.nn.Module) -> bool:
     return group is not None and group.post_forward_mesh_info is not None
 
 
-def stop_if_signalled(stop: SignalFlag, done: int, total: int, work: Path, device: Any, group: ScoringGroup,
-                      unit: str = "tiles") -> None:
+def stop_if_signalled(
+    stop: SignalFlag, done: int, total: int, work: Path, device: Any, group: ScoringGroup, unit: str = "tiles"
+) -> None:
     """Raise :class:`~genolong.errors.Stopped` (the CLI: one line, status 75) if a stop signal
     reached any rank (:meth:`SignalFlag.agree`; a collective in a job of several processes: every
     rank calls it at the same round). Call it at a round boundary: ``done`` work items (``unit``,
     default "tiles") of ``total`` are committed in ``work``, where a rerun of the same command resumes."""
     got = stop.agree(device=device) if group.distributed else stop.local()
     if got:
-        raise Stopped(f"stopped by {SignalFlag.names(got)} after {done} of {total} {unit}; they are kept in {work}, "
-                      "where the same command resumes", show=group.is_writer)
+        raise Stopped(
+            f"stopped by {SignalFlag.names(got)} after {done} of {total} {unit}; they are kept in {work}, "
+            "where the same command resumes",
+            show=group.is_writer,
+        )
 
 
 def raise_on_every_rank(error: str | None, group: ScoringGroup) -> None:

@@ -41,20 +41,19 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ..data.alphabet import N
 from ..config import kernel_multiple
+from ..data.alphabet import N
 from ..data.windows import EvalTiles, SplitLike
 from ..errors import InputError
+from ..files import replace_dir, writing
 from ..model.decode import Decoder
 from ..model.lm import GenoLM
 from ..model.loss import model_inputs
 from ..model.vocab import VocabMap
-
-from ..files import replace_dir, writing
-from .distributed import ScoringGroup, assemble_nll, gather_to_writer, share_nll, unsharded
-from .score import kernel_backend_meta
-from .plots import OKABE_ITO
 from .bootstrap import bucket_edges, bucket_labels, format_bases
+from .distributed import ScoringGroup, assemble_nll, gather_to_writer, share_nll, unsharded
+from .plots import OKABE_ITO
+from .score import kernel_backend_meta
 
 __all__ = ["LogprobGap", "check_logprobs", "decode_target_logprobs", "gap_figure", "TABLE_COLUMNS", "FP32_MEAN_BOUND"]
 
@@ -134,13 +133,15 @@ class LogprobGap:
 
     def frame(self) -> pd.DataFrame:
         """The per-token arrays as a DataFrame (columns tile, offset, train_logprob, decode_logprob, abs_diff)."""
-        return pd.DataFrame({
-            "tile": self.tile.astype(np.int64),
-            "offset": self.offset.astype(np.int64),
-            "train_logprob": self.train_logprob.astype(np.float32),
-            "decode_logprob": self.decode_logprob.astype(np.float32),
-            "abs_diff": self.abs_diff.astype(np.float64),
-        })
+        return pd.DataFrame(
+            {
+                "tile": self.tile.astype(np.int64),
+                "offset": self.offset.astype(np.int64),
+                "train_logprob": self.train_logprob.astype(np.float32),
+                "decode_logprob": self.decode_logprob.astype(np.float32),
+                "abs_diff": self.abs_diff.astype(np.float64),
+            }
+        )
 
     def save(self, out: str | os.PathLike[str]) -> dict[str, Path]:
         """Write the results to directory ``out``, atomically.
@@ -156,8 +157,13 @@ class LogprobGap:
         """
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        names = {"csv": "logprob_gap.csv", "json": "logprob_gap.json", "tokens": "tokens.parquet",
-                 "png": "logprob_gap.png", "pdf": "logprob_gap.pdf"}
+        names = {
+            "csv": "logprob_gap.csv",
+            "json": "logprob_gap.json",
+            "tokens": "tokens.parquet",
+            "png": "logprob_gap.png",
+            "pdf": "logprob_gap.pdf",
+        }
         work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
             with writing(out, work=work):
@@ -184,17 +190,26 @@ class LogprobGap:
 
 def _row(label: str, lo: int, hi: int, diff: np.ndarray) -> dict[str, Any]:
     n = int(diff.size)
-    return {"bucket": label, "lo": lo, "hi": hi, "tokens": n,
-            "mean_abs_diff": float(diff.mean()) if n else math.nan,
-            "max_abs_diff": float(diff.max()) if n else math.nan}
+    return {
+        "bucket": label,
+        "lo": lo,
+        "hi": hi,
+        "tokens": n,
+        "mean_abs_diff": float(diff.mean()) if n else math.nan,
+        "max_abs_diff": float(diff.max()) if n else math.nan,
+    }
 
 
 def _records(table: pd.DataFrame) -> list[dict[str, Any]]:
     """Table rows as JSON-ready dicts (NaN -> None, numpy scalars -> Python)."""
     rows = []
     for rec in table.to_dict(orient="records"):
-        rows.append({k: (None if isinstance(v, float) and math.isnan(v) else v.item() if hasattr(v, "item") else v)
-                     for k, v in rec.items()})
+        rows.append(
+            {
+                k: (None if isinstance(v, float) and math.isnan(v) else v.item() if hasattr(v, "item") else v)
+                for k, v in rec.items()
+            }
+        )
     return rows
 
 
@@ -240,20 +255,28 @@ def gap_figure(table: pd.DataFrame, title: str = "", bound: float | None = FP32_
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     x = np.arange(len(plotted))
-    for column, name, colour, marker in (("mean_abs_diff", "mean |diff|", _BLUE, "o"),
-                                         ("max_abs_diff", "max |diff|", _VERMILLION, "s")):
+    for column, name, colour, marker in (
+        ("mean_abs_diff", "mean |diff|", _BLUE, "o"),
+        ("max_abs_diff", "max |diff|", _VERMILLION, "s"),
+    ):
         y = plotted[column].to_numpy(dtype=np.float64)
         ax.plot(x, np.where(y > 0, y, np.nan), color=colour, marker=marker, label=name, gid=column)
     if bound is not None:
-        ax.axhline(bound, color=_GREY, linestyle="--", linewidth=1, label=f"fp32 bound on the mean ({bound:g})", gid="bound")
+        ax.axhline(
+            bound, color=_GREY, linestyle="--", linewidth=1, label=f"fp32 bound on the mean ({bound:g})", gid="bound"
+        )
     ax.set_yscale("log")
     ax.set_xticks(x, [f"{b}\n({n:,} tok)" for b, n in zip(plotted["bucket"], plotted["tokens"])])
     ax.set_xlabel("preceding context of the target (bases in its tile)")
     ax.set_ylabel("|log p(train) - log p(decode)| (nats)")
     if len(overall):
         row = overall.iloc[0]
-        ax.plot([], [], " ", label=f"all: mean {row['mean_abs_diff']:.2e}, max {row['max_abs_diff']:.2e} "
-                                   f"({int(row['tokens']):,} tok)")
+        ax.plot(
+            [],
+            [],
+            " ",
+            label=f"all: mean {row['mean_abs_diff']:.2e}, max {row['max_abs_diff']:.2e} ({int(row['tokens']):,} tok)",
+        )
     # below the axes: inside, it would hide points or the bound line
     ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.24), ncol=2, frameon=False)
     ax.margins(x=0.08)
@@ -354,8 +377,10 @@ def check_logprobs(
         raise InputError(f"split {getattr(split, 'name', '?')!r} has no tiles to score; check the store's eval split")
     group = group or ScoringGroup()
     if group.distributed and getattr(group.parallel, "ep", 1) > 1:
-        raise InputError("check-logprobs steps the decode path token by token on each rank; with parallel.ep > 1 the "
-                         "experts' all-to-all would need every rank in step: run it with parallel.ep: 1")
+        raise InputError(
+            "check-logprobs steps the decode path token by token on each rank; with parallel.ep > 1 the "
+            "experts' all-to-all would need every rank in step: run it with parallel.ep: 1"
+        )
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     multiple = kernel_multiple(model.config, group.cp_size)
@@ -365,7 +390,9 @@ def check_logprobs(
         lo = first + group.dp_rank * int(batch_size)
         return list(range(lo, min(lo + int(batch_size), n_tiles)))
 
-    steps = sum(int(tiles.tiles["length"].iloc[i]) - 1 for first in range(0, n_tiles, per_round) for i in share_of(first))
+    steps = sum(
+        int(tiles.tiles["length"].iloc[i]) - 1 for first in range(0, n_tiles, per_round) for i in share_of(first)
+    )
     bar = _progress_bar(progress, steps) if group.is_writer else None
     parts: list[tuple[np.ndarray, ...]] = []
     seconds = {"train": 0.0, "decode": 0.0}
@@ -402,7 +429,9 @@ def check_logprobs(
                 if shares is None:
                     continue
                 for d in range(group.dp_size):  # the dp groups' tiles follow one another
-                    ranks = sorted((s for s in shares if s[0] and s[0][0] == first + d * int(batch_size)), key=lambda s: s[1])
+                    ranks = sorted(
+                        (s for s in shares if s[0] and s[0][0] == first + d * int(batch_size)), key=lambda s: s[1]
+                    )
                     if not ranks:
                         continue
                     ids_d = ranks[0][0]
@@ -413,8 +442,14 @@ def check_logprobs(
                     offset = np.arange(1, w)  # target t + 1 of entry t
                     counted = ~np.isnan(train) & (offset[None] < lengths[:, None])
                     rows, cols = counted.nonzero()
-                    parts.append((np.asarray(ids_d, dtype=np.int64)[rows], (cols + 1).astype(np.int64),
-                                  -train[rows, cols], dec[rows, cols]))
+                    parts.append(
+                        (
+                            np.asarray(ids_d, dtype=np.int64)[rows],
+                            (cols + 1).astype(np.int64),
+                            -train[rows, cols],
+                            dec[rows, cols],
+                        )
+                    )
     finally:
         model.train(was_training)
         if bar is not None:

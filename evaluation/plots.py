@@ -29,8 +29,15 @@ from .report import softmask_name
 from .results import EvalResult, check_by
 from .stats import check_comparable, compare, format_bases
 
-__all__ = ["OKABE_ITO", "position_figure", "bucket_figure", "relative_change_figure", "plot_results", "probe_figure",
-           "save_probe_figure"]
+__all__ = [
+    "OKABE_ITO",
+    "position_figure",
+    "bucket_figure",
+    "relative_change_figure",
+    "plot_results",
+    "probe_figure",
+    "save_probe_figure",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +70,9 @@ def _run_names(results: Sequence[EvalResult]) -> list[str]:
 
 def _need(results: Sequence[EvalResult], at_least: int, what: str) -> None:
     if len(results) < at_least:
-        raise InputError(f"{what} needs at least {at_least} evaluation result(s), got {len(results)}; "
-                         f"pass more RESULT_DIR arguments")
+        raise InputError(
+            f"{what} needs at least {at_least} evaluation result(s), got {len(results)}; pass more RESULT_DIR arguments"
+        )
 
 
 def position_figure(results: Sequence[EvalResult], bins_per_octave: int = 8) -> tuple[Figure, pd.DataFrame]:
@@ -85,12 +93,21 @@ def position_figure(results: Sequence[EvalResult], bins_per_octave: int = 8) -> 
     for i, (r, name) in enumerate(zip(results, _run_names(results))):
         curve = r.position_curve(bins_per_octave)
         curve = curve[curve["tokens"] > 0].reset_index(drop=True)
-        ax.plot(curve["offset_mid"].to_numpy(), curve["nats"].to_numpy(), color=_colour(i), lw=1.6,
-                marker="o", ms=2.5, label=name)
+        ax.plot(
+            curve["offset_mid"].to_numpy(),
+            curve["nats"].to_numpy(),
+            color=_colour(i),
+            lw=1.6,
+            marker="o",
+            ms=2.5,
+            label=name,
+        )
         parts.append(curve.assign(run=name))
     ax.set_xscale("log", base=2)
     # ticks at powers of two, written as lengths ("512", "1k", "1M")
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: format_bases(int(v)) if v >= 1 and float(v).is_integer() else ""))
+    ax.xaxis.set_major_formatter(
+        FuncFormatter(lambda v, _pos: format_bases(int(v)) if v >= 1 and float(v).is_integer() else "")
+    )
     ax.set_xlabel("preceding bases in the tile (offset, log scale)")
     ax.set_ylabel(_LOSS_UNITS)
     ax.set_title("Per-position held-out loss vs preceding context")
@@ -134,8 +151,9 @@ def _by_class(tables: Sequence[pd.DataFrame], by: str | None) -> tuple[list[bool
     if by is None:
         return [None], [[t] for t in tables]
     panels: list[bool | None] = [False, True]
-    return panels, [[t[t["softmask"] == m].drop(columns="softmask").reset_index(drop=True) for m in panels]
-                     for t in tables]
+    return panels, [
+        [t[t["softmask"] == m].drop(columns="softmask").reset_index(drop=True) for m in panels] for t in tables
+    ]
 
 
 def _category_axis(ax: object, axis: Sequence[tuple[int, int, str]]) -> None:
@@ -159,8 +177,9 @@ def _finish(fig: Figure, axes: list, panels: Sequence[bool | None], title: str, 
     fig.legend(handles, labels, loc="outside lower center", ncols=min(n_series, 2), frameon=False)
 
 
-def bucket_figure(results: Sequence[EvalResult], n_boot: int = 2000, seed: int = 0,
-                  level: float = 0.95, by: str | None = None) -> tuple[Figure, pd.DataFrame]:
+def bucket_figure(
+    results: Sequence[EvalResult], n_boot: int = 2000, seed: int = 0, level: float = 0.95, by: str | None = None
+) -> tuple[Figure, pd.DataFrame]:
     """Mean loss per preceding-context bucket (and overall) with block-bootstrap CIs, runs side by side.
 
     Args:
@@ -193,14 +212,20 @@ def bucket_figure(results: Sequence[EvalResult], n_boot: int = 2000, seed: int =
             parts.append(t.assign(run=name) if m is None else t.assign(run=name, softmask=m))
         _category_axis(ax, axis)
     axes[0].set_ylabel(_LOSS_UNITS)
-    _finish(fig, axes, panels, f"Held-out loss by preceding context ({level:.0%} block-bootstrap CI over tiles)",
-            len(results))
+    _finish(
+        fig,
+        axes,
+        panels,
+        f"Held-out loss by preceding context ({level:.0%} block-bootstrap CI over tiles)",
+        len(results),
+    )
     cols = ["run", *([] if by is None else ["softmask"]), "bucket", "lo", "hi", "x", "tokens", "nats", "ci_lo", "ci_hi"]
     return fig, pd.concat(parts, ignore_index=True)[cols]
 
 
-def relative_change_figure(results: Sequence[EvalResult], n_boot: int = 2000, seed: int = 0,
-                           level: float = 0.95, by: str | None = None) -> tuple[Figure, pd.DataFrame]:
+def relative_change_figure(
+    results: Sequence[EvalResult], n_boot: int = 2000, seed: int = 0, level: float = 0.95, by: str | None = None
+) -> tuple[Figure, pd.DataFrame]:
     """Relative change of loss (%) of each later run vs the first, per bucket, with paired CIs.
 
     Negative = the later run has lower loss. The first run is the reference (e.g. the base model,
@@ -236,20 +261,40 @@ def relative_change_figure(results: Sequence[EvalResult], n_boot: int = 2000, se
             x = t["x"].to_numpy()
             colour = _colour(i + 1)  # the colour each run has in the other figures
             ax.vlines(x, t["rel_ci_lo"].to_numpy(), t["rel_ci_hi"].to_numpy(), color=colour, lw=1.6)
-            ax.plot(x, t["rel_pct"].to_numpy(), ls="none", marker="o", ms=5, color=colour, label=f"{name} vs {names[0]}")
+            ax.plot(
+                x, t["rel_pct"].to_numpy(), ls="none", marker="o", ms=5, color=colour, label=f"{name} vs {names[0]}"
+            )
             t = t.assign(run=name, reference=names[0])
             parts.append(t if m is None else t.assign(softmask=m))
         _category_axis(ax, axis)
     axes[0].set_ylabel("relative change in loss (%)")
-    _finish(fig, axes, panels, f"Change in loss vs {names[0]}\n(paired {level:.0%} block-bootstrap CI; below 0 = lower loss)",
-            len(tables))
-    cols = ["run", "reference", *([] if by is None else ["softmask"]), "bucket", "lo", "hi", "x", "tokens", "rel_pct",
-            "rel_ci_lo", "rel_ci_hi", "supported"]
+    _finish(
+        fig,
+        axes,
+        panels,
+        f"Change in loss vs {names[0]}\n(paired {level:.0%} block-bootstrap CI; below 0 = lower loss)",
+        len(tables),
+    )
+    cols = [
+        "run",
+        "reference",
+        *([] if by is None else ["softmask"]),
+        "bucket",
+        "lo",
+        "hi",
+        "x",
+        "tokens",
+        "rel_pct",
+        "rel_ci_lo",
+        "rel_ci_hi",
+        "supported",
+    ]
     return fig, pd.concat(parts, ignore_index=True)[cols]
 
 
-def _save(fig: Figure, series: pd.DataFrame, out: Path, stem: str, formats: Sequence[str],
-          written: dict[str, Path]) -> None:
+def _save(
+    fig: Figure, series: pd.DataFrame, out: Path, stem: str, formats: Sequence[str], written: dict[str, Path]
+) -> None:
     for fmt in formats:
         path = out / f"{stem}.{fmt}"
         # no creation date in the PDF, so that the same tables give the same bytes
@@ -261,8 +306,15 @@ def _save(fig: Figure, series: pd.DataFrame, out: Path, stem: str, formats: Sequ
     written[path.name] = path
 
 
-def plot_results(results: Sequence[EvalResult], out: Path, formats: Sequence[str] = ("png", "pdf"),
-                 n_boot: int = 2000, seed: int = 0, bins_per_octave: int = 8, by: str | None = None) -> dict[str, Path]:
+def plot_results(
+    results: Sequence[EvalResult],
+    out: Path,
+    formats: Sequence[str] = ("png", "pdf"),
+    n_boot: int = 2000,
+    seed: int = 0,
+    bins_per_octave: int = 8,
+    by: str | None = None,
+) -> dict[str, Path]:
     """Draw and save all figures of ``results`` into ``out`` (created if needed).
 
     Writes ``position_loss.{fmt}``, ``buckets.{fmt}`` (with ``by``: ``buckets_softmask.{fmt}``) and, when at least two runs are given,
@@ -321,9 +373,13 @@ def plot_results(results: Sequence[EvalResult], out: Path, formats: Sequence[str
     return written
 
 
-
-def probe_figure(results: Sequence[ProbeResult], n_boot: int = 2000, seed: int = 0, level: float = 0.95,
-                 marks: Sequence[tuple[int, str]] = ()) -> tuple[Figure, pd.DataFrame]:
+def probe_figure(
+    results: Sequence[ProbeResult],
+    n_boot: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+    marks: Sequence[tuple[int, str]] = (),
+) -> tuple[Figure, pd.DataFrame]:
     """The planted-repeat probe (``genolong probe``): loss on the copy by distance in both views
     (top), and the drop ``cut - full`` with its paired interval (bottom), one colour per run.
 
@@ -348,8 +404,9 @@ def probe_figure(results: Sequence[ProbeResult], n_boot: int = 2000, seed: int =
         colour = _colour(i)
         top.plot(x, t["full_nats"].to_numpy(), color=colour, marker="o", ms=4, lw=1.6, label=f"{name}: source in view")
         top.fill_between(x, t["full_ci_lo"].to_numpy(), t["full_ci_hi"].to_numpy(), color=colour, alpha=0.15, lw=0)
-        top.plot(x, t["cut_nats"].to_numpy(), color=colour, marker="s", ms=4, lw=1.2, ls="--",
-                 label=f"{name}: cut below d")
+        top.plot(
+            x, t["cut_nats"].to_numpy(), color=colour, marker="s", ms=4, lw=1.2, ls="--", label=f"{name}: cut below d"
+        )
         drop = t["drop"].to_numpy()
         bottom.vlines(x, t["drop_ci_lo"].to_numpy(), t["drop_ci_hi"].to_numpy(), color=colour, lw=1.6)
         bottom.plot(x, drop, color=colour, marker="o", ms=5, lw=1.0, label=name)
@@ -358,11 +415,22 @@ def probe_figure(results: Sequence[ProbeResult], n_boot: int = 2000, seed: int =
     for bases, text in marks:
         for ax in (top, bottom):
             ax.axvline(bases, color="#999999", lw=1.0, ls=":")
-        top.annotate(text, (bases, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3), textcoords="offset points",
-                     ha="left", va="top", fontsize=8, color="#555555")
+        top.annotate(
+            text,
+            (bases, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -3),
+            textcoords="offset points",
+            ha="left",
+            va="top",
+            fontsize=8,
+            color="#555555",
+        )
     for ax in (top, bottom):
         ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: format_bases(int(v)) if v >= 1 and float(v).is_integer() else ""))
+        ax.xaxis.set_major_formatter(
+            FuncFormatter(lambda v, _pos: format_bases(int(v)) if v >= 1 and float(v).is_integer() else "")
+        )
         ax.grid(True, which="major", alpha=0.3)
     m = results[0].repeat_bases
     top.set_ylabel(f"loss on the {m}-base copy\n(nats/base)")
@@ -375,9 +443,15 @@ def probe_figure(results: Sequence[ProbeResult], n_boot: int = 2000, seed: int =
     return fig, pd.concat(parts, ignore_index=True)
 
 
-def save_probe_figure(results: Sequence[ProbeResult], out: Path, formats: Sequence[str] = ("png", "pdf"),
-                      n_boot: int = 2000, seed: int = 0, marks: Sequence[tuple[int, str]] = (),
-                      stem: str = "probe") -> dict[str, Path]:
+def save_probe_figure(
+    results: Sequence[ProbeResult],
+    out: Path,
+    formats: Sequence[str] = ("png", "pdf"),
+    n_boot: int = 2000,
+    seed: int = 0,
+    marks: Sequence[tuple[int, str]] = (),
+    stem: str = "probe",
+) -> dict[str, Path]:
     """Draw :func:`probe_figure` and save ``out/<stem>.{png,pdf}`` and ``out/<stem>_series.csv``
     (the series drawn), each through a temporary name; returns ``{file name: path}``."""
     supported = FigureCanvasAgg(Figure()).get_supported_filetypes()

@@ -66,8 +66,21 @@ from ..signals import SignalFlag
 from .distributed import ScoringGroup
 from .probe_result import PROBE_COLUMNS, PROBE_FORMAT, ProbeResult  # the saved result (re-exported here)
 
-__all__ = ["PROBE_FORMAT", "PROBE_COLUMNS", "ProbeSettings", "ProbeTileScores", "ProbeResult", "probe_distances",
-           "plant_repeat", "cut_view_span", "probe_views", "probe_tile", "probe_share", "assemble_probe_shares", "probe"]
+__all__ = [
+    "PROBE_FORMAT",
+    "PROBE_COLUMNS",
+    "ProbeSettings",
+    "ProbeTileScores",
+    "ProbeResult",
+    "probe_distances",
+    "plant_repeat",
+    "cut_view_span",
+    "probe_views",
+    "probe_tile",
+    "probe_share",
+    "assemble_probe_shares",
+    "probe",
+]
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +103,10 @@ def probe_distances(context: int, repeat_bases: int) -> list[int]:
             out.append(d)
         d *= 2
     if not out:
-        raise InputError(f"no power-of-two distance d with {repeat_bases} < d <= {context} - {repeat_bases} fits a tile of "
-                         f"--context {context}; raise --context or lower --repeat-bases")
+        raise InputError(
+            f"no power-of-two distance d with {repeat_bases} < d <= {context} - {repeat_bases} fits a tile of "
+            f"--context {context}; raise --context or lower --repeat-bases"
+        )
     return out
 
 
@@ -123,13 +138,17 @@ class ProbeSettings:
         _check_repeat(self.repeat_bases)
         check_segment_tokens(self.segment_tokens)
         if int(self.context) < 2 * self.repeat_bases + 2:
-            raise InputError(f"--context {self.context} is too short for a copy of --repeat-bases {self.repeat_bases} "
-                             f"(needs at least {2 * self.repeat_bases + 2})")
+            raise InputError(
+                f"--context {self.context} is too short for a copy of --repeat-bases {self.repeat_bases} "
+                f"(needs at least {2 * self.repeat_bases + 2})"
+            )
         distances = tuple(int(d) for d in self.distances) or tuple(probe_distances(self.context, self.repeat_bases))
         bad = [d for d in distances if not self.repeat_bases < d <= self.context - self.repeat_bases]
         if bad:
-            raise InputError(f"--distances {bad} out of range: each must satisfy {self.repeat_bases} < d <= "
-                             f"{self.context - self.repeat_bases} (--repeat-bases < d <= --context - --repeat-bases)")
+            raise InputError(
+                f"--distances {bad} out of range: each must satisfy {self.repeat_bases} < d <= "
+                f"{self.context - self.repeat_bases} (--repeat-bases < d <= --context - --repeat-bases)"
+            )
         if len(set(distances)) != len(distances) or list(distances) != sorted(distances):
             raise InputError(f"--distances must be increasing and distinct, got {list(distances)}")
         object.__setattr__(self, "context", int(self.context))
@@ -137,8 +156,10 @@ class ProbeSettings:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (for ``settings.json`` / ``meta.json``)."""
-        return {f.name: (list(getattr(self, f.name)) if f.name == "distances" else getattr(self, f.name))
-                for f in fields(self)}
+        return {
+            f.name: (list(getattr(self, f.name)) if f.name == "distances" else getattr(self, f.name))
+            for f in fields(self)
+        }
 
 
 @dataclass(frozen=True)
@@ -164,7 +185,7 @@ def plant_repeat(tokens: np.ndarray, distance: int, repeat_bases: int) -> np.nda
     if not (m < d <= s):
         raise InputError(f"distance {d} does not fit: need {m} < d <= {s} for a tile of {length} and a copy of {m}")
     out = np.array(tokens, copy=True)
-    out[s:] = tokens[s - d:s - d + m]
+    out[s:] = tokens[s - d : s - d + m]
     return out
 
 
@@ -193,8 +214,13 @@ def _repeat_state(stream: PrefillStream, n: int) -> None:
 
 
 @torch.no_grad()
-def probe_views(model: torch.nn.Module, tokens: np.ndarray, settings: ProbeSettings, vocab: VocabMap | None = None,
-                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def probe_views(
+    model: torch.nn.Module,
+    tokens: np.ndarray,
+    settings: ProbeSettings,
+    vocab: VocabMap | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-target NLL of the copy in both views, at every distance of ``settings``.
 
     The full views share the tile's first ``L - m`` bases, so the prefix runs once through a
@@ -233,25 +259,30 @@ def probe_views(model: torch.nn.Module, tokens: np.ndarray, settings: ProbeSetti
     stream = PrefillStream(model, batch_size=1, capacity=length)
     last = None
     for a in range(0, s, seg):
-        last = stream.extend(inputs[:1, a:min(a + seg, s)])
+        last = stream.extend(inputs[:1, a : min(a + seg, s)])
     assert last is not None
     rows = [last[:, -1:].expand(n_dist, 1, last.shape[-1])]  # [D, 1, H]: predicts the copy's first base
     if m > 1:
         _repeat_state(stream, n_dist)
-        rows.append(stream.extend(inputs[:, s:length - 1]))  # [D, m - 1, H]: predict the copy's bases 1..m-1
+        rows.append(stream.extend(inputs[:, s : length - 1]))  # [D, m - 1, H]: predict the copy's bases 1..m-1
     rows.append(torch.zeros_like(rows[0]))  # a dummy last row: next_token_nll scores rows [:-1]
-    full = next_token_nll(torch.cat(rows, dim=1), head, ids[:, s - 1:], settings.chunk_size, vocab)  # [D, m]
+    full = next_token_nll(torch.cat(rows, dim=1), head, ids[:, s - 1 :], settings.chunk_size, vocab)  # [D, m]
 
     # cut view: each planted tile restarted d - 1 bases before its end
     cut = torch.empty_like(full)
     for i, d in enumerate(distances):
         a, b = cut_view_span(length, d)
-        cut[i] = model.token_nll(ids[i:i + 1, a:b], settings.chunk_size, vocab, settings.segment_tokens)[0, -m:]
+        cut[i] = model.token_nll(ids[i : i + 1, a:b], settings.chunk_size, vocab, settings.segment_tokens)[0, -m:]
     return full.cpu(), cut.cpu()
 
 
-def probe_tile(model: torch.nn.Module, tokens: np.ndarray, settings: ProbeSettings, vocab: VocabMap | None = None,
-               device: torch.device | str = "cpu") -> ProbeTileScores:
+def probe_tile(
+    model: torch.nn.Module,
+    tokens: np.ndarray,
+    settings: ProbeSettings,
+    vocab: VocabMap | None = None,
+    device: torch.device | str = "cpu",
+) -> ProbeTileScores:
     """Probe one tile at every distance of ``settings``: :func:`probe_views` summed over the copy's
     counted targets. The per-tile unit of work of :func:`probe` (a pure function of its arguments,
     so tiles can be dealt to processes and their ``[D]`` arrays gathered).
@@ -272,15 +303,23 @@ def _summed(full64: np.ndarray, cut64: np.ndarray) -> ProbeTileScores:
     counted = ~np.isnan(full64)
     # NaN marks an uncounted target (N, padding): a property of the target, the same in both views
     assert np.array_equal(counted, ~np.isnan(cut64)), "full and cut views count different targets"  # exact: masks
-    return ProbeTileScores(tokens=counted.sum(axis=1).astype(np.int64),
-                           full_nll=np.where(counted, full64, 0.0).sum(axis=1),
-                           cut_nll=np.where(counted, cut64, 0.0).sum(axis=1))
+    return ProbeTileScores(
+        tokens=counted.sum(axis=1).astype(np.int64),
+        full_nll=np.where(counted, full64, 0.0).sum(axis=1),
+        cut_nll=np.where(counted, cut64, 0.0).sum(axis=1),
+    )
 
 
 @torch.no_grad()
-def probe_share(model: torch.nn.Module, tokens: np.ndarray, settings: ProbeSettings, group: ScoringGroup,
-                multiple: int, vocab: VocabMap | None = None,
-                device: torch.device | str = "cpu") -> tuple[list[np.ndarray], list[np.ndarray]]:
+def probe_share(
+    model: torch.nn.Module,
+    tokens: np.ndarray,
+    settings: ProbeSettings,
+    group: ScoringGroup,
+    multiple: int,
+    vocab: VocabMap | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """This rank's share of one tile's probe in a multi-process job (the model sharded over
     ``group``'s mesh, context parallelism installed when ``group.cp_size > 1``).
 
@@ -310,8 +349,9 @@ def probe_share(model: torch.nn.Module, tokens: np.ndarray, settings: ProbeSetti
     return full, cut
 
 
-def assemble_probe_shares(shares: Sequence[tuple[list[np.ndarray], list[np.ndarray]]],
-                          settings: ProbeSettings) -> ProbeTileScores:
+def assemble_probe_shares(
+    shares: Sequence[tuple[list[np.ndarray], list[np.ndarray]]], settings: ProbeSettings
+) -> ProbeTileScores:
     """One tile's :class:`ProbeTileScores` from its CP group's :func:`probe_share` results (in CP
     rank order; one share in a group of one)."""
     from .distributed import assemble_nll
@@ -345,7 +385,10 @@ class _Running:
     def save(self, path: Path) -> None:
         def write(tmp: Path) -> None:
             with open(tmp, "wb") as f:
-                np.savez(f, next_tile=self.next_tile, tokens=self.tokens, full=self.full, cut=self.cut, seconds=self.seconds)
+                np.savez(
+                    f, next_tile=self.next_tile, tokens=self.tokens, full=self.full, cut=self.cut, seconds=self.seconds
+                )
+
         replace_file(path, write)
 
     def load(self, path: Path) -> None:
@@ -425,19 +468,29 @@ def probe(
     if not isinstance(model, GenoLM):
         raise InputError(f"the probe runs a genolong GenoLM; got {type(model).__name__}")
     if group.distributed and segment_tokens is not None:
-        raise InputError("--segment-tokens streams in one process; a multi-process probe runs each view in one forward "
-                         "(context parallelism splits it): pass --segment-tokens 0")
+        raise InputError(
+            "--segment-tokens streams in one process; a multi-process probe runs each view in one forward "
+            "(context parallelism splits it): pass --segment-tokens 0"
+        )
     settings = ProbeSettings(context, repeat_bases, tuple(distances or ()), chunk_size, segment_tokens)
     tiles = EvalTiles(split, context)
     full_length = np.flatnonzero(tiles.tiles["length"].to_numpy() == context)
     if full_length.size == 0:
-        raise InputError(f"no tile of split {getattr(split, 'name', '?')!r} is {context:,} bases long (its segments are "
-                         "shorter); lower --context")
+        raise InputError(
+            f"no tile of split {getattr(split, 'name', '?')!r} is {context:,} bases long (its segments are "
+            "shorter); lower --context"
+        )
     chosen = full_length if max_tiles is None else full_length[:max_tiles]
     run_settings = {
-        "checkpoint": "(in memory)", "store": "(in memory)", "split": str(getattr(split, "name", "?")),
-        **dict(meta or {}), "model_signature": model_signature(model), **kernel_backend_meta(model),
-        **settings.to_dict(), "tiles": int(chosen.size), "eval_tiles": chosen.tolist(),
+        "checkpoint": "(in memory)",
+        "store": "(in memory)",
+        "split": str(getattr(split, "name", "?")),
+        **dict(meta or {}),
+        "model_signature": model_signature(model),
+        **kernel_backend_meta(model),
+        **settings.to_dict(),
+        "tiles": int(chosen.size),
+        "eval_tiles": chosen.tolist(),
         # the full views are streamed in one process and plain forwards under CP / FSDP2: other roundings
         "parallel": group.layout(),
     }
@@ -445,7 +498,11 @@ def probe(
     running = _Running(int(chosen.size), len(settings.distances))
     state = work / _STATE
     if group.is_writer:
-        if (work / _SETTINGS).is_file() and json.loads((work / _SETTINGS).read_text()) == run_settings and state.is_file():
+        if (
+            (work / _SETTINGS).is_file()
+            and json.loads((work / _SETTINGS).read_text()) == run_settings
+            and state.is_file()
+        ):
             running.load(state)
             log.info("resuming the probe in %s at tile %d of %d", work, running.next_tile, chosen.size)
         else:
@@ -475,13 +532,18 @@ def probe(
                 # a rank without a tile in the last round runs the round's first one again (its forwards
                 # are collectives the others wait for) and the writer drops it
                 tokens = tiles[int(chosen[round_[0] if mine is None else mine])].tokens
-                shares = gather_to_writer((mine, group.cp_rank, probe_share(model, tokens, settings, group, multiple,
-                                                                            vocab, device)), group)
+                shares = gather_to_writer(
+                    (mine, group.cp_rank, probe_share(model, tokens, settings, group, multiple, vocab, device)), group
+                )
                 if shares is None:
                     continue
                 for i in round_:
-                    running.add(i, assemble_probe_shares([s[2] for s in sorted((s for s in shares if s[0] == i),
-                                                                               key=lambda s: s[1])], settings))
+                    running.add(
+                        i,
+                        assemble_probe_shares(
+                            [s[2] for s in sorted((s for s in shares if s[0] == i), key=lambda s: s[1])], settings
+                        ),
+                    )
             # the round is committed at once: a kill leaves the state of the last whole round
             running.seconds += time.perf_counter() - began
             running.save(state)
@@ -497,15 +559,37 @@ def probe(
 
     picked = tiles.tiles.iloc[chosen]
     # the probed bases: two probes with one fingerprint planted the same copies in the same tiles
-    digest = hashlib.sha256(json.dumps([picked["contig"].astype(str).tolist(), picked["start"].tolist(),
-                                        settings.repeat_bases, list(settings.distances)]).encode())
+    digest = hashlib.sha256(
+        json.dumps(
+            [
+                picked["contig"].astype(str).tolist(),
+                picked["start"].tolist(),
+                settings.repeat_bases,
+                list(settings.distances),
+            ]
+        ).encode()
+    )
     result = ProbeResult(
-        meta={"format": PROBE_FORMAT, "label": label or out.name, **run_settings,
-              "tokens": int(running.tokens.sum()), "fingerprint": digest.hexdigest(), "seconds": running.seconds},
-        tiles=pd.DataFrame({"tile": np.arange(chosen.size, dtype=np.int64), "contig": picked["contig"].astype(str).to_numpy(),
-                            "start": picked["start"].to_numpy(np.int64), "length": picked["length"].to_numpy(np.int64),
-                            "eval_tile": chosen.astype(np.int64)}),
-        tile_tokens=running.tokens, tile_full=running.full, tile_cut=running.cut,
+        meta={
+            "format": PROBE_FORMAT,
+            "label": label or out.name,
+            **run_settings,
+            "tokens": int(running.tokens.sum()),
+            "fingerprint": digest.hexdigest(),
+            "seconds": running.seconds,
+        },
+        tiles=pd.DataFrame(
+            {
+                "tile": np.arange(chosen.size, dtype=np.int64),
+                "contig": picked["contig"].astype(str).to_numpy(),
+                "start": picked["start"].to_numpy(np.int64),
+                "length": picked["length"].to_numpy(np.int64),
+                "eval_tile": chosen.astype(np.int64),
+            }
+        ),
+        tile_tokens=running.tokens,
+        tile_full=running.full,
+        tile_cut=running.cut,
     )
     result.save(work)
     if figure:

@@ -30,9 +30,24 @@ PROBE_FORMAT = "genolong-probe/1"
 _FIX = "run `genolong probe CHECKPOINT --store DIR --out {path}` first"
 
 #: Columns of :meth:`ProbeResult.table` (``probe.csv``): one row per distance.
-PROBE_COLUMNS = ["distance", "tiles", "tokens", "cut_context_lo", "cut_context_hi", "full_nats", "full_ci_lo",
-                 "full_ci_hi", "cut_nats", "cut_ci_lo", "cut_ci_hi", "drop", "drop_ci_lo", "drop_ci_hi",
-                 "rel_drop_pct", "supported"]
+PROBE_COLUMNS = [
+    "distance",
+    "tiles",
+    "tokens",
+    "cut_context_lo",
+    "cut_context_hi",
+    "full_nats",
+    "full_ci_lo",
+    "full_ci_hi",
+    "cut_nats",
+    "cut_ci_lo",
+    "cut_ci_hi",
+    "drop",
+    "drop_ci_lo",
+    "drop_ci_hi",
+    "rel_drop_pct",
+    "supported",
+]
 
 _TILE_COLUMNS = ["tile", "contig", "start", "length", "eval_tile"]
 _REQUIRED_META = ("format", "label", "checkpoint", "store", "split", "context", "repeat_bases", "distances", "tiles")
@@ -67,12 +82,18 @@ class ProbeResult:
         fix = _FIX.format(path=self.source if self.source is not None else "DIR")
         missing = [k for k in _REQUIRED_META if k not in self.meta]
         if self.meta.get("format") != PROBE_FORMAT or missing:
-            raise InputError(f"{where}: not a {PROBE_FORMAT} result (format {self.meta.get('format')!r}, "
-                             f"missing {missing}); {fix}")
+            raise InputError(
+                f"{where}: not a {PROBE_FORMAT} result (format {self.meta.get('format')!r}, missing {missing}); {fix}"
+            )
         shape = (int(self.meta["tiles"]), len(self.meta["distances"]))
-        if any(x.shape != shape for x in (self.tile_tokens, self.tile_full, self.tile_cut)) or len(self.tiles) != shape[0]:
-            raise InputError(f"{where}: arrays {self.tile_tokens.shape}, {self.tile_full.shape}, {self.tile_cut.shape} and "
-                             f"{len(self.tiles)} tile rows do not match {shape[0]} tiles x {shape[1]} distances; {fix}")
+        if (
+            any(x.shape != shape for x in (self.tile_tokens, self.tile_full, self.tile_cut))
+            or len(self.tiles) != shape[0]
+        ):
+            raise InputError(
+                f"{where}: arrays {self.tile_tokens.shape}, {self.tile_full.shape}, {self.tile_cut.shape} and "
+                f"{len(self.tiles)} tile rows do not match {shape[0]} tiles x {shape[1]} distances; {fix}"
+            )
 
     @property
     def label(self) -> str:
@@ -111,14 +132,26 @@ class ProbeResult:
         with np.errstate(invalid="ignore"):
             supported = (ci.diff_lo > 0) | (ci.diff_hi < 0)
             rel = 100.0 * (1.0 - f_mean / c_mean)
-        table = pd.DataFrame({
-            "distance": d, "tiles": (t > 0).sum(axis=0).astype(np.int64), "tokens": t.sum(axis=0).astype(np.int64),
-            "cut_context_lo": d - m, "cut_context_hi": d - 1,
-            "full_nats": f_mean, "full_ci_lo": f_lo, "full_ci_hi": f_hi,
-            "cut_nats": c_mean, "cut_ci_lo": c_lo, "cut_ci_hi": c_hi,
-            "drop": ci.diff, "drop_ci_lo": ci.diff_lo, "drop_ci_hi": ci.diff_hi,
-            "rel_drop_pct": rel, "supported": supported,
-        })
+        table = pd.DataFrame(
+            {
+                "distance": d,
+                "tiles": (t > 0).sum(axis=0).astype(np.int64),
+                "tokens": t.sum(axis=0).astype(np.int64),
+                "cut_context_lo": d - m,
+                "cut_context_hi": d - 1,
+                "full_nats": f_mean,
+                "full_ci_lo": f_lo,
+                "full_ci_hi": f_hi,
+                "cut_nats": c_mean,
+                "cut_ci_lo": c_lo,
+                "cut_ci_hi": c_hi,
+                "drop": ci.diff,
+                "drop_ci_lo": ci.diff_lo,
+                "drop_ci_hi": ci.diff_hi,
+                "rel_drop_pct": rel,
+                "supported": supported,
+            }
+        )
         return table[PROBE_COLUMNS]
 
     def save(self, directory: Path) -> None:
@@ -127,27 +160,44 @@ class ProbeResult:
         directory = Path(directory)
         w, k = self.tile_tokens.shape
         (directory / "meta.json").write_text(json.dumps(self.meta, indent=2, default=_json_default) + "\n")
-        pq.write_table(pa.table({
-            "tile": pa.array(self.tiles["tile"].to_numpy(), pa.int64()),
-            "contig": pa.array(self.tiles["contig"].astype(str).tolist(), pa.string()),
-            "start": pa.array(self.tiles["start"].to_numpy(), pa.int64()),
-            "length": pa.array(self.tiles["length"].to_numpy(), pa.int64()),
-            "eval_tile": pa.array(self.tiles["eval_tile"].to_numpy(), pa.int64()),
-        }), directory / "tiles.parquet")
-        pq.write_table(pa.table({
-            "tile": pa.array(np.repeat(np.arange(w, dtype=np.int64), k), pa.int64()),
-            "distance": pa.array(np.tile(self.distances, w), pa.int64()),
-            "tokens": pa.array(self.tile_tokens.ravel(), pa.int64()),
-            "full_nll": pa.array(self.tile_full.ravel(), pa.float64()),
-            "cut_nll": pa.array(self.tile_cut.ravel(), pa.float64()),
-        }), directory / "probe_tiles.parquet")
+        pq.write_table(
+            pa.table(
+                {
+                    "tile": pa.array(self.tiles["tile"].to_numpy(), pa.int64()),
+                    "contig": pa.array(self.tiles["contig"].astype(str).tolist(), pa.string()),
+                    "start": pa.array(self.tiles["start"].to_numpy(), pa.int64()),
+                    "length": pa.array(self.tiles["length"].to_numpy(), pa.int64()),
+                    "eval_tile": pa.array(self.tiles["eval_tile"].to_numpy(), pa.int64()),
+                }
+            ),
+            directory / "tiles.parquet",
+        )
+        pq.write_table(
+            pa.table(
+                {
+                    "tile": pa.array(np.repeat(np.arange(w, dtype=np.int64), k), pa.int64()),
+                    "distance": pa.array(np.tile(self.distances, w), pa.int64()),
+                    "tokens": pa.array(self.tile_tokens.ravel(), pa.int64()),
+                    "full_nll": pa.array(self.tile_full.ravel(), pa.float64()),
+                    "cut_nll": pa.array(self.tile_cut.ravel(), pa.float64()),
+                }
+            ),
+            directory / "probe_tiles.parquet",
+        )
         table = self.table()
         table.to_csv(directory / "probe.csv", index=False)
-        rows = [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in row.items()}
-                for row in table.to_dict(orient="records")]
-        (directory / "probe.json").write_text(json.dumps({"label": self.label, "repeat_bases": self.repeat_bases,
-                                                          "context": self.meta["context"], "rows": rows},
-                                                         indent=1, default=_json_default) + "\n")
+        rows = [
+            {k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in row.items()}
+            for row in table.to_dict(orient="records")
+        ]
+        (directory / "probe.json").write_text(
+            json.dumps(
+                {"label": self.label, "repeat_bases": self.repeat_bases, "context": self.meta["context"], "rows": rows},
+                indent=1,
+                default=_json_default,
+            )
+            + "\n"
+        )
 
     @classmethod
     def load(cls, directory: Path | str) -> ProbeResult:
@@ -172,8 +222,14 @@ class ProbeResult:
         w, k = int(meta["tiles"]), len(meta["distances"])
         cells = cells.sort_values(["tile", "distance"], kind="stable")
         if len(cells) != w * k or not np.array_equal(cells["tile"].to_numpy(), np.repeat(np.arange(w), k)):
-            raise InputError(f"{directory / 'probe_tiles.parquet'} is not the dense {w} tiles x {k} distances table; {fix}")
-        return cls(meta=meta, tiles=tiles[_TILE_COLUMNS],
-                   tile_tokens=cells["tokens"].to_numpy(np.int64).reshape(w, k),
-                   tile_full=cells["full_nll"].to_numpy(np.float64).reshape(w, k),
-                   tile_cut=cells["cut_nll"].to_numpy(np.float64).reshape(w, k), source=directory)
+            raise InputError(
+                f"{directory / 'probe_tiles.parquet'} is not the dense {w} tiles x {k} distances table; {fix}"
+            )
+        return cls(
+            meta=meta,
+            tiles=tiles[_TILE_COLUMNS],
+            tile_tokens=cells["tokens"].to_numpy(np.int64).reshape(w, k),
+            tile_full=cells["full_nll"].to_numpy(np.float64).reshape(w, k),
+            tile_cut=cells["cut_nll"].to_numpy(np.float64).reshape(w, k),
+            source=directory,
+        )

@@ -38,8 +38,20 @@ __all__ = ["FORMAT", "BY_CHOICES", "EvalResult", "check_by"]
 
 FORMAT = "genolong-eval/1"
 
-_REQUIRED_META = ("format", "label", "checkpoint", "store", "split", "context", "context_cut",
-                  "bucket_edges", "tiles", "tokens", "nll_sum", "fingerprint")
+_REQUIRED_META = (
+    "format",
+    "label",
+    "checkpoint",
+    "store",
+    "split",
+    "context",
+    "context_cut",
+    "bucket_edges",
+    "tiles",
+    "tokens",
+    "nll_sum",
+    "fingerprint",
+)
 _TILE_COLUMNS = ["tile", "contig", "start", "length"]
 _FIX = "run `genolong evaluate CHECKPOINT --store DIR --out {path}` first"
 _SPLIT_FILE = "tile_buckets_softmask.parquet"
@@ -127,7 +139,9 @@ class EvalResult:
         except (TypeError, ValueError) as exc:
             raise self._fail(f"meta context/tiles/bucket_edges are not integers ({exc})") from None
         if edges.ndim != 1 or len(edges) < 2 or edges[0] < 1 or (np.diff(edges) <= 0).any() or edges[-1] > context:
-            raise self._fail(f"bucket_edges {meta['bucket_edges']} are not strictly increasing offsets in [1, {context}]")
+            raise self._fail(
+                f"bucket_edges {meta['bucket_edges']} are not strictly increasing offsets in [1, {context}]"
+            )
         if n_tiles < 1:
             raise self._fail("it has no tiles (the split is shorter than 2 bases?)")
         k = len(edges) - 1
@@ -135,20 +149,26 @@ class EvalResult:
             raise self._fail(f"tiles table has columns {list(self.tiles.columns)}, expected {_TILE_COLUMNS}")
         if len(self.tiles) != n_tiles:
             raise self._fail(f"tiles table has {len(self.tiles)} rows but meta says {n_tiles} tiles")
-        self.tiles = pd.DataFrame({
-            "tile": self.tiles["tile"].to_numpy(dtype=np.int64),
-            "contig": self.tiles["contig"].astype(str),
-            "start": self.tiles["start"].to_numpy(dtype=np.int64),
-            "length": self.tiles["length"].to_numpy(dtype=np.int64),
-        })
+        self.tiles = pd.DataFrame(
+            {
+                "tile": self.tiles["tile"].to_numpy(dtype=np.int64),
+                "contig": self.tiles["contig"].astype(str),
+                "start": self.tiles["start"].to_numpy(dtype=np.int64),
+                "length": self.tiles["length"].to_numpy(dtype=np.int64),
+            }
+        )
         if not np.array_equal(self.tiles["tile"].to_numpy(), np.arange(n_tiles)):
             raise self._fail("tiles table column tile is not 0..W-1 in order")
         if self.tile_tokens.shape != (n_tiles, k) or self.tile_nll.shape != (n_tiles, k):
-            raise self._fail(f"tile arrays have shapes {self.tile_tokens.shape} and {self.tile_nll.shape}, "
-                             f"expected ({n_tiles}, {k}) for {n_tiles} tiles and {k} buckets")
+            raise self._fail(
+                f"tile arrays have shapes {self.tile_tokens.shape} and {self.tile_nll.shape}, "
+                f"expected ({n_tiles}, {k}) for {n_tiles} tiles and {k} buckets"
+            )
         if self.position_tokens.shape != (context,) or self.position_nll.shape != (context,):
-            raise self._fail(f"position arrays have shapes {self.position_tokens.shape} and {self.position_nll.shape}, "
-                             f"expected ({context},)")
+            raise self._fail(
+                f"position arrays have shapes {self.position_tokens.shape} and {self.position_nll.shape}, "
+                f"expected ({context},)"
+            )
         if (self.tile_tokens < 0).any() or (self.position_tokens < 0).any():
             raise self._fail("token counts are negative")
         if self.position_tokens[0] != 0:
@@ -157,11 +177,13 @@ class EvalResult:
             raise self._fail(f"a tile is longer than the context {context}")
         total = int(self.tile_tokens.sum())
         if total != int(meta["tokens"]) or total != int(self.position_tokens.sum()):
-            raise self._fail(f"token totals disagree (tiles {total}, positions {int(self.position_tokens.sum())}, "
-                             f"meta {meta['tokens']})")
+            raise self._fail(
+                f"token totals disagree (tiles {total}, positions {int(self.position_tokens.sum())}, "
+                f"meta {meta['tokens']})"
+            )
         # the per-offset and per-tile tables are two sums of the same tokens: bucket by bucket
-        by_offset = np.add.reduceat(self.position_tokens[edges[0]:edges[-1]], edges[:-1] - edges[0])
-        if not np.array_equal(by_offset, self.tile_tokens.sum(axis=0)) or self.position_tokens[edges[-1]:].any():
+        by_offset = np.add.reduceat(self.position_tokens[edges[0] : edges[-1]], edges[:-1] - edges[0])
+        if not np.array_equal(by_offset, self.tile_tokens.sum(axis=0)) or self.position_tokens[edges[-1] :].any():
             raise self._fail("per-offset and per-tile token counts disagree bucket by bucket")
         nll_tiles, nll_pos = float(self.tile_nll.sum()), float(self.position_nll.sum())
         scale = max(1.0, abs(float(meta["nll_sum"])))
@@ -174,8 +196,10 @@ class EvalResult:
         w, k = self.tile_tokens.shape
         want = (w, k, len(SOFTMASK_CLASSES))
         if self.softmask_tokens.shape != want or self.softmask_nll.shape != want:
-            raise self._fail(f"soft-mask split arrays have shapes {self.softmask_tokens.shape} and "
-                             f"{self.softmask_nll.shape}, expected {want}")
+            raise self._fail(
+                f"soft-mask split arrays have shapes {self.softmask_tokens.shape} and "
+                f"{self.softmask_nll.shape}, expected {want}"
+            )
         if (self.softmask_tokens < 0).any() or not np.array_equal(self.softmask_tokens.sum(axis=2), self.tile_tokens):
             raise self._fail("the soft-mask split's token counts do not add up to the per-tile counts")
         # evaluate writes tile_nll as the sum of the two classes (equal bit for bit); a result built
@@ -197,8 +221,10 @@ class EvalResult:
         if not self.has_softmask:
             where = f"evaluation result {self.source}" if self.source is not None else f"evaluation result {self.label}"
             path = self.source if self.source is not None else "DIR"
-            raise InputError(f"{where} has no soft-mask split (no {_SPLIT_FILE}: written by an older genolong), so "
-                             f"--by softmask cannot split it; re-run `genolong evaluate` (--out {path} --force) for it")
+            raise InputError(
+                f"{where} has no soft-mask split (no {_SPLIT_FILE}: written by an older genolong), so "
+                f"--by softmask cannot split it; re-run `genolong evaluate` (--out {path} --force) for it"
+            )
 
     @property
     def edges(self) -> np.ndarray:
@@ -249,7 +275,9 @@ class EvalResult:
 
     # ------------------------------------------------------------------ tables
 
-    def bucket_table(self, n_boot: int = 2000, seed: int = 0, level: float = 0.95, by: str | None = None) -> pd.DataFrame:
+    def bucket_table(
+        self, n_boot: int = 2000, seed: int = 0, level: float = 0.95, by: str | None = None
+    ) -> pd.DataFrame:
         """Per-bucket and overall tokens, mean NLL and block-bootstrap CI (see ``bootstrap.bucket_table_from_arrays``).
 
         Columns: ``bucket, lo, hi, tokens, nats, ci_lo, ci_hi, bits, bits_ci_lo, bits_ci_hi``;
@@ -290,8 +318,15 @@ class EvalResult:
         nats = np.full(len(tokens), np.nan)
         np.divide(nll, tokens, out=nats, where=tokens > 0)
         lo, hi = edges[:-1], edges[1:]
-        return pd.DataFrame({"lo": lo, "hi": hi, "offset_mid": np.sqrt(lo * (hi - 1).astype(np.float64)),
-                             "tokens": tokens.astype(np.int64), "nats": nats})
+        return pd.DataFrame(
+            {
+                "lo": lo,
+                "hi": hi,
+                "offset_mid": np.sqrt(lo * (hi - 1).astype(np.float64)),
+                "tokens": tokens.astype(np.int64),
+                "nats": nats,
+            }
+        )
 
     # ------------------------------------------------------------------ files
 
@@ -303,34 +338,56 @@ class EvalResult:
         """
         directory = Path(directory)
         if not directory.is_dir():
-            raise InputError(f"cannot save the evaluation result: {directory} is not an existing directory; create it first")
+            raise InputError(
+                f"cannot save the evaluation result: {directory} is not an existing directory; create it first"
+            )
         w, k = self.tile_tokens.shape
         (directory / "meta.json").write_text(json.dumps(self.meta, indent=2, default=_json_default) + "\n")
-        pq.write_table(pa.table({
-            "tile": pa.array(self.tiles["tile"].to_numpy(), pa.int64()),
-            "contig": pa.array(self.tiles["contig"].astype(str).tolist(), pa.string()),
-            "start": pa.array(self.tiles["start"].to_numpy(), pa.int64()),
-            "length": pa.array(self.tiles["length"].to_numpy(), pa.int64()),
-        }), directory / "tiles.parquet")
-        pq.write_table(pa.table({
-            "tile": pa.array(np.repeat(np.arange(w, dtype=np.int64), k), pa.int64()),
-            "bucket": pa.array(np.tile(np.arange(k, dtype=np.int64), w), pa.int64()),
-            "tokens": pa.array(self.tile_tokens.ravel(), pa.int64()),
-            "nll_sum": pa.array(self.tile_nll.ravel(), pa.float64()),
-        }), directory / "tile_buckets.parquet")
-        pq.write_table(pa.table({
-            "offset": pa.array(np.arange(self.context, dtype=np.int64), pa.int64()),
-            "tokens": pa.array(self.position_tokens, pa.int64()),
-            "nll_sum": pa.array(self.position_nll, pa.float64()),
-        }), directory / "positions.parquet")
+        pq.write_table(
+            pa.table(
+                {
+                    "tile": pa.array(self.tiles["tile"].to_numpy(), pa.int64()),
+                    "contig": pa.array(self.tiles["contig"].astype(str).tolist(), pa.string()),
+                    "start": pa.array(self.tiles["start"].to_numpy(), pa.int64()),
+                    "length": pa.array(self.tiles["length"].to_numpy(), pa.int64()),
+                }
+            ),
+            directory / "tiles.parquet",
+        )
+        pq.write_table(
+            pa.table(
+                {
+                    "tile": pa.array(np.repeat(np.arange(w, dtype=np.int64), k), pa.int64()),
+                    "bucket": pa.array(np.tile(np.arange(k, dtype=np.int64), w), pa.int64()),
+                    "tokens": pa.array(self.tile_tokens.ravel(), pa.int64()),
+                    "nll_sum": pa.array(self.tile_nll.ravel(), pa.float64()),
+                }
+            ),
+            directory / "tile_buckets.parquet",
+        )
+        pq.write_table(
+            pa.table(
+                {
+                    "offset": pa.array(np.arange(self.context, dtype=np.int64), pa.int64()),
+                    "tokens": pa.array(self.position_tokens, pa.int64()),
+                    "nll_sum": pa.array(self.position_nll, pa.float64()),
+                }
+            ),
+            directory / "positions.parquet",
+        )
         if self.has_softmask:
-            pq.write_table(pa.table({
-                "tile": pa.array(np.repeat(np.arange(w, dtype=np.int64), 2 * k), pa.int64()),
-                "bucket": pa.array(np.tile(np.repeat(np.arange(k, dtype=np.int64), 2), w), pa.int64()),
-                "softmask": pa.array(np.tile(np.array([False, True]), w * k), pa.bool_()),
-                "tokens": pa.array(self.softmask_tokens.ravel(), pa.int64()),
-                "nll_sum": pa.array(self.softmask_nll.ravel(), pa.float64()),
-            }), directory / _SPLIT_FILE)
+            pq.write_table(
+                pa.table(
+                    {
+                        "tile": pa.array(np.repeat(np.arange(w, dtype=np.int64), 2 * k), pa.int64()),
+                        "bucket": pa.array(np.tile(np.repeat(np.arange(k, dtype=np.int64), 2), w), pa.int64()),
+                        "softmask": pa.array(np.tile(np.array([False, True]), w * k), pa.bool_()),
+                        "tokens": pa.array(self.softmask_tokens.ravel(), pa.int64()),
+                        "nll_sum": pa.array(self.softmask_nll.ravel(), pa.float64()),
+                    }
+                ),
+                directory / _SPLIT_FILE,
+            )
         self.bucket_table().to_csv(directory / "buckets.csv", index=False)
 
     @classmethod
@@ -377,10 +434,14 @@ class EvalResult:
         except (KeyError, TypeError, ValueError):
             raise InputError(f"{meta_path} lacks valid tiles/bucket_edges; {fix}") from None
         cells = cells.sort_values(["tile", "bucket"], kind="stable")
-        if (len(cells) != w * k
-                or not np.array_equal(cells["tile"].to_numpy(), np.repeat(np.arange(w), k))
-                or not np.array_equal(cells["bucket"].to_numpy(), np.tile(np.arange(k), w))):
-            raise InputError(f"{directory / 'tile_buckets.parquet'} is not the dense {w} tiles x {k} buckets table; {fix}")
+        if (
+            len(cells) != w * k
+            or not np.array_equal(cells["tile"].to_numpy(), np.repeat(np.arange(w), k))
+            or not np.array_equal(cells["bucket"].to_numpy(), np.tile(np.arange(k), w))
+        ):
+            raise InputError(
+                f"{directory / 'tile_buckets.parquet'} is not the dense {w} tiles x {k} buckets table; {fix}"
+            )
         positions = positions.sort_values("offset", kind="stable")
         if not np.array_equal(positions["offset"].to_numpy(), np.arange(len(positions))):
             raise InputError(f"{directory / 'positions.parquet'} offsets are not 0..L-1; {fix}")
@@ -388,20 +449,29 @@ class EvalResult:
         if (directory / _SPLIT_FILE).is_file():  # absent from results written before the split was kept
             split = read(_SPLIT_FILE, ["tile", "bucket", "softmask", "tokens", "nll_sum"])
             split = split.sort_values(["tile", "bucket", "softmask"], kind="stable")
-            if (len(split) != 2 * w * k
-                    or not np.array_equal(split["tile"].to_numpy(), np.repeat(np.arange(w), 2 * k))
-                    or not np.array_equal(split["bucket"].to_numpy(), np.tile(np.repeat(np.arange(k), 2), w))
-                    or not np.array_equal(split["softmask"].to_numpy(bool), np.tile([False, True], w * k))):
-                raise InputError(f"{directory / _SPLIT_FILE} is not the dense {w} tiles x {k} buckets x 2 "
-                                 f"soft-mask classes table; {fix}")
+            if (
+                len(split) != 2 * w * k
+                or not np.array_equal(split["tile"].to_numpy(), np.repeat(np.arange(w), 2 * k))
+                or not np.array_equal(split["bucket"].to_numpy(), np.tile(np.repeat(np.arange(k), 2), w))
+                or not np.array_equal(split["softmask"].to_numpy(bool), np.tile([False, True], w * k))
+            ):
+                raise InputError(
+                    f"{directory / _SPLIT_FILE} is not the dense {w} tiles x {k} buckets x 2 "
+                    f"soft-mask classes table; {fix}"
+                )
             split_tokens = split["tokens"].to_numpy(np.int64).reshape(w, k, 2)
             split_nll = split["nll_sum"].to_numpy(np.float64).reshape(w, k, 2)
-        return cls(meta=meta, tiles=tiles,
-                   tile_tokens=cells["tokens"].to_numpy(np.int64).reshape(w, k),
-                   tile_nll=cells["nll_sum"].to_numpy(np.float64).reshape(w, k),
-                   position_tokens=positions["tokens"].to_numpy(np.int64),
-                   position_nll=positions["nll_sum"].to_numpy(np.float64),
-                   source=directory, softmask_tokens=split_tokens, softmask_nll=split_nll)
+        return cls(
+            meta=meta,
+            tiles=tiles,
+            tile_tokens=cells["tokens"].to_numpy(np.int64).reshape(w, k),
+            tile_nll=cells["nll_sum"].to_numpy(np.float64).reshape(w, k),
+            position_tokens=positions["tokens"].to_numpy(np.int64),
+            position_nll=positions["nll_sum"].to_numpy(np.float64),
+            source=directory,
+            softmask_tokens=split_tokens,
+            softmask_nll=split_nll,
+        )
 
 
 def check_by(by: str | None) -> None:

@@ -46,41 +46,65 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from ..config import kernel_multiple
 from ..data.alphabet import BASE_MASK, SOFTMASK
 from ..data.regions import Regions
-from ..config import kernel_multiple
 from ..data.windows import EvalTiles, SplitLike, context_cut_spans
 from ..errors import InputError
+from ..files import replace_dir, replace_file, writes_output
 from ..model.lm import GenoLM
 from ..model.moe import RoutingStats, moe_layers, record_routing
 from ..model.stream import check_segment_tokens
 from ..model.vocab import VocabMap
-from ..files import replace_dir, replace_file, writes_output
 from ..signals import SignalFlag
+from .bootstrap import bucket_edges
+
 # the checkpoint loaders moved to .checkpoint (below this module and .distributed); imported from here as before
 from .checkpoint import load_eval_model, recipe_context, run_recipe, scoring_kernel_backend
-from .distributed import (ScoringGroup, assemble_nll, broadcast_from_writer, gather_to_writer, padding_tile, share_nll,
-                          stop_if_signalled, tile_rounds)
+from .distributed import (
+    ScoringGroup,
+    assemble_nll,
+    broadcast_from_writer,
+    gather_to_writer,
+    padding_tile,
+    share_nll,
+    stop_if_signalled,
+    tile_rounds,
+)
 from .results import EvalResult
-from .bootstrap import bucket_edges
 from .tracks import chrom_sizes_from_contigs, write_result_tracks
 
-__all__ = ["TOKEN_SCHEMA", "TileScores", "model_signature", "score_tile", "tile_nll", "tile_scores", "evaluate", "load_eval_model", "read_tokens", "recipe_context",
-           "run_recipe", "scoring_kernel_backend", "kernel_backend_meta"]
+__all__ = [
+    "TOKEN_SCHEMA",
+    "TileScores",
+    "model_signature",
+    "score_tile",
+    "tile_nll",
+    "tile_scores",
+    "evaluate",
+    "load_eval_model",
+    "read_tokens",
+    "recipe_context",
+    "run_recipe",
+    "scoring_kernel_backend",
+    "kernel_backend_meta",
+]
 
 log = logging.getLogger(__name__)
 
 #: Columns of the per-token table (``tokens/part-NNNNN.parquet``, one file per tile).
-TOKEN_SCHEMA = pa.schema([
-    ("tile", pa.int32()),            # tile index (row of tiles.parquet)
-    ("contig", pa.dictionary(pa.int32(), pa.string())),
-    ("position", pa.int64()),        # 0-based genomic coordinate of the target base
-    ("offset", pa.int32()),          # bases before it in its tile (bucket key)
-    ("context", pa.int32()),         # bases the model saw (= offset unless context_cut)
-    ("base", pa.uint8()),            # 1..4 = A, C, G, T
-    ("softmask", pa.bool_()),        # lowercase (repeat-masked) in the FASTA
-    ("nll", pa.float32()),           # nats
-])
+TOKEN_SCHEMA = pa.schema(
+    [
+        ("tile", pa.int32()),  # tile index (row of tiles.parquet)
+        ("contig", pa.dictionary(pa.int32(), pa.string())),
+        ("position", pa.int64()),  # 0-based genomic coordinate of the target base
+        ("offset", pa.int32()),  # bases before it in its tile (bucket key)
+        ("context", pa.int32()),  # bases the model saw (= offset unless context_cut)
+        ("base", pa.uint8()),  # 1..4 = A, C, G, T
+        ("softmask", pa.bool_()),  # lowercase (repeat-masked) in the FASTA
+        ("nll", pa.float32()),  # nats
+    ]
+)
 _ROW_GROUP = 1 << 20
 _STATE = "state.npz"
 _SETTINGS = "settings.json"
@@ -106,9 +130,15 @@ class TileScores:
 
 
 @torch.no_grad()
-def tile_nll(model: GenoLM, tokens: np.ndarray, context_cut: int | None = None, vocab: VocabMap | None = None,
-             chunk_size: int = 4096, device: torch.device | str = "cpu",
-             segment_tokens: int | None = None) -> np.ndarray:
+def tile_nll(
+    model: GenoLM,
+    tokens: np.ndarray,
+    context_cut: int | None = None,
+    vocab: VocabMap | None = None,
+    chunk_size: int = 4096,
+    device: torch.device | str = "cpu",
+    segment_tokens: int | None = None,
+) -> np.ndarray:
     """Every target's NLL of one tile in one process: ``[T - 1]`` float32 nats (NaN: not counted);
     the arguments as :func:`score_tile`'s (a tile shorter than 2 tokens: ``[0]``, no forward)."""
     length = int(tokens.shape[0])
@@ -119,7 +149,7 @@ def tile_nll(model: GenoLM, tokens: np.ndarray, context_cut: int | None = None, 
     # the whole spans are one batch [n, C + 1] (one forward instead of n); a short last span alone
     whole = [(a, b) for a, b in spans if b - a == spans[0][1] - spans[0][0]]
     parts = [model.token_nll(torch.cat([ids[:, a:b] for a, b in whole]), chunk_size, vocab, segment_tokens).reshape(-1)]
-    parts += [model.token_nll(ids[:, a:b], chunk_size, vocab, segment_tokens)[0] for a, b in spans[len(whole):]]
+    parts += [model.token_nll(ids[:, a:b], chunk_size, vocab, segment_tokens)[0] for a, b in spans[len(whole) :]]
     return torch.cat(parts).float().cpu().numpy()  # [T - 1]
 
 
@@ -140,15 +170,24 @@ def tile_scores(tokens: np.ndarray, nll: np.ndarray, context_cut: int | None = N
     keep = ~np.isnan(nll)
     targets = tokens[1:]
     return TileScores(
-        offset=offset[keep], context=context[keep], base=(targets & BASE_MASK)[keep].astype(np.uint8),
-        softmask=((targets & SOFTMASK) > 0)[keep], nll=nll[keep].astype(np.float32),
+        offset=offset[keep],
+        context=context[keep],
+        base=(targets & BASE_MASK)[keep].astype(np.uint8),
+        softmask=((targets & SOFTMASK) > 0)[keep],
+        nll=nll[keep].astype(np.float32),
     )
 
 
 @torch.no_grad()
-def score_tile(model: GenoLM, tokens: np.ndarray, context_cut: int | None = None, vocab: VocabMap | None = None,
-               chunk_size: int = 4096, device: torch.device | str = "cpu",
-               segment_tokens: int | None = None) -> TileScores:
+def score_tile(
+    model: GenoLM,
+    tokens: np.ndarray,
+    context_cut: int | None = None,
+    vocab: VocabMap | None = None,
+    chunk_size: int = 4096,
+    device: torch.device | str = "cpu",
+    segment_tokens: int | None = None,
+) -> TileScores:
     """Score one tile's targets.
 
     Args:
@@ -166,7 +205,9 @@ def score_tile(model: GenoLM, tokens: np.ndarray, context_cut: int | None = None
     check_segment_tokens(segment_tokens)
     if int(tokens.shape[0]) < 2:
         return tile_scores(tokens, np.zeros(0, np.float32), context_cut)
-    return tile_scores(tokens, tile_nll(model, tokens, context_cut, vocab, chunk_size, device, segment_tokens), context_cut)
+    return tile_scores(
+        tokens, tile_nll(model, tokens, context_cut, vocab, chunk_size, device, segment_tokens), context_cut
+    )
 
 
 def _tile_digest(contig: str, start: int, scores: TileScores) -> bytes:
@@ -199,16 +240,19 @@ def model_signature(model: torch.nn.Module) -> str:
 
 def _write_part(path: Path, tile: int, contig: str, start: int, scores: TileScores) -> None:
     n = scores.nll.shape[0]
-    table = pa.table({
-        "tile": pa.array(np.full(n, tile, np.int32)),
-        "contig": pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([contig])),
-        "position": pa.array(start + scores.offset),
-        "offset": pa.array(scores.offset.astype(np.int32)),
-        "context": pa.array(scores.context.astype(np.int32)),
-        "base": pa.array(scores.base),
-        "softmask": pa.array(scores.softmask),
-        "nll": pa.array(scores.nll),
-    }, schema=TOKEN_SCHEMA)
+    table = pa.table(
+        {
+            "tile": pa.array(np.full(n, tile, np.int32)),
+            "contig": pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([contig])),
+            "position": pa.array(start + scores.offset),
+            "offset": pa.array(scores.offset.astype(np.int32)),
+            "context": pa.array(scores.context.astype(np.int32)),
+            "base": pa.array(scores.base),
+            "softmask": pa.array(scores.softmask),
+            "nll": pa.array(scores.nll),
+        },
+        schema=TOKEN_SCHEMA,
+    )
     replace_file(path, lambda tmp: pq.write_table(table, tmp, row_group_size=_ROW_GROUP, compression="zstd"))
 
 
@@ -243,18 +287,33 @@ class _Running:
     def save(self, path: Path) -> None:
         def write(tmp: Path) -> None:
             with open(tmp, "wb") as f:
-                np.savez(f, next_tile=self.next_tile, tile_tokens=self.tile_tokens, tile_nll=self.tile_nll,
-                         position_tokens=self.position_tokens, position_nll=self.position_nll,
-                         digests=self.digests, seconds=self.seconds, routing_load=self.routing_load,
-                         routing_entropy=self.routing_entropy, routing_tokens=self.routing_tokens,
-                         softmask_tokens=self.softmask_tokens, softmask_nll=self.softmask_nll)
+                np.savez(
+                    f,
+                    next_tile=self.next_tile,
+                    tile_tokens=self.tile_tokens,
+                    tile_nll=self.tile_nll,
+                    position_tokens=self.position_tokens,
+                    position_nll=self.position_nll,
+                    digests=self.digests,
+                    seconds=self.seconds,
+                    routing_load=self.routing_load,
+                    routing_entropy=self.routing_entropy,
+                    routing_tokens=self.routing_tokens,
+                    softmask_tokens=self.softmask_tokens,
+                    softmask_nll=self.softmask_nll,
+                )
+
         replace_file(path, write)
 
     def load(self, path: Path) -> None:
         with np.load(path) as z:
-            if (z["tile_tokens"].shape != self.tile_tokens.shape or z["position_nll"].shape != self.position_nll.shape
-                    or "routing_load" not in z or z["routing_load"].shape != self.routing_load.shape
-                    or "softmask_tokens" not in z):  # a state of an older genolong lacks the split
+            if (
+                z["tile_tokens"].shape != self.tile_tokens.shape
+                or z["position_nll"].shape != self.position_nll.shape
+                or "routing_load" not in z
+                or z["routing_load"].shape != self.routing_load.shape
+                or "softmask_tokens" not in z
+            ):  # a state of an older genolong lacks the split
                 raise InputError(f"{path} does not match this evaluation; delete {path.parent} to start over")
             self.next_tile = int(z["next_tile"])
             self.tile_tokens[:] = z["tile_tokens"]
@@ -297,13 +356,24 @@ class _Running:
         and the ``load`` (rows per expert) over the scored tiles."""
         out = []
         for j, layer in enumerate(layers):
-            stats = RoutingStats(torch.from_numpy(self.routing_load[j]), torch.zeros((), dtype=torch.int64),
-                                 torch.tensor(self.routing_entropy[j], dtype=torch.float64), int(self.routing_tokens[j]))
+            stats = RoutingStats(
+                torch.from_numpy(self.routing_load[j]),
+                torch.zeros((), dtype=torch.int64),
+                torch.tensor(self.routing_entropy[j], dtype=torch.float64),
+                int(self.routing_tokens[j]),
+            )
             summary = stats.summary()
-            out.append({"layer": int(layer), "load_max_over_mean": summary["load_max_over_mean"],
-                        "dead_experts": int((self.routing_load[j] == 0).sum()), "router_entropy": summary["router_entropy"],
-                        "top_expert_share": summary["top_expert_share"], "tokens": int(self.routing_tokens[j]),
-                        "load": self.routing_load[j].tolist()})
+            out.append(
+                {
+                    "layer": int(layer),
+                    "load_max_over_mean": summary["load_max_over_mean"],
+                    "dead_experts": int((self.routing_load[j] == 0).sum()),
+                    "router_entropy": summary["router_entropy"],
+                    "top_expert_share": summary["top_expert_share"],
+                    "tokens": int(self.routing_tokens[j]),
+                    "load": self.routing_load[j].tolist(),
+                }
+            )
         return out
 
 
@@ -390,31 +460,44 @@ def evaluate(
     check_segment_tokens(segment_tokens)
     sizes = _track_sizes(split, write_tokens) if tracks else None
     if group.distributed and segment_tokens is not None:
-        raise InputError("--segment-tokens streams a tile in one process; a multi-process evaluation runs each "
-                         "rank's share in one forward: pass --segment-tokens 0 (context parallelism splits the tile)")
+        raise InputError(
+            "--segment-tokens streams a tile in one process; a multi-process evaluation runs each "
+            "rank's share in one forward: pass --segment-tokens 0 (context parallelism splits the tile)"
+        )
     if group.cp_size > 1 and context_cut is not None:
         raise InputError("--context-cut scores short windows one process can hold: evaluate it with parallel.cp: 1")
     edges = bucket_edges(context, first_bucket)
     tiles = EvalTiles(split, context)
     if regions is not None:
         frame = tiles.tiles
-        tiles = tiles.select(regions.overlaps(frame["contig"].to_numpy(), frame["start"].to_numpy(),
-                                              (frame["start"] + frame["length"]).to_numpy()))
+        tiles = tiles.select(
+            regions.overlaps(
+                frame["contig"].to_numpy(), frame["start"].to_numpy(), (frame["start"] + frame["length"]).to_numpy()
+            )
+        )
         if not len(tiles):
-            raise InputError(f"--regions {regions.source}: no tile of the split holds a base of the regions (they "
-                             "fall in N gaps); give regions of the held-out chromosomes' sequence")
+            raise InputError(
+                f"--regions {regions.source}: no tile of the split holds a base of the regions (they "
+                "fall in N gaps); give regions of the held-out chromosomes' sequence"
+            )
     n_tiles = len(tiles) if max_tiles is None else min(max_tiles, len(tiles))
     settings = {
         # what the result is of; the CLI names real paths, a library caller may not have them
-        "checkpoint": "(in memory)", "store": "(in memory)", "split": str(getattr(split, "name", "?")),
+        "checkpoint": "(in memory)",
+        "store": "(in memory)",
+        "split": str(getattr(split, "name", "?")),
         **{k: v for k, v in (meta or {}).items()},
         "model_signature": model_signature(model),
         **kernel_backend_meta(model),  # GPU kernels and the torch reference differ by float rounding
-        "context": int(context), "context_cut": None if context_cut is None else int(context_cut),
-        "tiles": n_tiles, "bucket_edges": edges.tolist(),
+        "context": int(context),
+        "context_cut": None if context_cut is None else int(context_cut),
+        "tiles": n_tiles,
+        "bucket_edges": edges.tolist(),
         # which regions chose the tiles: a resumed run must use the same
-        "regions": None if regions is None else {"path": regions.source, "bases": regions.bases,
-                                                 "sha256": regions.digest}, "write_tokens": bool(write_tokens),
+        "regions": None
+        if regions is None
+        else {"path": regions.source, "bases": regions.bases, "sha256": regions.digest},
+        "write_tokens": bool(write_tokens),
         "chunk_size": int(chunk_size),
         # streamed and one-shot scores differ by float rounding: a resumed run must not mix them
         "segment_tokens": None if segment_tokens is None else int(segment_tokens),
@@ -523,8 +606,10 @@ def _track_sizes(split: SplitLike, write_tokens: bool) -> dict[str, int]:
         raise InputError("--tracks are drawn from the per-token table: drop --no-tokens, or drop --tracks")
     contigs = getattr(split, "contigs", None)
     if contigs is None:
-        raise InputError("--tracks need the chromosome sizes of a genome store's split (GenomeStore.open(DIR).split(NAME)); "
-                         "evaluate such a split, or write the tracks later with `genolong tracks RESULT --chrom-sizes FILE`")
+        raise InputError(
+            "--tracks need the chromosome sizes of a genome store's split (GenomeStore.open(DIR).split(NAME)); "
+            "evaluate such a split, or write the tracks later with `genolong tracks RESULT --chrom-sizes FILE`"
+        )
     return chrom_sizes_from_contigs(contigs, f"split {getattr(split, 'name', '?')!r}")
 
 
@@ -547,8 +632,9 @@ def _open_work(work: Path, settings: Mapping[str, Any], running: _Running) -> No
             entry.unlink()
 
 
-def _routing_arrays(totals: Mapping[str, RoutingStats], names: Sequence[str], n_experts: int
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _routing_arrays(
+    totals: Mapping[str, RoutingStats], names: Sequence[str], n_experts: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One forward's routing statistics as arrays over the MoE layers ``names``: rows per expert
     ``[n, E]`` int64, router entropy summed over tokens ``[n]`` float64, tokens ``[n]`` int64."""
     load = np.zeros((len(names), n_experts), np.int64)
@@ -562,8 +648,9 @@ def _routing_arrays(totals: Mapping[str, RoutingStats], names: Sequence[str], n_
     return load, entropy, count
 
 
-def _progress(total: int, done: int, enabled: bool | None, desc: str, command: str = "evaluate",
-              unit: str = "tile") -> Any:
+def _progress(
+    total: int, done: int, enabled: bool | None, desc: str, command: str = "evaluate", unit: str = "tile"
+) -> Any:
     """A tqdm bar of ``total`` units starting at ``done`` (None when ``enabled`` is False, or None
     and stderr is not a terminal); ``evaluate``, ``probe`` and ``variants`` share it."""
     import sys

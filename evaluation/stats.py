@@ -16,25 +16,80 @@ import numpy as np
 import pandas as pd
 
 from ..errors import InputError
-from .bootstrap import (BUCKET_COLUMNS, SOFTMASK_CLASSES, PairedCI, _bucket_frame, _percentiles, _split_columns,
-                        _with_overall, block_bootstrap, bootstrap_replicates, bucket_edges, bucket_labels,
-                        bucket_table_from_arrays, format_bases, paired_bootstrap, paired_ci, paired_replicates,
-                        resample_counts, resample_indices)
+from .bootstrap import (
+    BUCKET_COLUMNS,
+    SOFTMASK_CLASSES,
+    PairedCI,
+    _bucket_frame,
+    _percentiles,
+    _split_columns,
+    _with_overall,
+    block_bootstrap,
+    bootstrap_replicates,
+    bucket_edges,
+    bucket_labels,
+    bucket_table_from_arrays,
+    format_bases,
+    paired_bootstrap,
+    paired_ci,
+    paired_replicates,
+    resample_counts,
+    resample_indices,
+)
 from .results import EvalResult, check_by
 
 __all__ = [
-    "bucket_edges", "bucket_labels", "format_bases",
-    "resample_indices", "resample_counts", "bootstrap_replicates", "block_bootstrap",
-    "PairedCI", "paired_bootstrap", "bucket_table_from_arrays", "check_comparable", "compare", "compare_softmask",
-    "BUCKET_COLUMNS", "COMPARE_COLUMNS", "GAP_COLUMNS",
+    "bucket_edges",
+    "bucket_labels",
+    "format_bases",
+    "resample_indices",
+    "resample_counts",
+    "bootstrap_replicates",
+    "block_bootstrap",
+    "PairedCI",
+    "paired_bootstrap",
+    "bucket_table_from_arrays",
+    "check_comparable",
+    "compare",
+    "compare_softmask",
+    "BUCKET_COLUMNS",
+    "COMPARE_COLUMNS",
+    "GAP_COLUMNS",
 ]
 
-COMPARE_COLUMNS = ["bucket", "lo", "hi", "tokens", "a_nats", "b_nats", "diff", "diff_ci_lo", "diff_ci_hi",
-                   "rel_pct", "rel_ci_lo", "rel_ci_hi", "supported"]
+COMPARE_COLUMNS = [
+    "bucket",
+    "lo",
+    "hi",
+    "tokens",
+    "a_nats",
+    "b_nats",
+    "diff",
+    "diff_ci_lo",
+    "diff_ci_hi",
+    "rel_pct",
+    "rel_ci_lo",
+    "rel_ci_hi",
+    "supported",
+]
 #: Columns of the soft-mask gap table (:func:`compare_softmask`), relative changes in percent.
-GAP_COLUMNS = ["bucket", "lo", "hi", "unmasked_tokens", "masked_tokens", "unmasked_rel_pct", "unmasked_rel_ci_lo",
-               "unmasked_rel_ci_hi", "masked_rel_pct", "masked_rel_ci_lo", "masked_rel_ci_hi", "gap_pct", "gap_ci_lo",
-               "gap_ci_hi", "supported"]
+GAP_COLUMNS = [
+    "bucket",
+    "lo",
+    "hi",
+    "unmasked_tokens",
+    "masked_tokens",
+    "unmasked_rel_pct",
+    "unmasked_rel_ci_lo",
+    "unmasked_rel_ci_hi",
+    "masked_rel_pct",
+    "masked_rel_ci_lo",
+    "masked_rel_ci_hi",
+    "gap_pct",
+    "gap_ci_lo",
+    "gap_ci_hi",
+    "supported",
+]
 
 
 def _where(r: EvalResult) -> str:
@@ -50,24 +105,33 @@ def check_comparable(a: EvalResult, b: EvalResult) -> None:
     """
     fix = "evaluate both with the same --store, --split, --context and --max-tiles"
     if a.fingerprint != b.fingerprint:
-        raise InputError(f"cannot compare {_where(a)} with {_where(b)}: they scored different token sets "
-                         f"(fingerprint {a.fingerprint[:12]} vs {b.fingerprint[:12]}); {fix}")
+        raise InputError(
+            f"cannot compare {_where(a)} with {_where(b)}: they scored different token sets "
+            f"(fingerprint {a.fingerprint[:12]} vs {b.fingerprint[:12]}); {fix}"
+        )
     if not np.array_equal(a.edges, b.edges):
-        raise InputError(f"cannot compare {_where(a)} with {_where(b)}: their bucket edges differ "
-                         f"({list(a.edges)} vs {list(b.edges)}); {fix}")
+        raise InputError(
+            f"cannot compare {_where(a)} with {_where(b)}: their bucket edges differ "
+            f"({list(a.edges)} vs {list(b.edges)}); {fix}"
+        )
     if a.tile_tokens.shape != b.tile_tokens.shape or not np.array_equal(a.tile_tokens, b.tile_tokens):
-        raise InputError(f"cannot compare {_where(a)} with {_where(b)}: the fingerprints match but the token counts "
-                         f"per tile and bucket differ, so one result is damaged; re-run `genolong evaluate` for both")
+        raise InputError(
+            f"cannot compare {_where(a)} with {_where(b)}: the fingerprints match but the token counts "
+            f"per tile and bucket differ, so one result is damaged; re-run `genolong evaluate` for both"
+        )
     # the fingerprint does not cover the soft-masking (results of older versions must still compare),
     # so the split's counts are checked where both keep it
     if a.has_softmask and b.has_softmask and not np.array_equal(a.softmask_tokens, b.softmask_tokens):
-        raise InputError(f"cannot compare {_where(a)} with {_where(b)}: the token counts per tile and bucket match but "
-                         f"their soft-masked (lower-case) counts differ, so they scored stores of differently masked "
-                         f"FASTAs or one result is damaged; {fix}, from one `genolong prepare` store")
+        raise InputError(
+            f"cannot compare {_where(a)} with {_where(b)}: the token counts per tile and bucket match but "
+            f"their soft-masked (lower-case) counts differ, so they scored stores of differently masked "
+            f"FASTAs or one result is damaged; {fix}, from one `genolong prepare` store"
+        )
 
 
-def compare(a: EvalResult, b: EvalResult, n_boot: int = 2000, seed: int = 0, level: float = 0.95,
-            by: str | None = None) -> pd.DataFrame:
+def compare(
+    a: EvalResult, b: EvalResult, n_boot: int = 2000, seed: int = 0, level: float = 0.95, by: str | None = None
+) -> pd.DataFrame:
     """Per-bucket and overall change of loss from run A to run B, with paired block-bootstrap CIs.
 
     Works for base vs tuned, full vs ``--context-cut``, tuned vs control: any two results of the same
@@ -91,8 +155,15 @@ def compare(a: EvalResult, b: EvalResult, n_boot: int = 2000, seed: int = 0, lev
     if by == "softmask":
         return compare_softmask(a, b, n_boot, seed, level)[0]
     check_comparable(a, b)
-    ci = paired_bootstrap(_with_overall(a.tile_tokens), _with_overall(a.tile_nll),
-                          _with_overall(b.tile_tokens), _with_overall(b.tile_nll), n_boot, seed, level)
+    ci = paired_bootstrap(
+        _with_overall(a.tile_tokens),
+        _with_overall(a.tile_nll),
+        _with_overall(b.tile_tokens),
+        _with_overall(b.tile_nll),
+        n_boot,
+        seed,
+        level,
+    )
     return _compare_frame(a.edges, _with_overall(a.tile_tokens).sum(axis=0), ci)
 
 
@@ -108,8 +179,9 @@ def _compare_frame(edges: np.ndarray, tokens: np.ndarray, ci: PairedCI) -> pd.Da
     return table[COMPARE_COLUMNS]
 
 
-def compare_softmask(a: EvalResult, b: EvalResult, n_boot: int = 2000, seed: int = 0,
-                     level: float = 0.95) -> tuple[pd.DataFrame, pd.DataFrame]:
+def compare_softmask(
+    a: EvalResult, b: EvalResult, n_boot: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """:func:`compare` split by soft-masking, and the gap between the two classes' relative changes.
 
     Every (class, bucket) column and the gap are taken from ONE paired block bootstrap over tiles

@@ -59,10 +59,26 @@ from ..errors import InputError, StoreError
 from ..files import replace_dir, unique_sibling, writing
 from .results import EvalResult
 
-__all__ = ["TRACKS_DIR", "FORMATS", "Track", "chrom_sizes_from_contigs", "read_chrom_sizes", "result_chrom_sizes",
-           "result_track", "difference_track", "track_name", "rename_to_sizes", "restrict_track", "bin_track",
-           "parse_formats", "write_bigwig", "write_bedgraph", "write_tracks", "tracks_for_results",
-           "write_result_tracks"]
+__all__ = [
+    "TRACKS_DIR",
+    "FORMATS",
+    "Track",
+    "chrom_sizes_from_contigs",
+    "read_chrom_sizes",
+    "result_chrom_sizes",
+    "result_track",
+    "difference_track",
+    "track_name",
+    "rename_to_sizes",
+    "restrict_track",
+    "bin_track",
+    "parse_formats",
+    "write_bigwig",
+    "write_bedgraph",
+    "write_tracks",
+    "tracks_for_results",
+    "write_result_tracks",
+]
 
 #: the folder of a result directory that ``evaluate --tracks`` and ``genolong tracks`` write
 TRACKS_DIR = "tracks"
@@ -106,8 +122,13 @@ class Track:
 
     def subset(self, keep: np.ndarray) -> Track:
         """The rows where ``keep`` (``[n]`` bool) is true, with the same names."""
-        return replace(self, contig=self.contig[keep], position=self.position[keep], value=self.value[keep],
-                       end=None if self.end is None else self.end[keep])
+        return replace(
+            self,
+            contig=self.contig[keep],
+            position=self.position[keep],
+            value=self.value[keep],
+            end=None if self.end is None else self.end[keep],
+        )
 
     @property
     def stem(self) -> str:
@@ -144,8 +165,10 @@ def chrom_sizes_from_contigs(contigs: Sequence[Mapping[str, Any]], where: str = 
             name = str(record.get("output_name", record["name"]))
             end = int(record["start"]) + int(record["length"])
         except (KeyError, TypeError, ValueError):
-            raise InputError(f"{where} does not record its contigs' start and length; re-run `genolong prepare` "
-                             f"to rebuild it, or {_CHROM_SIZES_FIX}") from None
+            raise InputError(
+                f"{where} does not record its contigs' start and length; re-run `genolong prepare` "
+                f"to rebuild it, or {_CHROM_SIZES_FIX}"
+            ) from None
         sizes[name] = max(end, sizes.get(name, 0))
     return sizes
 
@@ -164,22 +187,28 @@ def read_chrom_sizes(path: str | os.PathLike[str]) -> dict[str, int]:
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read --chrom-sizes {path} ({exc}); give a UCSC chrom.sizes file (name<TAB>length per line)") from None
+        raise InputError(
+            f"cannot read --chrom-sizes {path} ({exc}); give a UCSC chrom.sizes file (name<TAB>length per line)"
+        ) from None
     sizes: dict[str, int] = {}
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
         fields = line.split()
         if len(fields) < 2 or not fields[1].isdigit() or int(fields[1]) < 1:
-            raise InputError(f"--chrom-sizes {path} line {number} is not `name<TAB>length` ({line[:60]!r}); "
-                             "give a UCSC chrom.sizes file")
+            raise InputError(
+                f"--chrom-sizes {path} line {number} is not `name<TAB>length` ({line[:60]!r}); "
+                "give a UCSC chrom.sizes file"
+            )
         name, size = fields[0], int(fields[1])
         region = parse_record_name(name)
         if region.length == size:  # a slice record: its chromosome reaches at least to the slice's end
             name, size = source_name(name), region.start + size
         sizes[name] = max(size, sizes.get(name, 0))
     if not sizes:
-        raise InputError(f"--chrom-sizes {path} lists no chromosome; give a UCSC chrom.sizes file (name<TAB>length per line)")
+        raise InputError(
+            f"--chrom-sizes {path} lists no chromosome; give a UCSC chrom.sizes file (name<TAB>length per line)"
+        )
     return sizes
 
 
@@ -198,8 +227,10 @@ def result_chrom_sizes(result: EvalResult, store: str | os.PathLike[str] | None 
     path = Path(store) if store is not None else Path(str(result.meta.get("store", "")))
     where = result.source if result.source is not None else result.label
     if not str(path) or not path.is_dir():
-        raise InputError(f"the genome store of {where} ({path}) is not there; pass --store DIR (the store it was "
-                         f"evaluated on) or {_CHROM_SIZES_FIX}")
+        raise InputError(
+            f"the genome store of {where} ({path}) is not there; pass --store DIR (the store it was "
+            f"evaluated on) or {_CHROM_SIZES_FIX}"
+        )
     try:
         split = GenomeStore.open(path, verify=False).split(str(result.meta["split"]))
     except StoreError as exc:
@@ -211,16 +242,25 @@ def _token_columns(result_dir: Path) -> pd.DataFrame:
     """contig (str), position (int64), nll (float32) of a result's per-token table, in tile order."""
     parts = sorted((result_dir / "tokens").glob("part-*.parquet"))
     if not parts:
-        raise InputError(f"{result_dir} has no per-token table (tokens/part-*.parquet); re-run `genolong evaluate` "
-                         "without --no-tokens")
+        raise InputError(
+            f"{result_dir} has no per-token table (tokens/part-*.parquet); re-run `genolong evaluate` "
+            "without --no-tokens"
+        )
     try:
-        table = pa.concat_tables([pq.read_table(p, columns=["contig", "position", "nll"]) for p in parts],
-                                 promote_options="permissive")
+        table = pa.concat_tables(
+            [pq.read_table(p, columns=["contig", "position", "nll"]) for p in parts], promote_options="permissive"
+        )
     except (OSError, pa.ArrowException) as exc:
-        raise InputError(f"the per-token table of {result_dir} cannot be read ({exc}); re-run `genolong evaluate`") from None
-    return pd.DataFrame({"contig": table["contig"].cast(pa.string()).to_numpy(zero_copy_only=False).astype(object),
-                         "position": table["position"].to_numpy().astype(np.int64),
-                         "nll": table["nll"].to_numpy().astype(np.float32)})
+        raise InputError(
+            f"the per-token table of {result_dir} cannot be read ({exc}); re-run `genolong evaluate`"
+        ) from None
+    return pd.DataFrame(
+        {
+            "contig": table["contig"].cast(pa.string()).to_numpy(zero_copy_only=False).astype(object),
+            "position": table["position"].to_numpy().astype(np.int64),
+            "nll": table["nll"].to_numpy().astype(np.float32),
+        }
+    )
 
 
 def _sorted_unique(frame: pd.DataFrame, where: str) -> pd.DataFrame:
@@ -230,8 +270,10 @@ def _sorted_unique(frame: pd.DataFrame, where: str) -> pd.DataFrame:
     twice = np.flatnonzero((contig[1:] == contig[:-1]) & (position[1:] == position[:-1]))
     if twice.size:
         i = int(twice[0])
-        raise InputError(f"{where}: the per-token table scores {contig[i]}:{position[i] + 1} more than once (a tile "
-                         "layout evaluate never writes: a damaged or hand-merged result); re-run `genolong evaluate`")
+        raise InputError(
+            f"{where}: the per-token table scores {contig[i]}:{position[i] + 1} more than once (a tile "
+            "layout evaluate never writes: a damaged or hand-merged result); re-run `genolong evaluate`"
+        )
     return frame
 
 
@@ -252,10 +294,15 @@ def result_track(result: EvalResult, directory: str | os.PathLike[str] | None = 
     frame = _sorted_unique(_token_columns(directory), str(directory))
     cut = result.context_cut
     seen = f"tiles of {result.context:,}" + (f", context cut at {cut:,}" if cut is not None else "")
-    return Track(name=name or track_name(result.label), kind="nll", title=f"{result.label} loss",
-                 description=f"genolong per-base loss (nats) of {result.label} ({seen})",
-                 contig=frame["contig"].to_numpy(), position=frame["position"].to_numpy(),
-                 value=frame["nll"].to_numpy())
+    return Track(
+        name=name or track_name(result.label),
+        kind="nll",
+        title=f"{result.label} loss",
+        description=f"genolong per-base loss (nats) of {result.label} ({seen})",
+        contig=frame["contig"].to_numpy(),
+        position=frame["position"].to_numpy(),
+        value=frame["nll"].to_numpy(),
+    )
 
 
 def difference_track(a: Track, b: Track, label_a: str, label_b: str) -> Track:
@@ -265,26 +312,38 @@ def difference_track(a: Track, b: Track, label_a: str, label_b: str) -> Track:
         InputError: the tracks do not cover the same positions.
     """
     if not (np.array_equal(a.contig, b.contig) and np.array_equal(a.position, b.position)):
-        raise InputError(f"{label_a} and {label_b} scored different positions though their fingerprints match "
-                         "(a damaged per-token table); re-run `genolong evaluate` for both")
-    return Track(name=f"{b.name}-minus-{a.name}", kind="diff", title=f"{label_b} - {label_a}",
-                 description=f"genolong per-base loss difference B - A (nats): B = {label_b}, A = {label_a}; "
-                             "negative = B predicts the base better",
-                 contig=a.contig, position=a.position, value=b.value - a.value)
+        raise InputError(
+            f"{label_a} and {label_b} scored different positions though their fingerprints match "
+            "(a damaged per-token table); re-run `genolong evaluate` for both"
+        )
+    return Track(
+        name=f"{b.name}-minus-{a.name}",
+        kind="diff",
+        title=f"{label_b} - {label_a}",
+        description=f"genolong per-base loss difference B - A (nats): B = {label_b}, A = {label_a}; "
+        "negative = B predicts the base better",
+        contig=a.contig,
+        position=a.position,
+        value=b.value - a.value,
+    )
 
 
 def _check_sizes(track: Track, sizes: Mapping[str, int], source: str) -> None:
     """Every interval of ``track`` lies inside its chromosome."""
     for contig in pd.unique(track.contig):
         if contig not in sizes:
-            raise InputError(f"the chromosome sizes ({source}) lack {contig}, which track {track.name} covers; {_CHROM_SIZES_FIX}")
+            raise InputError(
+                f"the chromosome sizes ({source}) lack {contig}, which track {track.name} covers; {_CHROM_SIZES_FIX}"
+            )
     if len(track.position):
         limit = np.array([sizes[c] for c in track.contig], np.int64)  # [n]
         outside = np.flatnonzero(track.ends > limit)
         if outside.size:
             i = int(outside[0])
-            raise InputError(f"{track.contig[i]}:{track.position[i] + 1} of track {track.name} lies beyond "
-                             f"{track.contig[i]}'s size {sizes[track.contig[i]]:,} ({source}); {_CHROM_SIZES_FIX}")
+            raise InputError(
+                f"{track.contig[i]}:{track.position[i] + 1} of track {track.name} lies beyond "
+                f"{track.contig[i]}'s size {sizes[track.contig[i]]:,} ({source}); {_CHROM_SIZES_FIX}"
+            )
 
 
 def rename_to_sizes(track: Track, sizes: Mapping[str, int], source: str = "the store") -> Track:
@@ -301,7 +360,9 @@ def rename_to_sizes(track: Track, sizes: Mapping[str, int], source: str = "the s
     for contig in pd.unique(track.contig):
         name = resolve_name(str(contig), sizes)
         if name is None:
-            raise InputError(f"the chromosome sizes ({source}) lack {contig}, which track {track.name} covers; {_CHROM_SIZES_FIX}")
+            raise InputError(
+                f"the chromosome sizes ({source}) lack {contig}, which track {track.name} covers; {_CHROM_SIZES_FIX}"
+            )
         mapping[str(contig)] = name
     if all(k == v for k, v in mapping.items()):
         return track
@@ -317,8 +378,10 @@ def restrict_track(track: Track, regions: Regions) -> Track:
     """
     keep = regions.contains(track.contig, track.position)
     if not keep.any():
-        raise InputError(f"no scored base of track {track.name} lies inside --regions {regions.source} "
-                         f"({regions.bases:,} bases); give regions of the evaluated tiles")
+        raise InputError(
+            f"no scored base of track {track.name} lies inside --regions {regions.source} "
+            f"({regions.bases:,} bases); give regions of the evaluated tiles"
+        )
     return track.subset(keep)
 
 
@@ -352,10 +415,16 @@ def bin_track(track: Track, size: int, sizes: Mapping[str, int]) -> Track:
     contig = track.contig[starts]
     begin = bin_index[starts] * size
     limit = np.array([sizes[c] for c in contig], np.int64)
-    return replace(track, contig=contig, position=begin, end=np.minimum(begin + size, limit), bin_size=size,
-                   value=(total / count).astype(np.float32),
-                   title=f"{track.title} ({size:,}-base mean)",
-                   description=f"{track.description}; mean per {size:,}-base bin")
+    return replace(
+        track,
+        contig=contig,
+        position=begin,
+        end=np.minimum(begin + size, limit),
+        bin_size=size,
+        value=(total / count).astype(np.float32),
+        title=f"{track.title} ({size:,}-base mean)",
+        description=f"{track.description}; mean per {size:,}-base bin",
+    )
 
 
 def _runs(contig: np.ndarray) -> list[tuple[str, int, int]]:
@@ -389,8 +458,15 @@ def write_bigwig(path: str | os.PathLike[str], track: Track, sizes: Mapping[str,
     rank = {name: i for i, name in enumerate(_header_order(sizes))}
     runs = sorted(_runs(track.contig), key=lambda run: rank[run[0]])
     order = np.concatenate([np.arange(first, stop) for _, first, stop in runs])  # chromosomes in byte order
-    write_bigwig_file(path, sizes, track.contig[order], track.position[order], track.ends[order], track.value[order],
-                      bin_size=track.bin_size)
+    write_bigwig_file(
+        path,
+        sizes,
+        track.contig[order],
+        track.position[order],
+        track.ends[order],
+        track.value[order],
+        bin_size=track.bin_size,
+    )
 
 
 def write_bedgraph(path: str | os.PathLike[str], track: Track) -> None:
@@ -402,14 +478,17 @@ def write_bedgraph(path: str | os.PathLike[str], track: Track) -> None:
     runs = sorted(_runs(track.contig), key=lambda run: rank[run[0]])
     ends = track.ends
     with open(path, "w") as handle:
-        handle.write(f'track type=bedGraph name="{_quote(track.title)}" description="{_quote(track.description)}" '
-                     "visibility=full autoScale=on alwaysZero=on\n")
+        handle.write(
+            f'track type=bedGraph name="{_quote(track.title)}" description="{_quote(track.description)}" '
+            "visibility=full autoScale=on alwaysZero=on\n"
+        )
         for name, first, stop in runs:
             # numpy's shortest float32 repr (reads back as the same float32), formatted in C: a
             # per-value "%.9g" in Python took 1.5x as long
             values = track.value[first:stop].astype(np.float32).astype(str)
-            pd.DataFrame({"chrom": name, "start": track.position[first:stop], "end": ends[first:stop],
-                          "value": values}).to_csv(handle, sep="\t", header=False, index=False, lineterminator="\n")
+            pd.DataFrame(
+                {"chrom": name, "start": track.position[first:stop], "end": ends[first:stop], "value": values}
+            ).to_csv(handle, sep="\t", header=False, index=False, lineterminator="\n")
 
 
 def _quote(text: str) -> str:
@@ -430,8 +509,13 @@ def parse_formats(text: str) -> tuple[str, ...]:
     return formats
 
 
-def write_tracks(out: str | os.PathLike[str], tracks: Sequence[Track], sizes: Mapping[str, int],
-                 sizes_source: str = "the store", formats: Sequence[str] = tuple(FORMATS)) -> list[Path]:
+def write_tracks(
+    out: str | os.PathLike[str],
+    tracks: Sequence[Track],
+    sizes: Mapping[str, int],
+    sizes_source: str = "the store",
+    formats: Sequence[str] = tuple(FORMATS),
+) -> list[Path]:
     """Write every track as ``<stem>.bw`` and/or ``<stem>.bedGraph`` plus ``chrom.sizes`` into the
     directory ``out``, built in a hidden sibling and renamed into place (replacing ``out``).
 
@@ -474,9 +558,13 @@ def write_tracks(out: str | os.PathLike[str], tracks: Sequence[Track], sizes: Ma
     return sorted(out / p.name for p in out.iterdir())
 
 
-def tracks_for_results(results: Sequence[EvalResult], sizes: Mapping[str, int] | None = None,
-                       store: str | os.PathLike[str] | None = None, regions: str | os.PathLike[str] | None = None,
-                       bin_size: int = 1) -> tuple[list[Track], dict[str, int], str]:
+def tracks_for_results(
+    results: Sequence[EvalResult],
+    sizes: Mapping[str, int] | None = None,
+    store: str | os.PathLike[str] | None = None,
+    regions: str | os.PathLike[str] | None = None,
+    bin_size: int = 1,
+) -> tuple[list[Track], dict[str, int], str]:
     """The tracks of one result (its loss) or two (A's and B's loss and ``B - A``) and the sizes to
     write them with, chromosomes named as the sizes name them.
 

@@ -31,8 +31,14 @@ from typing import Any
 from ..defaults import VARIANT_MAX_REF_MISMATCH
 from ..errors import InputError
 
-__all__ = ["DEFAULT_MAX_REF_MISMATCH", "check_ref_mismatch", "in_regions", "info_fields",
-           "provenance_line", "write_scored_vcf"]
+__all__ = [
+    "DEFAULT_MAX_REF_MISMATCH",
+    "check_ref_mismatch",
+    "in_regions",
+    "info_fields",
+    "provenance_line",
+    "write_scored_vcf",
+]
 
 #: the largest share of REF mismatches (of the alleles compared with the FASTA) scored without stopping
 DEFAULT_MAX_REF_MISMATCH = VARIANT_MAX_REF_MISMATCH
@@ -56,8 +62,10 @@ def _shifted(rejects: Path, reference: Any) -> str:
     best = max(hits, key=lambda s: hits[s])
     if hits[best] * 2 <= len(rows):
         return ""
-    return (f"; {hits[best]} of {len(rows)} of the mismatched REFs sit one base to the "
-            f"{'left' if best < 0 else 'right'}: the positions look {'0-based' if best > 0 else 'shifted by one'}")
+    return (
+        f"; {hits[best]} of {len(rows)} of the mismatched REFs sit one base to the "
+        f"{'left' if best < 0 else 'right'}: the positions look {'0-based' if best > 0 else 'shifted by one'}"
+    )
 
 
 def check_ref_mismatch(vcf: Path, reference: Any, found: Any, rejects: Path, max_share: float) -> dict[str, Any]:
@@ -91,16 +99,22 @@ def check_ref_mismatch(vcf: Path, reference: Any, found: Any, rejects: Path, max
             f"({share:.1%}, more than --max-ref-mismatch {max_share:g}){_shifted(rejects, reference)}: the VCF was "
             "likely called on another build (e.g. GRCh37 against GRCh38), against contigs named the same but of "
             "another assembly (chr20 vs 20 renamed), or writes 0-based positions; give the FASTA it was called on "
-            f"(see `bcftools norm -c e -f FASTA {vcf}`) or raise --max-ref-mismatch to score the matching rest")
+            f"(see `bcftools norm -c e -f FASTA {vcf}`) or raise --max-ref-mismatch to score the matching rest"
+        )
     if not found.variants:
         skipped = ", ".join(f"{n:,} {reason}" for reason, n in found.rejects.items()) or "none"
-        raise InputError(f"{vcf}: none of its {found.records} records has an allele genolong can score "
-                         f"(skipped: {skipped}); see the reasons with bcftools view {vcf}")
+        raise InputError(
+            f"{vcf}: none of its {found.records} records has an allele genolong can score "
+            f"(skipped: {skipped}); see the reasons with bcftools view {vcf}"
+        )
     from ..console import is_rank_zero
 
     if is_rank_zero():  # each process of a job reads the VCF: one line
-        print(f"genolong variants: REF matches {reference.path} at {compared - mismatched:,} of {compared:,} alleles "
-              f"({share:.2%} mismatched; the limit --max-ref-mismatch is {max_share:g})", file=sys.stderr)
+        print(
+            f"genolong variants: REF matches {reference.path} at {compared - mismatched:,} of {compared:,} alleles "
+            f"({share:.2%} mismatched; the limit --max-ref-mismatch is {max_share:g})",
+            file=sys.stderr,
+        )
     return report
 
 
@@ -126,21 +140,30 @@ def in_regions(found: Any, bed: str | Path, sizes: Mapping[str, int]) -> tuple[A
     from ..data.regions import read_bed
 
     regions = read_bed(bed, sizes, option="--regions", where="the reference")
-    inside = regions.contains(np.array([v.contig for v in found.variants], dtype=object),
-                              np.array([v.input_pos - 1 for v in found.variants], dtype=np.int64))
+    inside = regions.contains(
+        np.array([v.contig for v in found.variants], dtype=object),
+        np.array([v.input_pos - 1 for v in found.variants], dtype=np.int64),
+    )
     kept = [v for v, keep in zip(found.variants, inside.tolist()) if keep]
     if not kept:
         theirs = sorted({v.contig for v in found.variants})
-        raise InputError(f"{bed}: none of the {len(found.variants):,} scorable alleles lies in its regions (the BED "
-                         f"names {', '.join(sorted(regions.intervals)[:5])}; the VCF {', '.join(theirs[:5])}): "
-                         "check that both use the same build")
-    summary = {"bed": str(Path(bed).resolve()), "intervals": sum(map(len, regions.intervals.values())),
-               "bases": regions.bases, "alleles_outside": len(found.variants) - len(kept)}
+        raise InputError(
+            f"{bed}: none of the {len(found.variants):,} scorable alleles lies in its regions (the BED "
+            f"names {', '.join(sorted(regions.intervals)[:5])}; the VCF {', '.join(theirs[:5])}): "
+            "check that both use the same build"
+        )
+    summary = {
+        "bed": str(Path(bed).resolve()),
+        "intervals": sum(map(len, regions.intervals.values())),
+        "bases": regions.bases,
+        "alleles_outside": len(found.variants) - len(kept),
+    }
     return dataclasses.replace(found, variants=kept), summary
 
 
-def info_fields(contexts: Sequence[int], strands: str, window: int,
-                span: int | None) -> tuple[dict[str, str], dict[str, str]]:
+def info_fields(
+    contexts: Sequence[int], strands: str, window: int, span: int | None
+) -> tuple[dict[str, str], dict[str, str]]:
     """The scored VCF's INFO fields per context: ``(name -> description, name -> type)``."""
     from .variant_score import layout_rule
 
@@ -149,12 +172,16 @@ def info_fields(contexts: Sequence[int], strands: str, window: int,
     types: dict[str, str] = {}
     for c in contexts:
         about = f"at context {c}, over the allele and {window} reference bases after it"
-        fields[f"GENOLONG_LLR_L{c}"] = (f"genolong variants: log p(alt haplotype) - log p(ref haplotype), nats, {about} "
-                                        f"({'both strands averaged' if both else 'forward strand'})")
+        fields[f"GENOLONG_LLR_L{c}"] = (
+            f"genolong variants: log p(alt haplotype) - log p(ref haplotype), nats, {about} "
+            f"({'both strands averaged' if both else 'forward strand'})"
+        )
         fields[f"GENOLONG_LOGP_REF_L{c}"] = f"genolong variants: log p(ref haplotype), nats, {about} (forward strand)"
         fields[f"GENOLONG_LOGP_ALT_L{c}"] = f"genolong variants: log p(alt haplotype), nats, {about} (forward strand)"
-        fields[f"GENOLONG_CONTEXT_USED_L{c}"] = (f"genolong variants: reference bases the model read before the "
-                                                 f"variant at context {c} (forward strand; {layout_rule(c, span)})")
+        fields[f"GENOLONG_CONTEXT_USED_L{c}"] = (
+            f"genolong variants: reference bases the model read before the "
+            f"variant at context {c} (forward strand; {layout_rule(c, span)})"
+        )
         types[f"GENOLONG_CONTEXT_USED_L{c}"] = "Integer"
     return fields, types
 
@@ -164,12 +191,20 @@ def provenance_line(meta: Mapping[str, Any], command: Sequence[str]) -> str:
     Window=...,Strands=...,Span=...,Layout=...,Command=...>`` from the run's ``meta.json``."""
     from .. import __version__
 
-    items = {"Version": __version__, "Model": meta.get("checkpoint"), "Adapter": meta.get("adapter"),
-             "ModelSignature": meta.get("model_signature"), "Reference": meta.get("reference"),
-             "Contexts": ",".join(map(str, meta.get("contexts", []))), "Window": meta.get("window"),
-             "Strands": meta.get("strands"), "Span": meta.get("span"), "Layout": meta.get("layout"),
-             "Regions": (meta.get("regions") or {}).get("bed"),
-             "Command": " ".join(shlex.quote(a) for a in ["genolong", *command])}
+    items = {
+        "Version": __version__,
+        "Model": meta.get("checkpoint"),
+        "Adapter": meta.get("adapter"),
+        "ModelSignature": meta.get("model_signature"),
+        "Reference": meta.get("reference"),
+        "Contexts": ",".join(map(str, meta.get("contexts", []))),
+        "Window": meta.get("window"),
+        "Strands": meta.get("strands"),
+        "Span": meta.get("span"),
+        "Layout": meta.get("layout"),
+        "Regions": (meta.get("regions") or {}).get("bed"),
+        "Command": " ".join(shlex.quote(a) for a in ["genolong", *command]),
+    }
     text = ",".join(f'{k}="{str(v).replace(chr(34), chr(39))}"' for k, v in items.items() if v is not None)
     return f"##genolong_variants=<{text}>"
 
@@ -184,14 +219,25 @@ def write_scored_vcf(vcf: Path, work: Path, table: Any, command: Sequence[str]) 
     values: dict[tuple[int, int], dict[str, float]] = {}
     for row in table.itertuples(index=False):
         c = int(row.context)
-        values.setdefault((int(row.record), int(row.allele)), {}).update({
-            f"GENOLONG_LLR_L{c}": float(row.llr), f"GENOLONG_LOGP_REF_L{c}": float(row.logp_ref),
-            f"GENOLONG_LOGP_ALT_L{c}": float(row.logp_alt), f"GENOLONG_CONTEXT_USED_L{c}": float(row.context_used)})
-    written = write_annotated_vcf(vcf, work / "scored.vcf.gz", values, fields, types=types,
-                                  header=[provenance_line(meta, command)])
+        values.setdefault((int(row.record), int(row.allele)), {}).update(
+            {
+                f"GENOLONG_LLR_L{c}": float(row.llr),
+                f"GENOLONG_LOGP_REF_L{c}": float(row.logp_ref),
+                f"GENOLONG_LOGP_ALT_L{c}": float(row.logp_alt),
+                f"GENOLONG_CONTEXT_USED_L{c}": float(row.context_used),
+            }
+        )
+    written = write_annotated_vcf(
+        vcf, work / "scored.vcf.gz", values, fields, types=types, header=[provenance_line(meta, command)]
+    )
     if written.sorted:
-        print(f"genolong variants: {vcf} is not sorted by contig and position; scored.vcf.gz holds its records "
-              "sorted (each contig's in one block, by POS), so that it is indexed", file=sys.stderr)
-    meta["scored_vcf"] = {"sorted_from_input_order": written.sorted,
-                          "index": None if written.index is None else written.index.name}
+        print(
+            f"genolong variants: {vcf} is not sorted by contig and position; scored.vcf.gz holds its records "
+            "sorted (each contig's in one block, by POS), so that it is indexed",
+            file=sys.stderr,
+        )
+    meta["scored_vcf"] = {
+        "sorted_from_input_order": written.sorted,
+        "index": None if written.index is None else written.index.name,
+    }
     (work / "meta.json").write_text(json.dumps(meta, indent=1))

@@ -65,8 +65,21 @@ from ..model.vocab import VocabMap
 from ..parallel.cp_prefill import cp_prefill
 from .vcf import Variant
 
-__all__ = ["DEFAULT_WINDOW", "STRANDS", "Block", "ReferenceLike", "ReverseComplement", "AlleleScores",
-           "block_start", "layout_rule", "plan_blocks", "score_block", "score_variants_streamed", "brute_force_llr", "haplotype_window"]
+__all__ = [
+    "DEFAULT_WINDOW",
+    "STRANDS",
+    "Block",
+    "ReferenceLike",
+    "ReverseComplement",
+    "AlleleScores",
+    "block_start",
+    "layout_rule",
+    "plan_blocks",
+    "score_block",
+    "score_variants_streamed",
+    "brute_force_llr",
+    "haplotype_window",
+]
 
 #: Reference bases scored after the variant's end (both alleles), unless told otherwise (one home:
 #: :data:`genolong.defaults.VARIANT_WINDOW`, which the CLI's help reads without importing torch).
@@ -178,14 +191,17 @@ def layout_rule(context: int | None = None, span: int | None = None) -> str:
     """
     ell = "L" if context is None else str(context)
     if span == 0:
-        return (f"each variant its own stream from max(0, pos0 - {ell}), pos0 the 0-based normalised POS (minus "
-                f"strand: mirrored): context_used = {ell}, less within {ell} of the contig start")
-    cell = (ell if span is None else str(span))
-    top = (f"{context + (context if span is None else span) - 1}" if context is not None
-           else f"{ell} + {cell} - 1")
-    return (f"fixed grid of {cell}-base cells from each contig start: a variant at 0-based normalised POS pos0 "
-            f"(minus strand: mirrored) reads from max(0, floor(pos0 / {cell}) * {cell} - {ell}), so context_used = "
-            f"{ell} to {top} by its position alone (less near the contig start)")
+        return (
+            f"each variant its own stream from max(0, pos0 - {ell}), pos0 the 0-based normalised POS (minus "
+            f"strand: mirrored): context_used = {ell}, less within {ell} of the contig start"
+        )
+    cell = ell if span is None else str(span)
+    top = f"{context + (context if span is None else span) - 1}" if context is not None else f"{ell} + {cell} - 1"
+    return (
+        f"fixed grid of {cell}-base cells from each contig start: a variant at 0-based normalised POS pos0 "
+        f"(minus strand: mirrored) reads from max(0, floor(pos0 / {cell}) * {cell} - {ell}), so context_used = "
+        f"{ell} to {top} by its position alone (less near the contig start)"
+    )
 
 
 def plan_blocks(variants: Sequence[Variant], context: int, span: int | None = None) -> list[Block]:
@@ -228,11 +244,14 @@ def _allele_tokens(allele: str, what: str, variant: Variant) -> np.ndarray:
     try:
         return encode(allele)
     except ValueError as err:
-        raise InputError(f"variant {variant.contig}:{variant.input_pos} ({variant.id}): {what} {allele!r} is not "
-                         f"DNA ({err})") from err
+        raise InputError(
+            f"variant {variant.contig}:{variant.input_pos} ({variant.id}): {what} {allele!r} is not DNA ({err})"
+        ) from err
 
 
-def haplotype_window(reference: ReferenceLike, variant: Variant, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def haplotype_window(
+    reference: ReferenceLike, variant: Variant, window: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The store tokens a variant's two haplotypes score: ``(ref [len(ref) + w], alt [len(alt) + w],
     window [w])`` with ``w = min(window, length - end)``; the ref allele is checked against the reference.
 
@@ -241,13 +260,17 @@ def haplotype_window(reference: ReferenceLike, variant: Variant, window: int) ->
     """
     n = reference.length(variant.contig)
     if variant.pos < 0 or variant.end > n:
-        raise InputError(f"variant {variant.contig}:{variant.input_pos} ({variant.id}) lies outside the "
-                         f"reference contig ({n} bases): check that the VCF and the FASTA are of one assembly")
+        raise InputError(
+            f"variant {variant.contig}:{variant.input_pos} ({variant.id}) lies outside the "
+            f"reference contig ({n} bases): check that the VCF and the FASTA are of one assembly"
+        )
     here = reference.tokens(variant.contig, variant.pos, variant.end) & BASE_MASK
     ref = _allele_tokens(variant.ref, "REF", variant)
     if not np.array_equal(here, ref & BASE_MASK):
-        raise InputError(f"variant {variant.contig}:{variant.input_pos} ({variant.id}): REF {variant.ref} differs "
-                         f"from the reference at {variant.pos + 1} (normalise the VCF against this FASTA)")
+        raise InputError(
+            f"variant {variant.contig}:{variant.input_pos} ({variant.id}): REF {variant.ref} differs "
+            f"from the reference at {variant.pos + 1} (normalise the VCF against this FASTA)"
+        )
     alt = _allele_tokens(variant.alt, "ALT", variant)
     after = reference.tokens(variant.contig, variant.end, min(n, variant.end + window))
     return np.concatenate([ref, after]), np.concatenate([alt, after]), after
@@ -260,9 +283,17 @@ def _logp(nll: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def score_block(model: torch.nn.Module, reference: ReferenceLike, variants: Sequence[Variant], block: Block,
-                window: int = DEFAULT_WINDOW, segment_tokens: int = 65536, vocab: VocabMap | None = None,
-                chunk_size: int = 4096, cp_group: Any = None) -> list[AlleleScores | None]:
+def score_block(
+    model: torch.nn.Module,
+    reference: ReferenceLike,
+    variants: Sequence[Variant],
+    block: Block,
+    window: int = DEFAULT_WINDOW,
+    segment_tokens: int = 65536,
+    vocab: VocabMap | None = None,
+    chunk_size: int = 4096,
+    cp_group: Any = None,
+) -> list[AlleleScores | None]:
     """Score one block's variants from one stream of the reference.
 
     Args:
@@ -317,7 +348,7 @@ def score_block(model: torch.nn.Module, reference: ReferenceLike, variants: Sequ
             b = min(aligned, a + step)
             n = (b - a) // world
             chunk = reference.tokens(block.contig, s + a, s + b)
-            prev_hidden = cp_prefill(stream, ids(chunk[rank * n:(rank + 1) * n]), cp_group)
+            prev_hidden = cp_prefill(stream, ids(chunk[rank * n : (rank + 1) * n]), cp_group)
             prev_token = chunk[-1:]
     # The main stream stops on the one-shot forward's grid (whole KDA chunks and DSA pools counted
     # from the block's start), and each allele branch runs the few reference bases from the grid
@@ -361,11 +392,18 @@ def score_block(model: torch.nn.Module, reference: ReferenceLike, variants: Sequ
     return out
 
 
-def score_variants_streamed(model: torch.nn.Module, reference: ReferenceLike, variants: Sequence[Variant],
-                            context: int, window: int = DEFAULT_WINDOW, strand: str = "forward",
-                            span: int | None = None, segment_tokens: int = 65536,
-                            vocab: VocabMap | None = None,
-                            cp_group: Any = None) -> Iterator[tuple[Block, list[AlleleScores | None]]]:
+def score_variants_streamed(
+    model: torch.nn.Module,
+    reference: ReferenceLike,
+    variants: Sequence[Variant],
+    context: int,
+    window: int = DEFAULT_WINDOW,
+    strand: str = "forward",
+    span: int | None = None,
+    segment_tokens: int = 65536,
+    vocab: VocabMap | None = None,
+    cp_group: Any = None,
+) -> Iterator[tuple[Block, list[AlleleScores | None]]]:
     """Score ``variants`` on one strand, block by block.
 
     Args:
@@ -392,9 +430,15 @@ def score_variants_streamed(model: torch.nn.Module, reference: ReferenceLike, va
 
 
 @torch.no_grad()
-def brute_force_llr(model: torch.nn.Module, reference: ReferenceLike, variant: Variant, start: int,
-                    window: int = DEFAULT_WINDOW, vocab: VocabMap | None = None,
-                    strand: str = "forward") -> AlleleScores:
+def brute_force_llr(
+    model: torch.nn.Module,
+    reference: ReferenceLike,
+    variant: Variant,
+    start: int,
+    window: int = DEFAULT_WINDOW,
+    vocab: VocabMap | None = None,
+    strand: str = "forward",
+) -> AlleleScores:
     """The oracle: per allele one one-shot forward of the whole haplotype ``reference[start:pos] +
     allele + window`` (:meth:`GenoLM.token_nll <genolong.model.lm.GenoLM.token_nll>`).
 
@@ -418,5 +462,5 @@ def brute_force_llr(model: torch.nn.Module, reference: ReferenceLike, variant: V
     for hap in (ref_hap, alt_hap):
         tokens = torch.from_numpy(np.concatenate([prefix, hap])).to(device)[None]
         nll = model.token_nll(tokens, vocab=vocab)  # [1, T - 1]; entry t scores token t + 1
-        scores.append(_logp(nll[:, max(len(prefix) - 1, 0):]))
+        scores.append(_logp(nll[:, max(len(prefix) - 1, 0) :]))
     return AlleleScores(scores[0], scores[1], variant.pos - start, len(after))

@@ -55,18 +55,52 @@ from ..model.vocab import VocabMap
 from ..parallel.context import apply_context_parallel
 from ..parallel.mesh import cp_group
 from ..signals import SignalFlag
-from .distributed import (ScoringGroup, broadcast_from_writer, gather_to_writer, raise_on_every_rank, stop_if_signalled,
-                          tile_rounds, unsharded)
+from .distributed import (
+    ScoringGroup,
+    broadcast_from_writer,
+    gather_to_writer,
+    raise_on_every_rank,
+    stop_if_signalled,
+    tile_rounds,
+    unsharded,
+)
 from .score import _progress, kernel_backend_meta, model_signature
-from .variant_score import (DEFAULT_WINDOW, STRANDS, AlleleScores, Block, ReferenceLike, layout_rule, plan_blocks,
-                            score_block, score_variants_streamed)
+from .variant_score import (
+    DEFAULT_WINDOW,
+    STRANDS,
+    AlleleScores,
+    Block,
+    ReferenceLike,
+    layout_rule,
+    plan_blocks,
+    score_block,
+    score_variants_streamed,
+)
 from .vcf import Variant
 
 __all__ = ["COLUMNS", "check_layout", "score_variants", "context_effect"]
 
 #: Columns of ``scores.tsv`` / ``scores.parquet`` (``llr_forward`` and ``llr_reverse`` only with ``strands="both"``).
-COLUMNS = ("contig", "input_pos", "id", "input_ref", "input_alt", "record", "allele", "pos", "ref", "alt", "context",
-           "context_used", "window", "logp_ref", "logp_alt", "llr", "llr_forward", "llr_reverse")
+COLUMNS = (
+    "contig",
+    "input_pos",
+    "id",
+    "input_ref",
+    "input_alt",
+    "record",
+    "allele",
+    "pos",
+    "ref",
+    "alt",
+    "context",
+    "context_used",
+    "window",
+    "logp_ref",
+    "logp_alt",
+    "llr",
+    "llr_forward",
+    "llr_reverse",
+)
 
 _SETTINGS = "settings.json"
 _TIMING = "timing.json"
@@ -86,16 +120,34 @@ def _variants_digest(variants: Sequence[Variant]) -> str:
     return h.hexdigest()
 
 
-def _block_rows(variants: Sequence[Variant], indices: Sequence[int], context: int,
-                forward: Sequence[AlleleScores], reverse: Sequence[AlleleScores] | None) -> pd.DataFrame:
+def _block_rows(
+    variants: Sequence[Variant],
+    indices: Sequence[int],
+    context: int,
+    forward: Sequence[AlleleScores],
+    reverse: Sequence[AlleleScores] | None,
+) -> pd.DataFrame:
     """One block's rows (columns :data:`COLUMNS`, the strand ones only with ``reverse``)."""
     rows: dict[str, list[Any]] = {c: [] for c in COLUMNS}
     for j, i in enumerate(indices):
         v, f = variants[i], forward[j]
-        for name, value in (("contig", v.contig), ("input_pos", v.input_pos), ("id", v.id), ("input_ref", v.input_ref),
-                            ("input_alt", v.input_alt), ("record", v.record), ("allele", v.allele), ("pos", v.pos + 1),
-                            ("ref", v.ref), ("alt", v.alt), ("context", context), ("context_used", f.context_used),
-                            ("window", f.window), ("logp_ref", f.logp_ref), ("logp_alt", f.logp_alt)):
+        for name, value in (
+            ("contig", v.contig),
+            ("input_pos", v.input_pos),
+            ("id", v.id),
+            ("input_ref", v.input_ref),
+            ("input_alt", v.input_alt),
+            ("record", v.record),
+            ("allele", v.allele),
+            ("pos", v.pos + 1),
+            ("ref", v.ref),
+            ("alt", v.alt),
+            ("context", context),
+            ("context_used", f.context_used),
+            ("window", f.window),
+            ("logp_ref", f.logp_ref),
+            ("logp_alt", f.logp_alt),
+        ):
             rows[name].append(value)
         if reverse is None:
             rows["llr"].append(f.llr)
@@ -107,8 +159,17 @@ def _block_rows(variants: Sequence[Variant], indices: Sequence[int], context: in
     if reverse is None:
         del rows["llr_forward"], rows["llr_reverse"]
     table = pd.DataFrame(rows)
-    return table.astype({"input_pos": "int64", "record": "int64", "allele": "int64", "pos": "int64",
-                         "context": "int64", "context_used": "int64", "window": "int64"})
+    return table.astype(
+        {
+            "input_pos": "int64",
+            "record": "int64",
+            "allele": "int64",
+            "pos": "int64",
+            "context": "int64",
+            "context_used": "int64",
+            "window": "int64",
+        }
+    )
 
 
 def context_effect(table: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, Any]]:
@@ -134,12 +195,16 @@ def context_effect(table: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, Any]]:
     per = per.reset_index()[keys + ["llr_short", "llr_long", "delta", "sign_flip"]]
     d = per["delta"].abs()
     corr = float(np.corrcoef(per["llr_short"], per["llr_long"])[0, 1]) if len(per) > 1 else math.nan
-    summary = {"context_short": short, "context_long": long_, "variants": int(len(per)),
-               "mean_abs_delta": float(d.mean()) if len(d) else math.nan,
-               "median_abs_delta": float(d.median()) if len(d) else math.nan,
-               "max_abs_delta": float(d.max()) if len(d) else math.nan,
-               "sign_flips": int(per["sign_flip"].sum()),
-               "pearson_llr_short_long": None if math.isnan(corr) else corr}
+    summary = {
+        "context_short": short,
+        "context_long": long_,
+        "variants": int(len(per)),
+        "mean_abs_delta": float(d.mean()) if len(d) else math.nan,
+        "median_abs_delta": float(d.median()) if len(d) else math.nan,
+        "max_abs_delta": float(d.max()) if len(d) else math.nan,
+        "sign_flips": int(per["sign_flip"].sum()),
+        "pearson_llr_short_long": None if math.isnan(corr) else corr,
+    }
     return per, summary
 
 
@@ -148,8 +213,10 @@ def _check_settings(work: Path, settings: Mapping[str, Any]) -> None:
     saved = json.loads((work / _SETTINGS).read_text())
     if saved != settings:
         keys = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
-        raise InputError(f"{work} holds an unfinished variant scoring with other settings ({', '.join(keys)}): "
-                         f"rerun with the same ones to resume it, or delete {work} to start afresh")
+        raise InputError(
+            f"{work} holds an unfinished variant scoring with other settings ({', '.join(keys)}): "
+            f"rerun with the same ones to resume it, or delete {work} to start afresh"
+        )
 
 
 def check_layout(ep: int, world: int) -> None:
@@ -170,8 +237,10 @@ def check_layout(ep: int, world: int) -> None:
         InputError: ``ep > 1`` on several processes (one line naming the fix).
     """
     if ep > 1 and world > 1:
-        raise InputError("genolong variants streams each block on its own ranks; with parallel.ep > 1 the experts' "
-                         f"all-to-all would need every rank in step: run it with parallel.ep: 1 (got {ep})")
+        raise InputError(
+            "genolong variants streams each block on its own ranks; with parallel.ep > 1 the experts' "
+            f"all-to-all would need every rank in step: run it with parallel.ep: 1 (got {ep})"
+        )
 
 
 def _open_work(work: Path, settings: Mapping[str, Any]) -> tuple[set[tuple[int, int]], dict[str, float]]:
@@ -196,10 +265,19 @@ def _open_work(work: Path, settings: Mapping[str, Any]) -> tuple[set[tuple[int, 
     return done, timing
 
 
-def _score_unit(model: torch.nn.Module, reference: ReferenceLike, variants: Sequence[Variant], block: Block,
-                context: int, window: int, strands: str, span: int | None, segment_tokens: int,
-                vocab: VocabMap | None, cp_group: Any = None
-                ) -> tuple[list[AlleleScores | None], list[AlleleScores | None] | None]:
+def _score_unit(
+    model: torch.nn.Module,
+    reference: ReferenceLike,
+    variants: Sequence[Variant],
+    block: Block,
+    context: int,
+    window: int,
+    strands: str,
+    span: int | None,
+    segment_tokens: int,
+    vocab: VocabMap | None,
+    cp_group: Any = None,
+) -> tuple[list[AlleleScores | None], list[AlleleScores | None] | None]:
     """One block's scores: its variants on the plus strand, and with ``strands="both"`` on the minus
     strand too (planned again on mirrored coordinates, from the same variants). With ``cp_group``
     this rank's share (None for the other ranks' variants, :func:`score_block`)."""
@@ -208,8 +286,9 @@ def _score_unit(model: torch.nn.Module, reference: ReferenceLike, variants: Sequ
     if strands == "both":
         mine = [variants[i] for i in block.indices]
         reverse = [None] * len(mine)
-        for rblock, scores in score_variants_streamed(model, reference, mine, context, window, "reverse",
-                                                      span, segment_tokens, vocab, cp_group=cp_group):
+        for rblock, scores in score_variants_streamed(
+            model, reference, mine, context, window, "reverse", span, segment_tokens, vocab, cp_group=cp_group
+        ):
             for j, s in zip(rblock.indices, scores):
                 if s is not None:
                     reverse[j] = s
@@ -306,15 +385,22 @@ def score_variants(
     settings = {
         # the reference file when it is one (vcf.Reference), else what it is
         "checkpoint": "(in memory)",
-        "reference": (str(Path(reference.path).resolve()) if getattr(reference, "path", None) is not None
-                      else f"(in memory: {type(reference).__name__})"),
+        "reference": (
+            str(Path(reference.path).resolve())
+            if getattr(reference, "path", None) is not None
+            else f"(in memory: {type(reference).__name__})"
+        ),
         **{k: v for k, v in (meta or {}).items()},
         "model_signature": model_signature(model),
         **kernel_backend_meta(model),
-        "contexts": contexts, "window": int(window), "strands": strands,
-        "span": None if span is None else int(span), "layout": layout_rule(None, span),
+        "contexts": contexts,
+        "window": int(window),
+        "strands": strands,
+        "span": None if span is None else int(span),
+        "layout": layout_rule(None, span),
         "segment_tokens": int(segment_tokens),
-        "variants": len(variants), "variants_sha256": _variants_digest(variants),
+        "variants": len(variants),
+        "variants_sha256": _variants_digest(variants),
         # the scores do not depend on it (whole blocks on whole models), but the model signature of
         # a sharded model may (sums over shards), and a resumed run keeps its layout as evaluate's does
         "parallel": group.layout(),
@@ -341,15 +427,17 @@ def score_variants(
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    bar = (_progress(len(names), n_done, progress, out.name, command="variants", unit="block")
-           if group.is_writer else None)
+    bar = (
+        _progress(len(names), n_done, progress, out.name, command="variants", unit="block") if group.is_writer else None
+    )
     stop = SignalFlag()
     stop.install()
     # a CP group splits each block's prefix by its own collectives (cp_prefill); the streams run
     # on the layers as one process's: the model's CP forms are removed for the loop
     cp = cp_group(group.mesh) if group.cp_size > 1 else None
-    installed = next((m.self_attn.cp_group for m in model.layers if getattr(m.self_attn, "cp_group", None) is not None),
-                     None)
+    installed = next(
+        (m.self_attn.cp_group for m in model.layers if getattr(m.self_attn, "cp_group", None) is not None), None
+    )
     if installed is not None:
         apply_context_parallel(model, None)
     try:
@@ -370,8 +458,23 @@ def score_variants(
                 if mine is not None:
                     k, b = todo[mine]
                     try:
-                        share = (k, b, *_score_unit(model, reference, variants, plans[k][b], contexts[k], window,
-                                                    strands, span, segment_tokens, vocab, cp))
+                        share = (
+                            k,
+                            b,
+                            *_score_unit(
+                                model,
+                                reference,
+                                variants,
+                                plans[k][b],
+                                contexts[k],
+                                window,
+                                strands,
+                                span,
+                                segment_tokens,
+                                vocab,
+                                cp,
+                            ),
+                        )
                     except InputError as error:  # a bad variant: every rank stops, with its message
                         if not group.distributed:
                             raise
@@ -386,10 +489,12 @@ def score_variants(
                             ranks = [sh for sh in shares if sh is not None and (sh[0], sh[1]) == (k, b)]
                             forward = _merge([sh[2] for sh in ranks])
                             assert forward is not None
-                            rows = _block_rows(variants, plans[k][b].indices, contexts[k], forward,
-                                               _merge([sh[3] for sh in ranks]))
-                            replace_file(parts / f"part-{k:03d}-{b:06d}.parquet",
-                                         lambda tmp: rows.to_parquet(tmp, index=False))
+                            rows = _block_rows(
+                                variants, plans[k][b].indices, contexts[k], forward, _merge([sh[3] for sh in ranks])
+                            )
+                            replace_file(
+                                parts / f"part-{k:03d}-{b:06d}.parquet", lambda tmp: rows.to_parquet(tmp, index=False)
+                            )
                         timing["seconds"] += time.perf_counter() - began
                         replace_file(work / _TIMING, lambda tmp: tmp.write_text(json.dumps(timing)))
                         if bar is not None:
@@ -407,17 +512,28 @@ def score_variants(
         return None
 
     frames = [pd.read_parquet(parts / f"part-{k:03d}-{b:06d}.parquet") for k, b in names]
-    table = pd.concat(frames, ignore_index=True) if frames else _block_rows(variants, [], 0, [], None if strands == "forward" else [])
+    table = (
+        pd.concat(frames, ignore_index=True)
+        if frames
+        else _block_rows(variants, [], 0, [], None if strands == "forward" else [])
+    )
     order = {c: i for i, c in enumerate(contexts)}
-    table = (table.assign(_k=table["context"].map(order)).sort_values(["_k", "record", "allele"], kind="stable")
-             .drop(columns="_k").reset_index(drop=True))
+    table = (
+        table.assign(_k=table["context"].map(order))
+        .sort_values(["_k", "record", "allele"], kind="stable")
+        .drop(columns="_k")
+        .reset_index(drop=True)
+    )
     table.to_parquet(work / "scores.parquet", index=False)
     table.to_csv(work / "scores.tsv", sep="\t", index=False, float_format="%.17g")
-    result_meta: dict[str, Any] = {"format": "genolong-variants/1", **settings,
-                                   "blocks": [len(p) for p in plans], "rows": int(len(table)),
-                                   "seconds": timing["seconds"],
-                                   "variants_per_second": (len(variants) * len(contexts) / timing["seconds"]
-                                                           if timing["seconds"] > 0 else None)}
+    result_meta: dict[str, Any] = {
+        "format": "genolong-variants/1",
+        **settings,
+        "blocks": [len(p) for p in plans],
+        "rows": int(len(table)),
+        "seconds": timing["seconds"],
+        "variants_per_second": (len(variants) * len(contexts) / timing["seconds"] if timing["seconds"] > 0 else None),
+    }
     if len(contexts) > 1:
         per, summary = context_effect(table)
         per.to_csv(work / "context_effect.tsv", sep="\t", index=False, float_format="%.17g")

@@ -154,8 +154,10 @@ class Reference:
             try:
                 return cls(path, "indexed", pysam.FastaFile(str(path)))
             except (OSError, ValueError) as exc:
-                raise InputError(f"{path}: cannot open with its index {fai} ({exc}); delete the index "
-                                 f"(and any .gzi) and re-index with `samtools faidx {path}`") from None
+                raise InputError(
+                    f"{path}: cannot open with its index {fai} ({exc}); delete the index "
+                    f"(and any .gzi) and re-index with `samtools faidx {path}`"
+                ) from None
         # no index beside the file: build one aside rather than write next to the user's file
         tempdir = Path(tempfile.mkdtemp(prefix="genolong-fai-"))
         tmp_fai, tmp_gzi = tempdir / "ref.fai", tempdir / "ref.gzi"
@@ -164,12 +166,17 @@ class Reference:
             if kind == "fasta-bgzip":
                 args += ["--gzi-idx", str(tmp_gzi)]
             pysam.faidx(*args)
-            fasta = pysam.FastaFile(str(path), filepath_index=str(tmp_fai),
-                                    filepath_index_compressed=str(tmp_gzi) if kind == "fasta-bgzip" else None)
+            fasta = pysam.FastaFile(
+                str(path),
+                filepath_index=str(tmp_fai),
+                filepath_index_compressed=str(tmp_gzi) if kind == "fasta-bgzip" else None,
+            )
         except (pysam.utils.SamtoolsError, OSError, ValueError) as exc:
             shutil.rmtree(tempdir, ignore_errors=True)
             why = " ".join(str(exc).split())[-300:]
-            raise InputError(f"{path}: cannot index the FASTA ({why}); check the file with `samtools faidx {path}`") from None
+            raise InputError(
+                f"{path}: cannot index the FASTA ({why}); check the file with `samtools faidx {path}`"
+            ) from None
         return cls(path, "indexed-temporary", fasta, tempdir)
 
     def close(self) -> None:
@@ -451,7 +458,9 @@ def _variant_file(path: Path, shown: Path) -> Any:
     except OSError as exc:
         if "truncated" in str(exc) or "EOF marker" in str(exc):
             raise InputError(f"{shown}: the bgzip file is truncated (no end-of-file block); {_FIX_BGZIP}") from None
-        raise InputError(f"{shown}: cannot read as VCF/BCF ({exc}); check it with `bcftools view {shown} > /dev/null`") from None
+        raise InputError(
+            f"{shown}: cannot read as VCF/BCF ({exc}); check it with `bcftools view {shown} > /dev/null`"
+        ) from None
     finally:
         pysam.set_verbosity(verbosity)
 
@@ -518,7 +527,7 @@ def _header_lines(path: Path) -> int | None:
         gz = probe.read(2) == b"\x1f\x8b"
     count = 0
     try:
-        with (gzip.open(path, "rb") if gz else open(path, "rb")) as handle:
+        with gzip.open(path, "rb") if gz else open(path, "rb") as handle:
             for line in handle:
                 if not line.startswith(b"#"):
                     break
@@ -549,7 +558,11 @@ def _check_contigs(path: Path, reference: Reference, records: list[_Record], hea
     for chrom in used:
         if chrom not in reference:
             hint = ""
-            for other in (f"chr{chrom}", chrom.removeprefix("chr"), "chrM" if chrom == "MT" else "MT" if chrom == "chrM" else ""):
+            for other in (
+                f"chr{chrom}",
+                chrom.removeprefix("chr"),
+                "chrM" if chrom == "MT" else "MT" if chrom == "chrM" else "",
+            ):
                 if other and other != chrom and other in reference:
                     hint = f" (it has {other!r}: the two name chromosomes differently)"
                     break
@@ -565,8 +578,10 @@ def _check_contigs(path: Path, reference: Reference, records: list[_Record], hea
             )
     for record in records:
         if record.pos < 1 and any(_classify(alt) is None for alt in record.alts):
-            raise InputError(f"{path}: record {record.index + 1} ({record.chrom}:{record.pos}) has POS < 1 for a sequence "
-                             "variant; POS is 1-based: fix the record")
+            raise InputError(
+                f"{path}: record {record.index + 1} ({record.chrom}:{record.pos}) has POS < 1 for a sequence "
+                "variant; POS is 1-based: fix the record"
+            )
         length = reference.length(record.chrom)
         if record.pos - 1 + len(record.ref) > length:
             raise InputError(
@@ -576,8 +591,9 @@ def _check_contigs(path: Path, reference: Reference, records: list[_Record], hea
             )
 
 
-def read_variants(vcf_path: str | os.PathLike[str], reference: Reference,
-                  rejects_path: str | os.PathLike[str] | None = None) -> VariantSet:
+def read_variants(
+    vcf_path: str | os.PathLike[str], reference: Reference, rejects_path: str | os.PathLike[str] | None = None
+) -> VariantSet:
     """Read a VCF/BCF file's SNVs, MNVs and indels, one :class:`Variant` per ALT, normalised.
 
     Multi-allelic records are split per ALT (each keeps its record index and 1-based allele
@@ -623,15 +639,29 @@ def read_variants(vcf_path: str | os.PathLike[str], reference: Reference,
                 if not (_ACGT.fullmatch(ref) and _ACGT.fullmatch(norm_alt)):
                     reason = "reference_n"
                 else:
-                    variants.append(Variant(record.chrom, pos, ref, norm_alt, record.index, allele, record.id,
-                                            record.pos, record.ref, alt))
+                    variants.append(
+                        Variant(
+                            record.chrom,
+                            pos,
+                            ref,
+                            norm_alt,
+                            record.index,
+                            allele,
+                            record.id,
+                            record.pos,
+                            record.ref,
+                            alt,
+                        )
+                    )
                     continue
             rejected.append((record, alt, reason))
     variants.sort(key=lambda v: (order[v.contig], v.pos, v.record, v.allele))
     if rejects_path is not None:
         _write_rejects(Path(rejects_path), rejected)
     counts = Counter(reason for _, _, reason in rejected)
-    return VariantSet(variants=variants, rejects={r: counts[r] for r in REJECT_REASONS if counts[r]}, records=len(records))
+    return VariantSet(
+        variants=variants, rejects={r: counts[r] for r in REJECT_REASONS if counts[r]}, records=len(records)
+    )
 
 
 def _write_rejects(path: Path, rejected: list[tuple[_Record, str, str]]) -> None:
@@ -710,9 +740,14 @@ class AnnotatedVCF:
     sorted: bool
 
 
-def write_annotated_vcf(input_vcf: str | os.PathLike[str], out_path: str | os.PathLike[str],
-                        values: Mapping[tuple[int, int], Mapping[str, float]], fields: Mapping[str, str],
-                        types: Mapping[str, str] | None = None, header: Iterable[str] = ()) -> AnnotatedVCF:
+def write_annotated_vcf(
+    input_vcf: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    values: Mapping[tuple[int, int], Mapping[str, float]],
+    fields: Mapping[str, str],
+    types: Mapping[str, str] | None = None,
+    header: Iterable[str] = (),
+) -> AnnotatedVCF:
     """Write a copy of ``input_vcf`` with per-ALT INFO fields added (e.g. the variant scores).
 
     The records keep their text (a VCF's is copied; a BCF is written as VCF text); each gets every
@@ -795,8 +830,15 @@ def _format_value(value: float | None, type_: str) -> str:
     return _format_float(value)
 
 
-def _write_annotated(source: Path, dest: Path, compressed: bool, values: Mapping[tuple[int, int], Mapping[str, float]],
-                     fields: Mapping[str, str], types: Mapping[str, str], extra: list[str]) -> tuple[bool, int]:
+def _write_annotated(
+    source: Path,
+    dest: Path,
+    compressed: bool,
+    values: Mapping[tuple[int, int], Mapping[str, float]],
+    fields: Mapping[str, str],
+    types: Mapping[str, str],
+    extra: list[str],
+) -> tuple[bool, int]:
     """Copy ``source`` to ``dest`` with the INFO fields and header lines added; with ``compressed``
     the records are sorted if they are out of order. Returns (sorted here, largest POS)."""
     import pysam
@@ -833,11 +875,13 @@ def _write_annotated(source: Path, dest: Path, compressed: bool, values: Mapping
             continue
         record += 1
         text = line.rstrip("\r\n")
-        ending = line[len(text):] or "\n"
+        ending = line[len(text) :] or "\n"
         cols = text.split("\t", 8)
         if len(cols) < 8:
-            raise InputError(f"{source}: record {record + 1} has {len(cols)} columns, a VCF record needs 8 or more; "
-                             f"check it with `bcftools view {source} > /dev/null`")
+            raise InputError(
+                f"{source}: record {record + 1} has {len(cols)} columns, a VCF record needs 8 or more; "
+                f"check it with `bcftools view {source} > /dev/null`"
+            )
         chrom, pos = cols[0], int(cols[1])
         if chrom != last[0]:
             in_order = in_order and chrom not in seen
@@ -863,8 +907,10 @@ def _write_annotated(source: Path, dest: Path, compressed: bool, values: Mapping
     stray = set(values) - used
     if stray:
         first = min(stray)
-        raise ValueError(f"values for (record {first[0]}, allele {first[1]}) match no ALT of {source} "
-                         f"({record + 1} records): values from another VCF?")
+        raise ValueError(
+            f"values for (record {first[0]}, allele {first[1]}) match no ALT of {source} "
+            f"({record + 1} records): values from another VCF?"
+        )
     resort = compressed and not in_order
     if resort:  # an index needs each contig in one block, POS non-decreasing: the header's order, then first seen
         rank = {c: declared.get(c, len(declared) + seen[c]) for c in seen}

@@ -80,8 +80,11 @@ def _user_choice(environ: os._Environ[str] | dict[str, str]) -> str | None:
     return None
 
 
-def keep_freed_memory(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD, trim_threshold: int = DEFAULT_TRIM_THRESHOLD,
-                      environ: os._Environ[str] | dict[str, str] | None = None) -> AllocatorSetting:
+def keep_freed_memory(
+    mmap_threshold: int = DEFAULT_MMAP_THRESHOLD,
+    trim_threshold: int = DEFAULT_TRIM_THRESHOLD,
+    environ: os._Environ[str] | dict[str, str] | None = None,
+) -> AllocatorSetting:
     """Set glibc's mmap and trim thresholds so that freed large blocks are kept and reused.
 
     Args:
@@ -105,7 +108,9 @@ def keep_freed_memory(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD, trim_thresho
     env = os.environ if environ is None else environ
     mode = env.get("GENOLONG_MALLOC", "keep")
     if mode not in ("keep", "system"):
-        raise ValueError(f"GENOLONG_MALLOC={mode!r}: use keep (the default: keep freed memory) or system (glibc's defaults)")
+        raise ValueError(
+            f"GENOLONG_MALLOC={mode!r}: use keep (the default: keep freed memory) or system (glibc's defaults)"
+        )
     if mode == "system":
         return AllocatorSetting(False, "GENOLONG_MALLOC=system: glibc's defaults")
     choice = _user_choice(env)
@@ -119,6 +124,8 @@ def keep_freed_memory(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD, trim_thresho
     # the trim threshold first: setting either one also turns off glibc's dynamic adjustment
     if not (libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold) and libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)):
         return AllocatorSetting(False, "glibc refused the thresholds: allocator left at its defaults")
-    reason = f"glibc malloc keeps freed blocks below {mmap_threshold >> 20} MiB, trims above {trim_threshold >> 20} MiB free"
+    reason = (
+        f"glibc malloc keeps freed blocks below {mmap_threshold >> 20} MiB, trims above {trim_threshold >> 20} MiB free"
+    )
     log.debug(reason)
     return AllocatorSetting(True, reason, mmap_threshold, trim_threshold)

@@ -34,7 +34,13 @@ from collections.abc import Iterator
 __all__ = ["HIDDEN_WARNINGS", "LIBRARY_LOGGERS", "is_rank_zero", "quiet_run", "set_verbose", "verbose"]
 
 #: the loggers quietened to WARNING on rank 0 (ERROR on the other ranks)
-LIBRARY_LOGGERS = ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric", "torch.distributed")
+LIBRARY_LOGGERS = (
+    "lightning.pytorch",
+    "lightning.fabric",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "torch.distributed",
+)
 
 _LIBRARIES = r"(lightning|pytorch_lightning|lightning_fabric|lightning_utilities|torch)(\.|$)"
 _LIGHTNING = r"(lightning|pytorch_lightning|lightning_fabric|lightning_utilities)(\.|$)"

@@ -8,8 +8,15 @@ here, so each value has one home.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_MIN_GAP", "DEFAULT_SPLITS", "DEFAULT_EVAL_TILES", "DEFAULT_PROBE_TILES", "PROBE_CONTEXT", "VARIANT_WINDOW",
-           "VARIANT_MAX_REF_MISMATCH"]
+__all__ = [
+    "DEFAULT_MIN_GAP",
+    "DEFAULT_SPLITS",
+    "DEFAULT_EVAL_TILES",
+    "DEFAULT_PROBE_TILES",
+    "PROBE_CONTEXT",
+    "VARIANT_WINDOW",
+    "VARIANT_MAX_REF_MISMATCH",
+]
 
 #: ``prepare``: N runs of at least this many bases split a chromosome into segments and are dropped.
 DEFAULT_MIN_GAP = 1000

@@ -6,8 +6,15 @@ keeps its traceback.
 
 from __future__ import annotations
 
-__all__ = ["PREEMPTED_EXIT_CODE", "CollectiveTimeoutError", "DiskFullError", "GenolongError", "InputError", "Stopped",
-           "StoreError"]
+__all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "CollectiveTimeoutError",
+    "DiskFullError",
+    "GenolongError",
+    "InputError",
+    "Stopped",
+    "StoreError",
+]
 
 #: the exit status of a command stopped by a signal at a safe point (``genolong finetune``: a
 #: checkpoint written; ``evaluate`` / ``probe``: the tiles so far committed): 75, ``EX_TEMPFAIL``
@@ -57,8 +64,9 @@ class DiskFullError(GenolongError, OSError):
         free: free bytes on the output's filesystem (None if unknown).
     """
 
-    def __init__(self, path: str, code: int, message: str, needed: int | None, needed_is_lower_bound: bool,
-                 free: int | None) -> None:
+    def __init__(
+        self, path: str, code: int, message: str, needed: int | None, needed_is_lower_bound: bool, free: int | None
+    ) -> None:
         super().__init__(code, message, path)
         self.message = message
         self.needed = needed

@@ -34,8 +34,18 @@ from typing import Any, TypeVar
 
 from .errors import DiskFullError
 
-__all__ = ["disk_full_cause", "fsync", "fsync_tree", "full_disk_error", "replace_dir", "replace_file", "tree_bytes",
-           "unique_sibling", "writes_output", "writing"]
+__all__ = [
+    "disk_full_cause",
+    "fsync",
+    "fsync_tree",
+    "full_disk_error",
+    "replace_dir",
+    "replace_file",
+    "tree_bytes",
+    "unique_sibling",
+    "writes_output",
+    "writing",
+]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -212,23 +222,29 @@ def _full_disk_error(path: Path | None, cause: OSError, needed: int | None, writ
     else:
         need = f"; it needed about {amount:,} bytes"
     if code == errno.EFBIG:
-        what = ("File too large: it met this process's file-size limit"
-                + (f" of {limit:,} bytes" if limit is not None else "") + " (ulimit -f)")
+        what = (
+            "File too large: it met this process's file-size limit"
+            + (f" of {limit:,} bytes" if limit is not None else "")
+            + " (ulimit -f)"
+        )
         fix = "raise the limit or write elsewhere, then run again"
     else:
         what = os.strerror(code)  # "No space left on device", "Disk quota exceeded"
         fix = "free space there or write elsewhere, then run again"
     room = f", {free:,} bytes free on its filesystem" if free is not None else ""
     if path is None:  # the operating system did not say which file
-        message = f"cannot write a file: {what}{room.replace('its filesystem', 'the working directory filesystem')}; {fix}"
+        message = (
+            f"cannot write a file: {what}{room.replace('its filesystem', 'the working directory filesystem')}; {fix}"
+        )
     else:
         message = f"cannot write {path}: {what}{need}{room}; nothing was replaced (earlier outputs are intact); {fix}"
     return DiskFullError(str(path or ""), code or errno.ENOSPC, message, amount, bound, free)
 
 
 @contextlib.contextmanager
-def writing(path: str | os.PathLike[str], needed: int | None = None, work: str | os.PathLike[str] | None = None
-            ) -> Iterator[None]:
+def writing(
+    path: str | os.PathLike[str], needed: int | None = None, work: str | os.PathLike[str] | None = None
+) -> Iterator[None]:
     """Turn a full disk or a file-size limit met inside the block into one :class:`DiskFullError`
     naming ``path``: the output the user asked for, not a temporary name. Every writer of genolong
     runs its writing under this (through :func:`replace_file` or directly); the command line prints

@@ -47,8 +47,16 @@ from typing import Any
 from .errors import InputError
 from .files import replace_file
 
-__all__ = ["ALGORITHM", "DamagedFileError", "MANIFEST_NAME", "check_weights", "manifest_path", "remove_manifest",
-           "shard_entries", "write_manifest"]
+__all__ = [
+    "ALGORITHM",
+    "DamagedFileError",
+    "MANIFEST_NAME",
+    "check_weights",
+    "manifest_path",
+    "remove_manifest",
+    "shard_entries",
+    "write_manifest",
+]
 
 log = logging.getLogger("genolong")
 
@@ -63,9 +71,28 @@ _VERSION = 1
 _CHUNK = 16 << 20
 #: safetensors refuses headers over 100 MB; a length field above it is not a safetensors file
 _MAX_SAFETENSORS_HEADER = 100_000_000
-_SAFETENSORS_DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16,
-                           "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64,
-                           "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+_SAFETENSORS_DTYPE_BITS = {
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "C64": 64,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
 DCP_METADATA = ".metadata"
 LIGHTNING_META = "meta.pt"
 #: a rank's shard file in a DCP directory (FileSystemWriter: ``__<rank>_<file>.distcp``)
@@ -157,7 +184,9 @@ def _entry(file: Path, digest: str, algorithm: str) -> dict[str, Any]:
     return {"bytes": file.stat().st_size, algorithm: digest}
 
 
-def shard_entries(directory: str | os.PathLike[str], rank: int, algorithm: str = ALGORITHM) -> dict[str, dict[str, Any]]:
+def shard_entries(
+    directory: str | os.PathLike[str], rank: int, algorithm: str = ALGORITHM
+) -> dict[str, dict[str, Any]]:
     """The manifest entries (name -> size and checksum) of the shard files ``rank`` wrote into a DCP
     directory: what each rank of a job computes for its own shard, for rank 0's
     :func:`write_manifest` (``known=``), so that no rank reads another's shard back."""
@@ -166,8 +195,12 @@ def shard_entries(directory: str | os.PathLike[str], rank: int, algorithm: str =
     return {f.name: _entry(f, d, algorithm) for f, d in zip(files, _checksums(files, algorithm))}
 
 
-def write_manifest(checkpoint: str | os.PathLike[str], final: str | os.PathLike[str] | None = None,
-                   algorithm: str = ALGORITHM, known: dict[str, dict[str, Any]] | None = None) -> Path:
+def write_manifest(
+    checkpoint: str | os.PathLike[str],
+    final: str | os.PathLike[str] | None = None,
+    algorithm: str = ALGORITHM,
+    known: dict[str, dict[str, Any]] | None = None,
+) -> Path:
     """Write the checksum manifest of a complete checkpoint (file or directory), atomically.
 
     Args:
@@ -270,10 +303,15 @@ def check_safetensors(file: Path) -> None:
             bits = _SAFETENSORS_DTYPE_BITS[info["dtype"]]
             numel = math.prod(int(d) for d in info["shape"])
         except (KeyError, TypeError, ValueError):
-            raise DamagedFileError(file, f"not a safetensors file: tensor {name}'s header entry is unreadable") from None
+            raise DamagedFileError(
+                file, f"not a safetensors file: tensor {name}'s header entry is unreadable"
+            ) from None
         if stop - start != (numel * bits + 7) // 8 or start < 0:
-            raise DamagedFileError(file, f"tensor {name}: its shape {info['shape']} and dtype {info['dtype']} do not "
-                                         f"fit its {stop - start:,} bytes (the header is damaged)")
+            raise DamagedFileError(
+                file,
+                f"tensor {name}: its shape {info['shape']} and dtype {info['dtype']} do not "
+                f"fit its {stop - start:,} bytes (the header is damaged)",
+            )
         end = max(end, stop)
     expected = 8 + length + end
     if size < expected:
@@ -299,7 +337,9 @@ def check_torch_zip(file: Path, crc: bool) -> None:
             members = archive.infolist()
             for info in members:
                 if info.header_offset + len(info.FileHeader()) + info.compress_size > size:
-                    raise DamagedFileError(file, f"truncated: member {info.filename} ends past the file's {size:,} bytes")
+                    raise DamagedFileError(
+                        file, f"truncated: member {info.filename} ends past the file's {size:,} bytes"
+                    )
             bad = archive.testzip() if crc else None
     except zipfile.BadZipFile as exc:
         # a torch zip starts with a member and ends with the directory: no directory = cut short
@@ -410,8 +450,11 @@ def check_weights(checkpoint: str | os.PathLike[str], shards: tuple[int, int] | 
     files = [_target(path, name) for name in hashed]
     for entry, file, digest in zip(hashed.values(), files, _checksums(files, algorithm)):
         if digest != entry.get(algorithm):
-            raise DamagedFileError(file, f"{algorithm} checksum differs from the one written: the file changed after "
-                                         "it was written (bit rot, a bad copy or an edit)")
+            raise DamagedFileError(
+                file,
+                f"{algorithm} checksum differs from the one written: the file changed after "
+                "it was written (bit rot, a bad copy or an edit)",
+            )
     kind = _kind(path)
     if kind == "dcp":
         check_dcp(path)
@@ -423,8 +466,11 @@ def check_weights(checkpoint: str | os.PathLike[str], shards: tuple[int, int] | 
     if manifest is None:
         # a checkpoint is genolong's own (an older genolong's): say so; a model directory without
         # one is usually downloaded, where no manifest is the rule (a debug line only)
-        log.log(logging.DEBUG if kind == "safetensors" else logging.INFO,
-                "genolong: %s has no checksum manifest (written by an older genolong, or not by genolong); "
-                "checked its structure only", path)
+        log.log(
+            logging.DEBUG if kind == "safetensors" else logging.INFO,
+            "genolong: %s has no checksum manifest (written by an older genolong, or not by genolong); "
+            "checked its structure only",
+            path,
+        )
     _VERIFIED.add(signature)
     return manifest is not None

@@ -15,8 +15,9 @@ from typing import Any
 __all__ = ["lazy_exports"]
 
 
-def lazy_exports(package: str, names: Mapping[str, str],
-                 public: Sequence[str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(
+    package: str, names: Mapping[str, str], public: Sequence[str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """The ``__getattr__`` and ``__dir__`` of a package whose public names load lazily.
 
     Args:

@@ -46,8 +46,18 @@ from .defaults import DEFAULT_EVAL_TILES, DEFAULT_PROBE_TILES, PROBE_CONTEXT
 from .errors import GenolongError
 from .units import format_count
 
-__all__ = ["SAMPLE_TRAIN", "SAMPLE_EVAL", "DEFAULT_EVAL_TILES", "DEFAULT_PROBE_TILES", "PROBE_CONTEXT", "bundled_base", "base_context", "quickstart_recipe",
-           "sample_fasta", "run_quickstart"]
+__all__ = [
+    "SAMPLE_TRAIN",
+    "SAMPLE_EVAL",
+    "DEFAULT_EVAL_TILES",
+    "DEFAULT_PROBE_TILES",
+    "PROBE_CONTEXT",
+    "bundled_base",
+    "base_context",
+    "quickstart_recipe",
+    "sample_fasta",
+    "run_quickstart",
+]
 
 SAMPLE_TRAIN = ("chr1", "chr3", "chr4", "chr5")
 SAMPLE_EVAL = ("chr22",)
@@ -59,8 +69,11 @@ SAMPLE_EVAL = ("chr22",)
 #: regions-then-tiles 95% interval, and ``regions``: each region's own figure over all its bases.
 #: REPORT.md cites it as context; the quickstart never computes it.
 SPREAD_FULL_VS_CUT: dict[str, Any] = {
-    "comparison": "tuned: full - cut", "date": "2026-12-08", "tiles": "14 tiles of 8,192 bases",
-    "all": (-0.94, -1.41, -0.49, -1.15, -0.5), "4k-8k": (-1.06, -1.61, -0.62, -1.43, -0.65),
+    "comparison": "tuned: full - cut",
+    "date": "2026-12-08",
+    "tiles": "14 tiles of 8,192 bases",
+    "all": (-0.94, -1.41, -0.49, -1.15, -0.5),
+    "4k-8k": (-1.06, -1.61, -0.62, -1.43, -0.65),
     "regions": {"chr22": -1.15, "HLA": -0.77, "chr16": -1.13, "chrM": -0.5},
 }
 
@@ -129,9 +142,15 @@ def _clock(seconds: float) -> str:
     return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
 
 
-def run_quickstart(out: Path = Path("genolong-quickstart"), progress: bool | None = None,
-                   overrides: Sequence[str] = (), train: bool = True, control: bool = False,
-                   eval_tiles: int = DEFAULT_EVAL_TILES, probe_tiles: int = DEFAULT_PROBE_TILES) -> GenomeStore:
+def run_quickstart(
+    out: Path = Path("genolong-quickstart"),
+    progress: bool | None = None,
+    overrides: Sequence[str] = (),
+    train: bool = True,
+    control: bool = False,
+    eval_tiles: int = DEFAULT_EVAL_TILES,
+    probe_tiles: int = DEFAULT_PROBE_TILES,
+) -> GenomeStore:
     """Run the quickstart into directory ``out``; returns the prepared store.
 
     Args:
@@ -203,11 +222,21 @@ class _Story:
     softmask: list[tuple[str, str, str, pd.DataFrame]] = field(default_factory=list)  # (a, b, question, gap table)
     figures: dict[str, Path] = field(default_factory=dict)
     probes: dict[str, Any] = field(default_factory=dict)  # name -> ProbeResult
-    reading: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields the fine-tune reads differently from the base
+    reading: dict[str, Any] = field(
+        default_factory=dict
+    )  # ModelConfig fields the fine-tune reads differently from the base
 
 
-def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bool | None, control: bool,
-           eval_tiles: int, stages: _Stages, probe_tiles: int = 0) -> None:
+def _story(
+    out: Path,
+    store: GenomeStore,
+    overrides: Sequence[str],
+    progress: bool | None,
+    control: bool,
+    eval_tiles: int,
+    stages: _Stages,
+    probe_tiles: int = 0,
+) -> None:
     from .config import load_recipe
     from .evaluation.plots import plot_results
     from .evaluation.report import format_compare_table
@@ -224,10 +253,14 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
 
     def recipe_for(name: str, extra: Sequence[str] = ()) -> Any:
         settings = [
-            f"name={name}", f"model.checkpoint={bundled_base()}", f"data.store={out / 'genome'}",
-            f"checkpoint.dir={runs / name / 'checkpoints'}", f"logging.dir={runs / name / 'logs'}",
+            f"name={name}",
+            f"model.checkpoint={bundled_base()}",
+            f"data.store={out / 'genome'}",
+            f"checkpoint.dir={runs / name / 'checkpoints'}",
+            f"logging.dir={runs / name / 'logs'}",
             *([] if progress is None else [f"logging.progress_bar={str(bool(progress)).lower()}"]),
-            *overrides, *extra,
+            *overrides,
+            *extra,
         ]
         recipe = load_recipe(quickstart_recipe(), settings)
         shutil.rmtree(runs / name, ignore_errors=True)
@@ -237,15 +270,20 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
     # the model the fine-tune starts from is the base every comparison is made against: the bundled
     # one, or the checkpoint a `--set model.checkpoint=DIR` names
     if recipe.model.checkpoint is None:
-        raise GenolongError("the quickstart fine-tunes a base model, but model.checkpoint is null; "
-                            "name a checkpoint directory (config.json + safetensors) or leave the bundled one")
+        raise GenolongError(
+            "the quickstart fine-tunes a base model, but model.checkpoint is null; "
+            "name a checkpoint directory (config.json + safetensors) or leave the bundled one"
+        )
     base = Path(recipe.model.checkpoint)
     if not (base / "config.json").is_file():
         raise GenolongError(
-            f"the base model is missing ({base}); " + (
+            f"the base model is missing ({base}); "
+            + (
                 "reinstall genolong, or train it with experiments/bundled-base/reproduce.sh (data/sample/README.md) "
-                "and copy runs/sample-base/export there" if _is_bundled(base) else
-                "model.checkpoint must name a directory with config.json and the safetensors weights")
+                "and copy runs/sample-base/export there"
+                if _is_bundled(base)
+                else "model.checkpoint must name a directory with config.json and the safetensors weights"
+            )
         )
     cut = base_context()
     story = _Story(context=recipe.eval_context, cut=cut, tiles=eval_tiles, recipe=recipe, base=base)
@@ -254,15 +292,25 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
 
     def score(name: str, label: str, model_dir: Path, model: Any, context_cut: int | None = None) -> None:
         story.results[name] = evaluate(
-            model, heldout, out / "eval" / name, story.context, context_cut=context_cut, max_tiles=eval_tiles,
-            label=label, meta={"checkpoint": str(model_dir), "store": str(store.path), "split": heldout.name},
+            model,
+            heldout,
+            out / "eval" / name,
+            story.context,
+            context_cut=context_cut,
+            max_tiles=eval_tiles,
+            label=label,
+            meta={"checkpoint": str(model_dir), "store": str(store.path), "split": heldout.name},
             progress=progress,
         )
         r = story.results[name]
-        print(f"  {label}: {r.mean_nll:.4f} nats/base over {r.tokens:,} bases ({r.meta['tokens_per_second']:,.0f} tokens/s)")
+        print(
+            f"  {label}: {r.mean_nll:.4f} nats/base over {r.tokens:,} bases ({r.meta['tokens_per_second']:,.0f} tokens/s)"
+        )
 
-    stages.start(f"evaluating the base model ({base.name}, trained at up to {cut:,} tokens) on {eval_tiles} held-out "
-                 f"chr22 tiles of {story.context:,} tokens")
+    stages.start(
+        f"evaluating the base model ({base.name}, trained at up to {cut:,} tokens) on {eval_tiles} held-out "
+        f"chr22 tiles of {story.context:,} tokens"
+    )
     score("base", "base", base, load_eval_model(base)[0])
     # a recipe that reads the weights differently from the base's config.json (model.overrides, e.g.
     # a wider DSA key budget): the base is scored that way too, so that the comparisons separate what
@@ -270,10 +318,16 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
     story.reading = _recipe_reading(recipe)
     if story.reading:
         stages.start(f"evaluating the base model read as the fine-tune reads it: {_reading_text(story)}")
-        score("base-read", f"base, {_reading_text(story, short=True)}", base,
-              load_eval_model(base, overrides=story.reading)[0])
-    stages.start(f"fine-tuning at {recipe.data.context:,} tokens for {recipe.train.max_steps} steps "
-                 f"({recipe.memory.recompute} recompute) -> {runs / 'quickstart'}")
+        score(
+            "base-read",
+            f"base, {_reading_text(story, short=True)}",
+            base,
+            load_eval_model(base, overrides=story.reading)[0],
+        )
+    stages.start(
+        f"fine-tuning at {recipe.data.context:,} tokens for {recipe.train.max_steps} steps "
+        f"({recipe.memory.recompute} recompute) -> {runs / 'quickstart'}"
+    )
     tuned = run(recipe)
     assert tuned.export is not None
     stages.start("evaluating the fine-tuned model, full context")
@@ -282,45 +336,82 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
     stages.start(f"evaluating the fine-tuned model with its context cut at {cut:,} bases (same tokens)")
     score("tuned-cut", f"fine-tuned, cut at {cut:,}", tuned.export, tuned_model, context_cut=cut)
     story.comparisons.append(
-        ("base", "tuned", "What did fine-tuning at long context change? (fine-tuned vs base, both with full context)", None))
+        (
+            "base",
+            "tuned",
+            "What did fine-tuning at long context change? (fine-tuned vs base, both with full context)",
+            None,
+        )
+    )
     if story.reading:
         short = _reading_text(story, short=True)
         steps = f"{recipe.train.max_steps} training step" + ("" if recipe.train.max_steps == 1 else "s")
         story.comparisons += [
-            ("base", "base-read", f"How much of that does the new reading do alone? (the base read with {short} vs base, "
-             "no training)", None),
+            (
+                "base",
+                "base-read",
+                f"How much of that does the new reading do alone? (the base read with {short} vs base, no training)",
+                None,
+            ),
             ("base-read", "tuned", f"What did the {steps} change? (fine-tuned vs base, both read with {short})", None),
         ]
     story.comparisons += [
-        ("tuned-cut", "tuned", f"What does context beyond {cut:,} bases buy the fine-tuned model? (full vs cut at {cut:,}, same model)", None),
+        (
+            "tuned-cut",
+            "tuned",
+            f"What does context beyond {cut:,} bases buy the fine-tuned model? (full vs cut at {cut:,}, same model)",
+            None,
+        ),
     ]
     if control:
         control_recipe = recipe_for("control", [f"train.context_cut={cut}"])
-        stages.start(f"training the short-context control: the same windows and steps, context cut at {cut:,} "
-                     f"(train.context_cut) -> {runs / 'control'}")
+        stages.start(
+            f"training the short-context control: the same windows and steps, context cut at {cut:,} "
+            f"(train.context_cut) -> {runs / 'control'}"
+        )
         trained = run(control_recipe)
         assert trained.export is not None
         stages.start("evaluating the control, full context")
         score("control", f"control (trained cut at {cut:,})", trained.export, load_eval_model(trained.export)[0])
         story.comparisons.append(
-            ("control", "tuned", f"What does training at long context buy over the same tokens at {cut:,}? "
-             "(fine-tuned vs short-context control)", None))
+            (
+                "control",
+                "tuned",
+                f"What does training at long context buy over the same tokens at {cut:,}? "
+                "(fine-tuned vs short-context control)",
+                None,
+            )
+        )
     if probe_tiles > 0:
         from .evaluation.probe import probe
 
         context = min(PROBE_CONTEXT, story.context)
-        stages.start(f"probing recall: a 100-base held-out segment copied d bases further on, scored with and without "
-                     f"its source in view, base and fine-tuned, {probe_tiles} tiles of {context:,} -> {out / 'probe'}")
+        stages.start(
+            f"probing recall: a 100-base held-out segment copied d bases further on, scored with and without "
+            f"its source in view, base and fine-tuned, {probe_tiles} tiles of {context:,} -> {out / 'probe'}"
+        )
         shutil.rmtree(out / "probe", ignore_errors=True)
-        for name, label, model_dir, model in (("base", "base", base, load_eval_model(base)[0]),
-                                              ("tuned", "fine-tuned", tuned.export, tuned_model)):
-            story.probes[name] = probe(model, heldout, out / "probe" / name, context, max_tiles=probe_tiles, label=label,
-                                       meta={"checkpoint": str(model_dir), "store": str(store.path), "split": heldout.name},
-                                       progress=progress, figure=False)
+        for name, label, model_dir, model in (
+            ("base", "base", base, load_eval_model(base)[0]),
+            ("tuned", "fine-tuned", tuned.export, tuned_model),
+        ):
+            story.probes[name] = probe(
+                model,
+                heldout,
+                out / "probe" / name,
+                context,
+                max_tiles=probe_tiles,
+                label=label,
+                meta={"checkpoint": str(model_dir), "store": str(store.path), "split": heldout.name},
+                progress=progress,
+                figure=False,
+            )
             t = story.probes[name].table()
-            print(f"  {label}: drop (cut - full, nats/base) by distance: "
-                  + ", ".join(f"{int(r.distance):,}: {r.drop:+.3f}{'*' if r.supported else ''}" for r in t.itertuples())
-                  + " (* = 95% CI excludes 0)")
+            print(
+                f"  {label}: drop (cut - full, nats/base) by distance: "
+                + ", ".join(f"{int(r.distance):,}: {r.drop:+.3f}{'*' if r.supported else ''}" for r in t.itertuples())
+                + " (* = 95% CI excludes 0)"
+            )
     stages.start(f"comparing, drawing the figures -> {out / 'figures'}, writing {out / 'REPORT.md'}")
     story.comparisons = [(a, b, q, compare(story.results[a], story.results[b])) for a, b, q, _ in story.comparisons]
     for a, b, question, table in story.comparisons:
@@ -330,15 +421,17 @@ def _story(out: Path, store: GenomeStore, overrides: Sequence[str], progress: bo
     # (only where the held-out FASTA is soft-masked: the bundled chr22 slice is upper case)
     masked = int(story.results["base"].softmask_tokens[..., 1].sum()) > 0
     if masked:
-        story.softmask = [(a, b, q, compare_softmask(story.results[a], story.results[b])[1])
-                          for a, b, q, _ in story.comparisons]
+        story.softmask = [
+            (a, b, q, compare_softmask(story.results[a], story.results[b])[1]) for a, b, q, _ in story.comparisons
+        ]
     for a, b, _, gap in story.softmask:
         for line in _softmask_reading(gap, story.results[a].label, story.results[b].label):
             print(f"  {line}")
     order = ["base", "base-read", "tuned", "tuned-cut", "control"]
     shutil.rmtree(out / "figures", ignore_errors=True)
-    story.figures = plot_results([story.results[n] for n in order if n in story.results], out / "figures",
-                                 by="softmask" if masked else None)
+    story.figures = plot_results(
+        [story.results[n] for n in order if n in story.results], out / "figures", by="softmask" if masked else None
+    )
     if story.probes:
         from .evaluation.plots import save_probe_figure
 
@@ -356,9 +449,11 @@ def _reading(table: pd.DataFrame, a: str, b: str, tiles: int) -> list[str]:
     lines = [
         f"Overall, {b}'s held-out loss is {abs(overall.rel_pct):.2f}% {direction} than {a}'s "
         f"(95% CI {overall.rel_ci_lo:+.2f}% to {overall.rel_ci_hi:+.2f}%). "
-        + ("The interval excludes zero: these tiles support a real difference."
-           if overall.supported else
-           f"The interval includes zero: on {tiles} tiles this cannot be told apart from no change.")
+        + (
+            "The interval excludes zero: these tiles support a real difference."
+            if overall.supported
+            else f"The interval includes zero: on {tiles} tiles this cannot be told apart from no change."
+        )
     ]
     buckets = table[table.bucket != "all"]
     better = [r.bucket for r in buckets.itertuples() if r.supported and r.diff < 0]
@@ -371,8 +466,10 @@ def _reading(table: pd.DataFrame, a: str, b: str, tiles: int) -> list[str]:
     if unclear:
         lines.append(f"No supported difference in {', '.join(unclear)}.")
     if tiles < 10:
-        lines.append(f"Only {tiles} tiles: a bootstrap over so few blocks understates the uncertainty; "
-                     "score more (--eval-tiles) before trusting these intervals.")
+        lines.append(
+            f"Only {tiles} tiles: a bootstrap over so few blocks understates the uncertainty; "
+            "score more (--eval-tiles) before trusting these intervals."
+        )
     return lines
 
 
@@ -381,36 +478,57 @@ def _softmask_reading(gap: pd.DataFrame, a: str, b: str) -> list[str]:
     gap table): which of the two classes carries the change, said only as far as the paired interval
     of their difference (the overall ``"all"`` row) supports it."""
     r = gap.set_index("bucket").loc["all"]
-    values = [r.unmasked_rel_pct, r.unmasked_rel_ci_lo, r.unmasked_rel_ci_hi, r.masked_rel_pct, r.masked_rel_ci_lo,
-              r.masked_rel_ci_hi, r.gap_pct, r.gap_ci_lo, r.gap_ci_hi]
+    values = [
+        r.unmasked_rel_pct,
+        r.unmasked_rel_ci_lo,
+        r.unmasked_rel_ci_hi,
+        r.masked_rel_pct,
+        r.masked_rel_ci_lo,
+        r.masked_rel_ci_hi,
+        r.gap_pct,
+        r.gap_ci_lo,
+        r.gap_ci_hi,
+    ]
     if any(math.isnan(float(v)) for v in values):
         return [f"{a} vs {b}: too few soft-masked or unmasked bases on these tiles to split the change."]
-    change = {True: (r.masked_rel_pct, r.masked_rel_ci_lo, r.masked_rel_ci_hi),
-              False: (r.unmasked_rel_pct, r.unmasked_rel_ci_lo, r.unmasked_rel_ci_hi)}
+    change = {
+        True: (r.masked_rel_pct, r.masked_rel_ci_lo, r.masked_rel_ci_hi),
+        False: (r.unmasked_rel_pct, r.unmasked_rel_ci_lo, r.unmasked_rel_ci_hi),
+    }
     name = {True: "soft-masked bases (repeats)", False: "unmasked bases (non-repeat sequence)"}
     interval = {m: f"{x:+.2f}% [{lo:+.2f}, {hi:+.2f}]" for m, (x, lo, hi) in change.items()}
     gap_text = f"{r.gap_pct:+.2f} points [{r.gap_ci_lo:+.2f}, {r.gap_ci_hi:+.2f}]"
-    head = (f"{b} vs {a}: the loss changes by {interval[True]} on soft-masked bases and by {interval[False]} on unmasked "
-            f"bases; the paired interval of the difference (soft-masked - unmasked), {gap_text}, ")
+    head = (
+        f"{b} vs {a}: the loss changes by {interval[True]} on soft-masked bases and by {interval[False]} on unmasked "
+        f"bases; the paired interval of the difference (soft-masked - unmasked), {gap_text}, "
+    )
     if not bool(r.supported):
         alone = [m for m in (True, False) if change[m][1] > 0 or change[m][2] < 0]
-        line = head + ("includes 0: these tiles do not separate the two, so they do not say whether repeats or "
-                       "unique sequence carry more of the change.")
+        line = head + (
+            "includes 0: these tiles do not separate the two, so they do not say whether repeats or "
+            "unique sequence carry more of the change."
+        )
         if len(alone) == 1:
-            line += (f" (Only the change on {name[alone[0]]} excludes 0 on its own; that alone does not show it "
-                     "differs from the other's.)")
+            line += (
+                f" (Only the change on {name[alone[0]]} excludes 0 on its own; that alone does not show it "
+                "differs from the other's.)"
+            )
         return [line]
     more = bool(r.gap_pct < 0)  # True: the change is lower (more favourable) on the soft-masked bases
     x, lo, hi = change[more]
     ox, olo, ohi = change[not more]
     if hi < 0:  # a real gain on the favoured class, and a supported gap: it carries more of the gain
         what = "repeats carry more of the gain" if more else "unique sequence carries more of the gain"
-        tail = (f"excludes 0: the gain on {name[more]}, {abs(x):.2f}% [{abs(hi):.2f}, {abs(lo):.2f}], is larger than on "
-                f"{name[not more]}, {0.0 - ox + 0.0:+.2f}% [{0.0 - ohi + 0.0:+.2f}, {0.0 - olo + 0.0:+.2f}] "
-                f"(gain = lower loss): {what}.")
+        tail = (
+            f"excludes 0: the gain on {name[more]}, {abs(x):.2f}% [{abs(hi):.2f}, {abs(lo):.2f}], is larger than on "
+            f"{name[not more]}, {0.0 - ox + 0.0:+.2f}% [{0.0 - ohi + 0.0:+.2f}, {0.0 - olo + 0.0:+.2f}] "
+            f"(gain = lower loss): {what}."
+        )
     elif x < 0:
-        tail = (f"excludes 0: the loss falls more on {name[more]} than on {name[not more]}, though the change on "
-                f"{name[more]} alone is not shown to differ from 0.")
+        tail = (
+            f"excludes 0: the loss falls more on {name[more]} than on {name[not more]}, though the change on "
+            f"{name[more]} alone is not shown to differ from 0."
+        )
     else:
         tail = f"excludes 0: the loss rises less on {name[more]} than on {name[not more]}; neither shows a gain."
     return [head + tail]
@@ -430,13 +548,18 @@ def _softmask_section(story: _Story) -> list[str]:
             f"None of the {first.tokens:,} scored bases is soft-masked: the held-out FASTA is upper case (the bundled "
             "chr22 slice's source carries no RepeatMasker lower case), so these tiles cannot say whether repeats or "
             "unique sequence carry the change. On a soft-masked FASTA (UCSC's hg19/hg38 downloads are), `genolong "
-            "compare A B --by softmask` splits every comparison.", ""]
-    lines += [f"The FASTA's lower case (RepeatMasker's soft-masking: interspersed and tandem repeats, low-complexity "
-             f"sequence; the store keeps it per base) marks {masked:,} of the {first.tokens:,} scored bases "
-             f"({100 * masked / max(1, first.tokens):.1f}%). Each comparison is split by it (`genolong compare A B "
-             "--by softmask`): the relative change of each class and their difference, soft-masked - unmasked in "
-             "percentage points (below 0: the loss falls more, or rises less, on repeats), all from the same "
-             "paired block-bootstrap resamples over tiles.", ""]
+            "compare A B --by softmask` splits every comparison.",
+            "",
+        ]
+    lines += [
+        f"The FASTA's lower case (RepeatMasker's soft-masking: interspersed and tandem repeats, low-complexity "
+        f"sequence; the store keeps it per base) marks {masked:,} of the {first.tokens:,} scored bases "
+        f"({100 * masked / max(1, first.tokens):.1f}%). Each comparison is split by it (`genolong compare A B "
+        "--by softmask`): the relative change of each class and their difference, soft-masked - unmasked in "
+        "percentage points (below 0: the loss falls more, or rises less, on repeats), all from the same "
+        "paired block-bootstrap resamples over tiles.",
+        "",
+    ]
     for a, b, question, gap in story.softmask:
         la, lb = story.results[a].label, story.results[b].label
         lines += [f"### {question}", "", f"A = {la}, B = {lb}.", "", format_gap_table(gap), ""]
@@ -454,10 +577,15 @@ def _reading_text(story: _Story, short: bool = False) -> str:
     parts = []
     for name, value in story.reading.items():
         if name == "index_topk":
-            parts.append(f"{value:,} DSA keys" if short else
-                         f"{value:,} keys per DSA query (index_topk; the base's config.json: {base.index_topk:,})")
+            parts.append(
+                f"{value:,} DSA keys"
+                if short
+                else f"{value:,} keys per DSA query (index_topk; the base's config.json: {base.index_topk:,})"
+            )
         else:
-            parts.append(f"{name} = {value}" if short else f"{name} = {value} (the base's config.json: {getattr(base, name)})")
+            parts.append(
+                f"{name} = {value}" if short else f"{name} = {value} (the base's config.json: {getattr(base, name)})"
+            )
     return ", ".join(parts)
 
 
@@ -472,11 +600,25 @@ def _trained_share(story: _Story) -> str:
     freeze_parameters(model, story.recipe.model.freeze)
     total = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    names = {n.split(".")[2] if n.startswith("layers.") else n.split(".")[0] for n, p in model.named_parameters() if p.requires_grad}
-    kinds = {model.config.layer_types[int(n.split(".")[1])] for n, p in model.named_parameters() if p.requires_grad and n.startswith("layers.")}
-    what = ("the parameters not frozen" if names != {"self_attn"} else
-            "the DSA attention layers only" if kinds == {INDEXED_ATTENTION} else
-            "the KDA attention layers only" if kinds == {LINEAR_ATTENTION} else "the attention layers only")
+    names = {
+        n.split(".")[2] if n.startswith("layers.") else n.split(".")[0]
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+    kinds = {
+        model.config.layer_types[int(n.split(".")[1])]
+        for n, p in model.named_parameters()
+        if p.requires_grad and n.startswith("layers.")
+    }
+    what = (
+        "the parameters not frozen"
+        if names != {"self_attn"}
+        else "the DSA attention layers only"
+        if kinds == {INDEXED_ATTENTION}
+        else "the KDA attention layers only"
+        if kinds == {LINEAR_ATTENTION}
+        else "the attention layers only"
+    )
     return f"{what} ({format_count(trained)} of {format_count(total)} parameters; model.freeze)"
 
 
@@ -487,14 +629,25 @@ def _routing_section(results: dict[str, Any]) -> list[str]:
     scored = {name: res for name, res in results.items() if res.meta.get("routing") and "cut" not in name}
     if not scored:
         return []
-    lines = ["## MoE routing on the held-out tiles", "",
-             "Per MoE layer, the busiest expert's (token, slot) rows over the mean (1.0: balanced; 4.0: one expert for "
-             "every token) and the experts that got no token, over the scored tiles (`genolong evaluate`'s routing "
-             "statistics).", ""]
+    lines = [
+        "## MoE routing on the held-out tiles",
+        "",
+        "Per MoE layer, the busiest expert's (token, slot) rows over the mean (1.0: balanced; 4.0: one expert for "
+        "every token) and the experts that got no token, over the scored tiles (`genolong evaluate`'s routing "
+        "statistics).",
+        "",
+    ]
     layers = [r["layer"] for r in next(iter(scored.values())).meta["routing"]]
-    rows = [[str(layer)] + [f"{x['load_max_over_mean']:.2f} ({x['dead_experts']} dead)"
-                            for res in scored.values() for x in res.meta["routing"] if x["layer"] == layer]
-            for layer in layers]
+    rows = [
+        [str(layer)]
+        + [
+            f"{x['load_max_over_mean']:.2f} ({x['dead_experts']} dead)"
+            for res in scored.values()
+            for x in res.meta["routing"]
+            if x["layer"] == layer
+        ]
+        for layer in layers
+    ]
     return lines + [markdown_table(rows, ["MoE layer", *(res.label for res in scored.values())]), ""]
 
 
@@ -507,14 +660,18 @@ def _probe_section(story: _Story) -> list[str]:
         return []
     first = next(iter(story.probes.values()))
     m, context, tiles = first.repeat_bases, int(first.meta["context"]), int(first.meta["tiles"])
-    lines = ["## Long-range recall: planted repeats (genolong probe)", "",
-             f"On {tiles} held-out tiles of {context:,} bases, the last {m} bases are overwritten with the {m} bases "
-             f"that start d bases earlier, and the copy is scored twice on the same model: with the whole tile in view "
-             f"(full: the source d bases back is visible) and with the model restarted d - 1 bases before the copy's "
-             f"end (cut: it sees d - {m} .. d - 1 bases, never the source). The drop, cut - full, is what "
-             "recalling the source d bases back is worth (nats per base; paired 95% block-bootstrap CI over tiles). "
-             "A model that recalls has a drop near the loss of DNA itself (~1.2-1.4 nats); one that cannot reach d "
-             "back, a drop near 0.", ""]
+    lines = [
+        "## Long-range recall: planted repeats (genolong probe)",
+        "",
+        f"On {tiles} held-out tiles of {context:,} bases, the last {m} bases are overwritten with the {m} bases "
+        f"that start d bases earlier, and the copy is scored twice on the same model: with the whole tile in view "
+        f"(full: the source d bases back is visible) and with the model restarted d - 1 bases before the copy's "
+        f"end (cut: it sees d - {m} .. d - 1 bases, never the source). The drop, cut - full, is what "
+        "recalling the source d bases back is worth (nats per base; paired 95% block-bootstrap CI over tiles). "
+        "A model that recalls has a drop near the loss of DNA itself (~1.2-1.4 nats); one that cannot reach d "
+        "back, a drop near 0.",
+        "",
+    ]
     tables = {name: p.table() for name, p in story.probes.items()}
     header = ["distance d"]
     for p in story.probes.values():
@@ -525,8 +682,11 @@ def _probe_section(story: _Story) -> list[str]:
         for t in tables.values():
             r = t.iloc[i]
             mark = "*" if r.supported else ""
-            row += [f"{r.full_nats:.4f}", f"{r.cut_nats:.4f}",  # r["drop"]: r.drop is Series.drop
-                    f"{r['drop']:+.4f} [{r.drop_ci_lo:+.4f}, {r.drop_ci_hi:+.4f}]{mark}"]
+            row += [
+                f"{r.full_nats:.4f}",
+                f"{r.cut_nats:.4f}",  # r["drop"]: r.drop is Series.drop
+                f"{r['drop']:+.4f} [{r.drop_ci_lo:+.4f}, {r.drop_ci_hi:+.4f}]{mark}",
+            ]
         rows.append(row)
     lines += [markdown_table(rows, header), "", "(* the drop's interval excludes 0.)", ""]
     for name, t in tables.items():
@@ -538,13 +698,18 @@ def _probe_section(story: _Story) -> list[str]:
         yes = ", ".join(f"{int(r.distance):,} ({r.drop:+.4f})" for r in recalled)
         # the drop as a share of what the copy costs without its source: ~100% is a perfect copy
         best = max(recalled, key=lambda r: r.drop / r.cut_nats)
-        lines.append(f"- {label}: drop interval above 0 at d = {yes} nats/base; at most {best.drop / best.cut_nats:.0%} "
-                     f"(d = {int(best.distance):,}) of the {best.cut_nats:.2f} nats/base the copy costs without its source "
-                     "in view: a copy recalled in full would save nearly all of it.")
-    lines += [f"- The base was trained at up to {story.cut:,} tokens and the fine-tuned model at {story.recipe.data.context:,}: "
-              "a drop at distances beyond a model's training context means it recalls further than it was trained "
-              "to; none there is what a model bound to its training length shows.",
-              f"- {tiles} tiles: the intervals say how sure these tiles are, nothing more.", ""]
+        lines.append(
+            f"- {label}: drop interval above 0 at d = {yes} nats/base; at most {best.drop / best.cut_nats:.0%} "
+            f"(d = {int(best.distance):,}) of the {best.cut_nats:.2f} nats/base the copy costs without its source "
+            "in view: a copy recalled in full would save nearly all of it."
+        )
+    lines += [
+        f"- The base was trained at up to {story.cut:,} tokens and the fine-tuned model at {story.recipe.data.context:,}: "
+        "a drop at distances beyond a model's training context means it recalls further than it was trained "
+        "to; none there is what a model bound to its training length shows.",
+        f"- {tiles} tiles: the intervals say how sure these tiles are, nothing more.",
+        "",
+    ]
     return lines
 
 
@@ -558,16 +723,21 @@ def _spread_context() -> str:
         pct, lo, hi, least, most = -s[key][0], -s[key][2], -s[key][1], -s[key][4], -s[key][3]
         return f"{pct:.2f}% [95% CI {lo:.2f}, {hi:.2f}] (by region from {least:.2f}% to {most:.2f}%)"
 
-    model = ("the default quickstart's fine-tuned model" if s["comparison"].startswith("tuned") else
-             "the base read with the recipe's 2,048 keys (this fine-tune's starting point; the fine-tuned model is not "
-             "yet scored there)")
-    return (f"For context, not measured by this run: over {s['tiles']} spread evenly over four held-out regions "
-            f"(chr22:20-21 Mb, the HLA region of chr6, the chr16 slice, chrM), benchmarks/heldout_spread.py "
-            f"({s['date']}, BENCHMARKS.md) finds the context beyond 1,024 bases worth {fig('all')} to {model}, "
-            f"{fig('4k-8k')} with 4k-8k bases before the target; the interval counts regions as the unit of "
-            f"variation. The chr22 tiles above, this run's, are the first tiles of one of those regions; over tiles "
-            f"spread across all of chr22:20-21 Mb the benchmark finds {-s['regions']['chr22']:.2f}% there, "
-            f"{_rank('chr22', s['regions'])} of the four regions.")
+    model = (
+        "the default quickstart's fine-tuned model"
+        if s["comparison"].startswith("tuned")
+        else "the base read with the recipe's 2,048 keys (this fine-tune's starting point; the fine-tuned model is not "
+        "yet scored there)"
+    )
+    return (
+        f"For context, not measured by this run: over {s['tiles']} spread evenly over four held-out regions "
+        f"(chr22:20-21 Mb, the HLA region of chr6, the chr16 slice, chrM), benchmarks/heldout_spread.py "
+        f"({s['date']}, BENCHMARKS.md) finds the context beyond 1,024 bases worth {fig('all')} to {model}, "
+        f"{fig('4k-8k')} with 4k-8k bases before the target; the interval counts regions as the unit of "
+        f"variation. The chr22 tiles above, this run's, are the first tiles of one of those regions; over tiles "
+        f"spread across all of chr22:20-21 Mb the benchmark finds {-s['regions']['chr22']:.2f}% there, "
+        f"{_rank('chr22', s['regions'])} of the four regions."
+    )
 
 
 def _rank(region: str, figures: dict[str, float]) -> str:
@@ -580,14 +750,17 @@ def _rank(region: str, figures: dict[str, float]) -> str:
     if smaller == 0:
         return "the smallest"
     ordinals = ("", "second", "third", "fourth", "fifth")
-    return (f"the {ordinals[larger]} largest" if larger <= smaller and larger < len(ordinals)
-            else f"the {ordinals[min(smaller, len(ordinals) - 1)]} smallest")
+    return (
+        f"the {ordinals[larger]} largest"
+        if larger <= smaller and larger < len(ordinals)
+        else f"the {ordinals[min(smaller, len(ordinals) - 1)]} smallest"
+    )
 
 
 def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
     from . import __version__
-    from .files import replace_file
     from .evaluation.report import format_compare_table, markdown_table
+    from .files import replace_file
 
     r = story.recipe
     results = story.results
@@ -603,21 +776,29 @@ def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
         "",
         f"- Held-out data: the first {story.tiles} tiles of {story.context:,} tokens of the bundled chr22:20-21 Mb "
         f"(GRCh37) slice, {first.tokens:,} scored bases (N bases are never scored).",
-        (f"- Base model: the bundled `small` preset (data/sample/base), trained from scratch at up to {story.cut:,} tokens, "
-         "with planted copies of earlier bases in its windows (experiments/bundled-base/)."
-         if _is_bundled(story.base) else f"- Base model: {story.base} (model.checkpoint)."),
+        (
+            f"- Base model: the bundled `small` preset (data/sample/base), trained from scratch at up to {story.cut:,} tokens, "
+            "with planted copies of earlier bases in its windows (experiments/bundled-base/)."
+            if _is_bundled(story.base)
+            else f"- Base model: {story.base} (model.checkpoint)."
+        ),
         f"- Fine-tuned: {r.train.max_steps} steps of {r.data.batch_size} x {r.data.context:,}-token windows of the "
         f"sample's training split (chr1, chr3, chr4, chr5 slices), lr {r.train.lr:g} (recipes/quickstart.yaml)"
-        + (f", training {_trained_share(story)}" if r.model.freeze else "") + ".",
+        + (f", training {_trained_share(story)}" if r.model.freeze else "")
+        + ".",
     ]
     if story.reading:
-        lines.append(f"- Read with {_reading_text(story)}: recipes/quickstart.yaml's model.overrides, which the fine-tune "
-                     "trains and is scored with. The base is scored both ways ('base': its own config.json; 'base, "
-                     f"{_reading_text(story, short=True)}': the same weights read as the fine-tune reads them), so the "
-                     "comparisons separate what the new reading does from what the training does.")
+        lines.append(
+            f"- Read with {_reading_text(story)}: recipes/quickstart.yaml's model.overrides, which the fine-tune "
+            "trains and is scored with. The base is scored both ways ('base': its own config.json; 'base, "
+            f"{_reading_text(story, short=True)}': the same weights read as the fine-tune reads them), so the "
+            "comparisons separate what the new reading does from what the training does."
+        )
     if "control" in results:
-        lines.append(f"- Control: the same recipe, seed, windows and steps with `train.context_cut: {story.cut}` "
-                     f"(each target trained with at most {story.cut:,} bases of context).")
+        lines.append(
+            f"- Control: the same recipe, seed, windows and steps with `train.context_cut: {story.cut}` "
+            f"(each target trained with at most {story.cut:,} bases of context)."
+        )
     lines += [
         f"- 'cut at {story.cut:,}': the same model and the same bases scored with the model restarted every "
         f"{story.cut:,} bases (`genolong evaluate --context-cut {story.cut}`).",
@@ -644,8 +825,14 @@ def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
     lines += ["## Comparisons", ""]
     for a, b, question, table in story.comparisons:
         la, lb = results[a].label, results[b].label
-        lines += [f"### {question}", "", f"A = {la}, B = {lb}. Change is B - A.", "",
-                  format_compare_table(table, "A", "B"), ""]
+        lines += [
+            f"### {question}",
+            "",
+            f"A = {la}, B = {lb}. Change is B - A.",
+            "",
+            format_compare_table(table, "A", "B"),
+            "",
+        ]
         lines += [f"- {line}" for line in _reading(table, la, lb, story.tiles)]
         if (a, b) == ("tuned-cut", "tuned") and story.cut == 1024 and story.context == 8192:
             lines.append(f"- {_spread_context()}")
@@ -654,10 +841,13 @@ def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
     lines += _probe_section(story)
     lines += _routing_section(results)
     lines += ["## Figures", ""]
-    for name, title in (("position_loss", "Loss by position in the tile"), ("buckets", "Bucket means with 95% CIs"),
-                        ("relative_change", "Relative change vs the base"),
-                        ("relative_change_softmask", "Relative change vs the base, soft-masked vs unmasked bases"),
-                        ("probe", "Planted-repeat recall by distance (genolong probe)")):
+    for name, title in (
+        ("position_loss", "Loss by position in the tile"),
+        ("buckets", "Bucket means with 95% CIs"),
+        ("relative_change", "Relative change vs the base"),
+        ("relative_change_softmask", "Relative change vs the base, soft-masked vs unmasked bases"),
+        ("probe", "Planted-repeat recall by distance (genolong probe)"),
+    ):
         if f"{name}.png" in story.figures:
             lines += [f"### {title}", "", f"![{title}](figures/{name}.png)", ""]
     lines += [
@@ -671,7 +861,8 @@ def _write_report(path: Path, story: _Story, stages: _Stages) -> None:
         f"{first.tokens:,} held-out bases. The reference result (GLM-5.3-Flash, 80 steps at up to 1M tokens on "
         "64 GPUs) measured -4.8% on the whole of chr22; nothing here should be read as that result.",
         "",
-        "Stage times: " + "; ".join(f"{what.split(' (')[0].split(' ->')[0]}: {_clock(sec)}" for what, sec in stages.times.items()),
+        "Stage times: "
+        + "; ".join(f"{what.split(' (')[0].split(' ->')[0]}: {_clock(sec)}" for what, sec in stages.times.items()),
         "",
     ]
     replace_file(path, lambda tmp: tmp.write_text("\n".join(lines)))

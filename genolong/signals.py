@@ -20,7 +20,14 @@ from collections.abc import Sequence
 from types import FrameType, TracebackType
 from typing import Any
 
-__all__ = ["DEFAULT_STOP_SIGNALS", "SignalFlag", "catch_from_start", "ignore_from_now", "keep_only", "received_at_start"]
+__all__ = [
+    "DEFAULT_STOP_SIGNALS",
+    "SignalFlag",
+    "catch_from_start",
+    "ignore_from_now",
+    "keep_only",
+    "received_at_start",
+]
 
 #: the signals that stop a run at its next safe point unless a recipe says otherwise
 DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGUSR1")

@@ -50,8 +50,10 @@ def check_task_layout(parallel: ParallelSection, environ: Mapping[str, str] = os
     per_node = environ.get("SLURM_NTASKS_PER_NODE")
     nnodes = int(environ.get("SLURM_NNODES", "1"))
     recipe = f"the recipe runs parallel.devices={devices} x parallel.num_nodes={nodes} processes"
-    fix = (f"put `#SBATCH --nodes={nodes} --ntasks-per-node={devices}` in the job script and start genolong with "
-           f"`srun` (docs/slurm/finetune.sbatch), or set parallel.devices / parallel.num_nodes to the job's layout")
+    fix = (
+        f"put `#SBATCH --nodes={nodes} --ntasks-per-node={devices}` in the job script and start genolong with "
+        f"`srun` (docs/slurm/finetune.sbatch), or set parallel.devices / parallel.num_nodes to the job's layout"
+    )
     if ntasks > 1 and per_node is None:
         job = f"--ntasks={ntasks} without --ntasks-per-node"
     elif per_node is not None and per_node.split("(")[0] != str(devices):

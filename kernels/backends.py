@@ -46,7 +46,15 @@ from typing import Any
 
 from ..errors import InputError
 
-__all__ = ["KernelBackend", "OPS", "available_backends", "dispatch_counts", "get_backend", "register_backend", "resolve_auto"]
+__all__ = [
+    "KernelBackend",
+    "OPS",
+    "available_backends",
+    "dispatch_counts",
+    "get_backend",
+    "register_backend",
+    "resolve_auto",
+]
 
 log = logging.getLogger("genolong")
 
@@ -88,8 +96,16 @@ class KernelBackend:
 
 
 # the ops every backend provides (the KernelBackend fields that are callables)
-OPS = ("chunk_kda", "chunk_kda_gated", "recurrent_kda", "kpool_keys", "kpool_topk", "sparse_attention",
-       "kpool_indexer_kl_loss", "chunked_cross_entropy")
+OPS = (
+    "chunk_kda",
+    "chunk_kda_gated",
+    "recurrent_kda",
+    "kpool_keys",
+    "kpool_topk",
+    "sparse_attention",
+    "kpool_indexer_kl_loss",
+    "chunked_cross_entropy",
+)
 
 # (op, implementation) -> calls dispatched by the GPU backends' ops in this process (see _on_cuda)
 _DISPATCHED: Counter[tuple[str, str]] = Counter()
@@ -138,7 +154,9 @@ def get_backend(name: str = "torch") -> KernelBackend:
     try:
         backend = _LOADERS[name]()
     except ImportError as exc:
-        raise InputError(f"kernel backend {name!r} cannot load here ({_one_line(exc)}); use kernel_backend 'torch'") from None
+        raise InputError(
+            f"kernel backend {name!r} cannot load here ({_one_line(exc)}); use kernel_backend 'torch'"
+        ) from None
     _LOADED[name] = backend
     if backend.name == name:
         log.info("genolong: kernel backend %r: %s", name, backend.description)
@@ -178,8 +196,10 @@ def _on_cuda(fast: Callable, reference: Callable, name: str = "", impl: str = ""
 
 def _require_cuda(name: str) -> None:
     if not _cuda_available():
-        raise InputError(f"kernel backend {name!r} needs CUDA (torch.cuda.is_available() is False here); "
-                         "use kernel_backend 'torch' or 'auto'")
+        raise InputError(
+            f"kernel backend {name!r} needs CUDA (torch.cuda.is_available() is False here); "
+            "use kernel_backend 'torch' or 'auto'"
+        )
 
 
 def _fla_chunk_kda() -> tuple[Callable, Callable]:
@@ -205,8 +225,9 @@ def _triton_op(module: str, function: str) -> Callable:
     except ImportError:
         raise
     except Exception as exc:  # Triton raises RuntimeError & co. when it finds no usable driver
-        raise ImportError(f"genolong.kernels.dsa.{module} failed to import: {type(exc).__name__}: "
-                          f"{_one_line(exc)}") from exc
+        raise ImportError(
+            f"genolong.kernels.dsa.{module} failed to import: {type(exc).__name__}: {_one_line(exc)}"
+        ) from exc
 
 
 def _fla_backend() -> KernelBackend:
@@ -216,8 +237,8 @@ def _fla_backend() -> KernelBackend:
     return KernelBackend(
         name="fla",
         description="fla-core Triton chunk_kda for KDA training (CUDA tensors; gate and beta in the kernel "
-                    "through chunk_kda_gated); torch reference for recurrent KDA, the DSA indexer/KPool/"
-                    "sparse attention/KL loss and chunked CE",
+        "through chunk_kda_gated); torch reference for recurrent KDA, the DSA indexer/KPool/"
+        "sparse attention/KL loss and chunked CE",
         chunk_kda=_on_cuda(fla_kda, reference.chunk_kda, "chunk_kda", "fla-core"),
         chunk_kda_gated=_on_cuda(fla_kda_gated, reference.chunk_kda_gated, "chunk_kda_gated", "fla-core"),
         recurrent_kda=reference.recurrent_kda,
@@ -239,12 +260,17 @@ def _triton_backend() -> KernelBackend:
         raise ImportError(f"{old}; {GPU_FIX}")
     reference = _torch_backend()
     gt = "genolong-triton"
-    sparse_attention = _on_cuda(_triton_op("triton_attention", "sparse_attention_triton"), reference.sparse_attention,
-                                "sparse_attention", gt)
+    sparse_attention = _on_cuda(
+        _triton_op("triton_attention", "sparse_attention_triton"), reference.sparse_attention, "sparse_attention", gt
+    )
     kpool_topk = _on_cuda(_triton_op("triton_topk", "kpool_topk_triton"), reference.kpool_topk, "kpool_topk", gt)
     kpool_keys = _on_cuda(_triton_op("triton_kpool", "kpool_keys_triton"), reference.kpool_keys, "kpool_keys", gt)
-    kpool_indexer_kl_loss = _on_cuda(_triton_op("triton_kpool", "kpool_indexer_kl_loss_triton"),
-                                     reference.kpool_indexer_kl_loss, "kpool_indexer_kl_loss", gt)
+    kpool_indexer_kl_loss = _on_cuda(
+        _triton_op("triton_kpool", "kpool_indexer_kl_loss_triton"),
+        reference.kpool_indexer_kl_loss,
+        "kpool_indexer_kl_loss",
+        gt,
+    )
     impls = {**reference.impls, "sparse_attention": gt, "kpool_topk": gt, "kpool_keys": gt, "kpool_indexer_kl_loss": gt}
     try:
         fla_kda, fla_kda_gated = _fla_chunk_kda()
@@ -255,15 +281,16 @@ def _triton_backend() -> KernelBackend:
     except (ImportError, InputError) as exc:
         # a warning, not an info line: the backend is named 'triton' but KDA (most of the model's
         # layers) runs the torch reference; impls says so too (gpu_check records it)
-        log.warning("genolong: kernel backend 'triton': fla-core unavailable (%s); KDA runs the torch reference",
-                    _one_line(exc))
+        log.warning(
+            "genolong: kernel backend 'triton': fla-core unavailable (%s); KDA runs the torch reference", _one_line(exc)
+        )
         chunk_kda, chunk_kda_gated = reference.chunk_kda, reference.chunk_kda_gated
         kda_from = "torch chunked KDA (fla-core unavailable)"
     return KernelBackend(
         name="triton",
         description=f"genolong Triton DSA kernels for CUDA tensors (KPool key pooling, pooled-key scores with a "
-                    f"running top-k, sparse attention, the indexer KL loss); {kda_from}; torch reference for "
-                    "recurrent KDA and chunked CE",
+        f"running top-k, sparse attention, the indexer KL loss); {kda_from}; torch reference for "
+        "recurrent KDA and chunked CE",
         chunk_kda=chunk_kda,
         chunk_kda_gated=chunk_kda_gated,
         recurrent_kda=reference.recurrent_kda,

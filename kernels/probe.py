@@ -27,8 +27,20 @@ import re
 import sys
 from importlib import metadata
 
-__all__ = ["GPU_FIX", "MIN_FLA_CORE", "MIN_TRITON", "cuda_here", "describe_here", "gpu_kernel_problem", "kernel_line", "kernels_here",
-           "package_problem", "package_version", "parse_version", "refusal"]
+__all__ = [
+    "GPU_FIX",
+    "MIN_FLA_CORE",
+    "MIN_TRITON",
+    "cuda_here",
+    "describe_here",
+    "gpu_kernel_problem",
+    "kernel_line",
+    "kernels_here",
+    "package_problem",
+    "package_version",
+    "parse_version",
+    "refusal",
+]
 
 #: The install line that brings every GPU kernel (pyproject's ``gpu`` extra: fla-core and Triton).
 GPU_FIX = "pip install 'genolong[gpu]'"
@@ -92,8 +104,10 @@ def gpu_kernel_problem() -> str | None:
 
 def refusal(backend: str, problem: str) -> str:
     """The one line ``auto`` fails with on a CUDA machine that lacks the GPU kernels."""
-    return (f"kernel_backend {backend!r} on this CUDA machine would run the slow torch reference ({problem}); "
-            f"{GPU_FIX}, or set kernel_backend: torch to run the reference on purpose")
+    return (
+        f"kernel_backend {backend!r} on this CUDA machine would run the slow torch reference ({problem}); "
+        f"{GPU_FIX}, or set kernel_backend: torch to run the reference on purpose"
+    )
 
 
 def _torch_has_cuda_build() -> bool:
@@ -163,8 +177,14 @@ def kernels_here(backend: str) -> tuple[str, str, str | None]:
         return ("torch", "torch", refusal(backend, problem)) if problem else ("fla-core", "genolong-triton", None)
     needed = [p for p in ((triton, fla) if backend == "fla" else (triton,)) if p]
     if needed:
-        return "torch", "torch", (f"kernel backend {backend!r} cannot load here ({'; '.join(needed)}); "
-                                  f"{GPU_FIX}, or use kernel_backend 'torch'")
+        return (
+            "torch",
+            "torch",
+            (
+                f"kernel backend {backend!r} cannot load here ({'; '.join(needed)}); "
+                f"{GPU_FIX}, or use kernel_backend 'torch'"
+            ),
+        )
     if backend == "fla":
         return "fla-core", "torch", None
     return ("torch" if fla else "fla-core"), "genolong-triton", None
@@ -187,4 +207,3 @@ def describe_here(backend: str) -> str:
     cuda = cuda_here()
     resolved = ("triton" if cuda else "torch") if backend == "auto" else backend
     return kernel_line(backend, resolved, kda, dsa) + ("" if cuda else " (no CUDA here)")
-

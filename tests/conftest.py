@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -63,6 +63,7 @@ def _interpreter_numpy_problem() -> str | None:
         from importlib.metadata import version
 
         import numpy
+
         triton_version = version("triton")
     except Exception:  # no triton: the kernel tests say so themselves
         return None
@@ -71,8 +72,10 @@ def _interpreter_numpy_problem() -> str | None:
         return tuple(int(p) for p in v.split("+")[0].split(".")[:2] if p.isdigit())
 
     if release(triton_version) < (3, 7) and release(numpy.__version__) >= (2, 4):
-        return (f"triton {triton_version}'s interpreter cannot run genolong's kernel tests with numpy "
-                f"{numpy.__version__}: install numpy < 2.4 (pip install 'numpy<2.4') or triton >= 3.7")
+        return (
+            f"triton {triton_version}'s interpreter cannot run genolong's kernel tests with numpy "
+            f"{numpy.__version__}: install numpy < 2.4 (pip install 'numpy<2.4') or triton >= 3.7"
+        )
     return None
 
 

@@ -30,18 +30,26 @@ CHRM = TEST_DATA / "chrM_rCRS.fa.gz"
 _AMBIGUITY = re.compile(r"[RYSWKMBDHV]")
 
 
-def fasta_text(records: Iterable[tuple[str, str]], width: int = 60, newline: str = "\n", final_newline: bool = True) -> str:
+def fasta_text(
+    records: Iterable[tuple[str, str]], width: int = 60, newline: str = "\n", final_newline: bool = True
+) -> str:
     """FASTA text of (header, sequence) records wrapped at ``width`` columns."""
     lines: list[str] = []
     for header, seq in records:
         lines.append(f">{header}")
-        lines.extend(seq[i:i + width] for i in range(0, len(seq), width))
+        lines.extend(seq[i : i + width] for i in range(0, len(seq), width))
     text = newline.join(lines)
     return text + newline if final_newline else text
 
 
-def write_fasta(path: Path, records: Iterable[tuple[str, str]], width: int = 60, compress: str | None = None,
-                newline: str = "\n", index: bool = False) -> Path:
+def write_fasta(
+    path: Path,
+    records: Iterable[tuple[str, str]],
+    width: int = 60,
+    compress: str | None = None,
+    newline: str = "\n",
+    index: bool = False,
+) -> Path:
     """Write records as plain, gzip or bgzip FASTA (bgzip/plain optionally with .fai/.gzi)."""
     text = fasta_text(records, width, newline).encode()
     if compress == "gzip":
@@ -110,10 +118,12 @@ def assert_bitwise_equal(actual: Any, expected: Any, what: str) -> None:
     """
     threads = torch.get_num_threads()
     if threads != 1:
-        pytest.fail(f"{what}: a bitwise comparison of floating-point results under {threads} torch threads; "
-                    "put the test module under the one_thread fixture "
-                    "(pytestmark = pytest.mark.usefixtures(\"one_thread\")) or compare with a tolerance and say why",
-                    pytrace=False)
+        pytest.fail(
+            f"{what}: a bitwise comparison of floating-point results under {threads} torch threads; "
+            "put the test module under the one_thread fixture "
+            '(pytestmark = pytest.mark.usefixtures("one_thread")) or compare with a tolerance and say why',
+            pytrace=False,
+        )
     if isinstance(actual, Mapping) or isinstance(expected, Mapping):
         if not (isinstance(actual, Mapping) and isinstance(expected, Mapping)) or actual.keys() != expected.keys():
             pytest.fail(f"{what}: the keys differ", pytrace=False)
@@ -123,15 +133,19 @@ def assert_bitwise_equal(actual: Any, expected: Any, what: str) -> None:
     a = torch.from_numpy(actual) if isinstance(actual, np.ndarray) else actual
     b = torch.from_numpy(expected) if isinstance(expected, np.ndarray) else expected
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-        raise TypeError(f"{what}: assert_bitwise_equal compares tensors or numpy arrays, got "
-                        f"{type(actual).__name__} and {type(expected).__name__}")
+        raise TypeError(
+            f"{what}: assert_bitwise_equal compares tensors or numpy arrays, got "
+            f"{type(actual).__name__} and {type(expected).__name__}"
+        )
     if a.shape != b.shape or a.dtype != b.dtype:
         pytest.fail(f"{what}: {tuple(a.shape)} {a.dtype} against {tuple(b.shape)} {b.dtype}", pytrace=False)
     if not torch.equal(a, b):
         differ = a != b
         largest = (a.double() - b.double()).abs()[differ].max().item() if a.is_floating_point() else float("nan")
-        pytest.fail(f"{what}: {int(differ.sum())} of {a.numel()} elements differ (largest difference {largest:.3g})",
-                    pytrace=False)
+        pytest.fail(
+            f"{what}: {int(differ.sum())} of {a.numel()} elements differ (largest difference {largest:.3g})",
+            pytrace=False,
+        )
 
 
 # transformers routes glm5_next's KDA to fla's Triton kernels whenever fla is importable, and those
@@ -173,8 +187,9 @@ def run_transformers(script: str, *args: str, stdin: str = "") -> str:
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-c", _TRANSFORMERS_PRELUDE + script, *args], input=stdin,
-                         text=True, capture_output=True)
+    run = subprocess.run(
+        [sys.executable, "-c", _TRANSFORMERS_PRELUDE + script, *args], input=stdin, text=True, capture_output=True
+    )
     if run.returncode:
         raise AssertionError(f"the transformers reference failed:\n{run.stderr[-4000:]}")
     return run.stdout
@@ -188,8 +203,9 @@ def _rank_entry(rank: int, fn: Callable[..., None], world: int, init_file: str, 
     torch.set_num_threads(1)
     # a rank that aborts in C++ prints where its Python threads stood (none: finalization)
     faulthandler.enable(all_threads=True)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     try:
         fn(rank, world, *args)
         # every rank past its last collective before any rank closes its connections: a gloo send
@@ -214,8 +230,9 @@ def run_ranks(fn: Callable[..., None], world: int, tmp_path: Path, *args: Any, t
     in a collective whose partner died).
     """
     init_file = tmp_path / f"pg_init_{time.monotonic_ns()}"
-    ctx = mp.start_processes(_rank_entry, args=(fn, world, str(init_file), args), nprocs=world, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        _rank_entry, args=(fn, world, str(init_file), args), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1.0):
         if time.monotonic() > deadline:
@@ -313,9 +330,13 @@ class TorchDSAEngineCalls:
 
         from genolong.kernels.dsa import attention, indexer, kpool_loss
 
-        targets = [(indexer.causal_topk, "causal_topk"), (kpool_loss._block_log_target, "kl_block"),
-                   (attention._block_indices, "attention_block")]
+        targets = [
+            (indexer.causal_topk, "causal_topk"),
+            (kpool_loss._block_log_target, "kl_block"),
+            (attention._block_indices, "attention_block"),
+        ]
         for fn, key in targets:
+
             def counted(*args: Any, _fn: Callable = fn, _key: str = key, **kwargs: Any) -> Any:
                 self.calls[_key] += 1
                 return _fn(*args, **kwargs)

@@ -42,7 +42,7 @@ def sample_windows(n: int = 60) -> list[dict[str, Any]]:
     with pysam.FastaFile(str(sample_fasta())) as fasta:
         tokens = encode(fasta.fetch("chr3:42000000-44000000", 0, 300_000))
     starts = np.random.default_rng(0).integers(0, len(tokens) - WINDOW, n)
-    return [{"tokens": torch.from_numpy(tokens[s:s + WINDOW].astype(np.int64))} for s in starts]
+    return [{"tokens": torch.from_numpy(tokens[s : s + WINDOW].astype(np.int64))} for s in starts]
 
 
 def collapsed_tiny(windows: list[dict[str, Any]], scale: float = 10.0) -> Any:
@@ -56,8 +56,10 @@ def collapsed_tiny(windows: list[dict[str, Any]], scale: float = 10.0) -> Any:
     model = GenoLM(PRESETS["tiny"].replace(n_routed_experts=8))
     inputs: dict[Any, torch.Tensor] = {}
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    hooks = [m.register_forward_hook(lambda mod, args, out: inputs.__setitem__(mod, args[0].reshape(-1, args[0].shape[-1])))
-             for m in moes]
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out: inputs.__setitem__(mod, args[0].reshape(-1, args[0].shape[-1])))
+        for m in moes
+    ]
     with torch.no_grad():
         model(torch.stack([w["tokens"] for w in windows[:4]]))
         for hook in hooks:
@@ -68,7 +70,9 @@ def collapsed_tiny(windows: list[dict[str, Any]], scale: float = 10.0) -> Any:
     return model
 
 
-def train_collapsed(windows: list[dict[str, Any]], steps: int = STEPS, collapse_steps: int = 5, **optim: Any) -> list[float]:
+def train_collapsed(
+    windows: list[dict[str, Any]], steps: int = STEPS, collapse_steps: int = 5, **optim: Any
+) -> list[float]:
     """Train :func:`collapsed_tiny` for ``steps`` steps with ``OptimSettings(**optim)``; returns
     the worst MoE layer's load max/mean (``train/moe_load_max_over_mean``) of every step."""
     import lightning as L
@@ -83,11 +87,22 @@ def train_collapsed(windows: list[dict[str, Any]], steps: int = STEPS, collapse_
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
             self.steps.append(float(trainer.callback_metrics["train/moe_load_max_over_mean"]))
 
-    module = GenoLMModule(lambda: collapsed_tiny(windows), OptimSettings(lr=1e-3, min_lr=1e-4, max_steps=steps, **optim),
-                          moe_collapse_steps=collapse_steps)
+    module = GenoLMModule(
+        lambda: collapsed_tiny(windows),
+        OptimSettings(lr=1e-3, min_lr=1e-4, max_steps=steps, **optim),
+        moe_collapse_steps=collapse_steps,
+    )
     worst = Worst()
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, gradient_clip_val=1.0, callbacks=[worst])
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+        callbacks=[worst],
+    )
     trainer.fit(module, train_dataloaders=DataLoader(windows, batch_size=1))
     return worst.steps
 
@@ -96,7 +111,15 @@ def train_collapsed(windows: list[dict[str, Any]], steps: int = STEPS, collapse_
 
 #: The small version tests/evaluation/test_probe.py runs: 200 steps of 32 windows of 32 bases, repeats at
 #: distances up to 8, 4-base copies (probe distances 8: trained, 16: not).
-SMALL = {"pattern": "K", "train_context": 32, "repeat_bases": 4, "max_distance": 8, "steps": 200, "batch": 32, "lr": 1e-2}
+SMALL = {
+    "pattern": "K",
+    "train_context": 32,
+    "repeat_bases": 4,
+    "max_distance": 8,
+    "steps": 200,
+    "batch": 32,
+    "lr": 1e-2,
+}
 
 
 @dataclass
@@ -119,11 +142,14 @@ def planted_config(pattern: str = "KD") -> Any:
     from genolong.model import PRESETS
 
     n = len(pattern)
-    return PRESETS["tiny"].replace(num_hidden_layers=n, pattern=pattern, mlp_layer_types=("dense",) * n,
-                                   indexer_types=("full",) * n)
+    return PRESETS["tiny"].replace(
+        num_hidden_layers=n, pattern=pattern, mlp_layer_types=("dense",) * n, indexer_types=("full",) * n
+    )
 
 
-def planted_batch(rng: np.random.Generator, batch: int, length: int, repeat_bases: int, max_distance: int) -> torch.Tensor:
+def planted_batch(
+    rng: np.random.Generator, batch: int, length: int, repeat_bases: int, max_distance: int
+) -> torch.Tensor:
     """``[batch, length]`` random bases, each row periodic from a random point on: ``x[t] = x[t - p]``
     for ``t >= t0``, the period ``p`` uniform in ``[m + 1, max_distance]`` and ``t0`` uniform in
     ``[p, length - m]`` (so at least ``m`` copied bases). Every repeat lies at a distance of at
@@ -137,9 +163,18 @@ def planted_batch(rng: np.random.Generator, batch: int, length: int, repeat_base
     return torch.from_numpy(x).long()
 
 
-def train_planted(pattern: str = "K", train_context: int = 128, repeat_bases: int = 4, max_distance: int = 32,
-                  steps: int = 600, batch: int = 8, lr: float = 1e-2, seed: int = 0, log_every: int = 50,
-                  verbose: bool = False) -> tuple[Any, list[dict[str, float]]]:
+def train_planted(
+    pattern: str = "K",
+    train_context: int = 128,
+    repeat_bases: int = 4,
+    max_distance: int = 32,
+    steps: int = 600,
+    batch: int = 8,
+    lr: float = 1e-2,
+    seed: int = 0,
+    log_every: int = 50,
+    verbose: bool = False,
+) -> tuple[Any, list[dict[str, float]]]:
     """Train :func:`planted_config` from scratch with AdamW on :func:`planted_batch` windows.
 
     Returns:
@@ -171,6 +206,15 @@ def planted_probe(model: Any, context: int, repeat_bases: int, tiles: int, out: 
     the powers of two ``2m <= d <= context - m``; returns the :class:`ProbeResult`."""
     from genolong.evaluation.probe import probe
 
-    distances = [d for d in (2 ** k for k in range(1, 40)) if 2 * repeat_bases <= d <= context - repeat_bases]
-    return probe(model, random_split(context * tiles, seed), out, context, repeat_bases=repeat_bases, distances=distances,
-                 label="planted", progress=False, figure=False)
+    distances = [d for d in (2**k for k in range(1, 40)) if 2 * repeat_bases <= d <= context - repeat_bases]
+    return probe(
+        model,
+        random_split(context * tiles, seed),
+        out,
+        context,
+        repeat_bases=repeat_bases,
+        distances=distances,
+        label="planted",
+        progress=False,
+        figure=False,
+    )

@@ -43,8 +43,10 @@ def missing() -> str | None:
     """Why no cluster can start here (None: it can)."""
     absent = [name for name in BINARIES if shutil.which(name) is None]
     if absent:
-        return (f"SLURM not installed ({', '.join(absent)} missing): apt-get install slurmctld slurmd slurm-client "
-                "munge (.ci/run does)")
+        return (
+            f"SLURM not installed ({', '.join(absent)} missing): apt-get install slurmctld slurmd slurm-client "
+            "munge (.ci/run does)"
+        )
     if os.geteuid() != 0:
         return "the test cluster runs its daemons as root (SlurmUser=root, as in CI)"
     return None
@@ -90,15 +92,24 @@ class SlurmCluster:
     env: dict[str, str]
     pids: dict[str, subprocess.Popen] = field(default_factory=dict)
 
-    def run(self, *command: str, check: bool = True, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    def run(
+        self, *command: str, check: bool = True, env: Mapping[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         """A SLURM client command (sbatch, scontrol, ...) against this cluster; its output as text."""
-        return subprocess.run(list(command), env={**self.env, **(env or {})}, capture_output=True, text=True,
-                              check=check, timeout=60)
+        return subprocess.run(
+            list(command), env={**self.env, **(env or {})}, capture_output=True, text=True, check=check, timeout=60
+        )
 
     def sbatch(self, script: Path, *args: str, env: Mapping[str, str] | None = None, cwd: Path | None = None) -> str:
         """Submit ``script`` (``sbatch ARGS SCRIPT``) with ``env`` on top of the cluster's; its job id."""
-        done = subprocess.run(["sbatch", "--parsable", *args, str(script)], env={**self.env, **(env or {})},
-                              capture_output=True, text=True, timeout=60, cwd=cwd)
+        done = subprocess.run(
+            ["sbatch", "--parsable", *args, str(script)],
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=cwd,
+        )
         if done.returncode:
             raise AssertionError(f"sbatch failed ({done.returncode}): {done.stderr.strip()}")
         return done.stdout.strip().split(";")[0]
@@ -108,9 +119,21 @@ class SlurmCluster:
         out = self.run("scontrol", "show", "job", "--oneliner", job).stdout
         return Job(job, dict(re.findall(r"(\w+)=(\S*)", out)))
 
-    def wait(self, job: str, until: str | tuple[str, ...] = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
-                                                             "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"),
-             timeout: float = 300, restarts: int | None = None) -> Job:
+    def wait(
+        self,
+        job: str,
+        until: str | tuple[str, ...] = (
+            "COMPLETED",
+            "FAILED",
+            "CANCELLED",
+            "TIMEOUT",
+            "NODE_FAIL",
+            "OUT_OF_MEMORY",
+            "PREEMPTED",
+        ),
+        timeout: float = 300,
+        restarts: int | None = None,
+    ) -> Job:
         """Wait until ``job`` is in a state of ``until`` (and, if given, has been requeued ``restarts``
         times); its description. Raises AssertionError on timeout, with the cluster's logs' tails."""
         states = (until,) if isinstance(until, str) else until
@@ -120,8 +143,10 @@ class SlurmCluster:
             if info.state in states and (restarts is None or info.restarts >= restarts):
                 return info
             if time.monotonic() > deadline:
-                raise AssertionError(f"job {job}: still {info.state} (restarts {info.restarts}) after {timeout} s, "
-                                     f"waiting for {states}\n{self.logs()}")
+                raise AssertionError(
+                    f"job {job}: still {info.state} (restarts {info.restarts}) after {timeout} s, "
+                    f"waiting for {states}\n{self.logs()}"
+                )
             time.sleep(0.25)
 
     def logs(self, lines: int = 20) -> str:
@@ -178,13 +203,13 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={sock},cred_expire={s['cred_expire']}
-StateSaveLocation={root / 'state'}
-SlurmdSpoolDir={root / 'spool'}
-SlurmctldPidFile={root / 'slurmctld.pid'}
-SlurmdPidFile={root / 'slurmd.pid'}
-SlurmctldLogFile={root / 'slurmctld.log'}
-SlurmdLogFile={root / 'slurmd.log'}
+AuthInfo=socket={sock},cred_expire={s["cred_expire"]}
+StateSaveLocation={root / "state"}
+SlurmdSpoolDir={root / "spool"}
+SlurmctldPidFile={root / "slurmctld.pid"}
+SlurmdPidFile={root / "slurmd.pid"}
+SlurmctldLogFile={root / "slurmctld.log"}
+SlurmdLogFile={root / "slurmd.log"}
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -192,12 +217,12 @@ TaskPlugin=task/none
 SwitchType=switch/none
 MpiDefault=none
 SchedulerType=sched/builtin
-SchedulerParameters=sched_interval={s['sched_interval']}
+SchedulerParameters=sched_interval={s["sched_interval"]}
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
-KillWait={s['KillWait']}
-MinJobAge={s['MinJobAge']}
+KillWait={s["KillWait"]}
+MinJobAge={s["MinJobAge"]}
 JobRequeue=1
 InactiveLimit=0
 OverTimeLimit=0
@@ -216,14 +241,27 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
     log = open(root / "daemons.out", "ab")
     try:
         cluster.pids["munged"] = subprocess.Popen(
-            ["munged", "--foreground", "--force", f"--socket={sock}", f"--key-file={key}",
-             f"--pid-file={root / 'munge' / 'munged.pid'}", f"--log-file={root / 'munge' / 'munged.log'}",
-             f"--seed-file={root / 'munge' / 'munged.seed'}"], stdout=log, stderr=log, env=env)
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={sock}",
+                f"--key-file={key}",
+                f"--pid-file={root / 'munge' / 'munged.pid'}",
+                f"--log-file={root / 'munge' / 'munged.log'}",
+                f"--seed-file={root / 'munge' / 'munged.seed'}",
+            ],
+            stdout=log,
+            stderr=log,
+            env=env,
+        )
         _until(lambda: sock.exists(), timeout, "munged's socket", cluster)
-        cluster.pids["slurmctld"] = subprocess.Popen(["slurmctld", "-D", "-i", "-f", str(conf)], stdout=log,
-                                                     stderr=log, env=env)
-        cluster.pids["slurmd"] = subprocess.Popen(["slurmd", "-D", "-N", "localhost", "-f", str(conf)], stdout=log,
-                                                  stderr=log, env=env)
+        cluster.pids["slurmctld"] = subprocess.Popen(
+            ["slurmctld", "-D", "-i", "-f", str(conf)], stdout=log, stderr=log, env=env
+        )
+        cluster.pids["slurmd"] = subprocess.Popen(
+            ["slurmd", "-D", "-N", "localhost", "-f", str(conf)], stdout=log, stderr=log, env=env
+        )
         _until(lambda: _idle(cluster), timeout, "the node idle in sinfo", cluster)
     except BaseException:
         cluster.stop()
@@ -244,6 +282,8 @@ def _until(ready, timeout: float, what: str, cluster: SlurmCluster) -> None:
         dead = [name for name, proc in cluster.pids.items() if proc.poll() is not None]
         if dead or time.monotonic() > deadline:
             out = (cluster.root / "daemons.out").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"test SLURM: no {what} ({'exited: ' + ', '.join(dead) if dead else 'timed out'})\n"
-                               f"{out}\n{cluster.logs()}")
+            raise RuntimeError(
+                f"test SLURM: no {what} ({'exited: ' + ', '.join(dead) if dead else 'timed out'})\n"
+                f"{out}\n{cluster.logs()}"
+            )
         time.sleep(0.2)

@@ -17,9 +17,11 @@ import pytest
 from benchmarks import _bench
 
 ARRAY_BYTES = 48 * 2**20
-SNIPPET = (f"import json, numpy as np; a = np.ones({ARRAY_BYTES // 8}, dtype=np.float64); "
-           "print('noise first'); print(json.dumps({'sum': float(a.sum()), 'pid': __import__('os').getpid()})); "
-           "raise SystemExit(3)")
+SNIPPET = (
+    f"import json, numpy as np; a = np.ones({ARRAY_BYTES // 8}, dtype=np.float64); "
+    "print('noise first'); print(json.dumps({'sum': float(a.sum()), 'pid': __import__('os').getpid()})); "
+    "raise SystemExit(3)"
+)
 
 
 @pytest.fixture(scope="module")

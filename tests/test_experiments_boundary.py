@@ -23,8 +23,11 @@ EXPERIMENTS = "experiments"
 def experiment_modules(root: Path) -> set[str]:
     """The stems of the Python scripts under ``root/experiments`` (``test_*`` and ``conftest``
     excluded: pytest's names, not modules anything imports)."""
-    return {p.stem for p in (root / EXPERIMENTS).rglob("*.py")
-            if not p.stem.startswith("test_") and p.stem not in {"conftest", "__init__"}}
+    return {
+        p.stem
+        for p in (root / EXPERIMENTS).rglob("*.py")
+        if not p.stem.startswith("test_") and p.stem not in {"conftest", "__init__"}
+    }
 
 
 def python_files_outside(root: Path) -> list[Path]:

@@ -71,7 +71,7 @@ def package_dirs(pyproject: Path = PYPROJECT) -> dict[str, Path]:
             dirs[package] = root.joinpath(*package.split("."))
             continue
         key = max(keys, key=len)
-        rest = package[len(key):].lstrip(".")
+        rest = package[len(key) :].lstrip(".")
         dirs[package] = root.joinpath(mapping[key], *(rest.split(".") if rest else ()))
     return dirs
 
@@ -90,17 +90,27 @@ def lazy_table(tree: ast.Module, package: str) -> dict[str, str]:
     """``{name: submodule}`` of a package ``__init__`` that exports names lazily: the mapping
     passed to ``lazy_exports(__name__, MAPPING, ...)``, a dict literal or a module-level name bound
     to one; empty when there is no such call."""
-    bound = {stmt.targets[0].id: stmt.value for stmt in tree.body
-             if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)}
+    bound = {
+        stmt.targets[0].id: stmt.value
+        for stmt in tree.body
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+    }
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "lazy_exports"
-                and len(node.args) >= 2):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "lazy_exports"
+            and len(node.args) >= 2
+        ):
             table = node.args[1]
             if isinstance(table, ast.Name):
                 table = bound.get(table.id, table)
             if isinstance(table, ast.Dict):
-                return {k.value: f"{package}.{v.value}" for k, v in zip(table.keys, table.values)
-                        if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)}
+                return {
+                    k.value: f"{package}.{v.value}"
+                    for k, v in zip(table.keys, table.values)
+                    if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)
+                }
     return {}
 
 
@@ -116,12 +126,13 @@ def resolve(node: ast.ImportFrom, package: str) -> str:
     parts = package.split(".")
     if node.level - 1 >= len(parts):
         raise ValueError(f"from {'.' * node.level}{node.module or ''} climbs above {package}")
-    base = parts[:len(parts) - (node.level - 1)]
+    base = parts[: len(parts) - (node.level - 1)]
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def imports_of(tree: ast.Module, package: str, modules: Iterable[str],
-               lazy: Mapping[str, Mapping[str, str]]) -> set[str]:
+def imports_of(
+    tree: ast.Module, package: str, modules: Iterable[str], lazy: Mapping[str, Mapping[str, str]]
+) -> set[str]:
     """The modules of ``modules`` that ``tree`` (a module of ``package``) imports, anywhere in it.
 
     ``lazy``: ``{package: its lazy table}`` (see :func:`lazy_table`).
@@ -150,8 +161,10 @@ def import_graph(pyproject: Path = PYPROJECT) -> Graph:
     files = module_files(dirs)
     trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in files.items()}
     lazy = {name: lazy_table(trees[name], name) for name in dirs if name in trees}
-    return {name: imports_of(tree, name if name in dirs else name.rpartition(".")[0], files, lazy) - {name}
-            for name, tree in trees.items()}
+    return {
+        name: imports_of(tree, name if name in dirs else name.rpartition(".")[0], files, lazy) - {name}
+        for name, tree in trees.items()
+    }
 
 
 def dangling_imports(pyproject: Path = PYPROJECT) -> list[str]:
@@ -173,8 +186,11 @@ def dangling_imports(pyproject: Path = PYPROJECT) -> list[str]:
                 found += [f"{name}: import {a.name}" for a in node.names if inside(a.name) and a.name not in files]
             elif isinstance(node, ast.ImportFrom) and (node.level or inside(node.module or "")):
                 source = resolve(node, package)
-                found += [f"{name}: from {'.' * node.level}{node.module or ''} import {a.name}" for a in node.names
-                          if source not in files and f"{source}.{a.name}" not in files]
+                found += [
+                    f"{name}: from {'.' * node.level}{node.module or ''} import {a.name}"
+                    for a in node.names
+                    if source not in files and f"{source}.{a.name}" not in files
+                ]
     return found
 
 
@@ -335,9 +351,12 @@ def architecture_page(pyproject: Path = PYPROJECT) -> str:
     if not both:
         lines.append("None: every room imports the others one way.")
     else:
-        lines += ["Module-level circles are zero; these rooms still reach each other through their imports",
-                  "(each group is a circle of rooms; under it, its room-to-room imports and the module",
-                  "imports that make them):", ""]
+        lines += [
+            "Module-level circles are zero; these rooms still reach each other through their imports",
+            "(each group is a circle of rooms; under it, its room-to-room imports and the module",
+            "imports that make them):",
+            "",
+        ]
         for component in both:
             lines.append(f"- {', '.join(f'**{r}**' for r in component)}")
             for a in component:
@@ -373,36 +392,57 @@ def _package(tmp_path: Path, files: Mapping[str, str], packages: Iterable[str], 
 
 
 def test_the_checker_finds_a_circle_hidden_in_a_function_or_type_check(tmp_path: Path) -> None:
-    pyproject = _package(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/errors.py": "",
-        "pkg/sub/__init__.py": "",
-        "pkg/sub/a.py": "from .b import x\n",
-        "pkg/sub/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import y\n",
-        "pkg/sub/c.py": "def f():\n    from pkg.sub import d\n",
-        "pkg/sub/d.py": "import pkg.sub.c\n",
-        "pkg/sub/e.py": "from . import a\nfrom ..errors import InputError\nimport numpy\n",
-    }, ["pkg", "pkg.sub"])
+    pyproject = _package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/errors.py": "",
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/a.py": "from .b import x\n",
+            "pkg/sub/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import y\n",
+            "pkg/sub/c.py": "def f():\n    from pkg.sub import d\n",
+            "pkg/sub/d.py": "import pkg.sub.c\n",
+            "pkg/sub/e.py": "from . import a\nfrom ..errors import InputError\nimport numpy\n",
+        },
+        ["pkg", "pkg.sub"],
+    )
     graph = import_graph(pyproject)
-    assert graph == {"pkg": set(), "pkg.errors": set(), "pkg.sub": set(), "pkg.sub.a": {"pkg.sub.b"},
-                     "pkg.sub.b": {"pkg.sub.a"}, "pkg.sub.c": {"pkg.sub.d"}, "pkg.sub.d": {"pkg.sub.c"},
-                     "pkg.sub.e": {"pkg.sub.a", "pkg.errors"}}
+    assert graph == {
+        "pkg": set(),
+        "pkg.errors": set(),
+        "pkg.sub": set(),
+        "pkg.sub.a": {"pkg.sub.b"},
+        "pkg.sub.b": {"pkg.sub.a"},
+        "pkg.sub.c": {"pkg.sub.d"},
+        "pkg.sub.d": {"pkg.sub.c"},
+        "pkg.sub.e": {"pkg.sub.a", "pkg.errors"},
+    }
     assert circles(graph) == [["pkg.sub.a", "pkg.sub.b"], ["pkg.sub.c", "pkg.sub.d"]]
 
 
 def test_relative_imports_resolve_against_the_package(tmp_path: Path) -> None:
-    pyproject = _package(tmp_path, {
-        "src/__init__.py": "from .x import name\n",  # an eager re-export: an edge of the __init__
-        "src/x.py": "from . import helper\nfrom . import VALUE\n",  # a module, then a name of the __init__
-        "src/helper.py": "from .. import thing\n",  # a name of the top package's __init__
-        "src/deep/__init__.py": "from .. import helper\n",  # an __init__'s package is itself
-        "src/deep/leaf.py": "from ... import thing\nfrom top.src import x as alias\n",
-        "top/__init__.py": "",
-    }, ["top", "top.src", "top.src.deep"], '"top.src" = "src"')
+    pyproject = _package(
+        tmp_path,
+        {
+            "src/__init__.py": "from .x import name\n",  # an eager re-export: an edge of the __init__
+            "src/x.py": "from . import helper\nfrom . import VALUE\n",  # a module, then a name of the __init__
+            "src/helper.py": "from .. import thing\n",  # a name of the top package's __init__
+            "src/deep/__init__.py": "from .. import helper\n",  # an __init__'s package is itself
+            "src/deep/leaf.py": "from ... import thing\nfrom top.src import x as alias\n",
+            "top/__init__.py": "",
+        },
+        ["top", "top.src", "top.src.deep"],
+        '"top.src" = "src"',
+    )
     graph = import_graph(pyproject)
-    assert graph == {"top": set(), "top.src": {"top.src.x"}, "top.src.x": {"top.src.helper", "top.src"},
-                     "top.src.helper": {"top"}, "top.src.deep": {"top.src.helper"},
-                     "top.src.deep.leaf": {"top", "top.src.x"}}
+    assert graph == {
+        "top": set(),
+        "top.src": {"top.src.x"},
+        "top.src.x": {"top.src.helper", "top.src"},
+        "top.src.helper": {"top"},
+        "top.src.deep": {"top.src.helper"},
+        "top.src.deep.leaf": {"top", "top.src.x"},
+    }
     assert circles(graph) == [["top.src", "top.src.x"]]  # x imports VALUE from the __init__ that imports x
     assert resolve(ast.parse("from .. import x").body[0], "a.b") == "a"  # type: ignore[arg-type]
     assert resolve(ast.parse("from ..c.d import x").body[0], "a.b") == "a.c.d"  # type: ignore[arg-type]
@@ -411,16 +451,24 @@ def test_relative_imports_resolve_against_the_package(tmp_path: Path) -> None:
 
 
 def test_a_name_exported_lazily_is_an_edge_to_the_module_that_defines_it(tmp_path: Path) -> None:
-    pyproject = _package(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/lazy.py": "",
-        "pkg/model/__init__.py": ("from ..lazy import lazy_exports\n_LAZY = {'Model': 'lm'}\n"
-                                  "__getattr__, __dir__ = lazy_exports(__name__, _LAZY, ['Model'])\n"),
-        "pkg/model/lm.py": "from ..data import Store\n",
-        "pkg/data/__init__.py": ("from ..lazy import lazy_exports\n"
-                                 "__getattr__, __dir__ = lazy_exports(__name__, {'Store': 'store'}, ['Store'])\n"),
-        "pkg/data/store.py": "def f():\n    from pkg.model import Model\n",
-    }, ["pkg", "pkg.model", "pkg.data"])
+    pyproject = _package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/lazy.py": "",
+            "pkg/model/__init__.py": (
+                "from ..lazy import lazy_exports\n_LAZY = {'Model': 'lm'}\n"
+                "__getattr__, __dir__ = lazy_exports(__name__, _LAZY, ['Model'])\n"
+            ),
+            "pkg/model/lm.py": "from ..data import Store\n",
+            "pkg/data/__init__.py": (
+                "from ..lazy import lazy_exports\n"
+                "__getattr__, __dir__ = lazy_exports(__name__, {'Store': 'store'}, ['Store'])\n"
+            ),
+            "pkg/data/store.py": "def f():\n    from pkg.model import Model\n",
+        },
+        ["pkg", "pkg.model", "pkg.data"],
+    )
     graph = import_graph(pyproject)
     assert graph["pkg.model"] == {"pkg.lazy"} and graph["pkg.data"] == {"pkg.lazy"}  # strings, not imports
     assert graph["pkg.model.lm"] == {"pkg.data", "pkg.data.store"}
@@ -428,8 +476,15 @@ def test_a_name_exported_lazily_is_an_edge_to_the_module_that_defines_it(tmp_pat
 
 
 def test_an_import_the_graph_cannot_resolve_is_named(tmp_path: Path) -> None:
-    pyproject = _package(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "from .b import x\nimport pkg.c\nimport os\n",
-                                    "pkg/b.py": "from .gone import y\nfrom . import name\nfrom os import path\n"}, ["pkg"])
+    pyproject = _package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from .b import x\nimport pkg.c\nimport os\n",
+            "pkg/b.py": "from .gone import y\nfrom . import name\nfrom os import path\n",
+        },
+        ["pkg"],
+    )
     # ``from . import name``: a name of pkg's __init__ (resolved to it), not a missing module
     assert dangling_imports(pyproject) == ["pkg.a: import pkg.c", "pkg.b: from .gone import y"]
 
@@ -459,8 +514,13 @@ def test_every_python_package_in_the_source_is_installed() -> None:
 
 def test_no_import_circle_in_the_installed_packages() -> None:
     graph = import_graph()
-    assert {"genolong.cli", "genolong.model.lm", "genolong.kernels.dsa.indexer", "genolong.evaluation.score",
-            "genolong.bundled.sample.build_sample"} <= set(graph), sorted(graph)
+    assert {
+        "genolong.cli",
+        "genolong.model.lm",
+        "genolong.kernels.dsa.indexer",
+        "genolong.evaluation.score",
+        "genolong.bundled.sample.build_sample",
+    } <= set(graph), sorted(graph)
     found = circles(graph)
     assert found == [], f"import circle(s): {found}"
 
@@ -485,27 +545,50 @@ def test_the_rooms_of_the_house() -> None:
 
 
 def test_a_top_level_module_that_becomes_a_package_becomes_a_room(tmp_path: Path) -> None:
-    files = {"pkg/__init__.py": "", "pkg/errors.py": "", "pkg/cli.py": "from .config import load\n",
-             "pkg/model/__init__.py": "", "pkg/model/lm.py": "from ..config import load\nfrom ..errors import E\n"}
-    module = import_graph(_package(tmp_path / "before", {**files, "pkg/config.py": "from .errors import E\n"},
-                                   ["pkg", "pkg.model"]))
-    package = import_graph(_package(tmp_path / "after", {**files, "pkg/config/__init__.py": "from .loading import load\n",
-                                                         "pkg/config/loading.py": "from ..errors import E\n"},
-                                    ["pkg", "pkg.model", "pkg.config"]))
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/errors.py": "",
+        "pkg/cli.py": "from .config import load\n",
+        "pkg/model/__init__.py": "",
+        "pkg/model/lm.py": "from ..config import load\nfrom ..errors import E\n",
+    }
+    module = import_graph(
+        _package(tmp_path / "before", {**files, "pkg/config.py": "from .errors import E\n"}, ["pkg", "pkg.model"])
+    )
+    package = import_graph(
+        _package(
+            tmp_path / "after",
+            {
+                **files,
+                "pkg/config/__init__.py": "from .loading import load\n",
+                "pkg/config/loading.py": "from ..errors import E\n",
+            },
+            ["pkg", "pkg.model", "pkg.config"],
+        )
+    )
     before = rooms(module, ["pkg", "pkg.model"])
     after = rooms(package, ["pkg", "pkg.model", "pkg.config"])
     assert before["pkg.config"] == before["pkg.errors"] == "pkg (top level, below)"
     assert after["pkg.config"] == after["pkg.config.loading"] == "pkg.config"
-    assert room_graph(package, after)["pkg.model"] == {"pkg.config": [("pkg.model.lm", "pkg.config")],
-                                                       "pkg (top level, below)": [("pkg.model.lm", "pkg.errors")]}
+    assert room_graph(package, after)["pkg.model"] == {
+        "pkg.config": [("pkg.model.lm", "pkg.config")],
+        "pkg (top level, below)": [("pkg.model.lm", "pkg.errors")],
+    }
 
 
 def test_the_page_reports_rooms_that_import_each_other(tmp_path: Path) -> None:
-    pyproject = _package(tmp_path, {
-        "pkg/__init__.py": '"""The package."""\n', "pkg/a/__init__.py": '"""pkg.a: the first room."""\n',
-        "pkg/a/one.py": "from ..b import two\n", "pkg/b/__init__.py": '"""Room :class:`B`, ``b``."""\n',
-        "pkg/b/two.py": "", "pkg/b/three.py": "from ..a.one import f\n",
-    }, ["pkg", "pkg.a", "pkg.b"])
+    pyproject = _package(
+        tmp_path,
+        {
+            "pkg/__init__.py": '"""The package."""\n',
+            "pkg/a/__init__.py": '"""pkg.a: the first room."""\n',
+            "pkg/a/one.py": "from ..b import two\n",
+            "pkg/b/__init__.py": '"""Room :class:`B`, ``b``."""\n',
+            "pkg/b/two.py": "",
+            "pkg/b/three.py": "from ..a.one import f\n",
+        },
+        ["pkg", "pkg.a", "pkg.b"],
+    )
     page = architecture_page(pyproject)
     assert circles(import_graph(pyproject)) == []
     assert "- **pkg (top level, below)** (`pkg/`, 1 module): modules `__init__`\n" in page
@@ -518,24 +601,44 @@ def test_the_page_reports_rooms_that_import_each_other(tmp_path: Path) -> None:
 def test_the_architecture_page_is_drawn_from_the_code() -> None:
     drawn = architecture_page()
     committed = ARCHITECTURE.read_text() if ARCHITECTURE.is_file() else ""
-    assert committed == drawn, "docs/architecture.md is not the house the imports draw: run `python -m tests.test_imports`"
+    assert committed == drawn, (
+        "docs/architecture.md is not the house the imports draw: run `python -m tests.test_imports`"
+    )
 
 
-@pytest.mark.parametrize("name", ["bucket_edges", "bucket_labels", "format_bases", "resample_indices", "resample_counts",
-                                  "bootstrap_replicates", "block_bootstrap", "PairedCI", "paired_bootstrap",
-                                  "bucket_table_from_arrays", "check_comparable", "compare", "BUCKET_COLUMNS",
-                                  "COMPARE_COLUMNS"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "bucket_edges",
+        "bucket_labels",
+        "format_bases",
+        "resample_indices",
+        "resample_counts",
+        "bootstrap_replicates",
+        "block_bootstrap",
+        "PairedCI",
+        "paired_bootstrap",
+        "bucket_table_from_arrays",
+        "check_comparable",
+        "compare",
+        "BUCKET_COLUMNS",
+        "COMPARE_COLUMNS",
+    ],
+)
 def test_stats_names_still_import_from_stats(name: str) -> None:
     from genolong.evaluation import stats
 
     assert name in stats.__all__ and hasattr(stats, name)
 
 
-@pytest.mark.parametrize(("module", "names"), [
-    ("genolong.evaluation.score", ["load_eval_model", "recipe_context", "run_recipe", "scoring_kernel_backend"]),
-    ("genolong.evaluation.probe", ["PROBE_COLUMNS", "PROBE_FORMAT", "ProbeResult"]),
-    ("genolong.model.decode", ["KDAState"]),
-])
+@pytest.mark.parametrize(
+    ("module", "names"),
+    [
+        ("genolong.evaluation.score", ["load_eval_model", "recipe_context", "run_recipe", "scoring_kernel_backend"]),
+        ("genolong.evaluation.probe", ["PROBE_COLUMNS", "PROBE_FORMAT", "ProbeResult"]),
+        ("genolong.model.decode", ["KDAState"]),
+    ],
+)
 def test_moved_names_still_import_from_where_they_were(module: str, names: list[str]) -> None:
     # moved below the modules that shared them to break the circles; their callers import them as before
     import importlib

@@ -97,8 +97,17 @@ def test_first_screen_says_what_it_is_and_shows_the_figure_and_the_command_table
     assert len(links) == 1 and "(BENCHMARKS.md)" in links[0], "the first screen links the docs and the benchmarks"
     assert "| command | what it does |" in first
     rows = {line.split("|")[1].strip() for line in first if line.startswith("| `genolong")}
-    for command in ("quickstart", "prepare", "plan", "finetune", "evaluate", "compare", "probe",
-                    "check-logprobs", "recipe schema"):
+    for command in (
+        "quickstart",
+        "prepare",
+        "plan",
+        "finetune",
+        "evaluate",
+        "compare",
+        "probe",
+        "check-logprobs",
+        "recipe schema",
+    ):
         assert any(row.startswith(f"`genolong {command}") for row in rows), f"no row for genolong {command}"
 
 
@@ -135,7 +144,7 @@ def test_link_finder_sees_links_and_ignores_code(tmp_path: Path) -> None:
     page.write_text(
         "[ok](here.md#anchor) ![figure](missing.png) [ext](https://example.org/x.md) [top](#top)\n"
         "`[in code](nowhere.md)`\n\n```\n[in a block](nowhere.md)\n```\n\n"
-        "[ref]: gone.md\n--8<-- \"no-such-file.md:3:\"\n"
+        '[ref]: gone.md\n--8<-- "no-such-file.md:3:"\n'
     )
     assert relative_links(page.read_text()) == ["here.md", "missing.png", "gone.md"]
     assert broken_links(page) == ["missing.png", "gone.md", "no-such-file.md"]
@@ -179,8 +188,12 @@ def untraced(pages: dict[str, tuple[str, bool]], benchmarks: str) -> list[str]:
     """``"PAGE: FIGURE"`` for each figure quoted by ``pages`` (name -> (text, every paragraph?))
     that no row of the claims table shows in its figure column."""
     table = {f for row in claims_table(benchmarks) for f in _FIGURE.findall(row["figure"])}
-    return [f"{name}: {figure}" for name, (text, every) in pages.items()
-            for figure in sorted(quoted_figures(text, every)) if figure not in table]
+    return [
+        f"{name}: {figure}"
+        for name, (text, every) in pages.items()
+        for figure in sorted(quoted_figures(text, every))
+        if figure not in table
+    ]
 
 
 def test_benchmarks_opens_with_the_claims_table_and_stays_under_40_kb() -> None:
@@ -204,12 +217,17 @@ def test_every_figure_the_readme_and_docs_quote_is_in_the_claims_table() -> None
 def test_the_trace_finds_a_figure_missing_from_the_table() -> None:
     """The check can fail: a README figure absent from the table is reported, a docs paragraph
     without a citation is not read, the sign and the confidence level do not count."""
-    benchmarks = "# B\n\n## Claims\n\n| claim | figure | baseline | command | date |\n|---|---|---|---|---|\n" \
-                 "| a | 1.20%, 68x | b | `c` | 2026-12-07 |\n\n## Prepare\n\n| 9.9x |\n"
+    benchmarks = (
+        "# B\n\n## Claims\n\n| claim | figure | baseline | command | date |\n|---|---|---|---|---|\n"
+        "| a | 1.20%, 68x | b | `c` | 2026-12-07 |\n\n## Prepare\n\n| 9.9x |\n"
+    )
     readme = "loss -1.20% [95% CI 0.9, 1.4], 68x less CPU, 3.7x less memory, 9.9x\n"
     docs = "quiet 5.5x\n\nloud 2.5% ([B](benchmarks.md#x)) and +1.20%\n"
     assert untraced({"README.md": (readme, True), "docs/x.md": (docs, False)}, benchmarks) == [
-        "README.md: 3.7x", "README.md: 9.9x", "docs/x.md: 2.5%"]
+        "README.md: 3.7x",
+        "README.md: 9.9x",
+        "docs/x.md: 2.5%",
+    ]
 
 
 # -- the spread figures the README, the docs and the quickstart's REPORT quote are the benchmark's -----
@@ -264,17 +282,34 @@ def test_the_pages_quote_the_spread_benchmark_as_committed() -> None:
         p = pooled["buckets"][bucket]
         want = (p["change_pct"], *p["ci"], *pooled["range"][bucket])
         assert SPREAD_FULL_VS_CUT[bucket] == pytest.approx(tuple(round(x, 2) for x in want), abs=1e-9), bucket
-    by_region = {r["region"]: round(r["buckets"]["all"]["change_pct"], 2) for r in doc["rows"] if r["comparison"] == doc["headline"]}
+    by_region = {
+        r["region"]: round(r["buckets"]["all"]["change_pct"], 2)
+        for r in doc["rows"]
+        if r["comparison"] == doc["headline"]
+    }
     assert SPREAD_FULL_VS_CUT["regions"] == pytest.approx(by_region, abs=1e-9)
 
 
 def test_spread_figures_follow_the_json() -> None:
     """The check can fail: the phrases change with the JSON's numbers (gain = -(full - cut))."""
-    doc = {"regions": {"r": {"buckets": ["<1k", "4k-8k"]}}, "headline": "tuned: full - cut",
-           "pooled": {"tuned: full - cut": {"buckets": {"all": {"change_pct": -0.5, "ci": [-0.9, -0.1]},
-                                                "4k-8k": {"change_pct": -1.0, "ci": [-2.0, 0.25]}},
-                                    "range": {"all": [-1.25, 0.5], "4k-8k": [-2.0, -0.5]}}},
-           "rows": [{"region": "chr22", "comparison": "tuned: full - cut", "buckets": {"all": {"change_pct": -1.06}}}]}
-    assert spread_figures(doc) == {"pooled all": "0.50% [95% CI 0.10, 0.90]", "range all": "-0.50% to 1.25%",
-                                   "pooled last": "1.00% [95% CI -0.25, 2.00]", "range last": "0.50% to 2.00%",
-                                   "chr22 all": "1.06%"}
+    doc = {
+        "regions": {"r": {"buckets": ["<1k", "4k-8k"]}},
+        "headline": "tuned: full - cut",
+        "pooled": {
+            "tuned: full - cut": {
+                "buckets": {
+                    "all": {"change_pct": -0.5, "ci": [-0.9, -0.1]},
+                    "4k-8k": {"change_pct": -1.0, "ci": [-2.0, 0.25]},
+                },
+                "range": {"all": [-1.25, 0.5], "4k-8k": [-2.0, -0.5]},
+            }
+        },
+        "rows": [{"region": "chr22", "comparison": "tuned: full - cut", "buckets": {"all": {"change_pct": -1.06}}}],
+    }
+    assert spread_figures(doc) == {
+        "pooled all": "0.50% [95% CI 0.10, 0.90]",
+        "range all": "-0.50% to 1.25%",
+        "pooled last": "1.00% [95% CI -0.25, 2.00]",
+        "range last": "0.50% to 2.00%",
+        "chr22 all": "1.06%",
+    }

@@ -31,8 +31,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TESTS = Path(__file__).resolve().parent
 
-_BITWISE = {"torch.equal", "np.array_equal", "numpy.array_equal", "np.testing.assert_array_equal",
-            "numpy.testing.assert_array_equal"}
+_BITWISE = {
+    "torch.equal",
+    "np.array_equal",
+    "numpy.array_equal",
+    "np.testing.assert_array_equal",
+    "numpy.testing.assert_array_equal",
+}
 _ZERO_TOLERANCE = {"torch.testing.assert_close", "np.testing.assert_allclose", "numpy.testing.assert_allclose"}
 _PANDAS = {"pd.testing.assert_frame_equal", "pd.testing.assert_series_equal"}  # exact only with check_exact=True
 _MARKER = "# exact:"
@@ -57,11 +62,16 @@ def _zero(node: ast.expr | None) -> bool:
 def _under_one_thread(tree: ast.Module) -> bool:
     """Whether a module-level ``pytestmark`` uses the ``one_thread`` fixture."""
     for stmt in tree.body:
-        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+        targets = (
+            stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+        )
         if any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in targets) and stmt.value is not None:
             for node in ast.walk(stmt.value):
-                if (isinstance(node, ast.Call) and _name(node.func).endswith("usefixtures")
-                        and any(isinstance(a, ast.Constant) and a.value == "one_thread" for a in node.args)):
+                if (
+                    isinstance(node, ast.Call)
+                    and _name(node.func).endswith("usefixtures")
+                    and any(isinstance(a, ast.Constant) and a.value == "one_thread" for a in node.args)
+                ):
                     return True
     return False
 
@@ -95,10 +105,15 @@ def violations(source: str, filename: str = "<test>") -> list[str]:
                 found.append(f"{where}: assert_bitwise_equal in a module not under the one_thread fixture")
             continue
         kwargs = {k.arg: k.value for k in call.keywords}
-        bitwise = (name in _BITWISE
-                   or (name in _ZERO_TOLERANCE and _zero(kwargs.get("rtol")) and _zero(kwargs.get("atol")))
-                   or (name in _PANDAS and isinstance(kwargs.get("check_exact"), ast.Constant)
-                       and kwargs["check_exact"].value is True))
+        bitwise = (
+            name in _BITWISE
+            or (name in _ZERO_TOLERANCE and _zero(kwargs.get("rtol")) and _zero(kwargs.get("atol")))
+            or (
+                name in _PANDAS
+                and isinstance(kwargs.get("check_exact"), ast.Constant)
+                and kwargs["check_exact"].value is True
+            )
+        )
         if not bitwise or one_thread:
             continue
         stmt = statement[call]
@@ -121,17 +136,24 @@ def test_bitwise_comparisons_only_under_one_thread_or_marked_exact() -> None:
     found = []
     for path in _modules():
         found += violations(path.read_text(), path.relative_to(TESTS).as_posix())
-    assert not found, ("bitwise comparisons that two torch threads can break. Where the values are exact by nature "
-                       "(ints, bools, indices, a copy of the same bytes) say so with '# exact: <why>'; where bitwise "
-                       "equality of computed floats is the point, put the module under one_thread and use "
-                       "assert_bitwise_equal; otherwise compare with a tolerance and say why that one:\n" + "\n".join(found))
+    assert not found, (
+        "bitwise comparisons that two torch threads can break. Where the values are exact by nature "
+        "(ints, bools, indices, a copy of the same bytes) say so with '# exact: <why>'; where bitwise "
+        "equality of computed floats is the point, put the module under one_thread and use "
+        "assert_bitwise_equal; otherwise compare with a tolerance and say why that one:\n" + "\n".join(found)
+    )
 
 
 # The folders of tests/ (docs/contributing.md, "Tests"): one per package, plus integration/; at the
 # top only the repository's own rules and the shared helpers
 _FOLDERS = {"data", "model", "kernels", "parallel", "plan", "train", "evaluation", "cli", "integration"}
-_TOP_LEVEL_TESTS = {"test_readme.py", "test_imports.py", "test_suite_rules.py", "test_experiments_boundary.py",
-                    "test_bench_helper.py"}
+_TOP_LEVEL_TESTS = {
+    "test_readme.py",
+    "test_imports.py",
+    "test_suite_rules.py",
+    "test_experiments_boundary.py",
+    "test_bench_helper.py",
+}
 
 
 def test_test_files_live_in_the_package_folders() -> None:
@@ -140,26 +162,33 @@ def test_test_files_live_in_the_package_folders() -> None:
     it tests (or ``integration/``), as docs/contributing.md says."""
     top = sorted(p.name for p in TESTS.glob("test_*.py") if p.name not in _TOP_LEVEL_TESTS)
     assert not top, f"test files at the top of tests/, move each to its package's folder: {top}"
-    deeper = sorted(p.relative_to(TESTS).as_posix() for p in TESTS.rglob("test_*.py")
-                    if len(p.relative_to(TESTS).parts) > 1 and p.relative_to(TESTS).parts[0] not in _FOLDERS)
+    deeper = sorted(
+        p.relative_to(TESTS).as_posix()
+        for p in TESTS.rglob("test_*.py")
+        if len(p.relative_to(TESTS).parts) > 1 and p.relative_to(TESTS).parts[0] not in _FOLDERS
+    )
     assert not deeper, f"test files outside the package folders {sorted(_FOLDERS)}: {deeper}"
     assert all((TESTS / folder / "__init__.py").is_file() for folder in _FOLDERS)
 
 
-_OLD_CAUSALITY = '''
+_OLD_CAUSALITY = """
 import torch
 
 def test_causality_and_loss_masks() -> None:
     a, b = model(tokens), model(changed)
     assert torch.equal(a[:, :12], b[:, :12]) and not torch.allclose(a[:, 12:], b[:, 12:])
-'''
+"""
 
 
 def test_the_rule_catches_what_it_is_for() -> None:
     """The checker flags issue 13's comparison (tests/model/test_model_lm.py before the fix) and accepts the
     three ways out: the fixture, a marker with a reason, a tolerance."""
-    assert violations(_OLD_CAUSALITY, "old.py") == ["old.py:6: torch.equal outside the one_thread fixture, no '# exact: <why>' comment"]
-    fixed = _OLD_CAUSALITY.replace("import torch\n", 'import pytest, torch\npytestmark = pytest.mark.usefixtures("one_thread")\n')
+    assert violations(_OLD_CAUSALITY, "old.py") == [
+        "old.py:6: torch.equal outside the one_thread fixture, no '# exact: <why>' comment"
+    ]
+    fixed = _OLD_CAUSALITY.replace(
+        "import torch\n", 'import pytest, torch\npytestmark = pytest.mark.usefixtures("one_thread")\n'
+    )
     assert violations(fixed) == []
     assert violations(_OLD_CAUSALITY.replace("b[:, 12:])", "b[:, 12:])  # exact:")) != []  # a reason is needed
     assert violations(_OLD_CAUSALITY.replace("b[:, 12:])", "b[:, 12:])  # exact: token ids")) == []
@@ -180,7 +209,9 @@ def test_assert_bitwise_equal_needs_one_thread() -> None:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        with pytest.raises(pytest.fail.Exception, match="under 2 torch threads; put the test module under the one_thread"):
+        with pytest.raises(
+            pytest.fail.Exception, match="under 2 torch threads; put the test module under the one_thread"
+        ):
             assert_bitwise_equal(x, x.clone(), "x")
         torch.set_num_threads(1)
         assert_bitwise_equal(x, x.clone(), "x")
@@ -203,13 +234,15 @@ def test_genolong_frames_match_the_package_not_a_checkout_named_genolong() -> No
 
     own = genolong.cli.__file__
     kernel = genolong.kernels.backends.__file__
-    text = "\n".join([
-        "Traceback (most recent call last):",
-        '  File "/home/me/genolong/.venv/lib/python3.11/site-packages/lightning/fabric/strategies/ddp.py", line 9, in f',
-        '  File "/home/me/genolong/.venv/bin/torchrun", line 8, in <module>',
-        "srun is available, see /home/me/genolong/.venv/bin/python",
-        f'  File "{own}", line 12, in entry',
-        f'  File "{kernel}", line 40, in get_backend',
-    ])
+    text = "\n".join(
+        [
+            "Traceback (most recent call last):",
+            '  File "/home/me/genolong/.venv/lib/python3.11/site-packages/lightning/fabric/strategies/ddp.py", line 9, in f',
+            '  File "/home/me/genolong/.venv/bin/torchrun", line 8, in <module>',
+            "srun is available, see /home/me/genolong/.venv/bin/python",
+            f'  File "{own}", line 12, in entry',
+            f'  File "{kernel}", line 40, in get_backend',
+        ]
+    )
     assert genolong_frames(text) == [own, kernel]
     assert genolong_frames(text.split(f'  File "{own}"')[0]) == []

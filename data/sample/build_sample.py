@@ -44,7 +44,7 @@ def main() -> None:
                 assert len(sequence) == end - start + 1, (name, len(sequence))
                 out.write(f">{name} {assembly}; source {filename}; original header {header}\n")
                 for i in range(0, len(sequence), 60):
-                    out.write(sequence[i:i + 60] + "\n")
+                    out.write(sequence[i : i + 60] + "\n")
         pysam.tabix_compress(str(plain), str(args.out), force=True)
     for suffix in (".fai", ".gzi"):
         Path(f"{args.out}{suffix}").unlink(missing_ok=True)

@@ -120,15 +120,26 @@ def copy_gain(model: Any, pairs: tuple[np.ndarray, np.ndarray], length: int) -> 
     model.eval()
     targets = slice(length - 1, 2 * length - 1)  # token_nll[i] predicts token i + 1: the second half
     # token_nll runs without gradient; 8 tiles a forward
-    a = torch.cat([model.token_nll(torch.from_numpy(copy[i:i + 8]).long()) for i in range(0, len(copy), 8)])
-    b = torch.cat([model.token_nll(torch.from_numpy(held[i:i + 8]).long()) for i in range(0, len(held), 8)])
+    a = torch.cat([model.token_nll(torch.from_numpy(copy[i : i + 8]).long()) for i in range(0, len(copy), 8)])
+    b = torch.cat([model.token_nll(torch.from_numpy(held[i : i + 8]).long()) for i in range(0, len(held), 8)])
     a, b = a[:, targets].numpy().astype(np.float64), b[:, targets].numpy().astype(np.float64)
     counted = ~np.isnan(a) & ~np.isnan(b)
     tokens = counted.sum(1, keepdims=True).astype(np.float64)
-    ci = paired_bootstrap(tokens, np.where(counted, a, 0).sum(1, keepdims=True), tokens,
-                          np.where(counted, b, 0).sum(1, keepdims=True), n_boot=2000, seed=0)
-    return {"after_other": float(ci.b_mean[0]), "after_copy": float(ci.a_mean[0]), "gain": float(ci.diff[0]),
-            "gain_lo": float(ci.diff_lo[0]), "gain_hi": float(ci.diff_hi[0])}
+    ci = paired_bootstrap(
+        tokens,
+        np.where(counted, a, 0).sum(1, keepdims=True),
+        tokens,
+        np.where(counted, b, 0).sum(1, keepdims=True),
+        n_boot=2000,
+        seed=0,
+    )
+    return {
+        "after_other": float(ci.b_mean[0]),
+        "after_copy": float(ci.a_mean[0]),
+        "gain": float(ci.diff[0]),
+        "gain_lo": float(ci.diff_lo[0]),
+        "gain_hi": float(ci.diff_hi[0]),
+    }
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -149,8 +160,10 @@ def worker(args: argparse.Namespace) -> None:
     if args.freeze:
         freeze_parameters(model, args.freeze)
     if any(not 0 <= i < len(model.layers) for i in args.silence):
-        sys.exit(f"--silence {','.join(map(str, args.silence))}: the model has layers 0-{len(model.layers) - 1}; "
-                 "name the layers whose mixer to silence, e.g. 0,1,4,5,6")
+        sys.exit(
+            f"--silence {','.join(map(str, args.silence))}: the model has layers 0-{len(model.layers) - 1}; "
+            "name the layers whose mixer to silence, e.g. 0,1,4,5,6"
+        )
     for i in args.silence:  # for the whole run, training and scoring: the other layers must copy without them
         model.layers[i].self_attn.register_forward_hook(silence_output)
         model.layers[i].self_attn.requires_grad_(False)  # no gradient reaches it; nor should weight decay
@@ -162,8 +175,13 @@ def worker(args: argparse.Namespace) -> None:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
 
     def evaluate(step: int, seconds: float) -> dict[str, Any]:
-        row = {"half": half, "step": step, "tokens": step * batch * 2 * half, "train_s": round(seconds, 1),
-               **copy_gain(model, (stored, copied), half)}
+        row = {
+            "half": half,
+            "step": step,
+            "tokens": step * batch * 2 * half,
+            "train_s": round(seconds, 1),
+            **copy_gain(model, (stored, copied), half),
+        }
         model.train()
         print(json.dumps(row), file=sys.stderr, flush=True)
         return row
@@ -172,7 +190,9 @@ def worker(args: argparse.Namespace) -> None:
     seconds = 0.0
     for step in range(1, args.steps + 1):
         t0 = time.process_time()
-        x = np.stack([doubled(windows.window((step - 1) * batch + b).tokens, half, args.divergence, rng) for b in range(batch)])
+        x = np.stack(
+            [doubled(windows.window((step - 1) * batch + b).tokens, half, args.divergence, rng) for b in range(batch)]
+        )
         nll, weight = model.loss(torch.from_numpy(x).long())
         optimizer.zero_grad(set_to_none=True)
         (nll / weight).backward()
@@ -195,7 +215,9 @@ def worker(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--halves", default="32,128", help="copy lengths H, comma-separated: one run each (window 2H)")
-    p.add_argument("--tokens-per-step", type=int, default=1024, help="tokens per optimiser step in every run (default 1024)")
+    p.add_argument(
+        "--tokens-per-step", type=int, default=1024, help="tokens per optimiser step in every run (default 1024)"
+    )
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--divergence", type=float, default=0.0, help="share of the copy's bases substituted (default 0)")
@@ -203,17 +225,39 @@ def main() -> None:
     p.add_argument("--init", default="fresh", help="'fresh' (default) or a checkpoint directory")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-tiles", type=int, default=64)
-    p.add_argument("--reach", type=lambda v: [int(x) for x in v.split(",")], default=[32, 128, 512, 2048],
-                   help="after training, the copy gain at these halves H (comma-separated; default 32,128,512,2048)")
+    p.add_argument(
+        "--reach",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[32, 128, 512, 2048],
+        help="after training, the copy gain at these halves H (comma-separated; default 32,128,512,2048)",
+    )
     p.add_argument("--reach-tiles", type=int, default=16, help="held-out tiles per --reach length (default 16)")
-    p.add_argument("--freeze", action="append", default=[],
-                   help="train with the parameters matching this glob frozen (repeatable), e.g. 'layers.0.self_attn.*'")
-    p.add_argument("--silence", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
-                   help="layers whose token mixer is silenced (output zeroed) for the whole run, training and scoring, "
-                        "e.g. 0,1,4,5,6 (the KDA layers of small): which copying the others learn alone")
-    p.add_argument("--save", type=Path, default=None, help="keep each run's final model here (DIR/hH, a checkpoint for genolong probe)")
+    p.add_argument(
+        "--freeze",
+        action="append",
+        default=[],
+        help="train with the parameters matching this glob frozen (repeatable), e.g. 'layers.0.self_attn.*'",
+    )
+    p.add_argument(
+        "--silence",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[],
+        help="layers whose token mixer is silenced (output zeroed) for the whole run, training and scoring, "
+        "e.g. 0,1,4,5,6 (the KDA layers of small): which copying the others learn alone",
+    )
+    p.add_argument(
+        "--save",
+        type=Path,
+        default=None,
+        help="keep each run's final model here (DIR/hH, a checkpoint for genolong probe)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--store", type=Path, default=None, help="the sample store (default: prepare the bundled sample in a temporary directory)")
+    p.add_argument(
+        "--store",
+        type=Path,
+        default=None,
+        help="the sample store (default: prepare the bundled sample in a temporary directory)",
+    )
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--half", type=int, default=0, help=argparse.SUPPRESS)
@@ -223,7 +267,9 @@ def main() -> None:
         return
     halves = [int(h) for h in args.halves.split(",")]
     if any(h < 8 or (2 * h) % 64 for h in halves):
-        sys.exit(f"--halves {args.halves}: each H must make a window 2H that is a multiple of 64 (the KDA chunk), e.g. 32,128")
+        sys.exit(
+            f"--halves {args.halves}: each H must make a window 2H that is a multiple of 64 (the KDA chunk), e.g. 32,128"
+        )
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -235,39 +281,82 @@ def main() -> None:
         results: dict[int, Any] = {}
         for child, figures in wait_any(started):
             figures.check()
-            results[child.extra["half"]] = {**figures.last_json(), "cpu_s": figures.user_s + figures.system_s,
-                                            "wall_s": figures.wall_s, "peak_rss_bytes": figures.peak_rss_bytes}
-    print(f"{args.preset} ({args.init}), {args.steps} steps of {args.tokens_per_step} tokens, lr {args.lr}, "
-          f"copies diverged {args.divergence}"
-          + (f", frozen {' '.join(args.freeze)}" if args.freeze else "")
-          + (f", mixers of layers {','.join(map(str, args.silence))} silenced" if args.silence else "")
-          + f"; copy gain on {args.eval_tiles} held-out chr22 tiles (nats per base, 95% CI)")
+            results[child.extra["half"]] = {
+                **figures.last_json(),
+                "cpu_s": figures.user_s + figures.system_s,
+                "wall_s": figures.wall_s,
+                "peak_rss_bytes": figures.peak_rss_bytes,
+            }
+    print(
+        f"{args.preset} ({args.init}), {args.steps} steps of {args.tokens_per_step} tokens, lr {args.lr}, "
+        f"copies diverged {args.divergence}"
+        + (f", frozen {' '.join(args.freeze)}" if args.freeze else "")
+        + (f", mixers of layers {','.join(map(str, args.silence))} silenced" if args.silence else "")
+        + f"; copy gain on {args.eval_tiles} held-out chr22 tiles (nats per base, 95% CI)"
+    )
     print(f"{'H':>5} {'batch':>5} {'step':>5} {'tokens':>9} {'after other':>11} {'after copy':>10}  gain [95% CI]")
     for h in halves:
         r = results[h]
         for row in r["curve"]:
-            print(f"{h:>5} {r['batch']:>5} {row['step']:>5} {row['tokens']:>9,} {row['after_other']:>11.4f} "
-                  f"{row['after_copy']:>10.4f}  {row['gain']:+.4f} [{row['gain_lo']:+.4f}, {row['gain_hi']:+.4f}]")
+            print(
+                f"{h:>5} {r['batch']:>5} {row['step']:>5} {row['tokens']:>9,} {row['after_other']:>11.4f} "
+                f"{row['after_copy']:>10.4f}  {row['gain']:+.4f} [{row['gain_lo']:+.4f}, {row['gain_hi']:+.4f}]"
+            )
     print(f"reach: the final models' copy gain at other halves ({args.reach_tiles} held-out tiles each)")
     print(f"{'trained H':>9} " + " ".join(f"{'H=' + str(length):>26}" for length in args.reach))
     for h in halves:
         cells = [results[h]["reach"][str(length)] for length in args.reach]
         print(f"{h:>9} " + " ".join(f"{c['gain']:+.4f} [{c['gain_lo']:+.4f}, {c['gain_hi']:+.4f}]" for c in cells))
-    write_json(args.json, {"environment": environment(), "preset": args.preset, "init": args.init, "steps": args.steps,
-                           "tokens_per_step": args.tokens_per_step, "lr": args.lr, "divergence": args.divergence,
-                           "seed": args.seed, "freeze": args.freeze, "silence": args.silence,
-                           "eval_tiles": args.eval_tiles, "reach_tiles": args.reach_tiles,
-                           "runs": {str(h): results[h] for h in halves}})
+    write_json(
+        args.json,
+        {
+            "environment": environment(),
+            "preset": args.preset,
+            "init": args.init,
+            "steps": args.steps,
+            "tokens_per_step": args.tokens_per_step,
+            "lr": args.lr,
+            "divergence": args.divergence,
+            "seed": args.seed,
+            "freeze": args.freeze,
+            "silence": args.silence,
+            "eval_tiles": args.eval_tiles,
+            "reach_tiles": args.reach_tiles,
+            "runs": {str(h): results[h] for h in halves},
+        },
+    )
 
 
 def _forward(args: argparse.Namespace) -> list[str]:
     """The options every worker shares, as command-line arguments."""
-    return ["--tokens-per-step", str(args.tokens_per_step), "--steps", str(args.steps), "--lr", str(args.lr),
-            "--divergence", str(args.divergence), "--preset", args.preset, "--init", args.init,
-            "--eval-every", str(args.eval_every), "--eval-tiles", str(args.eval_tiles), "--seed", str(args.seed),
-            "--reach", ",".join(map(str, args.reach)), "--reach-tiles", str(args.reach_tiles),
-            "--silence", ",".join(map(str, args.silence)), *(f"--freeze={g}" for g in args.freeze),
-            *(["--save", str(args.save)] if args.save is not None else [])]
+    return [
+        "--tokens-per-step",
+        str(args.tokens_per_step),
+        "--steps",
+        str(args.steps),
+        "--lr",
+        str(args.lr),
+        "--divergence",
+        str(args.divergence),
+        "--preset",
+        args.preset,
+        "--init",
+        args.init,
+        "--eval-every",
+        str(args.eval_every),
+        "--eval-tiles",
+        str(args.eval_tiles),
+        "--seed",
+        str(args.seed),
+        "--reach",
+        ",".join(map(str, args.reach)),
+        "--reach-tiles",
+        str(args.reach_tiles),
+        "--silence",
+        ",".join(map(str, args.silence)),
+        *(f"--freeze={g}" for g in args.freeze),
+        *(["--save", str(args.save)] if args.save is not None else []),
+    ]
 
 
 if __name__ == "__main__":

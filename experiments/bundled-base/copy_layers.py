@@ -58,7 +58,12 @@ def main() -> None:
     p.add_argument("--halves", default="32,128", help="copy lengths H, comma-separated (default %(default)s)")
     p.add_argument("--tiles", type=int, default=32, help="held-out tiles of 2H per length (default %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default %(default)s)")
-    p.add_argument("--store", type=Path, default=None, help="the sample store (default: prepare the bundled sample in a temporary directory)")
+    p.add_argument(
+        "--store",
+        type=Path,
+        default=None,
+        help="the sample store (default: prepare the bundled sample in a temporary directory)",
+    )
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = p.parse_args()
     halves = [int(h) for h in args.halves.split(",")]
@@ -72,15 +77,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = sample_store(args.store, Path(tmp))
         results = {str(h): silenced_gains(model, heldout_pairs(store, h, args.tiles), h) for h in halves}
-    print(f"{args.model}: copy gain on {args.tiles} held-out chr22 tiles per H, with one layer's mixer silenced "
-          "(nats per base, 95% CI)")
+    print(
+        f"{args.model}: copy gain on {args.tiles} held-out chr22 tiles per H, with one layer's mixer silenced "
+        "(nats per base, 95% CI)"
+    )
     print(f"{'silenced':>22} " + " ".join(f"{'H=' + str(h):>26}" for h in halves))
     for k, row in enumerate(results[str(halves[0])]):
         name = "none" if row["layer"] is None else f"{row['layer']} {row['mixer']}"
         cells = [results[str(h)][k] for h in halves]
         print(f"{name:>22} " + " ".join(f"{c['gain']:+.4f} [{c['gain_lo']:+.4f}, {c['gain_hi']:+.4f}]" for c in cells))
-    write_json(args.json, {"environment": environment(), "model": str(args.model), "tiles": args.tiles,
-                           "halves": halves, "gains": results})
+    write_json(
+        args.json,
+        {
+            "environment": environment(),
+            "model": str(args.model),
+            "tiles": args.tiles,
+            "halves": halves,
+            "gains": results,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -44,15 +44,31 @@ SETS = ("chr22", "chr16")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store", type=Path, default=Path("genolong-quickstart/genome"),
-                        help="the prepared sample store, for chr22 (default: %(default)s)")
-    parser.add_argument("--model", action="append", default=None,
-                        help="LABEL=DIR, or 'base' for the bundled base; repeat for several (default: base)")
+    parser.add_argument(
+        "--store",
+        type=Path,
+        default=Path("genolong-quickstart/genome"),
+        help="the prepared sample store, for chr22 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="LABEL=DIR, or 'base' for the bundled base; repeat for several (default: base)",
+    )
     parser.add_argument("--sets", default="chr22", help=f"comma-separated, of {', '.join(SETS)} (default: %(default)s)")
-    parser.add_argument("--topk", default="1024,2048", help="key budgets to read with, comma-separated (default: %(default)s)")
-    parser.add_argument("--cut", type=int, default=None, help="also score with the context cut at C bases (largest budget)")
-    parser.add_argument("--context", type=int, default=8192, help="tile length (default: %(default)s, the quickstart's)")
-    parser.add_argument("--tiles", type=int, default=None, help="at most this many tiles per set (default: chr22 8, chr16 all)")
+    parser.add_argument(
+        "--topk", default="1024,2048", help="key budgets to read with, comma-separated (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--cut", type=int, default=None, help="also score with the context cut at C bases (largest budget)"
+    )
+    parser.add_argument(
+        "--context", type=int, default=8192, help="tile length (default: %(default)s, the quickstart's)"
+    )
+    parser.add_argument(
+        "--tiles", type=int, default=None, help="at most this many tiles per set (default: chr22 8, chr16 all)"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="output JSON (default: %(default)s)")
     args = parser.parse_args()
@@ -82,7 +98,9 @@ def main() -> None:
         if "chr22" in wanted:
             splits["chr22"] = (GenomeStore.open(args.store).split("eval"), args.tiles or DEFAULT_EVAL_TILES)
         if "chr16" in wanted:  # the held-out split of a store whose train split is the mitochondrion
-            store = prepare_genome([CHR16, CHRM], work_dir / "store-chr16", train=["MT_human"], eval=["chr16"], progress=False)
+            store = prepare_genome(
+                [CHR16, CHRM], work_dir / "store-chr16", train=["MT_human"], eval=["chr16"], progress=False
+            )
             splits["chr16"] = (GenomeStore.open(store.path).split("eval"), args.tiles)
         for set_name, (split, tiles) in splits.items():
             for label, model_dir in models.items():
@@ -90,37 +108,68 @@ def main() -> None:
                 views = [(f"{own:,} keys (own)", own, None)]
                 views += [(f"{k:,} keys", k, None) for k in budgets if k != own]
                 if args.cut is not None:
-                    views.append((f"{max(budgets + [own]):,} keys, cut at {args.cut:,}", max(budgets + [own]), args.cut))
+                    views.append(
+                        (f"{max(budgets + [own]):,} keys, cut at {args.cut:,}", max(budgets + [own]), args.cut)
+                    )
                 results, seconds = {}, {}
                 for name, topk, cut in views:
                     model = load_eval_model(model_dir, overrides=None if topk == own else {"index_topk": topk})[0]
                     t0 = time.perf_counter()
-                    results[name] = evaluate(model, split, work_dir / f"{set_name}-{label}-{topk}-{cut}", args.context,
-                                             context_cut=cut, max_tiles=tiles, write_tokens=False, progress=False, label=name)
+                    results[name] = evaluate(
+                        model,
+                        split,
+                        work_dir / f"{set_name}-{label}-{topk}-{cut}",
+                        args.context,
+                        context_cut=cut,
+                        max_tiles=tiles,
+                        write_tokens=False,
+                        progress=False,
+                        label=name,
+                    )
                     seconds[name] = time.perf_counter() - t0
                 reference = views[0][0]
                 for name, topk, cut in views:
                     table = compare(results[reference], results[name]).set_index("bucket")
                     row: dict[str, Any] = {
-                        "set": set_name, "model": label, "view": name, "index_topk": topk, "context_cut": cut,
-                        "tiles": results[name].n_tiles, "bases": results[name].tokens,
-                        "seconds": seconds[name], "time_ratio": seconds[name] / seconds[reference],
-                        "buckets": {str(b): {"nats": float(r.b_nats), "change_pct": float(r.rel_pct),
-                                             "ci": [float(r.rel_ci_lo), float(r.rel_ci_hi)]} for b, r in table.iterrows()},
+                        "set": set_name,
+                        "model": label,
+                        "view": name,
+                        "index_topk": topk,
+                        "context_cut": cut,
+                        "tiles": results[name].n_tiles,
+                        "bases": results[name].tokens,
+                        "seconds": seconds[name],
+                        "time_ratio": seconds[name] / seconds[reference],
+                        "buckets": {
+                            str(b): {
+                                "nats": float(r.b_nats),
+                                "change_pct": float(r.rel_pct),
+                                "ci": [float(r.rel_ci_lo), float(r.rel_ci_hi)],
+                            }
+                            for b, r in table.iterrows()
+                        },
                     }
                     if cut is not None:  # what the context beyond the cut buys at this budget: full - cut
                         full = next(n for n, k, c in views if k == topk and c is None)
                         cut_table = compare(results[name], results[full]).set_index("bucket")
-                        row["full_vs_cut"] = {str(b): {"change_pct": float(r.rel_pct), "ci": [float(r.rel_ci_lo), float(r.rel_ci_hi)]}
-                                              for b, r in cut_table.iterrows()}
+                        row["full_vs_cut"] = {
+                            str(b): {"change_pct": float(r.rel_pct), "ci": [float(r.rel_ci_lo), float(r.rel_ci_hi)]}
+                            for b, r in cut_table.iterrows()
+                        }
                     rows.append(row)
-                    print(f"{set_name} {label} {name}: {results[name].mean_nll:.4f} nats/base, {seconds[name]:.0f} s", flush=True)
+                    print(
+                        f"{set_name} {label} {name}: {results[name].mean_nll:.4f} nats/base, {seconds[name]:.0f} s",
+                        flush=True,
+                    )
     buckets = list(rows[0]["buckets"])
     print(f"\nchange against each model's own budget (%, 95% CI), tiles of {args.context:,}\n")
     print("| set | model | view | " + " | ".join(buckets) + " | time ratio |")
     print("|---|---|---|" + "---|" * len(buckets) + "---:|")
     for r in rows:
-        cells = [f"{b['nats']:.4f} ({b['change_pct']:+.2f}% [{b['ci'][0]:+.2f}, {b['ci'][1]:+.2f}])" for b in r["buckets"].values()]
+        cells = [
+            f"{b['nats']:.4f} ({b['change_pct']:+.2f}% [{b['ci'][0]:+.2f}, {b['ci'][1]:+.2f}])"
+            for b in r["buckets"].values()
+        ]
         print(f"| {r['set']} | {r['model']} | {r['view']} | " + " | ".join(cells) + f" | {r['time_ratio']:.2f} |")
     cuts = [r for r in rows if "full_vs_cut" in r]
     if cuts:
@@ -128,10 +177,18 @@ def main() -> None:
         print("| set | model | view | " + " | ".join(buckets) + " |")
         print("|---|---|---|" + "---|" * len(buckets))
         for r in cuts:
-            cells = [f"{b['change_pct']:+.2f}% [{b['ci'][0]:+.2f}, {b['ci'][1]:+.2f}]" for b in r["full_vs_cut"].values()]
+            cells = [
+                f"{b['change_pct']:+.2f}% [{b['ci'][0]:+.2f}, {b['ci'][1]:+.2f}]" for b in r["full_vs_cut"].values()
+            ]
             print(f"| {r['set']} | {r['model']} | {r['view']} | " + " | ".join(cells) + " |")
-    out = {"benchmark": "dsa_key_budget", **environment("date", "machine", "torch"), "threads": args.threads,
-           "models": {k: str(v) for k, v in models.items()}, "context": args.context, "rows": rows}
+    out = {
+        "benchmark": "dsa_key_budget",
+        **environment("date", "machine", "torch"),
+        "threads": args.threads,
+        "models": {k: str(v) for k, v in models.items()},
+        "context": args.context,
+        "rows": rows,
+    }
     write_json(args.json, out)
     print(f"\nwrote {args.json}")
 

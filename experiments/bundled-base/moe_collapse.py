@@ -30,6 +30,7 @@ BENCH = HERE.parents[1] / "benchmarks"
 sys.path.append(str(BENCH))  # benchmarks/_bench.py (and benchmarks/quickstart_heldout.py)
 sys.path.append(str(HERE))  # the other scripts of experiments/bundled-base/
 from _bench import environment, write_json  # noqa: E402
+
 DEFAULT_JSON = HERE / "results" / "moe_collapse.json"
 sys.path.append(str(HERE.parents[1]))  # the repository root: tests/scenarios.py
 from tests.scenarios import STEPS, WINDOW, collapsed_tiny, sample_windows, train_collapsed  # noqa: E402,F401
@@ -43,8 +44,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "loss 0.01": {"moe_bias_rate": 0.0, "moe_balance_loss_weight": 0.01},
     "loss 0.03": {"moe_bias_rate": 0.0, "moe_balance_loss_weight": 0.03},
     "loss 0.1": {"moe_bias_rate": 0.0, "moe_balance_loss_weight": 0.1},
-    "loss 0.01 + proportional 0.01": {"moe_bias_rate": 0.01, "moe_bias_update": "proportional", "moe_balance_loss_weight": 0.01},
-    "loss 0.1 + proportional 0.01": {"moe_bias_rate": 0.01, "moe_bias_update": "proportional", "moe_balance_loss_weight": 0.1},
+    "loss 0.01 + proportional 0.01": {
+        "moe_bias_rate": 0.01,
+        "moe_bias_update": "proportional",
+        "moe_balance_loss_weight": 0.01,
+    },
+    "loss 0.1 + proportional 0.01": {
+        "moe_bias_rate": 0.01,
+        "moe_bias_update": "proportional",
+        "moe_balance_loss_weight": 0.1,
+    },
     "loss 0.1 + sign 0.001": {"moe_bias_rate": 0.001, "moe_balance_loss_weight": 0.1},
 }
 
@@ -74,8 +83,13 @@ def main() -> None:
         picks = [worst[0]] + [worst[i - 1] for i in (10, 20, 30, 40, 50)]
         tail = sum(worst[-5:]) / 5
         print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in picks) + f" | {tail:.2f} |", flush=True)
-    out = {"benchmark": "moe_collapse", **environment("date", "machine", "torch"), "window": WINDOW, "steps": STEPS,
-           "rows": rows}
+    out = {
+        "benchmark": "moe_collapse",
+        **environment("date", "machine", "torch"),
+        "window": WINDOW,
+        "steps": STEPS,
+        "rows": rows,
+    }
     write_json(args.json, out)
     print(f"\nwrote {args.json}")
 

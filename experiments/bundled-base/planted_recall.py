@@ -47,18 +47,36 @@ DEFAULT_PLANT = ("share=1.0", "copies=3", "min_length=50", "max_length=200", "ma
 #: ``recipes/sample-base.yaml`` is the routers-only last stage of the bundled base's chain; these
 #: keys put back a plain run (every weight trained, windows as stored, the default routing balance)
 #: before the benchmark's own keys, so that the two runs differ in ``data.plant_repeats`` only.
-PLAIN_RUN = ("model.freeze=[]", "data.batch_size=1", "data.plant_repeats=null", "train.min_lr=1.0e-4",
-             "train.moe_bias_update_rate=0.01", "train.moe_balance_loss_weight=0.01")
+PLAIN_RUN = (
+    "model.freeze=[]",
+    "data.batch_size=1",
+    "data.plant_repeats=null",
+    "train.min_lr=1.0e-4",
+    "train.moe_bias_update_rate=0.01",
+    "train.moe_balance_loss_weight=0.01",
+)
 
 
 def finetune_cmd(name: str, args: argparse.Namespace, store: Path, plant: list[str]) -> list[str]:
     """The ``genolong finetune`` command of one run: ``recipes/sample-base.yaml`` made a plain run
     (:data:`PLAIN_RUN`), then ``plant`` as ``data.plant_repeats`` keys (empty: windows as stored)."""
-    sets = [*PLAIN_RUN, f"name={name}", f"model.checkpoint={args.base}", f"data.store={store}", f"data.context={args.context}",
-            f"train.max_steps={args.steps}", f"train.lr={args.lr}", f"train.warmup_steps={max(1, args.steps // 10)}",
-            f"checkpoint.dir=runs/{name}/checkpoints", f"checkpoint.every_n_steps={args.steps}",
-            f"logging.dir=runs/{name}/logs", "logging.progress_bar=false", "logging.tensorboard=false",
-            f"eval.every_n_steps={args.steps}", f"seed={args.seed}"]
+    sets = [
+        *PLAIN_RUN,
+        f"name={name}",
+        f"model.checkpoint={args.base}",
+        f"data.store={store}",
+        f"data.context={args.context}",
+        f"train.max_steps={args.steps}",
+        f"train.lr={args.lr}",
+        f"train.warmup_steps={max(1, args.steps // 10)}",
+        f"checkpoint.dir=runs/{name}/checkpoints",
+        f"checkpoint.every_n_steps={args.steps}",
+        f"logging.dir=runs/{name}/logs",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        f"eval.every_n_steps={args.steps}",
+        f"seed={args.seed}",
+    ]
     sets += [f"data.plant_repeats.{kv}" for kv in plant]
     cmd = genolong_command("finetune", ROOT / "recipes" / "sample-base.yaml")
     for s in sets:
@@ -77,14 +95,29 @@ def last_eval_loss(run: Path) -> float | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base", type=Path, default=ROOT / "data" / "sample" / "base", help="starting checkpoint (default: the bundled base)")
-    p.add_argument("--store", type=Path, default=None, help="the sample store (default: prepare the bundled sample in a temporary directory)")
+    p.add_argument(
+        "--base",
+        type=Path,
+        default=ROOT / "data" / "sample" / "base",
+        help="starting checkpoint (default: the bundled base)",
+    )
+    p.add_argument(
+        "--store",
+        type=Path,
+        default=None,
+        help="the sample store (default: prepare the bundled sample in a temporary directory)",
+    )
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--context", type=int, default=1024, help="training window (default 1024, the base's)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--plant", action="append", default=None, metavar="KEY=VALUE",
-                   help=f"data.plant_repeats keys (default: {' '.join(DEFAULT_PLANT)})")
+    p.add_argument(
+        "--plant",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help=f"data.plant_repeats keys (default: {' '.join(DEFAULT_PLANT)})",
+    )
     p.add_argument("--probe-context", type=int, default=4096)
     p.add_argument("--probe-tiles", type=int, default=8)
     p.add_argument("--distances", default="128,256,512,1024,2048")
@@ -99,35 +132,69 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         store = sample_store(args.store, work)
         runs = {"stored": [], "planted": plant}
-        started = [Fresh.start(finetune_cmd(f"recall-{label}", args, store, kv), env=env, cwd=work,
-                               log=work / f"{label}.log") for label, kv in runs.items()]
+        started = [
+            Fresh.start(finetune_cmd(f"recall-{label}", args, store, kv), env=env, cwd=work, log=work / f"{label}.log")
+            for label, kv in runs.items()
+        ]
         for child, label in zip(started, runs):
             child.extra["label"] = label
         train: dict[str, Any] = {}
         for child, figures in wait_any(started):
             figures.check()
             label = child.extra["label"]
-            train[label] = {"wall_s": figures.wall_s, "cpu_s": figures.user_s + figures.system_s,
-                            "heldout_loss": last_eval_loss(work / "runs" / f"recall-{label}")}
+            train[label] = {
+                "wall_s": figures.wall_s,
+                "cpu_s": figures.user_s + figures.system_s,
+                "heldout_loss": last_eval_loss(work / "runs" / f"recall-{label}"),
+            }
         models = {"start": args.base, **{label: work / "runs" / f"recall-{label}" / "export" for label in runs}}
         rows = []
         for label, model in models.items():
             out = work / f"probe-{label}"
-            run_fresh(genolong_command("probe", model, "--store", store, "--context", args.probe_context, "--max-tiles",
-                               args.probe_tiles, "--distances", args.distances, "--out", out, "--force", "--quiet"),
-                      env=env).check()
+            run_fresh(
+                genolong_command(
+                    "probe",
+                    model,
+                    "--store",
+                    store,
+                    "--context",
+                    args.probe_context,
+                    "--max-tiles",
+                    args.probe_tiles,
+                    "--distances",
+                    args.distances,
+                    "--out",
+                    out,
+                    "--force",
+                    "--quiet",
+                ),
+                env=env,
+            ).check()
             table = json.loads((out / "probe.json").read_text())
             for row in table["rows"] if isinstance(table, dict) and "rows" in table else table:
                 rows.append({"model": label, **row})
     frame = pd.DataFrame(rows)
     print(f"{args.steps} steps of {args.context} bases from {args.base}; planted: {' '.join(plant)}")
     for label, t in train.items():
-        print(f"  {label}: {t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} CPU s, held-out loss at the end {t['heldout_loss']}")
+        print(
+            f"  {label}: {t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} CPU s, held-out loss at the end {t['heldout_loss']}"
+        )
     shown = frame[["model", "distance", "tiles", "full_nats", "cut_nats", "drop", "drop_ci_lo", "drop_ci_hi"]]
     print(shown.to_string(index=False, float_format=lambda x: f"{x:.4f}"))
-    write_json(args.json, {"environment": environment(), "steps": args.steps, "context": args.context, "lr": args.lr,
-                           "seed": args.seed, "plant": plant, "base": str(args.base), "train": train,
-                           "probe": rows})
+    write_json(
+        args.json,
+        {
+            "environment": environment(),
+            "steps": args.steps,
+            "context": args.context,
+            "lr": args.lr,
+            "seed": args.seed,
+            "plant": plant,
+            "base": str(args.base),
+            "train": train,
+            "probe": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

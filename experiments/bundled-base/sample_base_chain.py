@@ -57,23 +57,63 @@ DEFAULT_JSON = HERE / "results" / "sample_base_chain.json"
 #: The KDA mixers of the ``small`` preset (layers 0, 1, 4, 5, 6 of KKDDKKKD).
 KDA = "layers.[01456].self_attn.*"
 #: Every weight but the MoE routers (and layer 0's dense FFN: ``mlp.*_proj`` is not named).
-ROUTERS_ONLY = ["embed_tokens.*", "lm_head.*", "norm.*", "layers.*.self_attn.*", "layers.*.mlp.experts.*",
-                "layers.*.mlp.shared_experts.*", "layers.*.attn_hc.*", "layers.*.ffn_hc.*", "layers.*.input_layernorm.*",
-                "layers.*.post_attention_layernorm.*"]
+ROUTERS_ONLY = [
+    "embed_tokens.*",
+    "lm_head.*",
+    "norm.*",
+    "layers.*.self_attn.*",
+    "layers.*.mlp.experts.*",
+    "layers.*.mlp.shared_experts.*",
+    "layers.*.attn_hc.*",
+    "layers.*.ffn_hc.*",
+    "layers.*.input_layernorm.*",
+    "layers.*.post_attention_layernorm.*",
+]
 
 
-def _plant(share: float, copies: int, length: tuple[int, int], distance: tuple[int, int], divergence: float) -> dict[str, Any]:
+def _plant(
+    share: float, copies: int, length: tuple[int, int], distance: tuple[int, int], divergence: float
+) -> dict[str, Any]:
     """A ``data.plant_repeats`` mapping: copies on the same strand, 10% of a diverged copy's edits indels."""
-    return {"share": share, "copies": copies, "min_length": length[0], "max_length": length[1], "min_distance": distance[0],
-            "max_distance": distance[1], "max_divergence": divergence, "indel_share": 0.1 if divergence else 0.0, "inverted": 0.0}
+    return {
+        "share": share,
+        "copies": copies,
+        "min_length": length[0],
+        "max_length": length[1],
+        "min_distance": distance[0],
+        "max_distance": distance[1],
+        "max_divergence": divergence,
+        "indel_share": 0.1 if divergence else 0.0,
+        "inverted": 0.0,
+    }
 
 
-def _stage(freeze: list[str], context: int, batch: int, plant: dict[str, Any], lr: float, min_lr: float, warmup: int,
-           steps: int, bias: float = 0.001, balance: float = 0.1) -> dict[str, Any]:
+def _stage(
+    freeze: list[str],
+    context: int,
+    batch: int,
+    plant: dict[str, Any],
+    lr: float,
+    min_lr: float,
+    warmup: int,
+    steps: int,
+    bias: float = 0.001,
+    balance: float = 0.1,
+) -> dict[str, Any]:
     """The recipe keys one stage sets over ``recipes/sample-base.yaml``."""
-    return {"model.freeze": freeze, "data.context": context, "data.batch_size": batch, "data.plant_repeats": plant,
-            "train.lr": lr, "train.min_lr": min_lr, "train.warmup_steps": warmup, "train.max_steps": steps,
-            "train.moe_bias_update": "proportional", "train.moe_bias_update_rate": bias, "train.moe_balance_loss_weight": balance}
+    return {
+        "model.freeze": freeze,
+        "data.context": context,
+        "data.batch_size": batch,
+        "data.plant_repeats": plant,
+        "train.lr": lr,
+        "train.min_lr": min_lr,
+        "train.warmup_steps": warmup,
+        "train.max_steps": steps,
+        "train.moe_bias_update": "proportional",
+        "train.moe_bias_update_rate": bias,
+        "train.moe_balance_loss_weight": balance,
+    }
 
 
 #: A chain's first entry: start from the bundled base (``recipes/sample-base.yaml`` as it is) instead of fresh weights.
@@ -115,9 +155,18 @@ def _yaml(value: Any) -> str:
 
 def stage_command(name: str, out: Path, start: Path | None, store: Path) -> list[str]:
     """``genolong finetune recipes/sample-base.yaml`` with stage ``name``'s keys, writing into ``out``."""
-    keys = {**STAGES[name], "name": name, "model.checkpoint": start, "data.store": store, "eval.every_n_steps": 0,
-            "checkpoint.dir": out / "checkpoints", "checkpoint.every_n_steps": 100, "logging.dir": out / "logs",
-            "logging.progress_bar": False, "logging.tensorboard": False}
+    keys = {
+        **STAGES[name],
+        "name": name,
+        "model.checkpoint": start,
+        "data.store": store,
+        "eval.every_n_steps": 0,
+        "checkpoint.dir": out / "checkpoints",
+        "checkpoint.every_n_steps": 100,
+        "logging.dir": out / "logs",
+        "logging.progress_bar": False,
+        "logging.tensorboard": False,
+    }
     cmd = genolong_command("finetune", ROOT / "recipes" / "sample-base.yaml")
     for key, value in keys.items():
         cmd += ["--set", f"{key}={_yaml(str(value) if isinstance(value, Path) else value)}"]  # None: null
@@ -127,8 +176,10 @@ def stage_command(name: str, out: Path, start: Path | None, store: Path) -> list
 def train_routing(out: Path, last: int = 50) -> list[float]:
     """Per MoE layer, the busiest expert's load over the mean in the training log, mean of the last ``last`` steps."""
     frame = pd.read_csv(next(out.glob("logs/**/metrics.csv"))).dropna(subset=["train/loss"]).tail(last)
-    columns = sorted((c for c in frame.columns if c.endswith("/load_max_over_mean") and c.startswith("moe/")),
-                     key=lambda c: int(c.split("/")[1].removeprefix("layer")))
+    columns = sorted(
+        (c for c in frame.columns if c.endswith("/load_max_over_mean") and c.startswith("moe/")),
+        key=lambda c: int(c.split("/")[1].removeprefix("layer")),
+    )
     return [round(float(frame[c].mean()), 3) for c in columns]
 
 
@@ -144,10 +195,17 @@ def router_token_spread(checkpoint: Path, store: Path, bases: int = 2048) -> lis
     from genolong.model import GenoLM
 
     model = GenoLM.from_pretrained(checkpoint).eval()
-    tokens = torch.as_tensor(np.asarray(GenomeStore.open(store, verify=False).split("eval").tokens[:bases]).astype(np.int64))[None]
+    tokens = torch.as_tensor(
+        np.asarray(GenomeStore.open(store, verify=False).split("eval").tokens[:bases]).astype(np.int64)
+    )[None]
     seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    hooks = [module.register_forward_hook(lambda mod, args, out, name=name: seen.__setitem__(name, (out[0], mod.e_score_correction_bias.clone())))
-             for name, module in model.named_modules() if name.endswith("mlp.gate")]
+    hooks = [
+        module.register_forward_hook(
+            lambda mod, args, out, name=name: seen.__setitem__(name, (out[0], mod.e_score_correction_bias.clone()))
+        )
+        for name, module in model.named_modules()
+        if name.endswith("mlp.gate")
+    ]
     with torch.no_grad():
         model(tokens)
     for hook in hooks:
@@ -156,8 +214,14 @@ def router_token_spread(checkpoint: Path, store: Path, bases: int = 2048) -> lis
     for name, (logits, bias) in seen.items():
         scores = logits.sigmoid()
         choice = (scores + bias).sort(-1, descending=True).values
-        rows.append({"layer": int(name.split(".")[1]), "score_token_std": round(float(scores.std(0).mean()), 5),
-                     "choice_gap": round(float((choice[:, 1] - choice[:, 2]).mean()), 5), "bias_std": round(float(bias.std()), 5)})
+        rows.append(
+            {
+                "layer": int(name.split(".")[1]),
+                "score_token_std": round(float(scores.std(0).mean()), 5),
+                "choice_gap": round(float((choice[:, 1] - choice[:, 2]).mean()), 5),
+                "bias_std": round(float(bias.std()), 5),
+            }
+        )
     return rows
 
 
@@ -173,7 +237,9 @@ def run(cmd: list[str], log: Path, env: dict[str, str]) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chain", action="append", choices=sorted(CHAINS), default=None, help="chains to run (default: F)")
-    p.add_argument("--work", type=Path, required=True, help="stage outputs: WORK/<stage>/<stage>/... (reused when rerun)")
+    p.add_argument(
+        "--work", type=Path, required=True, help="stage outputs: WORK/<stage>/<stage>/... (reused when rerun)"
+    )
     p.add_argument("--store", type=Path, default=None, help="the sample store (default: prepare it in WORK/genome)")
     p.add_argument("--eval-tiles", type=int, default=8)
     p.add_argument("--probe-context", type=int, default=8192)
@@ -202,29 +268,85 @@ def main() -> None:
             stages.append({"stage": name, "train_routing_last50": train_routing(out), "wall_s": seconds})
             first_export = first_export or out / "export"
             start = out / "export"
-        run(genolong_command("evaluate", start, "--store", store, "--context", 8192, "--max-tiles", args.eval_tiles,
-                     "--out", out / "eval", "--quiet", "--force"), out / "evaluate.log", env)
-        run(genolong_command("probe", start, "--store", store, "--context", args.probe_context, "--distances", args.distances,
-                     "--max-tiles", args.eval_tiles, "--out", out / "probe", "--label", chain, "--quiet", "--force"),
-            out / "probe.log", env)
+        run(
+            genolong_command(
+                "evaluate",
+                start,
+                "--store",
+                store,
+                "--context",
+                8192,
+                "--max-tiles",
+                args.eval_tiles,
+                "--out",
+                out / "eval",
+                "--quiet",
+                "--force",
+            ),
+            out / "evaluate.log",
+            env,
+        )
+        run(
+            genolong_command(
+                "probe",
+                start,
+                "--store",
+                store,
+                "--context",
+                args.probe_context,
+                "--distances",
+                args.distances,
+                "--max-tiles",
+                args.eval_tiles,
+                "--out",
+                out / "probe",
+                "--label",
+                chain,
+                "--quiet",
+                "--force",
+            ),
+            out / "probe.log",
+            env,
+        )
         held = EvalResult.load(out / "eval")
         buckets = held.bucket_table()
         probe = ProbeResult.load(out / "probe").table()
         doc["chains"][chain] = {
             "stages": stages,
             "heldout_chr22_8x8192": {b: round(float(n), 4) for b, n in zip(buckets["bucket"], buckets["nats"])},
-            "routing": [{"layer": r["layer"], "load_max_over_mean": round(r["load_max_over_mean"], 3), "dead_experts": r["dead_experts"]}
-                        for r in held.meta["routing"]],
-            "probe": [{"distance": int(r.distance), "drop": round(float(r.drop), 4), "ci": [round(float(r.drop_ci_lo), 4),
-                       round(float(r.drop_ci_hi), 4)]} for r in probe.itertuples()],
+            "routing": [
+                {
+                    "layer": r["layer"],
+                    "load_max_over_mean": round(r["load_max_over_mean"], 3),
+                    "dead_experts": r["dead_experts"],
+                }
+                for r in held.meta["routing"]
+            ],
+            "probe": [
+                {
+                    "distance": int(r.distance),
+                    "drop": round(float(r.drop), 4),
+                    "ci": [round(float(r.drop_ci_lo), 4), round(float(r.drop_ci_hi), 4)],
+                }
+                for r in probe.itertuples()
+            ],
             "router_token_spread": router_token_spread(start, store),
             "stage1_router_token_spread": router_token_spread(first_export, store),
         }
         res = doc["chains"][chain]
         print(f"{chain}: held-out " + " ".join(f"{k} {v:.4f}" for k, v in res["heldout_chr22_8x8192"].items()))
-        print("  routing (busiest/mean, dead): " + " ".join(f"{r['load_max_over_mean']:.2f} ({r['dead_experts']})" for r in res["routing"]))
-        print("  probe drop: " + " ".join(f"d={r['distance']} {r['drop']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]" for r in res["probe"]))
-        print("  router score std over tokens: " + " ".join(f"{r['score_token_std']:.4f}" for r in res["router_token_spread"]))
+        print(
+            "  routing (busiest/mean, dead): "
+            + " ".join(f"{r['load_max_over_mean']:.2f} ({r['dead_experts']})" for r in res["routing"])
+        )
+        print(
+            "  probe drop: "
+            + " ".join(f"d={r['distance']} {r['drop']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]" for r in res["probe"])
+        )
+        print(
+            "  router score std over tokens: "
+            + " ".join(f"{r['score_token_std']:.4f}" for r in res["router_token_spread"])
+        )
     doc["bundled_base_router_token_spread"] = router_token_spread(bundled_base(), store)
     write_json(args.json, doc)
     print(f"wrote {args.json}")

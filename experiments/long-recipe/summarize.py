@@ -36,7 +36,9 @@ def main() -> None:
             path = SPREAD_JSON
         steps = HERE / "results" / f"{name}.steps.jsonl"
         records = [json.loads(line) for line in steps.read_text().splitlines()] if steps.is_file() else []
-        losses = " ".join(f"{r['train/loss']:.3f}" for r in records if "train/loss" in r)  # the end-of-run eval line has none
+        losses = " ".join(
+            f"{r['train/loss']:.3f}" for r in records if "train/loss" in r
+        )  # the end-of-run eval line has none
         if not path.is_file():
             print(f"| {name} | {losses} | not scored on the spread | | | | |")
             continue
@@ -45,8 +47,10 @@ def main() -> None:
         cells = []
         for b in buckets:
             p = pooled_from_json(doc, COMPARISON, b)
-            cells.append(f"{p['change_pct']:+.2f}% [{p['ci'][0]:+.2f}, {p['ci'][1]:+.2f}] "
-                         f"({p['range'][0]:+.2f} .. {p['range'][1]:+.2f})")
+            cells.append(
+                f"{p['change_pct']:+.2f}% [{p['ci'][0]:+.2f}, {p['ci'][1]:+.2f}] "
+                f"({p['range'][0]:+.2f} .. {p['range'][1]:+.2f})"
+            )
         print(f"| {name} | {losses} | {' | '.join(cells)} |")
 
 

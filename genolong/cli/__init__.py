@@ -34,8 +34,21 @@ from typing import NoReturn
 from ..allocator import keep_freed_memory
 from ..errors import PREEMPTED_EXIT_CODE, GenolongError, Stopped
 from ..signals import catch_from_start, ignore_from_now
-from . import (check_logprobs, compare, evaluate, export, finetune, plan, plot, prepare, probe, quickstart, recipe,
-               tracks, variants)
+from . import (
+    check_logprobs,
+    compare,
+    evaluate,
+    export,
+    finetune,
+    plan,
+    plot,
+    prepare,
+    probe,
+    quickstart,
+    recipe,
+    tracks,
+    variants,
+)
 from .common import Command
 
 __all__ = ["COMMANDS", "build_parser", "entry", "main"]
@@ -81,12 +94,22 @@ Run `genolong COMMAND --help` for a command's options; recipes/ holds example re
 class _VersionAction(argparse.Action):
     """``--version``: reads the installed version only when asked (importlib.metadata is slow to import)."""
 
-    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, default: str = argparse.SUPPRESS,
-                 help: str | None = None) -> None:  # noqa: A002 - argparse's keyword
+    def __init__(
+        self,
+        option_strings: Sequence[str],
+        dest: str = argparse.SUPPRESS,
+        default: str = argparse.SUPPRESS,
+        help: str | None = None,
+    ) -> None:  # noqa: A002 - argparse's keyword
         super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
         from .. import __version__
 
         print(f"genolong {__version__}")  # on stdout, as argparse's own version action prints
@@ -95,8 +118,9 @@ class _VersionAction(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand (:data:`COMMANDS`); ``args.func`` is the command's run."""
-    parser = argparse.ArgumentParser(prog="genolong", description=_DESCRIPTION, epilog=_EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="genolong", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action=_VersionAction, help="print genolong's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
@@ -203,4 +227,3 @@ def entry() -> NoReturn:
     if in_process_group() or code == PREEMPTED_EXIT_CODE:  # stopped: out before SLURM's KillWait ends
         exit_process(code)
     sys.exit(code)
-

@@ -46,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
     name = Path(args.checkpoint).resolve().name
     if args.adapter is not None:
         name = scored_name(args)
-    out = Path(args.out) if args.out else Path("evaluations") / f"{name}-logprob-gap-L{args.context}-{DTYPES[args.dtype]}"
+    out = (
+        Path(args.out) if args.out else Path("evaluations") / f"{name}-logprob-gap-L{args.context}-{DTYPES[args.dtype]}"
+    )
     if out.exists() and not args.force:
         raise InputError(f"{out} already exists; pass --force to replace it, or choose another --out")
     parallel = parallel_section(args)
@@ -56,17 +58,30 @@ def run(args: argparse.Namespace) -> int:
     def work(group: ScoringGroup) -> int:
         model, vocab = load_model(args, group, backend)
         label = Path(args.checkpoint).name if args.adapter is None else scored_name(args)
-        gap = check_logprobs(model, split, args.context, max_tiles=args.max_tiles, first_bucket=args.first_bucket, vocab=vocab,
-                             progress=None if not args.quiet else False, label=f"{label} {DTYPES[args.dtype]}",
-                             group=group)
+        gap = check_logprobs(
+            model,
+            split,
+            args.context,
+            max_tiles=args.max_tiles,
+            first_bucket=args.first_bucket,
+            vocab=vocab,
+            progress=None if not args.quiet else False,
+            label=f"{label} {DTYPES[args.dtype]}",
+            group=group,
+        )
         if gap is None:  # not the writer
             return 0
         gap.extra.update(scored_meta(args))
         gap.save(out)
         table = gap.table()
-        rows = [[str(r.bucket), f"{int(r.tokens):,}", f"{r.mean_abs_diff:.3g}", f"{r.max_abs_diff:.3g}"] for r in table.itertuples()]
-        print(f"genolong check-logprobs: training path vs step-by-step decode, {DTYPES[args.dtype]}, {args.max_tiles} tile(s) of "
-              f"{args.context:,} -> {out}")
+        rows = [
+            [str(r.bucket), f"{int(r.tokens):,}", f"{r.mean_abs_diff:.3g}", f"{r.max_abs_diff:.3g}"]
+            for r in table.itertuples()
+        ]
+        print(
+            f"genolong check-logprobs: training path vs step-by-step decode, {DTYPES[args.dtype]}, {args.max_tiles} tile(s) of "
+            f"{args.context:,} -> {out}"
+        )
         print(markdown_table(rows, ["preceding bases", "tokens", "mean |diff| (nats)", "max |diff| (nats)"]))
         return 0
 

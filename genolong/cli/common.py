@@ -15,9 +15,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeAlias
 
-__all__ = ["Command", "DTYPES", "SEGMENT_TOKENS", "Subcommands", "backend_choices", "by_argument",
-           "checkpoint_argument", "int_list", "kernel_backend_argument", "parallel_arguments", "placement_arguments",
-           "scoring_arguments", "set_argument", "verbose_argument"]
+__all__ = [
+    "Command",
+    "DTYPES",
+    "SEGMENT_TOKENS",
+    "Subcommands",
+    "backend_choices",
+    "by_argument",
+    "checkpoint_argument",
+    "int_list",
+    "kernel_backend_argument",
+    "parallel_arguments",
+    "placement_arguments",
+    "scoring_arguments",
+    "set_argument",
+    "verbose_argument",
+]
 
 #: what ``build_parser`` hands each command's ``add``: the ``genolong`` parser's subcommands
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -76,15 +89,19 @@ def int_list(text: str, flag: str) -> tuple[int, ...]:
 
 def checkpoint_argument(parser: argparse.ArgumentParser) -> None:
     """``CHECKPOINT``: the model a scoring command loads."""
-    parser.add_argument("checkpoint", metavar="CHECKPOINT",
-                        help="a model directory (config.json + safetensors, e.g. runs/NAME/export), a run directory "
-                             "runs/NAME or a runs/NAME/checkpoints/step*.ckpt")
+    parser.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT",
+        help="a model directory (config.json + safetensors, e.g. runs/NAME/export), a run directory "
+        "runs/NAME or a runs/NAME/checkpoints/step*.ckpt",
+    )
 
 
 def placement_arguments(parser: argparse.ArgumentParser) -> None:
     """``--dtype`` and ``--device``: the parameters' dtype and where the model runs."""
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                        help="parameter dtype (default: %(default)s)")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype (default: %(default)s)"
+    )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")
 
 
@@ -103,49 +120,73 @@ def scoring_arguments(parser: argparse.ArgumentParser, out_default: str, buckets
     """The arguments ``evaluate``, ``check-logprobs`` and ``probe`` share: what to score, where, how
     (``buckets``: with ``--first-bucket``)."""
     checkpoint_argument(parser)
-    parser.add_argument("--adapter", metavar="DIR",
-                        help="a LoRA adapter for the base model CHECKPOINT, in the PEFT format (adapter_config.json "
-                             "+ adapter_model.safetensors: a LoRA run's runs/NAME/adapter, or peft's save_pretrained): "
-                             "merged into the loaded weights in memory (W + alpha/r BA, summed in float32; equal to "
-                             "the base with separate adapters to float32 rounding), nothing written to disk; recorded "
-                             "in the results' metadata (default: none)")
+    parser.add_argument(
+        "--adapter",
+        metavar="DIR",
+        help="a LoRA adapter for the base model CHECKPOINT, in the PEFT format (adapter_config.json "
+        "+ adapter_model.safetensors: a LoRA run's runs/NAME/adapter, or peft's save_pretrained): "
+        "merged into the loaded weights in memory (W + alpha/r BA, summed in float32; equal to "
+        "the base with separate adapters to float32 rounding), nothing written to disk; recorded "
+        "in the results' metadata (default: none)",
+    )
     parser.add_argument("--store", required=True, metavar="DIR", help="genome store (genolong prepare)")
     parser.add_argument("--split", default="eval", help="split to score (default: %(default)s)")
     if buckets:
-        parser.add_argument("--first-bucket", type=int, default=1024, metavar="B",
-                            help="upper edge of the first context bucket; later ones double (default: %(default)s)")
+        parser.add_argument(
+            "--first-bucket",
+            type=int,
+            default=1024,
+            metavar="B",
+            help="upper edge of the first context bucket; later ones double (default: %(default)s)",
+        )
     placement_arguments(parser)
     parser.add_argument("--out", metavar="DIR", help=f"result directory (default: {out_default})")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parallel_arguments(parser)
-    kernel_backend_argument(parser, "the kernels the model runs, as in finetune: auto = genolong's Triton / "
-                                    "fla-core GPU kernels on a GPU, the torch reference on a CPU (default: --recipe's "
-                                    "model.overrides.kernel_backend, else the checkpoint's run recipe's, else auto); "
-                                    "recorded in the results' metadata")
+    kernel_backend_argument(
+        parser,
+        "the kernels the model runs, as in finetune: auto = genolong's Triton / "
+        "fla-core GPU kernels on a GPU, the torch reference on a CPU (default: --recipe's "
+        "model.overrides.kernel_backend, else the checkpoint's run recipe's, else auto); "
+        "recorded in the results' metadata",
+    )
 
 
 def parallel_arguments(parser: argparse.ArgumentParser) -> None:
     """``--recipe`` / ``--set``: the processes a scoring command runs on
     (:func:`genolong.cli.scoring.parallel_section`)."""
-    parser.add_argument("--recipe", metavar="RECIPE",
-                        help="run on this recipe's parallel section (devices, num_nodes, accelerator, cp, dp_shard, "
-                             "dp_replicate, ep), as `genolong finetune RECIPE` does: Lightning starts parallel.devices "
-                             "processes per node, or joins those torchrun / SLURM started; the model is sharded over "
-                             "the mesh (FSDP2, context and expert parallelism) and loaded shard by shard. Default: one "
-                             "process")
-    set_argument(parser, "override a key of --recipe, or without it set the parallel section alone, e.g. "
-                         "--set parallel.devices=4 --set parallel.cp=2 (repeatable)")
+    parser.add_argument(
+        "--recipe",
+        metavar="RECIPE",
+        help="run on this recipe's parallel section (devices, num_nodes, accelerator, cp, dp_shard, "
+        "dp_replicate, ep), as `genolong finetune RECIPE` does: Lightning starts parallel.devices "
+        "processes per node, or joins those torchrun / SLURM started; the model is sharded over "
+        "the mesh (FSDP2, context and expert parallelism) and loaded shard by shard. Default: one "
+        "process",
+    )
+    set_argument(
+        parser,
+        "override a key of --recipe, or without it set the parallel section alone, e.g. "
+        "--set parallel.devices=4 --set parallel.cp=2 (repeatable)",
+    )
 
 
 def by_argument(parser: argparse.ArgumentParser, what: str) -> None:
     """``--by softmask``: split ``what`` by the target base's soft-masking (RepeatMasker's lower case)."""
-    parser.add_argument("--by", choices=["softmask"], default=None,
-                        help=f"also split {what} by soft-masked (lower-case: repeats) vs unmasked bases, with the "
-                             "same paired block-bootstrap intervals (default: all bases pooled)")
+    parser.add_argument(
+        "--by",
+        choices=["softmask"],
+        default=None,
+        help=f"also split {what} by soft-masked (lower-case: repeats) vs unmasked bases, with the "
+        "same paired block-bootstrap intervals (default: all bases pooled)",
+    )
 
 
 def verbose_argument(parser: argparse.ArgumentParser) -> None:
     """``--verbose`` for the commands that run a model (genolong.console)."""
-    parser.add_argument("--verbose", action="store_true",
-                        help="also show Lightning's and torch's own messages and warnings, from every process")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show Lightning's and torch's own messages and warnings, from every process",
+    )

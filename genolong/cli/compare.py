@@ -25,10 +25,15 @@ def add(sub: Subcommands) -> argparse.ArgumentParser:
     cmp_.add_argument("a", metavar="A_DIR", help="reference result (e.g. the base model, or the cut run)")
     cmp_.add_argument("b", metavar="B_DIR", help="result compared with it (e.g. the fine-tuned model)")
     cmp_.add_argument("--out", metavar="DIR", help="also write DIR/compare.csv")
-    cmp_.add_argument("--n-boot", type=int, default=2000, metavar="N", help="bootstrap resamples (default: %(default)s)")
+    cmp_.add_argument(
+        "--n-boot", type=int, default=2000, metavar="N", help="bootstrap resamples (default: %(default)s)"
+    )
     cmp_.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
-    by_argument(cmp_, "the table (written as compare_softmask.csv, with softmask_gap.csv: the gap between the two "
-                "classes' relative changes)")
+    by_argument(
+        cmp_,
+        "the table (written as compare_softmask.csv, with softmask_gap.csv: the gap between the two "
+        "classes' relative changes)",
+    )
     return cmp_
 
 
@@ -44,12 +49,16 @@ def run(args: argparse.Namespace) -> int:
         tables = {"compare_softmask.csv": table, "softmask_gap.csv": gap}
     else:
         tables = {"compare.csv": compare(a, b, n_boot=args.n_boot, seed=args.seed)}
-    print(f"genolong compare: A = {a.label} ({args.a}), B = {b.label} ({args.b}); {a.tokens:,} tokens in {a.n_tiles} tiles; "
-          f"95% paired block-bootstrap CIs over tiles ({args.n_boot} resamples)")
+    print(
+        f"genolong compare: A = {a.label} ({args.a}), B = {b.label} ({args.b}); {a.tokens:,} tokens in {a.n_tiles} tiles; "
+        f"95% paired block-bootstrap CIs over tiles ({args.n_boot} resamples)"
+    )
     print(format_compare_table(next(iter(tables.values())), "A", "B"))
     if args.by == "softmask":
-        print("\nsoft-masked vs unmasked: the gap between the two relative changes (below 0: the loss falls more, "
-              "or rises less, on soft-masked bases; the same resamples)")
+        print(
+            "\nsoft-masked vs unmasked: the gap between the two relative changes (below 0: the loss falls more, "
+            "or rises less, on soft-masked bases; the same resamples)"
+        )
         print(format_gap_table(tables["softmask_gap.csv"]))
     if args.out:
         for name, table in tables.items():

@@ -31,21 +31,37 @@ def add(sub: Subcommands) -> argparse.ArgumentParser:
         ),
     )
     scoring_arguments(ev, out_default="evaluations/NAME-SPLIT-LCONTEXT[-cutC]")
-    ev.add_argument("--context", type=int, metavar="L",
-                    help="tile length in tokens (default: the run's eval context when CHECKPOINT is a run or .ckpt)")
-    ev.add_argument("--context-cut", type=int, metavar="C",
-                    help="score the same tokens with at most C bases of context each (the model restarts every C bases)")
+    ev.add_argument(
+        "--context",
+        type=int,
+        metavar="L",
+        help="tile length in tokens (default: the run's eval context when CHECKPOINT is a run or .ckpt)",
+    )
+    ev.add_argument(
+        "--context-cut",
+        type=int,
+        metavar="C",
+        help="score the same tokens with at most C bases of context each (the model restarts every C bases)",
+    )
     ev.add_argument("--max-tiles", type=int, metavar="N", help="score only the first N tiles (default: all)")
     ev.add_argument("--label", help="name of this run in tables and figures (default: from CHECKPOINT)")
     ev.add_argument("--no-tokens", action="store_true", help="do not write the per-token table (aggregates only)")
-    ev.add_argument("--tracks", action="store_true",
-                    help="also write the per-base loss as bigWig and bedGraph into OUT/tracks (see `genolong tracks`)")
+    ev.add_argument(
+        "--tracks",
+        action="store_true",
+        help="also write the per-base loss as bigWig and bedGraph into OUT/tracks (see `genolong tracks`)",
+    )
     add_regions_argument(ev)
-    ev.add_argument("--segment-tokens", type=int, default=None, metavar="S",
-                    help="stream a tile longer than S tokens through the model S at a time, carrying the KDA states "
-                         "and DSA caches (peak memory of one segment plus the caches; equal to the one-shot forward "
-                         f"up to float rounding); 0: one forward per tile (default: {SEGMENT_TOKENS} in one process; "
-                         "0 in several, where context parallelism splits the tile instead)")
+    ev.add_argument(
+        "--segment-tokens",
+        type=int,
+        default=None,
+        metavar="S",
+        help="stream a tile longer than S tokens through the model S at a time, carrying the KDA states "
+        "and DSA caches (peak memory of one segment plus the caches; equal to the one-shot forward "
+        f"up to float rounding); 0: one forward per tile (default: {SEGMENT_TOKENS} in one process; "
+        "0 in several, where context parallelism splits the tile instead)",
+    )
     by_argument(ev, "the printed bucket table")
     verbose_argument(ev)
     return ev
@@ -53,9 +69,12 @@ def add(sub: Subcommands) -> argparse.ArgumentParser:
 
 def add_regions_argument(parser: argparse.ArgumentParser) -> None:
     """``evaluate --regions BED``."""
-    parser.add_argument("--regions", metavar="BED",
-                        help="score only the tiles that share a base with these regions (BED: 0-based, half-open; any "
-                             "alias of a chromosome name); each tile whole, with its context")
+    parser.add_argument(
+        "--regions",
+        metavar="BED",
+        help="score only the tiles that share a base with these regions (BED: 0-based, half-open; any "
+        "alias of a chromosome name); each tile whole, with its context",
+    )
 
 
 def split_regions(path: str | os.PathLike[str], split: Any, store: str | os.PathLike[str]) -> Regions:
@@ -65,7 +84,9 @@ def split_regions(path: str | os.PathLike[str], split: Any, store: str | os.Path
 
     sizes: dict[str, int] = {}
     for record in split.contigs:
-        sizes[str(record["name"])] = max(sizes.get(str(record["name"]), 0), int(record["start"]) + int(record["length"]))
+        sizes[str(record["name"])] = max(
+            sizes.get(str(record["name"]), 0), int(record["start"]) + int(record["length"])
+        )
     return read_bed(path, sizes, where=f"split {split.name!r} of {store}")
 
 
@@ -98,17 +119,35 @@ def run(args: argparse.Namespace) -> int:
     def work(group: ScoringGroup) -> int:
         model, vocab = load_model(args, group, backend)
         result = evaluate(
-            model, split, out, context, context_cut=args.context_cut, max_tiles=args.max_tiles,
-            first_bucket=args.first_bucket, write_tokens=not args.no_tokens, vocab=vocab,
+            model,
+            split,
+            out,
+            context,
+            context_cut=args.context_cut,
+            max_tiles=args.max_tiles,
+            first_bucket=args.first_bucket,
+            write_tokens=not args.no_tokens,
+            vocab=vocab,
             label=args.label or f"{name}{' cut ' + str(args.context_cut) if args.context_cut is not None else ''}",
-            meta={**scored_meta(args), "store": str(store.path.resolve()), "split": args.split,
-                  "dtype": DTYPES[args.dtype], "device": args.device},
-            force=args.force, progress=None if not args.quiet else False,
-            segment_tokens=segment_tokens, group=group, tracks=args.tracks, regions=regions,
+            meta={
+                **scored_meta(args),
+                "store": str(store.path.resolve()),
+                "split": args.split,
+                "dtype": DTYPES[args.dtype],
+                "device": args.device,
+            },
+            force=args.force,
+            progress=None if not args.quiet else False,
+            segment_tokens=segment_tokens,
+            group=group,
+            tracks=args.tracks,
+            regions=regions,
         )
         if result is None:  # not the writer
             return 0
-        print(f"genolong evaluate: {result.meta['tokens']:,} tokens in {result.meta['tiles']} tiles of {context:,} -> {out}")
+        print(
+            f"genolong evaluate: {result.meta['tokens']:,} tokens in {result.meta['tiles']} tiles of {context:,} -> {out}"
+        )
         print(format_bucket_table(result.bucket_table()))
         if args.by is not None:
             print(f"\nsplit by {args.by} (soft-masked = lower case in the FASTA, RepeatMasker's repeats):")

@@ -13,15 +13,22 @@ __all__ = ["COMMAND", "add", "run"]
 def add(sub: Subcommands) -> argparse.ArgumentParser:
     """Add ``export`` to the subcommands and return its parser."""
     exp = sub.add_parser(
-        "export", help="write the export (model, LoRA adapter) of a finetune run's step checkpoint",
+        "export",
+        help="write the export (model, LoRA adapter) of a finetune run's step checkpoint",
         description="Restore a step checkpoint of a finetune run as --resume does and write what finetune writes at its "
-                    "end: DIR/export (GLM-5.3-Flash safetensors; adapters merged under model.lora) and DIR/adapter (PEFT). "
-                    "Under torchrun each rank writes its own shards on the run's mesh; otherwise one process.")
-    exp.add_argument("target", metavar="RUN|CKPT",
-                     help="a run directory (its newest intact checkpoint) or runs/NAME/checkpoints/stepN.ckpt")
+        "end: DIR/export (GLM-5.3-Flash safetensors; adapters merged under model.lora) and DIR/adapter (PEFT). "
+        "Under torchrun each rank writes its own shards on the run's mesh; otherwise one process.",
+    )
+    exp.add_argument(
+        "target",
+        metavar="RUN|CKPT",
+        help="a run directory (its newest intact checkpoint) or runs/NAME/checkpoints/stepN.ckpt",
+    )
     exp.add_argument("--merged", action="store_true", help="the model only (adapters merged under model.lora)")
     exp.add_argument("--adapter", action="store_true", help="the PEFT adapter only (model.lora runs)")
-    exp.add_argument("--out", default=None, metavar="DIR", help="where export/ and adapter/ go (default RUN/exports/stepN)")
+    exp.add_argument(
+        "--out", default=None, metavar="DIR", help="where export/ and adapter/ go (default RUN/exports/stepN)"
+    )
     verbose_argument(exp)
     return exp
 

@@ -22,12 +22,18 @@ def add(sub: Subcommands) -> argparse.ArgumentParser:
     )
     plot.add_argument("results", nargs="+", metavar="RESULT_DIR", help="evaluate results; the first is the reference")
     plot.add_argument("--out", required=True, metavar="DIR", help="directory for the figures (created)")
-    plot.add_argument("--format", action="append", choices=["png", "pdf", "svg"], default=None,
-                      help="figure format, repeatable (default: png and pdf)")
-    plot.add_argument("--n-boot", type=int, default=2000, metavar="N", help="bootstrap resamples (default: %(default)s)")
+    plot.add_argument(
+        "--format",
+        action="append",
+        choices=["png", "pdf", "svg"],
+        default=None,
+        help="figure format, repeatable (default: png and pdf)",
+    )
+    plot.add_argument(
+        "--n-boot", type=int, default=2000, metavar="N", help="bootstrap resamples (default: %(default)s)"
+    )
     plot.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
-    by_argument(plot, "the bucket and relative-change figures (buckets_softmask, relative_change_softmask: "
-                "two panels)")
+    by_argument(plot, "the bucket and relative-change figures (buckets_softmask, relative_change_softmask: two panels)")
     plot.set_defaults(format=None)
     return plot
 
@@ -38,8 +44,9 @@ def run(args: argparse.Namespace) -> int:
     from ..evaluation.results import EvalResult
 
     results = [EvalResult.load(d) for d in args.results]
-    written = plot_results(results, Path(args.out), formats=args.format or ("png", "pdf"), n_boot=args.n_boot, seed=args.seed,
-                           by=args.by)
+    written = plot_results(
+        results, Path(args.out), formats=args.format or ("png", "pdf"), n_boot=args.n_boot, seed=args.seed, by=args.by
+    )
     print(f"genolong plot: {len(written)} files in {args.out}: {', '.join(sorted(written))}")
     return 0
 

@@ -25,12 +25,25 @@ def add(sub: Subcommands) -> argparse.ArgumentParser:
     )
     prep.add_argument("fasta", nargs="+", metavar="FASTA", help="input sequence file(s)")
     prep.add_argument("--out", required=True, metavar="DIR", help="store directory to create")
-    prep.add_argument("--train", default=",".join(DEFAULT_SPLITS["train"]), metavar="NAMES",
-                      help="comma-separated training chromosomes; chr1 and 1 name the same one (default: %(default)s)")
-    prep.add_argument("--eval", default=",".join(DEFAULT_SPLITS["eval"]), metavar="NAMES",
-                      help="comma-separated held-out chromosomes (default: %(default)s)")
-    prep.add_argument("--min-gap", type=int, default=DEFAULT_MIN_GAP, metavar="N",
-                      help="runs of at least N unknown bases (N) split a chromosome and are dropped (default: %(default)s)")
+    prep.add_argument(
+        "--train",
+        default=",".join(DEFAULT_SPLITS["train"]),
+        metavar="NAMES",
+        help="comma-separated training chromosomes; chr1 and 1 name the same one (default: %(default)s)",
+    )
+    prep.add_argument(
+        "--eval",
+        default=",".join(DEFAULT_SPLITS["eval"]),
+        metavar="NAMES",
+        help="comma-separated held-out chromosomes (default: %(default)s)",
+    )
+    prep.add_argument(
+        "--min-gap",
+        type=int,
+        default=DEFAULT_MIN_GAP,
+        metavar="N",
+        help="runs of at least N unknown bases (N) split a chromosome and are dropped (default: %(default)s)",
+    )
     add_names_argument(prep)
     prep.add_argument("--force", action="store_true", help="replace an existing store at --out")
     prep.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
@@ -39,10 +52,14 @@ def add(sub: Subcommands) -> argparse.ArgumentParser:
 
 def add_names_argument(parser: argparse.ArgumentParser) -> None:
     """``prepare --names source|ucsc`` (default ``source``)."""
-    parser.add_argument("--names", choices=("source", "ucsc"), default="source",
-                        help="chromosome names the store's outputs (tracks) use: source = the input's own (a b37 `>20` "
-                             "stays 20), ucsc = chr20; any alias (20, chr20, NC_000020.10) finds it either way "
-                             "(default: %(default)s)")
+    parser.add_argument(
+        "--names",
+        choices=("source", "ucsc"),
+        default="source",
+        help="chromosome names the store's outputs (tracks) use: source = the input's own (a b37 `>20` "
+        "stays 20), ucsc = chr20; any alias (20, chr20, NC_000020.10) finds it either way "
+        "(default: %(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,16 +29,30 @@ def add(sub: Subcommands) -> argparse.ArgumentParser:
         ),
     )
     scoring_arguments(prb, out_default="evaluations/NAME-SPLIT-LCONTEXT-probeM", buckets=False)
-    prb.add_argument("--context", type=int, metavar="L",
-                     help="tile length in bases (default: the run's eval context when CHECKPOINT is a run or .ckpt)")
+    prb.add_argument(
+        "--context",
+        type=int,
+        metavar="L",
+        help="tile length in bases (default: the run's eval context when CHECKPOINT is a run or .ckpt)",
+    )
     prb.add_argument("--repeat-bases", type=int, default=100, metavar="M", help="bases copied (default: %(default)s)")
-    prb.add_argument("--distances", metavar="D1,D2,...",
-                     help="distances from source to copy (default: the powers of two with M < d <= L - M)")
-    prb.add_argument("--max-tiles", type=int, metavar="N", help="probe only the first N full-length tiles (default: all)")
+    prb.add_argument(
+        "--distances",
+        metavar="D1,D2,...",
+        help="distances from source to copy (default: the powers of two with M < d <= L - M)",
+    )
+    prb.add_argument(
+        "--max-tiles", type=int, metavar="N", help="probe only the first N full-length tiles (default: all)"
+    )
     prb.add_argument("--label", help="name of this run in tables and figures (default: from CHECKPOINT)")
-    prb.add_argument("--segment-tokens", type=int, default=None, metavar="S",
-                     help="stream forwards longer than S tokens S at a time (as evaluate); 0: one forward each "
-                          f"(default: {SEGMENT_TOKENS} in one process; 0 in several)")
+    prb.add_argument(
+        "--segment-tokens",
+        type=int,
+        default=None,
+        metavar="S",
+        help="stream forwards longer than S tokens S at a time (as evaluate); 0: one forward each "
+        f"(default: {SEGMENT_TOKENS} in one process; 0 in several)",
+    )
     verbose_argument(prb)
     return prb
 
@@ -58,26 +72,46 @@ def run(args: argparse.Namespace) -> int:
     parallel = parallel_section(args)
     backend = scoring_backend(args)
     segment_tokens = streaming(args, parallel.world_size, "", "view")  # streaming is one process's (as in evaluate)
-    ProbeSettings(context, args.repeat_bases, distances, segment_tokens=segment_tokens)  # bad settings: before the model loads
+    ProbeSettings(
+        context, args.repeat_bases, distances, segment_tokens=segment_tokens
+    )  # bad settings: before the model loads
     store = GenomeStore.open(args.store)
     split = store.split(args.split)
     name = scored_name(args)
-    out = Path(args.out) if args.out else Path("evaluations") / f"{name}-{args.split}-L{context}-probe{args.repeat_bases}"
+    out = (
+        Path(args.out) if args.out else Path("evaluations") / f"{name}-{args.split}-L{context}-probe{args.repeat_bases}"
+    )
 
     def work(group: ScoringGroup) -> int:
         model, vocab = load_model(args, group, backend)
         result = probe(
-            model, split, out, context, repeat_bases=args.repeat_bases, distances=distances, max_tiles=args.max_tiles,
-            vocab=vocab, label=args.label or name,
-            meta={**scored_meta(args), "store": str(store.path.resolve()), "split": args.split,
-                  "dtype": DTYPES[args.dtype], "device": args.device},
-            force=args.force, progress=None if not args.quiet else False, segment_tokens=segment_tokens,
+            model,
+            split,
+            out,
+            context,
+            repeat_bases=args.repeat_bases,
+            distances=distances,
+            max_tiles=args.max_tiles,
+            vocab=vocab,
+            label=args.label or name,
+            meta={
+                **scored_meta(args),
+                "store": str(store.path.resolve()),
+                "split": args.split,
+                "dtype": DTYPES[args.dtype],
+                "device": args.device,
+            },
+            force=args.force,
+            progress=None if not args.quiet else False,
+            segment_tokens=segment_tokens,
             group=group,
         )
         if result is None:  # not the writer
             return 0
-        print(f"genolong probe: a {args.repeat_bases}-base copy planted d bases after its source in {result.meta['tiles']} "
-              f"tiles of {context:,} -> {out}; 95% paired block-bootstrap CIs over tiles")
+        print(
+            f"genolong probe: a {args.repeat_bases}-base copy planted d bases after its source in {result.meta['tiles']} "
+            f"tiles of {context:,} -> {out}; 95% paired block-bootstrap CIs over tiles"
+        )
         print(format_probe_table(result.table()))
         return 0
 

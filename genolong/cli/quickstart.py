@@ -25,19 +25,36 @@ def add(sub: Subcommands) -> argparse.ArgumentParser:
             "and write OUT/REPORT.md."
         ),
     )
-    quick.add_argument("--out", default="genolong-quickstart", metavar="DIR",
-                       help="working directory for the quickstart outputs (default: %(default)s)")
+    quick.add_argument(
+        "--out",
+        default="genolong-quickstart",
+        metavar="DIR",
+        help="working directory for the quickstart outputs (default: %(default)s)",
+    )
     quick.add_argument("--quiet", action="store_true", help="no progress bar")
     set_argument(quick, "override a key of recipes/quickstart.yaml, e.g. --set train.max_steps=2 (repeatable)")
     quick.add_argument("--prepare-only", action="store_true", help="prepare the sample store and stop")
-    quick.add_argument("--control", action="store_true",
-                       help="also train and evaluate the short-context control (same windows, context cut at the base's "
-                            "training length; a few more minutes)")
-    quick.add_argument("--eval-tiles", type=int, default=DEFAULT_EVAL_TILES, metavar="N",
-                       help="held-out tiles scored per model (default: %(default)s)")
-    quick.add_argument("--probe-tiles", type=int, default=DEFAULT_PROBE_TILES, metavar="N",
-                       help=f"held-out tiles of {PROBE_CONTEXT:,} bases the planted-repeat probe (genolong probe) runs on "
-                            "per model; 0: no probe (default: %(default)s)")
+    quick.add_argument(
+        "--control",
+        action="store_true",
+        help="also train and evaluate the short-context control (same windows, context cut at the base's "
+        "training length; a few more minutes)",
+    )
+    quick.add_argument(
+        "--eval-tiles",
+        type=int,
+        default=DEFAULT_EVAL_TILES,
+        metavar="N",
+        help="held-out tiles scored per model (default: %(default)s)",
+    )
+    quick.add_argument(
+        "--probe-tiles",
+        type=int,
+        default=DEFAULT_PROBE_TILES,
+        metavar="N",
+        help=f"held-out tiles of {PROBE_CONTEXT:,} bases the planted-repeat probe (genolong probe) runs on "
+        "per model; 0: no probe (default: %(default)s)",
+    )
     verbose_argument(quick)
     return quick
 
@@ -46,9 +63,15 @@ def run(args: argparse.Namespace) -> int:
     """Run ``genolong quickstart`` (its report: OUT/REPORT.md)."""
     from ..quickstart import run_quickstart
 
-    run_quickstart(out=Path(args.out), progress=None if not args.quiet else False, overrides=args.set,
-                   train=not args.prepare_only, control=args.control, eval_tiles=args.eval_tiles,
-                   probe_tiles=args.probe_tiles)
+    run_quickstart(
+        out=Path(args.out),
+        progress=None if not args.quiet else False,
+        overrides=args.set,
+        train=not args.prepare_only,
+        control=args.control,
+        eval_tiles=args.eval_tiles,
+        probe_tiles=args.probe_tiles,
+    )
     return 0
 
 

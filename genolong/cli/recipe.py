@@ -13,9 +13,12 @@ __all__ = ["COMMAND", "add", "run"]
 
 def add(sub: Subcommands) -> argparse.ArgumentParser:
     """Add ``recipe`` (with its actions ``schema`` and ``show``) to the subcommands and return its parser."""
-    rec = sub.add_parser("recipe", help="the recipe schema for editors, or a recipe as genolong reads it",
-                         description="`recipe schema` writes the JSON Schema of recipe files (for editor completion and "
-                                     "checking); `recipe show RECIPE` prints the recipe with every key resolved.")
+    rec = sub.add_parser(
+        "recipe",
+        help="the recipe schema for editors, or a recipe as genolong reads it",
+        description="`recipe schema` writes the JSON Schema of recipe files (for editor completion and "
+        "checking); `recipe show RECIPE` prints the recipe with every key resolved.",
+    )
     rec_sub = rec.add_subparsers(dest="action", required=True, metavar="ACTION")
     schema = rec_sub.add_parser("schema", help="write the recipe JSON Schema (to stdout, or --out FILE)")
     schema.add_argument("--out", metavar="FILE", help="write it here, e.g. recipe.schema.json (default: stdout)")
@@ -45,10 +48,14 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:
         raise InputError(f"{out} already exists; pass --force to replace it, or choose another --out")
     if not out.parent.is_dir():
-        raise InputError(f"--out {str(out)!r}: the directory {str(out.parent)!r} does not exist; create it or choose another path")
+        raise InputError(
+            f"--out {str(out)!r}: the directory {str(out.parent)!r} does not exist; create it or choose another path"
+        )
     replace_file(out, lambda tmp: tmp.write_text(text))
-    print(f"genolong recipe: JSON Schema written to {out}; a recipe whose first line is "
-          f"`# yaml-language-server: $schema={out.name}` (the path relative to the recipe) gets completion and checks")
+    print(
+        f"genolong recipe: JSON Schema written to {out}; a recipe whose first line is "
+        f"`# yaml-language-server: $schema={out.name}` (the path relative to the recipe) gets completion and checks"
+    )
     return 0
 
 

@@ -25,8 +25,18 @@ if TYPE_CHECKING:
     from ..evaluation.distributed import ScoringGroup
     from ..model.vocab import VocabMap
 
-__all__ = ["dtype", "load_model", "parallel_from_sets", "parallel_section", "scored_meta", "scored_name",
-           "scoring_backend", "scoring_context", "scoring_device", "segment_tokens"]
+__all__ = [
+    "dtype",
+    "load_model",
+    "parallel_from_sets",
+    "parallel_section",
+    "scored_meta",
+    "scored_name",
+    "scoring_backend",
+    "scoring_context",
+    "scoring_device",
+    "segment_tokens",
+]
 
 
 def parallel_section(args: argparse.Namespace) -> ParallelSection:
@@ -64,8 +74,10 @@ def parallel_from_sets(items: Sequence[str]) -> ParallelSection:
         key, value = parse_set(item)
         name = key.removeprefix("parallel.")
         if not key.startswith("parallel.") or name not in fields:
-            raise InputError(f"--set {item!r}: without --recipe only the parallel section can be set, one of "
-                             f"{', '.join('parallel.' + f for f in fields)}")
+            raise InputError(
+                f"--set {item!r}: without --recipe only the parallel section can be set, one of "
+                f"{', '.join('parallel.' + f for f in fields)}"
+            )
         try:  # the section checks the value (a value as its field holds it: an integer number of seconds as a float)
             values[name] = getattr(ParallelSection(**{name: value}), name)
         except pydantic.ValidationError:
@@ -122,8 +134,9 @@ def scoring_context(args: argparse.Namespace, give: str = "--context L") -> int:
 
     context = args.context if args.context is not None else recipe_context(args.checkpoint)
     if context is None:
-        raise InputError(f"give {give}: {args.checkpoint} is not a finetune run or checkpoint with a recipe to take it "
-                         "from")
+        raise InputError(
+            f"give {give}: {args.checkpoint} is not a finetune run or checkpoint with a recipe to take it from"
+        )
     return int(context)
 
 
@@ -142,8 +155,10 @@ def segment_tokens(args: argparse.Namespace, world: int, streams: str, each: str
     if args.segment_tokens is None:  # streaming is one process's: a multi-process job splits the tile instead
         return SEGMENT_TOKENS if world == 1 else None
     if world > 1 and args.segment_tokens != 0:
-        raise InputError(f"--segment-tokens streams {streams}in one process; this job runs {world} processes, each "
-                         f"{each} in one forward: pass --segment-tokens 0 (context parallelism splits the tile)")
+        raise InputError(
+            f"--segment-tokens streams {streams}in one process; this job runs {world} processes, each "
+            f"{each} in one forward: pass --segment-tokens 0 (context parallelism splits the tile)"
+        )
     return None if args.segment_tokens == 0 else int(args.segment_tokens)
 
 
@@ -165,14 +180,21 @@ def dtype(args: argparse.Namespace) -> torch.dtype:
     return typing.cast("torch.dtype", getattr(torch, DTYPES[args.dtype]))
 
 
-def load_model(args: argparse.Namespace, group: ScoringGroup,
-               backend: str | None) -> tuple[torch.nn.Module, VocabMap | None]:
+def load_model(
+    args: argparse.Namespace, group: ScoringGroup, backend: str | None
+) -> tuple[torch.nn.Module, VocabMap | None]:
     """``CHECKPOINT`` (with ``--adapter`` merged) as this process of ``group`` scores it: ``--dtype``,
     its device (:func:`scoring_device`), the kernel ``backend`` (:func:`scoring_backend`)."""
     from ..evaluation.distributed import load_scoring_model
 
-    return load_scoring_model(args.checkpoint, group, dtype=dtype(args), device=scoring_device(args, group),
-                              kernel_backend=backend, adapter=args.adapter)
+    return load_scoring_model(
+        args.checkpoint,
+        group,
+        dtype=dtype(args),
+        device=scoring_device(args, group),
+        kernel_backend=backend,
+        adapter=args.adapter,
+    )
 
 
 def scored_name(args: argparse.Namespace) -> str:

@@ -25,22 +25,42 @@ def add(sub: Subcommands) -> argparse.ArgumentParser:
             "then use). Unscored bases have no value."
         ),
     )
-    trk.add_argument("results", nargs="+", metavar="RESULT_DIR",
-                     help="one evaluate result, or two: A (reference, e.g. the base or the cut run) then B")
+    trk.add_argument(
+        "results",
+        nargs="+",
+        metavar="RESULT_DIR",
+        help="one evaluate result, or two: A (reference, e.g. the base or the cut run) then B",
+    )
     trk.add_argument("--out", metavar="DIR", help="output directory (default: the last RESULT_DIR/tracks)")
-    trk.add_argument("--chrom-sizes", metavar="FILE",
-                     help="UCSC chrom.sizes file (name<TAB>length) or the reference FASTA's .fai, instead of the sizes "
-                          "the store records; its names are the names written")
-    trk.add_argument("--regions", metavar="BED",
-                     help="write only the bases inside these regions (BED: 0-based, half-open; any alias of a "
-                          "chromosome name)")
-    trk.add_argument("--bin", type=int, default=1, metavar="N",
-                     help="mean per N-base bin (bins aligned to the chromosome start; zoom levels over the bins) "
-                          "instead of one value per base (default: %(default)s)")
-    trk.add_argument("--formats", default="bigwig,bedgraph", metavar="LIST",
-                     help="files to write: bigwig, bedgraph or both, comma-separated (bedGraph takes about 35 bytes "
-                          "a base; bigWig about 6) (default: %(default)s)")
-    trk.add_argument("--store", metavar="DIR", help="the genome store evaluated, if it moved since (default: from the result)")
+    trk.add_argument(
+        "--chrom-sizes",
+        metavar="FILE",
+        help="UCSC chrom.sizes file (name<TAB>length) or the reference FASTA's .fai, instead of the sizes "
+        "the store records; its names are the names written",
+    )
+    trk.add_argument(
+        "--regions",
+        metavar="BED",
+        help="write only the bases inside these regions (BED: 0-based, half-open; any alias of a chromosome name)",
+    )
+    trk.add_argument(
+        "--bin",
+        type=int,
+        default=1,
+        metavar="N",
+        help="mean per N-base bin (bins aligned to the chromosome start; zoom levels over the bins) "
+        "instead of one value per base (default: %(default)s)",
+    )
+    trk.add_argument(
+        "--formats",
+        default="bigwig,bedgraph",
+        metavar="LIST",
+        help="files to write: bigwig, bedgraph or both, comma-separated (bedGraph takes about 35 bytes "
+        "a base; bigWig about 6) (default: %(default)s)",
+    )
+    trk.add_argument(
+        "--store", metavar="DIR", help="the genome store evaluated, if it moved since (default: from the result)"
+    )
     trk.add_argument("--force", action="store_true", help="replace an existing --out")
     return trk
 

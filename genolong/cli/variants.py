@@ -9,8 +9,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..defaults import VARIANT_MAX_REF_MISMATCH, VARIANT_WINDOW
-from .common import (DTYPES, SEGMENT_TOKENS, Command, Subcommands, checkpoint_argument, int_list,
-                     kernel_backend_argument, parallel_arguments, placement_arguments, verbose_argument)
+from .common import (
+    DTYPES,
+    SEGMENT_TOKENS,
+    Command,
+    Subcommands,
+    checkpoint_argument,
+    int_list,
+    kernel_backend_argument,
+    parallel_arguments,
+    placement_arguments,
+    verbose_argument,
+)
 
 if TYPE_CHECKING:
     from ..evaluation.distributed import ScoringGroup
@@ -42,33 +52,76 @@ def add(sub: Subcommands) -> argparse.ArgumentParser:
     )
     checkpoint_argument(var)
     var.add_argument("--vcf", required=True, metavar="FILE", help="the variants: VCF (plain, gzip or bgzip) or BCF")
-    var.add_argument("--fasta", required=True, metavar="FILE",
-                     help="the reference they were called against (FASTA: plain, gzip or bgzip; indexed or not)")
-    var.add_argument("--context", type=int, metavar="L",
-                     help="reference bases before each variant, at least (default: the run's eval context when "
-                          "CHECKPOINT is a run or .ckpt)")
-    var.add_argument("--contexts", metavar="L1,L2,...",
-                     help="score the same variants at several contexts and report how much each score moves")
-    var.add_argument("--window", type=int, default=VARIANT_WINDOW, metavar="W",
-                     help="reference bases scored after each variant, in both haplotypes (default: %(default)s)")
-    var.add_argument("--strands", choices=("forward", "both"), default="forward",
-                     help="both: also score the reverse-complement strand and average the two LLRs (twice the cost; "
-                          "default: %(default)s)")
-    var.add_argument("--span", type=int, default=None, metavar="S",
-                     help="the variants of one S-base cell of a fixed grid share a reference prefix, so each sees L to "
-                          "L + S - 1 bases before it, by its position alone (default: the context L; 0: exactly L)")
-    var.add_argument("--regions", metavar="BED",
-                     help="score only the records whose POS lies in a region of this BED (0-based, half-open; "
-                          "plain or gzip); the others stay in scored.vcf.gz without scores")
-    var.add_argument("--max-ref-mismatch", type=float, default=VARIANT_MAX_REF_MISMATCH, metavar="F",
-                     help="stop, writing nothing, when more than this share of the alleles compared with --fasta "
-                          "has another REF (another build, chr naming, 0-based positions) (default: %(default)s)")
-    var.add_argument("--segment-tokens", type=int, default=SEGMENT_TOKENS, metavar="S",
-                     help="stream the reference prefix S tokens at a time (default: %(default)s)")
-    var.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter for CHECKPOINT, merged in memory (as evaluate)")
+    var.add_argument(
+        "--fasta",
+        required=True,
+        metavar="FILE",
+        help="the reference they were called against (FASTA: plain, gzip or bgzip; indexed or not)",
+    )
+    var.add_argument(
+        "--context",
+        type=int,
+        metavar="L",
+        help="reference bases before each variant, at least (default: the run's eval context when "
+        "CHECKPOINT is a run or .ckpt)",
+    )
+    var.add_argument(
+        "--contexts",
+        metavar="L1,L2,...",
+        help="score the same variants at several contexts and report how much each score moves",
+    )
+    var.add_argument(
+        "--window",
+        type=int,
+        default=VARIANT_WINDOW,
+        metavar="W",
+        help="reference bases scored after each variant, in both haplotypes (default: %(default)s)",
+    )
+    var.add_argument(
+        "--strands",
+        choices=("forward", "both"),
+        default="forward",
+        help="both: also score the reverse-complement strand and average the two LLRs (twice the cost; "
+        "default: %(default)s)",
+    )
+    var.add_argument(
+        "--span",
+        type=int,
+        default=None,
+        metavar="S",
+        help="the variants of one S-base cell of a fixed grid share a reference prefix, so each sees L to "
+        "L + S - 1 bases before it, by its position alone (default: the context L; 0: exactly L)",
+    )
+    var.add_argument(
+        "--regions",
+        metavar="BED",
+        help="score only the records whose POS lies in a region of this BED (0-based, half-open; "
+        "plain or gzip); the others stay in scored.vcf.gz without scores",
+    )
+    var.add_argument(
+        "--max-ref-mismatch",
+        type=float,
+        default=VARIANT_MAX_REF_MISMATCH,
+        metavar="F",
+        help="stop, writing nothing, when more than this share of the alleles compared with --fasta "
+        "has another REF (another build, chr naming, 0-based positions) (default: %(default)s)",
+    )
+    var.add_argument(
+        "--segment-tokens",
+        type=int,
+        default=SEGMENT_TOKENS,
+        metavar="S",
+        help="stream the reference prefix S tokens at a time (default: %(default)s)",
+    )
+    var.add_argument(
+        "--adapter", metavar="DIR", help="a PEFT LoRA adapter for CHECKPOINT, merged in memory (as evaluate)"
+    )
     placement_arguments(var)
-    kernel_backend_argument(var, "the kernels the model runs (as evaluate; default: --recipe's model.overrides."
-                                 "kernel_backend, else the checkpoint's run recipe's, else auto)")
+    kernel_backend_argument(
+        var,
+        "the kernels the model runs (as evaluate; default: --recipe's model.overrides."
+        "kernel_backend, else the checkpoint's run recipe's, else auto)",
+    )
     parallel_arguments(var)
     var.add_argument("--out", metavar="DIR", help="result directory (default: variants/NAME-VCF-LCONTEXTS)")
     var.add_argument("--force", action="store_true", help="replace an existing --out")
@@ -126,20 +179,43 @@ def run(args: argparse.Namespace) -> int:
         def work(group: ScoringGroup) -> int:
             model, vocab = load_model(args, group, backend)
             table = score_variants(
-                model, reference, found.variants, out, contexts, window=args.window, strands=args.strands, span=args.span,
-                segment_tokens=args.segment_tokens, vocab=vocab,
-                meta={**scored_meta(args), "vcf": str(vcf.resolve()), "fasta": str(Path(args.fasta).resolve()), **extra,
-                      "records": found.records, "rejects": found.rejects, "dtype": DTYPES[args.dtype], "device": args.device},
-                finish=finish, progress=None if not args.quiet else False, force=args.force,
-                group=group)
+                model,
+                reference,
+                found.variants,
+                out,
+                contexts,
+                window=args.window,
+                strands=args.strands,
+                span=args.span,
+                segment_tokens=args.segment_tokens,
+                vocab=vocab,
+                meta={
+                    **scored_meta(args),
+                    "vcf": str(vcf.resolve()),
+                    "fasta": str(Path(args.fasta).resolve()),
+                    **extra,
+                    "records": found.records,
+                    "rejects": found.rejects,
+                    "dtype": DTYPES[args.dtype],
+                    "device": args.device,
+                },
+                finish=finish,
+                progress=None if not args.quiet else False,
+                force=args.force,
+                group=group,
+            )
             if table is None:  # not the writer
                 return 0
-            print(f"genolong variants: {len(found.variants):,} alleles of {found.records:,} records scored at context "
-                  f"{', '.join(f'{c:,}' for c in contexts)} -> {out} (scores.tsv, scores.parquet, scored.vcf.gz); "
-                  f"{found.rejected:,} skipped{' (' + _counts(found.rejects) + '; rejects.tsv)' if found.rejected else ''}")
+            print(
+                f"genolong variants: {len(found.variants):,} alleles of {found.records:,} records scored at context "
+                f"{', '.join(f'{c:,}' for c in contexts)} -> {out} (scores.tsv, scores.parquet, scored.vcf.gz); "
+                f"{found.rejected:,} skipped{' (' + _counts(found.rejects) + '; rejects.tsv)' if found.rejected else ''}"
+            )
             llr = table["llr"]
-            print(f"LLR (nats): median {llr.median():.4f}, 5%-95% [{llr.quantile(0.05):.4f}, {llr.quantile(0.95):.4f}]; "
-                  f"below 0 (alt less likely than ref): {(llr < 0).mean():.1%}")
+            print(
+                f"LLR (nats): median {llr.median():.4f}, 5%-95% [{llr.quantile(0.05):.4f}, {llr.quantile(0.95):.4f}]; "
+                f"below 0 (alt less likely than ref): {(llr < 0).mean():.1%}"
+            )
             return 0
 
         return launch(parallel, work)
@@ -148,7 +224,6 @@ def run(args: argparse.Namespace) -> int:
 def _counts(counts: dict[str, int]) -> str:
     """``{"symbolic": 2, "ref_mismatch": 1}`` -> ``"2 symbolic, 1 ref_mismatch"``."""
     return ", ".join(f"{n:,} {reason}" for reason, n in counts.items()) or "none"
-
 
 
 COMMAND = Command("variants", add, run)

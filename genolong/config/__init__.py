@@ -47,8 +47,13 @@ The package, one way (a module imports only the ones listed before it):
 
 from __future__ import annotations
 
-from .loading import _RecipeLoader  # noqa: F401 - private, but tests read YAML with it as a recipe is read
-from .loading import load_recipe, parse_recipe, parse_set, recipe_diff
+from .loading import (
+    _RecipeLoader,  # noqa: F401 - private, but tests read YAML with it as a recipe is read
+    load_recipe,
+    parse_recipe,
+    parse_set,
+    recipe_diff,
+)
 from .recipe import Recipe, recipe_schema
 from .schema import (
     KDA_CHUNK,
@@ -58,8 +63,8 @@ from .schema import (
     DataSection,
     EvalSection,
     LoggingSection,
-    MemorySection,
     LoraSection,
+    MemorySection,
     ModelSection,
     ParallelSection,
     TrainSection,

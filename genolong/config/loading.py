@@ -50,7 +50,9 @@ def parse_set(item: str) -> tuple[str, Any]:
     try:
         value = yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
-        raise InputError(f"--set {item!r}: the value is not valid YAML ({_one_line(exc)}); quote it or fix it") from None
+        raise InputError(
+            f"--set {item!r}: the value is not valid YAML ({_one_line(exc)}); quote it or fix it"
+        ) from None
     return key, value
 
 
@@ -74,7 +76,9 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise InputError(f"recipe {str(path)!r} does not exist; give the path of a recipe YAML file (see recipes/)") from None
+        raise InputError(
+            f"recipe {str(path)!r} does not exist; give the path of a recipe YAML file (see recipes/)"
+        ) from None
     except (IsADirectoryError, UnicodeDecodeError) as exc:
         raise InputError(f"recipe {str(path)!r} is not a readable YAML text file ({exc})") from None
     try:
@@ -86,7 +90,9 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
     return parse_recipe(data, overrides, name=path.stem, source=f"recipe {str(path)!r}")
 
 
-def parse_recipe(data: Mapping[str, Any], overrides: Sequence[str] = (), *, name: str | None = None, source: str = "recipe") -> Recipe:
+def parse_recipe(
+    data: Mapping[str, Any], overrides: Sequence[str] = (), *, name: str | None = None, source: str = "recipe"
+) -> Recipe:
     """Build a checked :class:`Recipe` from a dict as read from YAML (see :func:`load_recipe`).
 
     Args:
@@ -99,7 +105,9 @@ def parse_recipe(data: Mapping[str, Any], overrides: Sequence[str] = (), *, name
         InputError: as :func:`load_recipe`.
     """
     if not isinstance(data, Mapping):
-        raise InputError(f"{source}: the top level must be a mapping of sections (model:, data:, train:, ...), got {_kind(data)}")
+        raise InputError(
+            f"{source}: the top level must be a mapping of sections (model:, data:, train:, ...), got {_kind(data)}"
+        )
     raw: dict[str, Any] = _deep_copy(data)
     if isinstance(overrides, str):
         overrides = (overrides,)
@@ -147,7 +155,9 @@ class _RecipeLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
             if isinstance(key, (str, int, float, bool)) and key in seen:
                 line = key_node.start_mark.line + 1
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r} at line {line}; keep one", key_node.start_mark)
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} at line {line}; keep one", key_node.start_mark
+                )
             if isinstance(key, (str, int, float, bool)):
                 seen.add(key)
         return super().construct_mapping(node, deep=deep)
@@ -209,7 +219,7 @@ def _input_error(error: Mapping[str, Any], raw: Mapping[str, Any], ctx: _Context
         parent, tp = _section_type(tp), fields[part]
         parts.append(part)
         value = value.get(part) if isinstance(value, Mapping) else None
-    rest, key = loc[len(parts):], ".".join(parts)
+    rest, key = loc[len(parts) :], ".".join(parts)
     if kind == "recipe":  # a message written whole by a validator (model.vocab_map)
         return ctx.error(key, error["msg"])
     if kind in ("unexpected_keyword_argument", "extra_forbidden", "invalid_key"):
@@ -220,7 +230,9 @@ def _input_error(error: Mapping[str, Any], raw: Mapping[str, Any], ctx: _Context
             parent = tp
             name = next(f.name for f in dataclasses.fields(tp) if f.default is f.default_factory is dataclasses.MISSING)
             key, tp = f"{key}.{name}", _hints(tp)[name]
-        return ctx.error(key, f"missing required key {key}; add it to the recipe ({_field_help(parent, key.rsplit('.', 1)[-1])})")
+        return ctx.error(
+            key, f"missing required key {key}; add it to the recipe ({_field_help(parent, key.rsplit('.', 1)[-1])})"
+        )
     if _field_types(tp) is not None:
         what = "mapping of ModelConfig fields (e.g. {num_hidden_layers: 4})" if tp is _Overrides else "mapping of keys"
         return ctx.error(key, f"{key or 'the recipe'} must be a {what}, got {_kind(value)} {value!r}")
@@ -234,7 +246,13 @@ def _input_error(error: Mapping[str, Any], raw: Mapping[str, Any], ctx: _Context
         return ctx.error(key, f"{key} = {_show(value)}: must be <= {error.get('ctx', {}).get('le', 0):g}")
     elif kind in ("greater_than_equal", "finite_number"):
         bound = error.get("ctx", {}).get("ge")
-        message = "must be a finite number" if bound is None else "must be at least 1" if bound == 1 else f"must be >= {bound:g}"
+        message = (
+            "must be a finite number"
+            if bound is None
+            else "must be at least 1"
+            if bound == 1
+            else f"must be >= {bound:g}"
+        )
         optional = type(None) in typing.get_args(tp)
         return ctx.error(key, f"{key} = {_show(value)}: {message}{' (or null)' if optional and bound == 1 else ''}")
     elif rest and isinstance(rest[0], int) and typing.get_origin(tp) is tuple:
@@ -263,7 +281,9 @@ def _finish(recipe: Recipe) -> Recipe:
     for section, folder in (("checkpoint", "checkpoints"), ("logging", "logs")):
         part = getattr(recipe, section)
         if part.dir is None:
-            recipe = dataclasses.replace(recipe, **{section: dataclasses.replace(part, dir=_abspath(f"runs/{recipe.name}/{folder}"))})
+            recipe = dataclasses.replace(
+                recipe, **{section: dataclasses.replace(part, dir=_abspath(f"runs/{recipe.name}/{folder}"))}
+            )
     return recipe
 
 
@@ -280,7 +300,9 @@ def _check_set_key(key: str, item: str) -> None:
         if fields is None:
             if parts[depth - 1] == "vocab_map" and depth == len(parts) - 1:
                 return  # one base id: model.vocab_map.A=5 (the validator checks the name)
-            raise InputError(f"--set {item!r}: {prefix[:-1]} is a single value, it has no key {part!r}; set {prefix[:-1]} itself")
+            raise InputError(
+                f"--set {item!r}: {prefix[:-1]} is a single value, it has no key {part!r}; set {prefix[:-1]} itself"
+            )
         if part not in fields:
             raise InputError(f"--set {item!r}: {_unknown_key(prefix, part, tp)}")
         tp = fields[part]
@@ -296,7 +318,9 @@ def _assign(raw: dict[str, Any], key: str, value: Any, item: str) -> None:
             child = node[part] = {}
         elif not isinstance(child, dict):
             where = ".".join(parts[: depth + 1])
-            raise InputError(f"--set {item!r}: {where} in the recipe is {child!r}, not a mapping; fix the recipe or set {where} whole")
+            raise InputError(
+                f"--set {item!r}: {where} in the recipe is {child!r}, not a mapping; fix the recipe or set {where} whole"
+            )
         node = child
     node[parts[-1]] = value
 

@@ -88,7 +88,14 @@ def _field_help(cls: type, name: str) -> str:
 def _describe(tp: Any) -> str:
     """A type as a user reads it: ``an integer``, ``one of 'a', 'b'``, ``a list of 2 numbers``."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    plain = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Path: "a path", type(None): "null"}
+    plain = {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        Path: "a path",
+        type(None): "null",
+    }
     if tp in plain:
         return plain[tp]
     if origin is Literal:
@@ -121,7 +128,9 @@ def _expected(tp: Any, value: Any) -> str:
     if tp in (int, float) and isinstance(value, bool):
         return f"must be {_describe(tp)}, not true/false" + ("; write a whole number" if tp is int else "")
     if tp in (int, float) and isinstance(value, str):
-        return f"must be {_describe(tp)}; write " + ("the number without quotes" if tp is int else "it without quotes (e.g. 3.0e-4)")
+        return f"must be {_describe(tp)}; write " + (
+            "the number without quotes" if tp is int else "it without quotes (e.g. 3.0e-4)"
+        )
     if tp is int and isinstance(value, float) and value.is_integer():
         return f"must be an integer; write {int(value)} without a decimal point or exponent"
     fixes = {bool: " (unquoted)", str: "; put it in quotes", tuple: "; write a YAML list in brackets, e.g. [a, b]"}
@@ -138,8 +147,15 @@ def _show(value: Any) -> str:
 
 def _kind(value: Any) -> str:
     """What YAML made of a value: ``null``, ``a boolean``, ``an integer``, ``a list``, ..."""
-    kinds = ((type(None), "null"), (bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
-             ((list, tuple), "a list"), (Mapping, "a mapping"))
+    kinds = (
+        (type(None), "null"),
+        (bool, "a boolean"),
+        (int, "an integer"),
+        (float, "a number"),
+        (str, "a string"),
+        ((list, tuple), "a list"),
+        (Mapping, "a mapping"),
+    )
     return next((name for types_, name in kinds if isinstance(value, types_)), type(value).__name__)
 
 

@@ -124,10 +124,19 @@ class Recipe:
         """
         config = self.model_config() if config is None else config
         mode = self.model.vocab_map
-        pads = {"pad": config.pad_token_id, "bos": config.bos_token_id, "eos": None if isinstance(config.eos_token_id, list) else config.eos_token_id}
+        pads = {
+            "pad": config.pad_token_id,
+            "bos": config.bos_token_id,
+            "eos": None if isinstance(config.eos_token_id, list) else config.eos_token_id,
+        }
         if isinstance(mode, dict):
             letters = {k: v for k, v in mode.items() if k in BASE_LETTERS.values()}
-            vocab = VocabMap.from_mapping(letters, pad=mode.get("pad", pads["pad"]), bos=mode.get("bos", pads["bos"]), eos=mode.get("eos", pads["eos"]))
+            vocab = VocabMap.from_mapping(
+                letters,
+                pad=mode.get("pad", pads["pad"]),
+                bos=mode.get("bos", pads["bos"]),
+                eos=mode.get("eos", pads["eos"]),
+            )
         elif mode == "identity" or (mode == "auto" and config.vocab_size == VOCAB_SIZE):
             vocab = VocabMap.identity()
         else:
@@ -173,7 +182,9 @@ def _recipe_adapter() -> pydantic.TypeAdapter[Recipe]:
 
 
 #: The Recipe's sections by key, in file order (adding a section to the Recipe adds it here).
-_SECTIONS: dict[str, type] = {name: tp for name, tp in typing.get_type_hints(Recipe).items() if dataclasses.is_dataclass(tp)}
+_SECTIONS: dict[str, type] = {
+    name: tp for name, tp in typing.get_type_hints(Recipe).items() if dataclasses.is_dataclass(tp)
+}
 
 
 def recipe_schema() -> dict[str, Any]:
@@ -207,95 +218,183 @@ def _check(recipe: Recipe, ctx: _Context) -> None:
         if not ok:
             raise ctx.error(key, message)
 
-    need(bool(_NAME_RE.match(recipe.name)), "name",
-         f"name = {recipe.name!r}: use letters, digits, '.', '_' and '-' only (it names the run directory runs/<name>/)")
+    need(
+        bool(_NAME_RE.match(recipe.name)),
+        "name",
+        f"name = {recipe.name!r}: use letters, digits, '.', '_' and '-' only (it names the run directory runs/<name>/)",
+    )
 
     m = recipe.model
     if m.preset is None and m.checkpoint is None:
-        raise ctx.error("model", "model needs a preset (train from scratch) or a checkpoint (fine-tune), or both; "
-                                 f"e.g. model.preset: small (presets: {', '.join(PRESETS)})")
+        raise ctx.error(
+            "model",
+            "model needs a preset (train from scratch) or a checkpoint (fine-tune), or both; "
+            f"e.g. model.preset: small (presets: {', '.join(PRESETS)})",
+        )
     if m.preset is not None and m.preset not in PRESETS:
-        raise ctx.error("model.preset", f"model.preset = {m.preset!r} is not a preset; {_suggest_value(m.preset, list(PRESETS))}")
+        raise ctx.error(
+            "model.preset", f"model.preset = {m.preset!r} is not a preset; {_suggest_value(m.preset, list(PRESETS))}"
+        )
     if m.vocab_map == "tokenizer" and m.checkpoint is None:
-        raise ctx.error(("model.vocab_map", "model.checkpoint"),
-                        "model.vocab_map = 'tokenizer' reads the checkpoint's tokenizer.json but model.checkpoint is not set; "
-                        "set model.checkpoint or give the ids as a mapping {A: id, ...}")
+        raise ctx.error(
+            ("model.vocab_map", "model.checkpoint"),
+            "model.vocab_map = 'tokenizer' reads the checkpoint's tokenizer.json but model.checkpoint is not set; "
+            "set model.checkpoint or give the ids as a mapping {A: id, ...}",
+        )
     for i, pattern in enumerate(m.freeze):
-        need(bool(pattern.strip()), "model.freeze", f"model.freeze item {i} is empty; give a parameter-name glob such as 'layers.*.mlp.*'")
+        need(
+            bool(pattern.strip()),
+            "model.freeze",
+            f"model.freeze item {i} is empty; give a parameter-name glob such as 'layers.*.mlp.*'",
+        )
     if m.lora is not None:
-        need(not m.freeze, ("model.freeze", "model.lora"),
-             "model.freeze with model.lora: under LoRA every base weight is frozen already; drop model.freeze "
-             "(name modules to train in full in model.lora.modules_to_save)")
-        need(bool(m.lora.targets) or m.lora.routed_experts, "model.lora.targets",
-             "model.lora.targets is empty; give module-name globs such as 'layers.*.self_attn.*'")
+        need(
+            not m.freeze,
+            ("model.freeze", "model.lora"),
+            "model.freeze with model.lora: under LoRA every base weight is frozen already; drop model.freeze "
+            "(name modules to train in full in model.lora.modules_to_save)",
+        )
+        need(
+            bool(m.lora.targets) or m.lora.routed_experts,
+            "model.lora.targets",
+            "model.lora.targets is empty; give module-name globs such as 'layers.*.self_attn.*'",
+        )
         for key, patterns in (("targets", m.lora.targets), ("modules_to_save", m.lora.modules_to_save)):
             for i, pattern in enumerate(patterns):
-                need(bool(pattern.strip()), f"model.lora.{key}",
-                     f"model.lora.{key} item {i} is empty; give a module-name glob such as 'layers.*.self_attn.*'")
+                need(
+                    bool(pattern.strip()),
+                    f"model.lora.{key}",
+                    f"model.lora.{key} item {i} is empty; give a module-name glob such as 'layers.*.self_attn.*'",
+                )
 
     d = recipe.data
-    need(0.0 <= d.rc_prob <= 1.0, "data.rc_prob", f"data.rc_prob = {d.rc_prob}: a probability must be in [0, 1] (0 turns reverse complement off)")
-    need(bool(d.train_split.strip()), "data.train_split", "data.train_split is empty; name a split of the store (default 'train')")
-    need(d.eval_split != d.train_split, ("data.eval_split", "data.train_split"),
-         f"data.eval_split = data.train_split = {d.train_split!r}: evaluating on the training split measures nothing held out; "
-         "use the store's held-out split (default 'eval') or null")
+    need(
+        0.0 <= d.rc_prob <= 1.0,
+        "data.rc_prob",
+        f"data.rc_prob = {d.rc_prob}: a probability must be in [0, 1] (0 turns reverse complement off)",
+    )
+    need(
+        bool(d.train_split.strip()),
+        "data.train_split",
+        "data.train_split is empty; name a split of the store (default 'train')",
+    )
+    need(
+        d.eval_split != d.train_split,
+        ("data.eval_split", "data.train_split"),
+        f"data.eval_split = data.train_split = {d.train_split!r}: evaluating on the training split measures nothing held out; "
+        "use the store's held-out split (default 'eval') or null",
+    )
 
     t = recipe.train
     need(t.lr > 0, "train.lr", f"train.lr = {t.lr}: the learning rate must be > 0")
-    need(0 <= t.min_lr <= t.lr, ("train.min_lr", "train.lr"), f"train.min_lr = {t.min_lr}: must be in [0, train.lr = {t.lr}] (the cosine decays from lr to min_lr)")
-    need(t.warmup_steps < t.max_steps, ("train.warmup_steps", "train.max_steps"),
-         f"train.warmup_steps = {t.warmup_steps}: must be less than train.max_steps = {t.max_steps}; shorten the warm-up or train longer")
+    need(
+        0 <= t.min_lr <= t.lr,
+        ("train.min_lr", "train.lr"),
+        f"train.min_lr = {t.min_lr}: must be in [0, train.lr = {t.lr}] (the cosine decays from lr to min_lr)",
+    )
+    need(
+        t.warmup_steps < t.max_steps,
+        ("train.warmup_steps", "train.max_steps"),
+        f"train.warmup_steps = {t.warmup_steps}: must be less than train.max_steps = {t.max_steps}; shorten the warm-up or train longer",
+    )
     for beta in t.betas:
-        need(0.0 <= beta < 1.0, "train.betas", f"train.betas = {_show(t.betas)}: each beta must be in [0, 1), e.g. [0.9, 0.95]")
+        need(
+            0.0 <= beta < 1.0,
+            "train.betas",
+            f"train.betas = {_show(t.betas)}: each beta must be in [0, 1), e.g. [0.9, 0.95]",
+        )
     need(t.eps > 0, "train.eps", f"train.eps = {t.eps}: must be > 0 (e.g. 1.0e-8)")
 
     mem = recipe.memory
     for i, module in enumerate(mem.recompute_modules):
         if module not in RECOMPUTE_MODULES:
-            raise ctx.error("memory.recompute_modules", f"memory.recompute_modules item {i} = {module!r} is not a module type; "
-                                                        f"{_suggest_value(module, list(RECOMPUTE_MODULES))}")
-    need(len(set(mem.recompute_modules)) == len(mem.recompute_modules), "memory.recompute_modules",
-         f"memory.recompute_modules = {_show(mem.recompute_modules)} lists a module type twice; list each once")
+            raise ctx.error(
+                "memory.recompute_modules",
+                f"memory.recompute_modules item {i} = {module!r} is not a module type; "
+                f"{_suggest_value(module, list(RECOMPUTE_MODULES))}",
+            )
+    need(
+        len(set(mem.recompute_modules)) == len(mem.recompute_modules),
+        "memory.recompute_modules",
+        f"memory.recompute_modules = {_show(mem.recompute_modules)} lists a module type twice; list each once",
+    )
     if mem.recompute == "selective":
-        need(bool(mem.recompute_modules), ("memory.recompute_modules", "memory.recompute"),
-             f"memory.recompute = 'selective' needs memory.recompute_modules (any of {', '.join(RECOMPUTE_MODULES)}), e.g. [attn, moe]")
+        need(
+            bool(mem.recompute_modules),
+            ("memory.recompute_modules", "memory.recompute"),
+            f"memory.recompute = 'selective' needs memory.recompute_modules (any of {', '.join(RECOMPUTE_MODULES)}), e.g. [attn, moe]",
+        )
     else:
-        need(not mem.recompute_modules, ("memory.recompute_modules", "memory.recompute"),
-             f"memory.recompute_modules = {_show(mem.recompute_modules)} applies only to memory.recompute = 'selective' "
-             f"(it is {mem.recompute!r}); set recompute to selective or make the list empty")
-    need(mem.moe_capacity_factor is None or mem.moe_capacity_factor >= 1.0, "memory.moe_capacity_factor",
-         f"memory.moe_capacity_factor = {mem.moe_capacity_factor}: must be at least 1.0 (below it tokens are dropped even at "
-         "perfectly balanced routing), e.g. 1.25-2.0, or null for no capacity")
-    need(mem.moe_imbalance >= 1.0, "memory.moe_imbalance",
-         f"memory.moe_imbalance = {mem.moe_imbalance}: the busiest expert's load over the mean is at least 1.0 (balanced); "
-         "the reference saw 4.0")
-    need(mem.recompute_chunk_tokens % KDA_CHUNK == 0, "memory.recompute_chunk_tokens",
-         f"memory.recompute_chunk_tokens = {mem.recompute_chunk_tokens:,}: must be a multiple of the KDA chunk of {KDA_CHUNK} "
-         f"tokens; use {max(KDA_CHUNK, mem.recompute_chunk_tokens // KDA_CHUNK * KDA_CHUNK):,}")
+        need(
+            not mem.recompute_modules,
+            ("memory.recompute_modules", "memory.recompute"),
+            f"memory.recompute_modules = {_show(mem.recompute_modules)} applies only to memory.recompute = 'selective' "
+            f"(it is {mem.recompute!r}); set recompute to selective or make the list empty",
+        )
+    need(
+        mem.moe_capacity_factor is None or mem.moe_capacity_factor >= 1.0,
+        "memory.moe_capacity_factor",
+        f"memory.moe_capacity_factor = {mem.moe_capacity_factor}: must be at least 1.0 (below it tokens are dropped even at "
+        "perfectly balanced routing), e.g. 1.25-2.0, or null for no capacity",
+    )
+    need(
+        mem.moe_imbalance >= 1.0,
+        "memory.moe_imbalance",
+        f"memory.moe_imbalance = {mem.moe_imbalance}: the busiest expert's load over the mean is at least 1.0 (balanced); "
+        "the reference saw 4.0",
+    )
+    need(
+        mem.recompute_chunk_tokens % KDA_CHUNK == 0,
+        "memory.recompute_chunk_tokens",
+        f"memory.recompute_chunk_tokens = {mem.recompute_chunk_tokens:,}: must be a multiple of the KDA chunk of {KDA_CHUNK} "
+        f"tokens; use {max(KDA_CHUNK, mem.recompute_chunk_tokens // KDA_CHUNK * KDA_CHUNK):,}",
+    )
 
     p = recipe.parallel
-    for key in ("devices", "num_nodes", "cp", "dp_replicate", "ep"):  # not in the types: callers build ParallelSection directly
+    for key in (
+        "devices",
+        "num_nodes",
+        "cp",
+        "dp_replicate",
+        "ep",
+    ):  # not in the types: callers build ParallelSection directly
         need(getattr(p, key) >= 1, f"parallel.{key}", f"parallel.{key} = {getattr(p, key)}: must be at least 1")
-    need(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", f"parallel.dp_shard = {p.dp_shard}: must be at least 1, or -1 for all ranks left")
+    need(
+        p.dp_shard == -1 or p.dp_shard >= 1,
+        "parallel.dp_shard",
+        f"parallel.dp_shard = {p.dp_shard}: must be at least 1, or -1 for all ranks left",
+    )
     world = p.world_size
     if p.dp_shard == -1:
-        need(world % (p.cp * p.dp_replicate) == 0, "parallel",
-             f"parallel.cp ({p.cp}) x parallel.dp_replicate ({p.dp_replicate}) = {p.cp * p.dp_replicate} does not divide the "
-             f"{world} processes (devices {p.devices} x num_nodes {p.num_nodes}); choose sizes whose product divides {world}")
+        need(
+            world % (p.cp * p.dp_replicate) == 0,
+            "parallel",
+            f"parallel.cp ({p.cp}) x parallel.dp_replicate ({p.dp_replicate}) = {p.cp * p.dp_replicate} does not divide the "
+            f"{world} processes (devices {p.devices} x num_nodes {p.num_nodes}); choose sizes whose product divides {world}",
+        )
     else:
-        need(p.cp * p.dp_shard * p.dp_replicate == world, "parallel",
-             f"parallel.cp ({p.cp}) x dp_shard ({p.dp_shard}) x dp_replicate ({p.dp_replicate}) = {p.cp * p.dp_shard * p.dp_replicate} "
-             f"but there are {world} processes (devices {p.devices} x num_nodes {p.num_nodes}); make the product {world} "
-             "or set dp_shard: -1")
+        need(
+            p.cp * p.dp_shard * p.dp_replicate == world,
+            "parallel",
+            f"parallel.cp ({p.cp}) x dp_shard ({p.dp_shard}) x dp_replicate ({p.dp_replicate}) = {p.cp * p.dp_shard * p.dp_replicate} "
+            f"but there are {world} processes (devices {p.devices} x num_nodes {p.num_nodes}); make the product {world} "
+            "or set dp_shard: -1",
+        )
     if p.dp_shard != -1 or world % (p.cp * p.dp_replicate) == 0:
         fold = p.dp_shard_size * p.cp  # the ranks of one replica: expert parallelism is drawn from them
-        need(fold % p.ep == 0, ("parallel.ep", "parallel.dp_shard", "parallel.cp"),
-             f"parallel.ep = {p.ep} does not divide parallel.dp_shard x parallel.cp = {p.dp_shard_size} x {p.cp} = {fold} "
-             f"(the ranks the experts are spread over); choose ep among the divisors of {fold}")
+        need(
+            fold % p.ep == 0,
+            ("parallel.ep", "parallel.dp_shard", "parallel.cp"),
+            f"parallel.ep = {p.ep} does not divide parallel.dp_shard x parallel.cp = {p.dp_shard_size} x {p.cp} = {fold} "
+            f"(the ranks the experts are spread over); choose ep among the divisors of {fold}",
+        )
 
     e = recipe.eval
-    need(e.every_n_steps == 0 or d.eval_split is not None, ("eval.every_n_steps", "data.eval_split"),
-         f"eval.every_n_steps = {e.every_n_steps} but data.eval_split is null; name the held-out split or set eval.every_n_steps: 0")
+    need(
+        e.every_n_steps == 0 or d.eval_split is not None,
+        ("eval.every_n_steps", "data.eval_split"),
+        f"eval.every_n_steps = {e.every_n_steps} but data.eval_split is null; name the held-out split or set eval.every_n_steps: 0",
+    )
 
     # the window length against the model: needs the architecture (preset, or the checkpoint's
     # config.json when it is already on disk); a missing checkpoint is checked at run time by
@@ -305,7 +404,9 @@ def _check(recipe: Recipe, ctx: _Context) -> None:
         _check_context(recipe, None, ctx)
 
 
-def _resolve_model(recipe: Recipe, ctx: _Context | str, *, read_checkpoint: bool, require_checkpoint: bool) -> ModelConfig | None:
+def _resolve_model(
+    recipe: Recipe, ctx: _Context | str, *, read_checkpoint: bool, require_checkpoint: bool
+) -> ModelConfig | None:
     """The recipe's ModelConfig (see :meth:`Recipe.model_config`), context-checked; None when the
     architecture is unknown (checkpoint not on disk, no preset) and ``require_checkpoint`` is False."""
     if isinstance(ctx, str):
@@ -355,9 +456,11 @@ def _check_recompute_chunk(recipe: Recipe, config: ModelConfig, ctx: _Context) -
     unit = kernel_multiple(config)
     if mem.recompute_chunk_tokens % unit:
         lower = max(unit, mem.recompute_chunk_tokens // unit * unit)
-        raise ctx.error(("memory.recompute_chunk_tokens", "model"),
-                        f"memory.recompute_chunk_tokens = {mem.recompute_chunk_tokens:,}: must be a multiple of {unit:,} (whole KDA "
-                        f"chunks and DSA key pools of this model) under memory.recompute: chunked; use {lower:,}")
+        raise ctx.error(
+            ("memory.recompute_chunk_tokens", "model"),
+            f"memory.recompute_chunk_tokens = {mem.recompute_chunk_tokens:,}: must be a multiple of {unit:,} (whole KDA "
+            f"chunks and DSA key pools of this model) under memory.recompute: chunked; use {lower:,}",
+        )
 
 
 def _check_experts(recipe: Recipe, config: ModelConfig, ctx: _Context) -> None:
@@ -366,11 +469,17 @@ def _check_experts(recipe: Recipe, config: ModelConfig, ctx: _Context) -> None:
     if ep == 1:
         return
     if "sparse" not in (config.mlp_layer_types or ()):
-        raise ctx.error(("parallel.ep", "model"), f"parallel.ep = {ep} but the model has no MoE layer (every mlp_layer_types "
-                                                  "entry is dense); set parallel.ep: 1")
+        raise ctx.error(
+            ("parallel.ep", "model"),
+            f"parallel.ep = {ep} but the model has no MoE layer (every mlp_layer_types "
+            "entry is dense); set parallel.ep: 1",
+        )
     if config.n_routed_experts % ep:
-        raise ctx.error(("parallel.ep", "model"), f"parallel.ep = {ep} does not divide the model's n_routed_experts = "
-                                                  f"{config.n_routed_experts}; choose ep among the divisors of {config.n_routed_experts}")
+        raise ctx.error(
+            ("parallel.ep", "model"),
+            f"parallel.ep = {ep} does not divide the model's n_routed_experts = "
+            f"{config.n_routed_experts}; choose ep among the divisors of {config.n_routed_experts}",
+        )
 
 
 def _check_context(recipe: Recipe, config: ModelConfig | None, ctx: _Context) -> None:
@@ -395,7 +504,12 @@ def _check_context(recipe: Recipe, config: ModelConfig | None, ctx: _Context) ->
         if length % multiple:
             lower, upper = length // multiple * multiple, (length // multiple + 1) * multiple
             fix = f"use {upper:,}" if lower == 0 else f"use {lower:,} or {upper:,}"
-            raise ctx.error((key, "parallel.cp", "model"), f"{key} = {length:,}: must be a multiple of {multiple:,} ({why}); {fix}")
+            raise ctx.error(
+                (key, "parallel.cp", "model"), f"{key} = {length:,}: must be a multiple of {multiple:,} ({why}); {fix}"
+            )
         if config is not None and length > config.max_position_embeddings:
-            raise ctx.error((key, "model"), f"{key} = {length:,} exceeds the model's max_position_embeddings ({config.max_position_embeddings:,}); "
-                                 "use a shorter context or raise model.overrides.max_position_embeddings")
+            raise ctx.error(
+                (key, "model"),
+                f"{key} = {length:,} exceeds the model's max_position_embeddings ({config.max_position_embeddings:,}); "
+                "use a shorter context or raise model.overrides.max_position_embeddings",
+            )

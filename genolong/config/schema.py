@@ -23,7 +23,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import BeforeValidator, ConfigDict, PlainValidator, StrictBool, StrictFloat, StrictInt, StrictStr, WithJsonSchema
+from pydantic import (
+    BeforeValidator,
+    ConfigDict,
+    PlainValidator,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    WithJsonSchema,
+)
 from typing_extensions import TypedDict
 
 from ..model.config import INDEXED_ATTENTION, LINEAR_ATTENTION, ModelConfig
@@ -44,12 +53,32 @@ RECOMPUTE_MODULES: tuple[str, ...] = tuple(MODULE_KINDS)
 #: ModelConfig fields that fix parameter shapes: when a recipe names both a preset and a
 #: checkpoint, the checkpoint's config.json must agree with the preset on these.
 SHAPE_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "n_shared_experts", "n_routed_experts",
-    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim",
-    "index_head_dim", "index_n_heads", "index_kpool", "linear_head_dim", "linear_num_heads",
-    "linear_conv_kernel_dim", "hc_mult", "tie_word_embeddings", "attention_bias", "layer_types",
-    "mlp_layer_types", "indexer_types",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_shared_experts",
+    "n_routed_experts",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "qk_nope_head_dim",
+    "index_head_dim",
+    "index_n_heads",
+    "index_kpool",
+    "linear_head_dim",
+    "linear_num_heads",
+    "linear_conv_kernel_dim",
+    "hc_mult",
+    "tie_word_embeddings",
+    "attention_bias",
+    "layer_types",
+    "mlp_layer_types",
+    "indexer_types",
 )
 
 #: ModelConfig fields that are bookkeeping or say how, not what, the model computes: never a
@@ -72,15 +101,20 @@ def reading_changes(base: ModelConfig, other: ModelConfig) -> dict[str, Any]:
         ``{field: other's value}`` in field order.
     """
     skip = set(SHAPE_FIELDS) | set(_NOT_READING_FIELDS)
-    return {f.name: getattr(other, f.name) for f in dataclasses.fields(ModelConfig)
-            if f.name not in skip and getattr(other, f.name) != getattr(base, f.name)}
+    return {
+        f.name: getattr(other, f.name)
+        for f in dataclasses.fields(ModelConfig)
+        if f.name not in skip and getattr(other, f.name) != getattr(base, f.name)
+    }
 
 
 _VOCAB_MAP_MODES = ("auto", "identity", "tokenizer")
 _VOCAB_MAP_KEYS = ("A", "C", "G", "T", "N", "pad", "bos", "eos")
 # ModelConfig fields a recipe may override: all but the config.json bookkeeping, plus the
 # ``pattern`` shorthand that ModelConfig.replace expands into layer_types ("KKKD").
-_MODEL_OVERRIDE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("extra", "wrapper")) + ("pattern",)
+_MODEL_OVERRIDE_FIELDS = tuple(
+    f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("extra", "wrapper")
+) + ("pattern",)
 
 
 # -- field types ---------------------------------------------------------------------------------
@@ -90,7 +124,9 @@ _MODEL_OVERRIDE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) i
 
 #: The section classes: frozen, keyword-only (so the Recipe can list its fields in file order)
 #: pydantic dataclasses; an unknown key, inf or nan is an error.
-_section = pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=ConfigDict(extra="forbid", allow_inf_nan=False, defer_build=True))
+_section = pydantic.dataclasses.dataclass(
+    frozen=True, kw_only=True, config=ConfigDict(extra="forbid", allow_inf_nan=False, defer_build=True)
+)
 # bounds a value must keep (in the JSON Schema too); the checks with a story are in recipe._check
 _Count = Annotated[StrictInt, pydantic.Field(ge=1)]
 #: the signals a recipe may name in ``train.stop_signals`` (SIGKILL and SIGSTOP cannot be caught)
@@ -128,7 +164,10 @@ def _strict(tp: Any) -> Any:
 _MODEL_HINTS = typing.get_type_hints(ModelConfig)
 #: ``model.overrides``: any ModelConfig field (with its type) and ``pattern``, none required.
 _Overrides = TypedDict(  # type: ignore[misc]
-    "ModelOverrides", {n: StrictStr if n == "pattern" else _strict(_MODEL_HINTS[n]) for n in _MODEL_OVERRIDE_FIELDS}, total=False)
+    "ModelOverrides",
+    {n: StrictStr if n == "pattern" else _strict(_MODEL_HINTS[n]) for n in _MODEL_OVERRIDE_FIELDS},
+    total=False,
+)
 _Overrides.__pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[attr-defined]
 
 
@@ -145,20 +184,39 @@ def _vocab_map(raw: Any) -> str | dict[str, int]:
     for name, value in raw.items():
         sub = f"model.vocab_map.{name}"
         if name not in _VOCAB_MAP_KEYS:
-            raise _recipe_error(f"unknown key {sub}; {_suggest(str(name), _VOCAB_MAP_KEYS, 'model.vocab_map.')}", whole=True)
+            raise _recipe_error(
+                f"unknown key {sub}; {_suggest(str(name), _VOCAB_MAP_KEYS, 'model.vocab_map.')}", whole=True
+            )
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise _recipe_error(f"{sub} = {_show(value)}: token ids are non-negative integers; give this model's id for {name}", whole=True)
+            raise _recipe_error(
+                f"{sub} = {_show(value)}: token ids are non-negative integers; give this model's id for {name}",
+                whole=True,
+            )
     missing = [b for b in BASE_LETTERS.values() if b not in raw]
     if missing:
-        raise _recipe_error(f"model.vocab_map lacks {', '.join(missing)}; give a token id for each of A, C, G, T, N", whole=True)
+        raise _recipe_error(
+            f"model.vocab_map lacks {', '.join(missing)}; give a token id for each of A, C, G, T, N", whole=True
+        )
     return dict(raw)
 
 
-_VocabMap = Annotated[str | dict[str, int], PlainValidator(_vocab_map), WithJsonSchema({"anyOf": [
-    {"enum": list(_VOCAB_MAP_MODES)},
-    {"type": "object", "properties": {k: {"type": "integer", "minimum": 0} for k in _VOCAB_MAP_KEYS},
-     "required": list(BASE_LETTERS.values()), "additionalProperties": False},
-]})]
+_VocabMap = Annotated[
+    str | dict[str, int],
+    PlainValidator(_vocab_map),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"enum": list(_VOCAB_MAP_MODES)},
+                {
+                    "type": "object",
+                    "properties": {k: {"type": "integer", "minimum": 0} for k in _VOCAB_MAP_KEYS},
+                    "required": list(BASE_LETTERS.values()),
+                    "additionalProperties": False,
+                },
+            ]
+        }
+    ),
+]
 
 
 # -- sections ------------------------------------------------------------------------------------

@@ -11,7 +11,13 @@ from ..lazy import lazy_exports
 __all__ = ["GenomeStore", "Split", "decode", "encode", "reverse_complement"]
 
 #: public name -> the submodule that defines it
-_LAZY = {"decode": "alphabet", "encode": "alphabet", "reverse_complement": "alphabet", "GenomeStore": "store", "Split": "store"}
+_LAZY = {
+    "decode": "alphabet",
+    "encode": "alphabet",
+    "reverse_complement": "alphabet",
+    "GenomeStore": "store",
+    "Split": "store",
+}
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, __all__)  # see the module docstring

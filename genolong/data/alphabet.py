@@ -65,8 +65,16 @@ VOCAB_SIZE = 8  # what the model embeds: pad, A, C, G, T, N, bos, eos (case stri
 
 #: Token id -> base letter for every id a store may hold (used in the manifest).
 STORE_ALPHABET: dict[int, str] = {
-    A: "A", C: "C", G: "G", T: "T", N: "N",
-    A | SOFTMASK: "a", C | SOFTMASK: "c", G | SOFTMASK: "g", T | SOFTMASK: "t", N | SOFTMASK: "n",
+    A: "A",
+    C: "C",
+    G: "G",
+    T: "T",
+    N: "N",
+    A | SOFTMASK: "a",
+    C | SOFTMASK: "c",
+    G | SOFTMASK: "g",
+    T | SOFTMASK: "t",
+    N | SOFTMASK: "n",
 }
 
 #: IUPAC nucleotide ambiguity codes (uppercase); each becomes N (case kept) and is counted.

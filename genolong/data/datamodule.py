@@ -28,8 +28,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from ..errors import InputError
 from .alphabet import PAD
-from .store import GenomeStore
 from .repeats import RepeatPlanting
+from .store import GenomeStore
 from .windows import EvalTiles, TrainWindows, Window
 
 __all__ = ["TrainWindowDataset", "EvalTileDataset", "GenomeDataModule", "window_to_item", "collate_windows"]

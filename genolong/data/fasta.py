@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..errors import InputError
-from .alphabet import AMBIGUOUS, ENCODE_LUT, ENCODE_TABLE, INVALID, N, SOFTMASK, resolve_ambiguous
+from .alphabet import AMBIGUOUS, ENCODE_LUT, ENCODE_TABLE, INVALID, SOFTMASK, N, resolve_ambiguous
 from .names import Region, parse_record_name
 
 __all__ = [
@@ -276,7 +276,7 @@ class _LineLayout:
                     f"have {self.width}: inconsistent line widths; {_FIX_WRAP}"
                 )
             self.tail_from, self.tail_len = first + i, int(lines[i])
-            lines, first = lines[i + 1:], first + i + 1
+            lines, first = lines[i + 1 :], first + i + 1
         extra = np.flatnonzero(lines)
         if extra.size:
             i = int(extra[0])
@@ -288,7 +288,7 @@ class _LineLayout:
 
     def _stray_cr(self, piece: bytes, arr: np.ndarray) -> None:
         for pos in np.flatnonzero(arr == 13):
-            nxt = piece[pos + 1:pos + 2]
+            nxt = piece[pos + 1 : pos + 2]
             if nxt not in (b"\n", b""):
                 line = self.line + piece.count(b"\n", 0, int(pos))
                 raise InputError(_invalid_message(self.info.where(), 13, line, None))
@@ -340,11 +340,13 @@ class _FastaScanner:
                 "and check it with `gzip -t`"
             ) from None
         except (OSError, gzip.BadGzipFile) as exc:
-            raise InputError(f"{self.path}: cannot decompress ({exc}); check it with `gzip -t` or fetch it again") from None
+            raise InputError(
+                f"{self.path}: cannot decompress ({exc}); check it with `gzip -t` or fetch it again"
+            ) from None
         if not block:
             self.eof = True
             return False
-        self.buf = self.buf[self.pos:] + block
+        self.buf = self.buf[self.pos :] + block
         self.pos = 0
         return True
 
@@ -359,11 +361,13 @@ class _FastaScanner:
         """Read the header line at ``pos`` (which holds '>')."""
         while (end := self.buf.find(b"\n", self.pos)) < 0:
             if len(self.buf) - self.pos > (1 << 24):
-                raise InputError(f"{self.path}, line {self.line}: header line longer than 16 MiB; is this a FASTA file?")
+                raise InputError(
+                    f"{self.path}, line {self.line}: header line longer than 16 MiB; is this a FASTA file?"
+                )
             if not self._fill():
                 end = len(self.buf)
                 break
-        raw = self.buf[self.pos + 1:end].rstrip(b"\r")
+        raw = self.buf[self.pos + 1 : end].rstrip(b"\r")
         try:
             text = raw.decode("ascii")
         except UnicodeDecodeError:
@@ -389,16 +393,16 @@ class _FastaScanner:
         while True:
             if self.pos >= len(self.buf) and not self._fill():
                 return
-            if self.buf[self.pos:self.pos + 1] == b">" and (self.pos > 0 or self._at_line_start):
+            if self.buf[self.pos : self.pos + 1] == b">" and (self.pos > 0 or self._at_line_start):
                 return
             cut = self._next_header(self.pos)
             if cut >= 0:
-                piece = self.buf[self.pos:cut + 1]
+                piece = self.buf[self.pos : cut + 1]
                 self.pos = cut + 1
                 self._at_line_start = True
                 yield piece
                 return
-            piece = self.buf[self.pos:]
+            piece = self.buf[self.pos :]
             self.pos = len(self.buf)
             self._at_line_start = piece.endswith(b"\n")
             yield piece
@@ -417,7 +421,9 @@ class _FastaScanner:
             start = gt
         return -1
 
-    def records(self, wanted: Callable[[RecordInfo], bool], seen: list[RecordInfo]) -> Iterator[tuple[RecordInfo, BlockIterator | None]]:
+    def records(
+        self, wanted: Callable[[RecordInfo], bool], seen: list[RecordInfo]
+    ) -> Iterator[tuple[RecordInfo, BlockIterator | None]]:
         if not self._fill():
             raise InputError(f"{self.path}: the file is empty; give a FASTA file with at least one record")
         if self.buf[:1] != b">":
@@ -490,7 +496,9 @@ def _read_fai(path: Path, fasta: Path) -> list[_FaiEntry]:
         try:
             name, length, offset, line_bases, line_bytes = cols[0], *map(int, cols[1:5])
         except (ValueError, TypeError):
-            raise InputError(f"{path}, line {number}: not a .fai line (name, length, offset, linebases, linewidth); {fix}") from None
+            raise InputError(
+                f"{path}, line {number}: not a .fai line (name, length, offset, linebases, linewidth); {fix}"
+            ) from None
         entries.append(_FaiEntry(name, length, offset, line_bases, line_bytes))
     if not entries:
         raise InputError(f"{path}: the FASTA index is empty; {fix}")
@@ -604,9 +612,17 @@ class _IndexedFasta(SequenceSource):
         try:
             raw = _RawAccess(self.path, self.gzi)
         except (OSError, struct.error) as exc:
-            raise InputError(f"{self.gzi}: not a readable .gzi index ({exc}); delete it and re-index with `samtools faidx`") from None
+            raise InputError(
+                f"{self.gzi}: not a readable .gzi index ({exc}); delete it and re-index with `samtools faidx`"
+            ) from None
         for entry in entries:
-            info = RecordInfo(name=entry.name, description="", region=parse_record_name(entry.name), source=self.path, length=entry.length)
+            info = RecordInfo(
+                name=entry.name,
+                description="",
+                region=parse_record_name(entry.name),
+                source=self.path,
+                length=entry.length,
+            )
             self.names.append(info)
             if not wanted(info):
                 yield info, None
@@ -650,7 +666,12 @@ class _SeqIOSource(SequenceSource):
         with opener(self.path, "rt") as handle:  # type: ignore[operator]
             try:
                 for record in SeqIO.parse(handle, self.kind):
-                    info = RecordInfo(name=record.id, description=record.description, region=parse_record_name(record.id), source=self.path)
+                    info = RecordInfo(
+                        name=record.id,
+                        description=record.description,
+                        region=parse_record_name(record.id),
+                        source=self.path,
+                    )
                     self.names.append(info)
                     if not wanted(info):
                         yield info, None
@@ -661,13 +682,17 @@ class _SeqIOSource(SequenceSource):
                         sequence = b""
                     yield info, self._blocks(info, sequence)
             except (ValueError, EOFError, OSError) as exc:
-                raise InputError(f"{self.path}: cannot parse as {self.kind} ({exc}); check the file or convert it to FASTA") from None
+                raise InputError(
+                    f"{self.path}: cannot parse as {self.kind} ({exc}); check the file or convert it to FASTA"
+                ) from None
 
     def _blocks(self, info: RecordInfo, sequence: bytes) -> BlockIterator:
         if not sequence:
-            raise InputError(f"{info.where()}: the record has no sequence (a CONTIG-only or master record?); remove it or use a record with sequence")
+            raise InputError(
+                f"{info.where()}: the record has no sequence (a CONTIG-only or master record?); remove it or use a record with sequence"
+            )
         for start in range(0, len(sequence), self.block_bases):
-            piece = sequence[start:start + self.block_bases]
+            piece = sequence[start : start + self.block_bases]
             block, bad = _encode_piece(piece, b"")
             if bad >= 0:
                 raise InputError(_invalid_message(f"{info.where()}, base {start + bad + 1:,}", piece[bad], None, None))
@@ -690,7 +715,9 @@ def _sniff(path: Path) -> tuple[bytes, bool, bool]:
         with gzip.open(path, "rb") as handle:
             first = handle.read(64)
     except EOFError:
-        raise InputError(f"{path}: the gzip stream ends early (a truncated download?); fetch the file again and check it with `gzip -t`") from None
+        raise InputError(
+            f"{path}: the gzip stream ends early (a truncated download?); fetch the file again and check it with `gzip -t`"
+        ) from None
     except (OSError, gzip.BadGzipFile) as exc:
         raise InputError(f"{path}: cannot decompress ({exc}); check it with `gzip -t` or fetch it again") from None
     return first, True, bool(bgzip)
@@ -752,4 +779,3 @@ def open_source(path: str | os.PathLike[str], block_bytes: int = BLOCK_BYTES) ->
     if kind == "fasta" and fai.is_file():
         return _IndexedFasta(path, "fasta-indexed", fai, None, block_bytes)
     return _StreamingFasta(path, kind, block_bytes)
-

@@ -28,14 +28,44 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["ACCESSIONS", "CHROMOSOMES", "Region", "canonical_name", "parse_record_name", "same_chromosome", "source_name"]
+__all__ = [
+    "ACCESSIONS",
+    "CHROMOSOMES",
+    "Region",
+    "canonical_name",
+    "parse_record_name",
+    "same_chromosome",
+    "source_name",
+]
 
 #: UCSC names of the human chromosomes, in karyotype order.
 CHROMOSOMES: tuple[str, ...] = tuple([f"chr{i}" for i in range(1, 23)] + ["chrX", "chrY", "chrM"])
 
 _GRCH38_REFSEQ_VERSION = {
-    1: 11, 2: 12, 3: 12, 4: 12, 5: 10, 6: 12, 7: 14, 8: 11, 9: 12, 10: 11, 11: 10, 12: 12,
-    13: 11, 14: 9, 15: 10, 16: 10, 17: 11, 18: 10, 19: 10, 20: 11, 21: 9, 22: 11, 23: 11, 24: 10,
+    1: 11,
+    2: 12,
+    3: 12,
+    4: 12,
+    5: 10,
+    6: 12,
+    7: 14,
+    8: 11,
+    9: 12,
+    10: 11,
+    11: 10,
+    12: 12,
+    13: 11,
+    14: 9,
+    15: 10,
+    16: 10,
+    17: 11,
+    18: 10,
+    19: 10,
+    20: 11,
+    21: 9,
+    22: 11,
+    23: 11,
+    24: 10,
 }
 
 
@@ -130,7 +160,9 @@ def parse_record_name(record: str) -> Region:
         start = int(m.group("start").replace(",", ""))
         end = int(m.group("end").replace(",", ""))
         if 1 <= start <= end:
-            return Region(record=record, contig=canonical_name(m.group("name")), start=start - 1, length=end - start + 1)
+            return Region(
+                record=record, contig=canonical_name(m.group("name")), start=start - 1, length=end - start + 1
+            )
     return Region(record=record, contig=canonical_name(record))
 
 

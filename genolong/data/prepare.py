@@ -34,7 +34,7 @@ from ..defaults import DEFAULT_MIN_GAP, DEFAULT_SPLITS
 from ..errors import InputError
 from ..files import fsync, fsync_tree, writing
 from ..units import format_bytes
-from .alphabet import BASE_MASK, N, SOFTMASK, STORE_ALPHABET
+from .alphabet import BASE_MASK, SOFTMASK, STORE_ALPHABET, N
 from .fasta import BLOCK_BYTES, RecordInfo, SequenceSource, open_source
 from .names import canonical_name, source_name
 from .store import (
@@ -92,10 +92,18 @@ class _ContigStats:
 
     def as_manifest(self) -> dict[str, Any]:
         return {
-            "name": self.name, "output_name": self.output_name or self.name, "record": self.record,
-            "source": self.source, "start": self.start,
-            "length": self.length, "kept": self.kept, "n": self.n, "softmasked": self.softmasked,
-            "ambiguous": self.ambiguous, "dropped": self.dropped, "gaps": self.gaps,
+            "name": self.name,
+            "output_name": self.output_name or self.name,
+            "record": self.record,
+            "source": self.source,
+            "start": self.start,
+            "length": self.length,
+            "kept": self.kept,
+            "n": self.n,
+            "softmasked": self.softmasked,
+            "ambiguous": self.ambiguous,
+            "dropped": self.dropped,
+            "gaps": self.gaps,
             "segments": self.segments,
         }
 
@@ -169,7 +177,7 @@ class _SplitWriter:
     def _append(self, tokens: np.ndarray) -> None:
         while tokens.size:
             take = min(tokens.size, FLUSH_TOKENS - self.fill)
-            self.buffers[self.active][self.fill:self.fill + take] = tokens[:take]
+            self.buffers[self.active][self.fill : self.fill + take] = tokens[:take]
             self.fill += take
             tokens = tokens[take:]
             if self.fill == FLUSH_TOKENS:
@@ -215,7 +223,9 @@ class _SplitWriter:
             return
         stats = self._stats
         assert stats is not None
-        self.segments.append((stats.name, stats.start + self._seg_start, stats.start + self._emitted_end, self._seg_offset))
+        self.segments.append(
+            (stats.name, stats.start + self._seg_start, stats.start + self._emitted_end, self._seg_offset)
+        )
         stats.segments += 1
         self._seg_start = None
 
@@ -366,7 +376,9 @@ def _parse_names(names: Sequence[str] | str) -> list[str]:
         names = [n for n in names.split(",")]
     out = [n.strip() for n in names]
     if any(not n for n in out):
-        raise InputError(f"empty chromosome name in {','.join(names)!r}; give names separated by commas, e.g. chr1,chr2")
+        raise InputError(
+            f"empty chromosome name in {','.join(names)!r}; give names separated by commas, e.g. chr1,chr2"
+        )
     return out
 
 
@@ -406,7 +418,9 @@ class _Progress:
             return
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, desc=label, unit="b", unit_scale=True, unit_divisor=1000, leave=True, file=sys.stderr)
+        self.bar = tqdm(
+            total=total, desc=label, unit="b", unit_scale=True, unit_divisor=1000, leave=True, file=sys.stderr
+        )
 
     def update(self, bases: int) -> None:
         if self.bar is not None:
@@ -470,7 +484,9 @@ def prepare_genome(
                 other = assignment[canon]
                 if other != split:
                     shown = name if name == canon else f"{name} ({canon})"
-                    raise InputError(f"{shown} is in both --{other} and --{split}; a chromosome may be in one split only")
+                    raise InputError(
+                        f"{shown} is in both --{other} and --{split}; a chromosome may be in one split only"
+                    )
                 raise InputError(f"{name} is listed twice in --{split}; list each chromosome once")
             assignment[canon] = split
     sources: list[SequenceSource] = [open_source(p, block_bytes) for p in paths]  # validates each file's format
@@ -487,13 +503,17 @@ def prepare_genome(
         if not force:
             raise InputError(f"--out {out} already exists; pass --force to replace it or choose another path")
         if not _is_store(out):
-            raise InputError(f"--out {out} exists and is not a genolong genome store; refusing to replace it, even with --force")
+            raise InputError(
+                f"--out {out} exists and is not a genolong genome store; refusing to replace it, even with --force"
+            )
 
     tmp = parent / f".{out.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
     try:
         tmp.mkdir()
     except OSError as exc:
-        raise InputError(f"--out {out}: cannot create a directory in {parent} ({exc.strerror}); choose a writable location") from None
+        raise InputError(
+            f"--out {out}: cannot create a directory in {parent} ({exc.strerror}); choose a writable location"
+        ) from None
     # Hash the inputs on a side thread (hashlib releases the GIL) while the main thread encodes.
     hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="genolong-sha256")
     source_digests = [hasher.submit(sha256_file, p) for p in paths]
@@ -566,9 +586,7 @@ def _build(
         if contig in seen:
             first = seen[contig]
             same = "" if first.name == info.name else f" (both are {contig})"
-            raise InputError(
-                f"duplicate record: {info.where()} and {first.where()}{same}; keep one of them"
-            )
+            raise InputError(f"duplicate record: {info.where()} and {first.where()}{same}; keep one of them")
         seen[contig] = info
         return contig in assignment
 
@@ -580,8 +598,13 @@ def _build(
                 split = assignment[info.region.contig]
                 writer = writers[split]
                 output = source_name(info.name) if name_style == "source" else info.region.contig
-                contig = _ContigStats(name=info.region.contig, record=info.name, source=source.path.name,
-                                      start=info.region.start, output_name=output)
+                contig = _ContigStats(
+                    name=info.region.contig,
+                    record=info.name,
+                    source=source.path.name,
+                    start=info.region.start,
+                    output_name=output,
+                )
                 t0 = time.perf_counter()
                 bar.start(f"{split}:{contig.name}", info.length)
                 writer.begin(contig)
@@ -642,14 +665,29 @@ def _build(
 def format_summary(result: PrepareResult) -> str:
     """A human-readable table of what :func:`prepare_genome` kept and dropped."""
     columns = ("length", "kept", "n", "softmasked", "ambiguous", "dropped", "segments")
-    rows = [[c["split"], c["name"], *(f"{c[k]:,}" for k in columns), f"{c['seconds']:.2f}",
-             f"{c['length'] / max(c['seconds'], 1e-9) / 1e6:,.1f}"] for c in result.contigs]
+    rows = [
+        [
+            c["split"],
+            c["name"],
+            *(f"{c[k]:,}" for k in columns),
+            f"{c['seconds']:.2f}",
+            f"{c['length'] / max(c['seconds'], 1e-9) / 1e6:,.1f}",
+        ]
+        for c in result.contigs
+    ]
     if not rows:
         return "(no contigs)"
     seconds = sum(c["seconds"] for c in result.contigs)
     length = sum(c["length"] for c in result.contigs)
-    rows.append(["all", "", *(f"{sum(c[k] for c in result.contigs):,}" for k in columns), f"{seconds:.2f}",
-                 f"{length / max(seconds, 1e-9) / 1e6:,.1f}"])
+    rows.append(
+        [
+            "all",
+            "",
+            *(f"{sum(c[k] for c in result.contigs):,}" for k in columns),
+            f"{seconds:.2f}",
+            f"{length / max(seconds, 1e-9) / 1e6:,.1f}",
+        ]
+    )
     header = ["split", "name", *columns, "seconds", "Mbp/s"]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(v).rjust(w) for v, w in zip(row, widths)) for row in [header, *rows]]
@@ -661,5 +699,7 @@ def format_summary(result: PrepareResult) -> str:
     ]
     unused = result.manifest.get("unused_records", [])
     if unused:
-        lines.append(f"{len(unused)} record(s) not in any split: {', '.join(unused[:10])}{' ...' if len(unused) > 10 else ''}")
+        lines.append(
+            f"{len(unused)} record(s) not in any split: {', '.join(unused[:10])}{' ...' if len(unused) > 10 else ''}"
+        )
     return "\n".join(lines)

@@ -108,8 +108,9 @@ class Regions:
         return keep
 
 
-def read_bed(path: str | os.PathLike[str], sizes: Mapping[str, int], option: str = "--regions",
-             where: str = "the store") -> Regions:
+def read_bed(
+    path: str | os.PathLike[str], sizes: Mapping[str, int], option: str = "--regions", where: str = "the store"
+) -> Regions:
     """Read a BED file of regions against the chromosomes ``sizes`` names.
 
     Args:
@@ -132,27 +133,37 @@ def read_bed(path: str | os.PathLike[str], sizes: Mapping[str, int], option: str
             gz = probe.read(2) == b"\x1f\x8b"
         text = gzip.decompress(path.read_bytes()).decode() if gz else path.read_text()
     except (OSError, EOFError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read {option} {path} ({exc}); give a BED file (chrom<TAB>start<TAB>end per line)") from None
+        raise InputError(
+            f"cannot read {option} {path} ({exc}); give a BED file (chrom<TAB>start<TAB>end per line)"
+        ) from None
     found: dict[str, list[tuple[int, int]]] = {}
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.startswith(("#", "track", "browser")):
             continue
         fields = line.split("\t") if "\t" in line else line.split()
         if len(fields) < 3 or not fields[1].strip().isdigit() or not fields[2].strip().isdigit():
-            raise InputError(f"{option} {path} line {number} is not `chrom<TAB>start<TAB>end` ({line[:60]!r}); "
-                             "give a BED file (0-based, half-open)")
+            raise InputError(
+                f"{option} {path} line {number} is not `chrom<TAB>start<TAB>end` ({line[:60]!r}); "
+                "give a BED file (0-based, half-open)"
+            )
         chrom, start, end = fields[0].strip(), int(fields[1]), int(fields[2])
         if start >= end:
-            raise InputError(f"{option} {path} line {number}: start {start:,} is not below end {end:,} (BED is "
-                             "0-based, half-open: one base at 1-based p is `p-1  p`); fix the line")
+            raise InputError(
+                f"{option} {path} line {number}: start {start:,} is not below end {end:,} (BED is "
+                "0-based, half-open: one base at 1-based p is `p-1  p`); fix the line"
+            )
         name = resolve_name(chrom, sizes)
         if name is None:
             shown = ", ".join(list(sizes)[:10]) + (" ..." if len(sizes) > 10 else "")
-            raise InputError(f"{option} {path} line {number}: chromosome {chrom} is not in {where} (it has {shown}); "
-                             "give regions of the evaluated chromosomes")
+            raise InputError(
+                f"{option} {path} line {number}: chromosome {chrom} is not in {where} (it has {shown}); "
+                "give regions of the evaluated chromosomes"
+            )
         if end > sizes[name]:
-            raise InputError(f"{option} {path} line {number}: {chrom}:{start:,}-{end:,} reaches past the end of {name} "
-                             f"({sizes[name]:,} bases in {where}); fix the region or the build")
+            raise InputError(
+                f"{option} {path} line {number}: {chrom}:{start:,}-{end:,} reaches past the end of {name} "
+                f"({sizes[name]:,} bases in {where}); fix the region or the build"
+            )
         found.setdefault(name, []).append((start, end))
     if not found:
         raise InputError(f"{option} {path} lists no region; give a BED file (chrom<TAB>start<TAB>end per line)")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError
-from .alphabet import BASE_MASK, N, SOFTMASK, reverse_complement
+from .alphabet import BASE_MASK, SOFTMASK, N, reverse_complement
 
 __all__ = ["PLANT_STREAM", "PlantedCopy", "RepeatPlanting", "plant_repeats"]
 
@@ -74,11 +74,14 @@ class RepeatPlanting:
         if self.copies < 0:
             raise InputError(f"data.plant_repeats.copies must be >= 0, got {self.copies}")
         if not 1 <= self.min_length <= self.max_length:
-            raise InputError(f"data.plant_repeats needs 1 <= min_length <= max_length, got {self.min_length} and "
-                             f"{self.max_length}")
+            raise InputError(
+                f"data.plant_repeats needs 1 <= min_length <= max_length, got {self.min_length} and {self.max_length}"
+            )
         if self.min_distance < 1 or (self.max_distance is not None and self.max_distance < self.min_distance):
-            raise InputError(f"data.plant_repeats needs 1 <= min_distance <= max_distance, got {self.min_distance} "
-                             f"and {self.max_distance}")
+            raise InputError(
+                f"data.plant_repeats needs 1 <= min_distance <= max_distance, got {self.min_distance} "
+                f"and {self.max_distance}"
+            )
 
 
 @dataclass(frozen=True)
@@ -117,14 +120,14 @@ def _diverge(source: np.ndarray, rate: float, indel_share: float, rng: np.random
         if kind >= indel_share:  # substitution: another base, case kept
             base = source[e] & BASE_MASK
             if base == N:
-                out.append(source[e:e + 1])
+                out.append(source[e : e + 1])
             else:
                 new = (base - 1 + rng.integers(1, 4)) % 4 + 1  # one of the three other bases
                 out.append(np.array([new | case], dtype=source.dtype))
             i = e + 1
         elif kind < indel_share / 2:  # insertion of 1-3 random bases before source[e]
             out.append((rng.integers(1, 5, int(rng.integers(1, 4))) | case).astype(source.dtype))
-            out.append(source[e:e + 1])
+            out.append(source[e : e + 1])
             i = e + 1
         else:  # deletion of 1-3 bases
             i = e + int(rng.integers(1, 4))
@@ -136,7 +139,9 @@ def _diverge(source: np.ndarray, rate: float, indel_share: float, rng: np.random
     return np.concatenate([edited, pad])
 
 
-def plant_repeats(tokens: np.ndarray, rng: np.random.Generator, settings: RepeatPlanting) -> tuple[np.ndarray, list[PlantedCopy]]:
+def plant_repeats(
+    tokens: np.ndarray, rng: np.random.Generator, settings: RepeatPlanting
+) -> tuple[np.ndarray, list[PlantedCopy]]:
     """Plant diverged copies of a window's earlier material into it (see the module docstring).
 
     Args:
@@ -165,9 +170,9 @@ def plant_repeats(tokens: np.ndarray, rng: np.random.Generator, settings: Repeat
         d = int(math.floor(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))
         d = min(max(d, lo), hi)
         start = int(rng.integers(d, length - m + 1))
-        source = out[start - d:start - d + m]
+        source = out[start - d : start - d + m]
         if inverted:
             source = reverse_complement(source)
-        out[start:start + m] = _diverge(source, divergence, settings.indel_share, rng)
+        out[start : start + m] = _diverge(source, divergence, settings.indel_share, rng)
         planted.append(PlantedCopy(start, m, d, divergence, inverted))
     return out, planted

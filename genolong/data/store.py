@@ -195,7 +195,7 @@ class Split:
             )
         row = hit.iloc[0]
         first = int(row["offset"]) + start - int(row["start"])
-        return np.asarray(self.tokens[first:first + end - start])
+        return np.asarray(self.tokens[first : first + end - start])
 
 
 class GenomeStore:
@@ -234,9 +234,13 @@ class GenomeStore:
         fix = f"re-run `genolong prepare ... --out {root} --force`"
         manifest_path = root / manifest_name
         if not root.is_dir():
-            raise StoreError(f"genome store {root} does not exist; create it with `genolong prepare FASTA --out {root}`")
+            raise StoreError(
+                f"genome store {root} does not exist; create it with `genolong prepare FASTA --out {root}`"
+            )
         if not manifest_path.is_file():
-            raise StoreError(f"genome store {root} is incomplete: {MANIFEST_NAME} is missing (an interrupted prepare?); {fix}")
+            raise StoreError(
+                f"genome store {root} is incomplete: {MANIFEST_NAME} is missing (an interrupted prepare?); {fix}"
+            )
         try:
             manifest = json.loads(manifest_path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -259,9 +263,13 @@ class GenomeStore:
             if not file.is_file():
                 raise StoreError(f"genome store {root} is damaged: {rel} is missing; {fix}")
             if file.stat().st_size != meta["size"]:
-                raise StoreError(f"genome store {root} is damaged: {rel} has {file.stat().st_size} bytes, the manifest says {meta['size']}; {fix}")
+                raise StoreError(
+                    f"genome store {root} is damaged: {rel} has {file.stat().st_size} bytes, the manifest says {meta['size']}; {fix}"
+                )
             if verify and sha256_file(file) != meta["sha256"]:
-                raise StoreError(f"genome store {root} is damaged: {rel} does not match its sha256 in the manifest; {fix}")
+                raise StoreError(
+                    f"genome store {root} is damaged: {rel} does not match its sha256 in the manifest; {fix}"
+                )
         splits = {name: cls._open_split(root, name, meta, fix, build) for name, meta in split_meta.items()}
         return cls(root, manifest, splits) if build else None  # type: ignore[arg-type]
 
@@ -274,15 +282,21 @@ class GenomeStore:
             names = list(group.attrs["contigs"])
             columns = {c: np.asarray(group["segments"][c][:]) for c in SEGMENT_COLUMNS}
         except Exception as exc:  # zarr raises many types for a broken group
-            raise StoreError(f"genome store {root}: split {name!r} ({meta['path']}) cannot be read ({type(exc).__name__}: {exc}); {fix}") from None
+            raise StoreError(
+                f"genome store {root}: split {name!r} ({meta['path']}) cannot be read ({type(exc).__name__}: {exc}); {fix}"
+            ) from None
         if not isinstance(tokens, zarr.Array) or tokens.dtype != np.uint8 or tokens.ndim != 1:
             raise StoreError(f"genome store {root}: {meta['path']}/tokens is not a 1-D uint8 array; {fix}")
         if tokens.shape[0] != meta["tokens"]:
-            raise StoreError(f"genome store {root}: {meta['path']}/tokens has {tokens.shape[0]} tokens, the manifest says {meta['tokens']}; {fix}")
+            raise StoreError(
+                f"genome store {root}: {meta['path']}/tokens has {tokens.shape[0]} tokens, the manifest says {meta['tokens']}; {fix}"
+            )
         try:
             contig_names = [names[i] for i in columns["contig"]]
         except IndexError:
-            raise StoreError(f"genome store {root}: the segment table of split {name!r} names an unknown contig; {fix}") from None
+            raise StoreError(
+                f"genome store {root}: the segment table of split {name!r} names an unknown contig; {fix}"
+            ) from None
         start, end, offset = (columns[c].astype(np.int64) for c in ("start", "end", "offset"))
         expected = meta["segments"]
         expected_numbers = np.array([row[1:] for row in expected], dtype=np.int64).reshape(-1, 3)
@@ -291,7 +305,9 @@ class GenomeStore:
             or expected_numbers.shape[0] != start.size
             or not np.array_equal(expected_numbers, np.stack([start, end, offset], axis=1))
         ):
-            raise StoreError(f"genome store {root}: the segment table of split {name!r} disagrees with the manifest; {fix}")
+            raise StoreError(
+                f"genome store {root}: the segment table of split {name!r} disagrees with the manifest; {fix}"
+            )
         lengths = end - start
         if start.size and (
             (lengths <= 0).any()
@@ -299,7 +315,9 @@ class GenomeStore:
             or (offset[1:] != np.cumsum(lengths)[:-1]).any()
             or int(lengths.sum()) != tokens.shape[0]
         ):
-            raise StoreError(f"genome store {root}: the segment table of split {name!r} does not tile its tokens; {fix}")
+            raise StoreError(
+                f"genome store {root}: the segment table of split {name!r} does not tile its tokens; {fix}"
+            )
         if not build:
             return None
         import pandas as pd  # only readers need the frame (prepare verifies without importing pandas)
@@ -323,7 +341,9 @@ class GenomeStore:
         try:
             return self._splits[name]
         except KeyError:
-            raise StoreError(f"genome store {self.path} has no split {name!r}; it has {', '.join(self._splits) or 'none'}") from None
+            raise StoreError(
+                f"genome store {self.path} has no split {name!r}; it has {', '.join(self._splits) or 'none'}"
+            ) from None
 
     def __iter__(self) -> Iterator[Split]:
         return iter(self._splits.values())
@@ -334,7 +354,9 @@ class GenomeStore:
         rows = []
         for split in self:
             for contig in split.contigs:
-                rows.append({"split": split.name, **{k: v for k, v in contig.items() if not isinstance(v, (list, dict))}})
+                rows.append(
+                    {"split": split.name, **{k: v for k, v in contig.items() if not isinstance(v, (list, dict))}}
+                )
         import pandas as pd
 
         return pd.DataFrame(rows)

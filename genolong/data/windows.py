@@ -59,7 +59,7 @@ def _split_name(split: SplitLike) -> str:
 
 def _read(split: SplitLike, offset: int, length: int) -> np.ndarray:
     """``[length]`` uint8 tokens ``split.tokens[offset:offset + length]``, as a fresh array."""
-    tokens = np.asarray(split.tokens[offset:offset + length], dtype=np.uint8)
+    tokens = np.asarray(split.tokens[offset : offset + length], dtype=np.uint8)
     if not tokens.flags.owndata or not tokens.flags.writeable:
         tokens = tokens.copy()  # a numpy-backed split returns a view of its buffer
     return tokens
@@ -232,7 +232,9 @@ class TrainWindows:
         if strand == "-":
             tokens = reverse_complement(tokens)
         if self.planting is not None:
-            tokens, _ = plant_repeats(tokens, np.random.default_rng([self.seed, int(index), PLANT_STREAM]), self.planting)
+            tokens, _ = plant_repeats(
+                tokens, np.random.default_rng([self.seed, int(index), PLANT_STREAM]), self.planting
+            )
         return Window(
             index=int(index),
             tokens=tokens,

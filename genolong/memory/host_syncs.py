@@ -107,8 +107,9 @@ class HostSyncCounter(TorchDispatchMode):
         if self.sites:
             site = "?"
             for frame in reversed(traceback.extract_stack()[:-2]):
-                if (frame.filename.startswith(_PACKAGE) or frame.filename.startswith(_KERNELS)) \
-                        and not frame.filename.endswith("host_syncs.py"):
+                if (
+                    frame.filename.startswith(_PACKAGE) or frame.filename.startswith(_KERNELS)
+                ) and not frame.filename.endswith("host_syncs.py"):
                     site = f"{Path(frame.filename).name}:{frame.lineno}"
                     break
             self.by_site[kind, site] += 1
@@ -117,18 +118,32 @@ class HostSyncCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         kind = _SYNC_OPS.get(func.overloadpacket)
         tensors = _tensors(args)
-        if kind is None and func.overloadpacket is _aten.repeat_interleave and kwargs.get("output_size") is None \
-                and tensors and not (len(args) > 1 and isinstance(args[1], int)):
+        if (
+            kind is None
+            and func.overloadpacket is _aten.repeat_interleave
+            and kwargs.get("output_size") is None
+            and tensors
+            and not (len(args) > 1 and isinstance(args[1], int))
+        ):
             kind = "repeat_interleave"  # repeats as a tensor, no output_size: the host sums them
         if kind is None and func.overloadpacket in (_aten.index, _aten.index_put, _aten.index_put_):
             indices = args[1] if len(args) > 1 else []
             if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices):
                 kind = "index_bool"  # a boolean mask index: nonzero inside
         if kind is None and func.overloadpacket in (_aten._to_copy, _aten.copy_):
-            src = tensors[1] if func.overloadpacket is _aten.copy_ and len(tensors) > 1 else (tensors[0] if tensors else None)
+            src = (
+                tensors[1]
+                if func.overloadpacket is _aten.copy_ and len(tensors) > 1
+                else (tensors[0] if tensors else None)
+            )
             dst_device = kwargs.get("device") if func.overloadpacket is _aten._to_copy else tensors[0].device
-            if src is not None and dst_device is not None and torch.device(dst_device).type == "cpu" \
-                    and src.device.type != "cpu" and self._counts_tensor(src):
+            if (
+                src is not None
+                and dst_device is not None
+                and torch.device(dst_device).type == "cpu"
+                and src.device.type != "cpu"
+                and self._counts_tensor(src)
+            ):
                 kind = "copy_to_host"
         if kind is not None and not self._reading and (not tensors or any(self._counts_tensor(t) for t in tensors)):
             self._record(kind)

@@ -46,7 +46,13 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "LiveBytes",
-    "ActivationMeter", "Charge", "LayerMemory", "current_meter", "peak_rss_bytes", "tensor_bytes", "track_saved",
+    "ActivationMeter",
+    "Charge",
+    "LayerMemory",
+    "current_meter",
+    "peak_rss_bytes",
+    "tensor_bytes",
+    "track_saved",
     "untrack_saved",
 ]
 
@@ -266,6 +272,7 @@ class ActivationMeter:
     def _enter_layer(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             self._layer_stack.append(index)
+
         return hook
 
     def _exit_layer(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -292,7 +299,9 @@ class ActivationMeter:
         _ACTIVE.append(self)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         _ACTIVE.remove(self)
         assert self._hooks is not None
         self._hooks.__exit__(exc_type, exc, tb)

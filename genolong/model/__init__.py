@@ -21,16 +21,43 @@ from __future__ import annotations
 
 from ..lazy import lazy_exports
 
-__all__ = ["PRESETS", "DSAMixer", "DecodeState", "Decoder", "GenoLM", "decode_log_probs", "sequence_log_probs", "KDAMixer", "ModelConfig", "ParameterCount", "layer_types_from_pattern", "parameter_count",
-           "apply_lora", "load_adapter", "merge_lora", "save_adapter"]
+__all__ = [
+    "PRESETS",
+    "DSAMixer",
+    "DecodeState",
+    "Decoder",
+    "GenoLM",
+    "decode_log_probs",
+    "sequence_log_probs",
+    "KDAMixer",
+    "ModelConfig",
+    "ParameterCount",
+    "layer_types_from_pattern",
+    "parameter_count",
+    "apply_lora",
+    "load_adapter",
+    "merge_lora",
+    "save_adapter",
+]
 
 #: public name -> the submodule that defines it
 _LAZY = {
-    "PRESETS": "config", "ModelConfig": "config", "ParameterCount": "config", "layer_types_from_pattern": "config",
+    "PRESETS": "config",
+    "ModelConfig": "config",
+    "ParameterCount": "config",
+    "layer_types_from_pattern": "config",
     "parameter_count": "config",
-    "Decoder": "decode", "DecodeState": "decode", "decode_log_probs": "decode", "sequence_log_probs": "decode",
-    "DSAMixer": "dsa", "KDAMixer": "kda", "GenoLM": "lm",
-    "apply_lora": "lora", "load_adapter": "lora", "merge_lora": "lora", "save_adapter": "lora",
+    "Decoder": "decode",
+    "DecodeState": "decode",
+    "decode_log_probs": "decode",
+    "sequence_log_probs": "decode",
+    "DSAMixer": "dsa",
+    "KDAMixer": "kda",
+    "GenoLM": "lm",
+    "apply_lora": "lora",
+    "load_adapter": "lora",
+    "merge_lora": "lora",
+    "save_adapter": "lora",
 }
 
 

@@ -61,9 +61,19 @@ _GENOLONG_FIELDS = frozenset({"extra", "wrapper", "kernel_backend"})
 # are regenerated on save (or derived: qk_head_dim, head_dim).
 _GENERIC_KEYS = frozenset(
     {
-        "_name_or_path", "transformers_version", "model_type", "qk_head_dim", "head_dim", "return_dict",
-        "output_hidden_states", "output_attentions", "chunk_size_feed_forward", "is_encoder_decoder",
-        "id2label", "label2id", "problem_type",
+        "_name_or_path",
+        "transformers_version",
+        "model_type",
+        "qk_head_dim",
+        "head_dim",
+        "return_dict",
+        "output_hidden_states",
+        "output_attentions",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "id2label",
+        "label2id",
+        "problem_type",
     }
 )
 
@@ -176,7 +186,9 @@ class ModelConfig:
         }
         for name, default in defaults.items():
             value = getattr(self, name)
-            value = default if value is None else tuple("indexed_attention" if v == "full_attention" else v for v in value)
+            value = (
+                default if value is None else tuple("indexed_attention" if v == "full_attention" else v for v in value)
+            )
             object.__setattr__(self, name, value)
         self._validate()
 
@@ -204,9 +216,13 @@ class ModelConfig:
                 f"({self.num_key_value_heads}) in the GLM-5.3-Flash MLA layers"
             )
         if self.qk_rope_head_dim != 0:
-            raise InputError(f"qk_rope_head_dim must be 0 (GLM-5.3-Flash DSA layers are NoPE), got {self.qk_rope_head_dim}")
+            raise InputError(
+                f"qk_rope_head_dim must be 0 (GLM-5.3-Flash DSA layers are NoPE), got {self.qk_rope_head_dim}"
+            )
         if self.index_kpool < 1 or self.index_topk % self.index_kpool:
-            raise InputError(f"index_topk ({self.index_topk}) must be a positive multiple of index_kpool ({self.index_kpool})")
+            raise InputError(
+                f"index_topk ({self.index_topk}) must be a positive multiple of index_kpool ({self.index_kpool})"
+            )
         if self.n_group < 1:
             # checked first: n_routed_experts % 0 below would end in a ZeroDivisionError
             raise InputError(f"n_group must be at least 1 (one expert group is no grouping), got {self.n_group}")
@@ -216,12 +232,16 @@ class ModelConfig:
                 f"and topk_group ({self.topk_group}) may not exceed n_group"
             )
         if self.num_experts_per_tok > self.n_routed_experts:
-            raise InputError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts ({self.n_routed_experts})")
+            raise InputError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts ({self.n_routed_experts})"
+            )
         # A shared DSA layer reuses the top-k that the layer right before it computed: transformers
         # hands indices only from a full DSA layer to the next layer (KDA layers pass none on).
         for i, (layer_type, indexer_type) in enumerate(zip(self.layer_types, self.indexer_types)):
-            if layer_type == INDEXED_ATTENTION and indexer_type == "shared" and (
-                i == 0 or self.layer_types[i - 1] != INDEXED_ATTENTION or self.indexer_types[i - 1] != "full"
+            if (
+                layer_type == INDEXED_ATTENTION
+                and indexer_type == "shared"
+                and (i == 0 or self.layer_types[i - 1] != INDEXED_ATTENTION or self.indexer_types[i - 1] != "full")
             ):
                 raise InputError(
                     f"indexer_types[{i}] is 'shared' but layer {i - 1} is not a DSA layer with a full "
@@ -248,7 +268,9 @@ class ModelConfig:
                 changes.setdefault(name, None)
         if "pattern" in changes:
             pattern = changes.pop("pattern")
-            changes["layer_types"] = layer_types_from_pattern(pattern, changes.get("num_hidden_layers", self.num_hidden_layers))
+            changes["layer_types"] = layer_types_from_pattern(
+                pattern, changes.get("num_hidden_layers", self.num_hidden_layers)
+            )
         return dataclasses.replace(self, **changes)
 
     # -- transformers config.json ----------------------------------------------------------------
@@ -272,17 +294,25 @@ class ModelConfig:
             wrapper = {k: v for k, v in config.items() if k != "text_config"}
             text = dict(config["text_config"])
         known = {f.name for f in dataclasses.fields(cls)} - _GENOLONG_FIELDS
-        legacy = {k: text.pop(k) for k in ("index_topk_pattern", "index_topk_freq", "index_skip_topk_offset", "linear_attn_config") if k in text}
+        legacy = {
+            k: text.pop(k)
+            for k in ("index_topk_pattern", "index_topk_freq", "index_skip_topk_offset", "linear_attn_config")
+            if k in text
+        }
         values = {k: v for k, v in text.items() if k in known}
         # transformers writes unset generic fields as null (architectures, dtype): absent == None
         extra = {k: v for k, v in text.items() if k not in known and k not in _GENERIC_KEYS and v is not None}
         if values.get("indexer_types") is None:
-            values["indexer_types"] = _legacy_indexer_types(legacy, values.get("num_hidden_layers", cls.num_hidden_layers))
+            values["indexer_types"] = _legacy_indexer_types(
+                legacy, values.get("num_hidden_layers", cls.num_hidden_layers)
+            )
         if isinstance(legacy.get("linear_attn_config"), Mapping):
             linear = legacy["linear_attn_config"]
             values["linear_head_dim"] = linear.get("head_dim", values.get("linear_head_dim", cls.linear_head_dim))
             values["linear_num_heads"] = linear.get("num_heads", values.get("linear_num_heads", cls.linear_num_heads))
-            values["linear_conv_kernel_dim"] = linear.get("short_conv_kernel_size", values.get("linear_conv_kernel_dim", cls.linear_conv_kernel_dim))
+            values["linear_conv_kernel_dim"] = linear.get(
+                "short_conv_kernel_size", values.get("linear_conv_kernel_dim", cls.linear_conv_kernel_dim)
+            )
             bound = linear.get("gate_lower_bound", values.get("linear_lower_bound", cls.linear_lower_bound))
             values["linear_lower_bound"] = -5.0 if bound is None and linear.get("safe_gate", True) else bound
         if values.get("num_key_value_heads") is None:
@@ -320,11 +350,15 @@ class ModelConfig:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise InputError(f"{path} is not valid JSON ({exc}); fix or replace the file") from None
         if not isinstance(data, dict):
-            raise InputError(f"{path} is not a model config (a JSON {type(data).__name__}, not an object); fix or replace the file")
+            raise InputError(
+                f"{path} is not a model config (a JSON {type(data).__name__}, not an object); fix or replace the file"
+            )
         try:
             return cls.from_hf_dict(data)
         except (KeyError, TypeError, AttributeError) as exc:  # a damaged value of the right JSON syntax
-            raise InputError(f"{path} is not a readable model config ({type(exc).__name__}: {exc}); fix or replace the file") from None
+            raise InputError(
+                f"{path} is not a readable model config ({type(exc).__name__}: {exc}); fix or replace the file"
+            ) from None
 
     def save_pretrained(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``directory/config.json`` (creating the directory); returns its path."""
@@ -434,7 +468,9 @@ def parameter_count(config: ModelConfig) -> ParameterCount:
     embedding = c.vocab_size * h
     lm_head = 0 if c.tie_word_embeddings else c.vocab_size * h
     rest = embedding + lm_head + h  # final norm; the hyper head is a parameter-free mean
-    return ParameterCount(total=total + rest, active=active + rest, embedding=embedding, lm_head=lm_head, routed_experts=routed)
+    return ParameterCount(
+        total=total + rest, active=active + rest, embedding=embedding, lm_head=lm_head, routed_experts=routed
+    )
 
 
 def _nucleotide(**fields: Any) -> ModelConfig:
@@ -449,31 +485,73 @@ def _nucleotide(**fields: Any) -> ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     "glm-5.3-flash": ModelConfig(),
     "tiny": _nucleotide(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=8,
-        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
-        kv_lora_rank=32, q_lora_rank=48, v_head_dim=32, qk_nope_head_dim=32,
-        index_topk=64, index_head_dim=16, index_n_heads=2, index_kpool=8,
-        linear_head_dim=16, linear_num_heads=4, max_position_embeddings=1 << 20,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        v_head_dim=32,
+        qk_nope_head_dim=32,
+        index_topk=64,
+        index_head_dim=16,
+        index_n_heads=2,
+        index_kpool=8,
+        linear_head_dim=16,
+        linear_num_heads=4,
+        max_position_embeddings=1 << 20,
         layer_types=layer_types_from_pattern("KKDDKKKD"),
         mlp_layer_types=("dense",) + ("sparse",) * 7,
         indexer_types=("full",) * 3 + ("shared",) + ("full",) * 4,
     ),
     "small": _nucleotide(
-        hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
-        kv_lora_rank=64, q_lora_rank=128, v_head_dim=64, qk_nope_head_dim=64,
-        index_topk=512, index_head_dim=32, index_n_heads=4, index_kpool=16,
-        linear_head_dim=32, linear_num_heads=8, max_position_embeddings=1 << 20,
+        hidden_size=256,
+        intermediate_size=768,
+        moe_intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        kv_lora_rank=64,
+        q_lora_rank=128,
+        v_head_dim=64,
+        qk_nope_head_dim=64,
+        index_topk=512,
+        index_head_dim=32,
+        index_n_heads=4,
+        index_kpool=16,
+        linear_head_dim=32,
+        linear_num_heads=8,
+        max_position_embeddings=1 << 20,
         layer_types=layer_types_from_pattern("KKDDKKKD"),
         mlp_layer_types=("dense",) + ("sparse",) * 7,
         indexer_types=("full",) * 3 + ("shared",) + ("full",) * 4,
     ),
     "1b": _nucleotide(
-        hidden_size=1536, intermediate_size=4096, moe_intermediate_size=512, num_hidden_layers=16,
-        num_attention_heads=12, num_key_value_heads=12, n_routed_experts=32, num_experts_per_tok=4,
-        kv_lora_rank=256, q_lora_rank=512, v_head_dim=128, qk_nope_head_dim=128,
-        index_topk=2048, index_head_dim=64, index_n_heads=8, index_kpool=16,
-        linear_head_dim=128, linear_num_heads=12, max_position_embeddings=1 << 20,
+        hidden_size=1536,
+        intermediate_size=4096,
+        moe_intermediate_size=512,
+        num_hidden_layers=16,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        n_routed_experts=32,
+        num_experts_per_tok=4,
+        kv_lora_rank=256,
+        q_lora_rank=512,
+        v_head_dim=128,
+        qk_nope_head_dim=128,
+        index_topk=2048,
+        index_head_dim=64,
+        index_n_heads=8,
+        index_kpool=16,
+        linear_head_dim=128,
+        linear_num_heads=12,
+        max_position_embeddings=1 << 20,
         layer_types=layer_types_from_pattern("KKKD", 16),
         mlp_layer_types=("dense",) * 2 + ("sparse",) * 14,
     ),

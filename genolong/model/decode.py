@@ -136,7 +136,7 @@ def kda_prefill(mixer: KDAMixer, x: torch.Tensor) -> tuple[torch.Tensor, KDAStat
     b, t, _ = x.shape
     out, s = mixer(x, output_final_state=True)
     kernel = mixer.conv1d.weight.shape[-1]
-    tail = x[:, max(t - (kernel - 1), 0):]
+    tail = x[:, max(t - (kernel - 1), 0) :]
     proj = torch.cat([mixer.q_proj(tail), mixer.k_proj(tail), mixer.v_proj(tail)], dim=-1).float()
     conv = F.pad(proj, (0, 0, kernel - 1 - proj.shape[1], 0))  # zeros before the sequence start
     return out, KDAState(recurrent=s, conv=conv)
@@ -146,7 +146,9 @@ def kda_prefill(mixer: KDAMixer, x: torch.Tensor) -> tuple[torch.Tensor, KDAStat
 # DSA
 
 
-def dsa_init_cache(mixer: DSAMixer, batch_size: int, device: torch.device, dtype: torch.dtype, capacity: int) -> DSACache:
+def dsa_init_cache(
+    mixer: DSAMixer, batch_size: int, device: torch.device, dtype: torch.dtype, capacity: int
+) -> DSACache:
     """Empty cache of ``mixer`` for ``batch_size`` sequences, room for ``capacity`` tokens (grows)."""
     ix = mixer.indexer
     latent = torch.zeros(batch_size, capacity, mixer.kv_lora_rank, dtype=dtype, device=device)
@@ -180,7 +182,9 @@ def _expand_pools(pools: torch.Tensor, position: int, pool_size: int, tail: bool
     return torch.cat([tok, tail_tok[None].expand(b, p - 1)], dim=-1)
 
 
-def _indexer_step(ix: DSAIndexer, x3: torch.Tensor, q_resid: torch.Tensor, cache: DSACache, position: int) -> torch.Tensor:
+def _indexer_step(
+    ix: DSAIndexer, x3: torch.Tensor, q_resid: torch.Tensor, cache: DSACache, position: int
+) -> torch.Tensor:
     """Selection of the query at ``position``: ``x3 [B, 1, H]``, ``q_resid [B, 1, q_lora] -> [B, topk + P - 1]``."""
     assert cache.pooled is not None and cache.pool_keys is not None and cache.pool_gate is not None
     b = x3.shape[0]
@@ -193,7 +197,7 @@ def _indexer_step(ix: DSAIndexer, x3: torch.Tensor, q_resid: torch.Tensor, cache
         cache.pooled = _grow(cache.pooled, n_pools)
         cache.pooled[:, n_pools - 1] = kpool_keys(cache.pool_keys, cache.pool_gate, ix.index_kpool_compress_ape)[:, 0]
     q_idx = ix.wq_b(q_resid).view(b, 1, ix.n_heads, ix.head_dim)
-    w = ix.weights_proj(x3).float() * (ix.n_heads ** -0.5)  # [B, 1, HI]
+    w = ix.weights_proj(x3).float() * (ix.n_heads**-0.5)  # [B, 1, HI]
     pooled = cache.pooled
 
     def score_fn(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
@@ -230,8 +234,10 @@ def dsa_step(
         indices = _indexer_step(mixer.indexer, x3, q_resid, cache, position)
     else:
         if prev_indices is None or prev_indices.dim() != 2 or prev_indices.shape[0] != b:
-            raise ValueError(f"DSA layer {mixer.layer_idx} is a 'shared' indexer layer and needs the preceding full "
-                             f"layer's indices [B={b}, K] for this token")
+            raise ValueError(
+                f"DSA layer {mixer.layer_idx} is a 'shared' indexer layer and needs the preceding full "
+                f"layer's indices [B={b}, K] for this token"
+            )
         indices = prev_indices
     cache.last_indices = indices
     valid = (indices >= 0) & (indices <= position)  # [B, K]
@@ -272,8 +278,8 @@ def dsa_prefill(
         cache.pooled = _grow(cache.pooled, n_pools)
         cache.pooled[:, :n_pools] = kpool_keys(k_idx, gate, ix.index_kpool_compress_ape)
         rest = t - n_pools * p  # tokens of the incomplete pool, in slots 0 .. rest - 1
-        cache.pool_keys[:, :rest] = k_idx[:, n_pools * p:]
-        cache.pool_gate[:, :rest] = gate[:, n_pools * p:]
+        cache.pool_keys[:, :rest] = k_idx[:, n_pools * p :]
+        cache.pool_gate[:, :rest] = gate[:, n_pools * p :]
     return out, indices, cache
 
 
@@ -333,11 +339,15 @@ class Decoder:
     def _check_ids(self, ids: torch.Tensor, ndim: int, name: str) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor) or ids.dim() != ndim or ids.dtype.is_floating_point or ids.numel() == 0:
             shape = "[B]" if ndim == 1 else "[B, T]"
-            raise InputError(f"{name} must be a non-empty integer tensor {shape}; got {getattr(ids, 'shape', type(ids))}")
+            raise InputError(
+                f"{name} must be a non-empty integer tensor {shape}; got {getattr(ids, 'shape', type(ids))}"
+            )
         vocab = self.model.config.vocab_size
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab:
-            raise InputError(f"{name} holds ids outside [0, {vocab}) (min {lo}, max {hi}); map tokens into the model's vocabulary")
+            raise InputError(
+                f"{name} holds ids outside [0, {vocab}) (min {lo}, max {hi}); map tokens into the model's vocabulary"
+            )
         return ids.to(self.device, torch.long)
 
     def _log_probs(self, streams: torch.Tensor) -> torch.Tensor:
@@ -363,8 +373,10 @@ class Decoder:
         ids = self._check_ids(token_ids, 1, "token_ids")
         state = self.state
         if ids.shape[0] != state.batch_size:
-            raise InputError(f"token_ids has {ids.shape[0]} sequences but the state holds {state.batch_size}; "
-                             "call init_state with the new batch size")
+            raise InputError(
+                f"token_ids has {ids.shape[0]} sequences but the state holds {state.batch_size}; "
+                "call init_state with the new batch size"
+            )
         t = state.position
         model = self.model
         streams = expand_streams(model.embed_tokens(ids[:, None]), model.config.hc_mult)  # [B, 1, m, H]
@@ -436,8 +448,10 @@ def decode_log_probs(model: GenoLM, input_ids: torch.Tensor, prefill: int = 0) -
         ``[B, T, vocab_size]`` float32; row ``t`` is the distribution of token ``t + 1``.
     """
     if input_ids.dim() != 2 or input_ids.shape[1] < 1 or not 0 <= prefill <= input_ids.shape[1]:
-        raise InputError(f"input_ids must be [B, T] with T >= 1 and 0 <= prefill <= T; got shape "
-                         f"{tuple(input_ids.shape)}, prefill {prefill}")
+        raise InputError(
+            f"input_ids must be [B, T] with T >= 1 and 0 <= prefill <= T; got shape "
+            f"{tuple(input_ids.shape)}, prefill {prefill}"
+        )
     dec = Decoder(model)
     b, t = input_ids.shape
     parts: list[torch.Tensor] = []

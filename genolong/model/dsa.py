@@ -55,6 +55,7 @@ from .layers import RMSNorm
 
 __all__ = ["DSAAttention", "DSAIndexer", "DSAKeys", "DSAMixer", "indexer_kl_count"]
 
+
 class DSAKeys(NamedTuple):
     """What the queries of a DSA layer read from the key positions ``0 .. TK - 1``
     (:meth:`DSAMixer.project_keys`; position-wise, so it can be computed in token chunks,
@@ -125,7 +126,7 @@ class DSAIndexer(nn.Module):
         self.index_topk = config.index_topk
         self.index_kpool = config.index_kpool
         self.always_select_tail = config.index_kpool_always_select_tail
-        self.softmax_scale = self.head_dim ** -0.5
+        self.softmax_scale = self.head_dim**-0.5
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
@@ -134,9 +135,7 @@ class DSAIndexer(nn.Module):
         self.index_kpool_compress_gate = nn.Parameter(torch.ones(self.head_dim, config.hidden_size))
         self.kernels = get_backend(config.kernel_backend)
 
-    def project(
-        self, x: torch.Tensor, q_resid: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The scoring inputs (differentiable; :meth:`forward` calls it without gradient).
 
         Returns:
@@ -151,7 +150,7 @@ class DSAIndexer(nn.Module):
         (q_idx [B, T, HI, DI], w [B, T, HI] float32)`` (position-wise)."""
         b, t, _ = x.shape
         q_idx = self.wq_b(q_resid).view(b, t, self.n_heads, self.head_dim)
-        w = self.weights_proj(x).float() * (self.n_heads ** -0.5)
+        w = self.weights_proj(x).float() * (self.n_heads**-0.5)
         return q_idx, w
 
     def project_keys(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,12 +185,20 @@ class DSAIndexer(nn.Module):
         with torch.no_grad():
             q_idx, w, k_pool = q_idx.detach(), w.detach(), k_pool.detach()
             return self.kernels.kpool_topk(
-                q_idx, k_pool, w, self.index_topk, p, tail=self.always_select_tail,
-                scale=self.softmax_scale, activation="relu", q_offset=q_offset,
+                q_idx,
+                k_pool,
+                w,
+                self.index_topk,
+                p,
+                tail=self.always_select_tail,
+                scale=self.softmax_scale,
+                activation="relu",
+                q_offset=q_offset,
             )
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, k_pool: torch.Tensor | None = None,
-                q_offset: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, q_resid: torch.Tensor, k_pool: torch.Tensor | None = None, q_offset: int = 0
+    ) -> torch.Tensor:
         """The selection of queries ``x [B, n, H]``, ``q_resid [B, n, q_lora_rank]`` at positions
         ``q_offset ..`` (no gradient): :meth:`select` over ``k_pool [B, TK // P, DI]`` (default
         None: the queries' own pooled keys, ``q_offset`` 0). Pass ``k_pool`` and ``q_offset`` by
@@ -231,7 +238,7 @@ class DSAMixer(nn.Module):
         self.qk_head_dim = config.qk_head_dim
         self.v_head_dim = config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
-        self.scaling = self.qk_head_dim ** -0.5
+        self.scaling = self.qk_head_dim**-0.5
         self.query_block = query_block
         bias = config.attention_bias
         h = config.hidden_size
@@ -240,7 +247,9 @@ class DSAMixer(nn.Module):
         self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, config.kv_lora_rank + config.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.kv_b_proj = nn.Linear(
+            config.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+        )
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, h, bias=bias)
         types = config.indexer_types
         self.shared = types[layer_idx] == "shared"
@@ -377,16 +386,18 @@ class DSAMixer(nn.Module):
             w_k, w_v = wkv.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # [H, D, C], [H, DV, C]
             attn_q = torch.einsum("bthd,hdc->bthc", q, w_k)  # [B, n, H, C]
             attn_k = latent.unsqueeze(2)  # [B, TK, 1, C]
-            o_latent = self.kernels.sparse_attention(attn_q, attn_k, attn_k, indices, q_offset=q_offset,
-                                                     scale=self.scaling, query_block=self.query_block)
+            o_latent = self.kernels.sparse_attention(
+                attn_q, attn_k, attn_k, indices, q_offset=q_offset, scale=self.scaling, query_block=self.query_block
+            )
             o = torch.einsum("bthc,hvc->bthv", o_latent, w_v)
         else:
             # expanded keys and values of every key position
             kv = self.kv_b_proj(latent).view(b, latent.shape[1], self.num_heads, -1)
             k, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
             attn_q, attn_k = q, k.contiguous()
-            o = self.kernels.sparse_attention(q, attn_k, v.contiguous(), indices, q_offset=q_offset,
-                                              scale=self.scaling, query_block=self.query_block)
+            o = self.kernels.sparse_attention(
+                q, attn_k, v.contiguous(), indices, q_offset=q_offset, scale=self.scaling, query_block=self.query_block
+            )
         loss = None
         if kl:
             assert q_idx is not None and w is not None and keys.pooled is not None
@@ -394,8 +405,16 @@ class DSAMixer(nn.Module):
         out = self.o_proj(o.reshape(b, t, self.num_heads * self.v_head_dim))
         return DSAAttention(out, indices, loss)
 
-    def _indexer_kl(self, q_idx: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, q: torch.Tensor,
-                    k: torch.Tensor, indices: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
+    def _indexer_kl(
+        self,
+        q_idx: torch.Tensor,
+        w: torch.Tensor,
+        pooled: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        indices: torch.Tensor,
+        q_offset: int = 0,
+    ) -> torch.Tensor:
         """Sparse-stage indexer KL (DeepSeek-V3.2, over the selected pools; see
         :func:`genolong.kernels.dsa.kpool_indexer_kl_loss`) of queries ``q_offset ..``: the mean over
         them. ``q [B, n, H, D]`` and ``k [B, TK, HK, D]`` are the main attention's (latent or
@@ -408,6 +427,15 @@ class DSAMixer(nn.Module):
         tk = q_offset + q.shape[1]  # the keys of positions [0, tk): what these queries can see
         # the backend's kernel at every offset (queries q_offset .., keys and pools from position 0)
         return self.kernels.kpool_indexer_kl_loss(
-            q, k[:, :tk], q_idx, pooled[:, : tk // pool], w, pools, pool, attn_scale=self.scaling,
-            idx_scale=self.indexer.softmax_scale, tail=self.always_select_tail, q_offset=q_offset,
+            q,
+            k[:, :tk],
+            q_idx,
+            pooled[:, : tk // pool],
+            w,
+            pools,
+            pool,
+            attn_scale=self.scaling,
+            idx_scale=self.indexer.softmax_scale,
+            tail=self.always_select_tail,
+            q_offset=q_offset,
         )

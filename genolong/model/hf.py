@@ -47,8 +47,17 @@ from ..integrity import DamagedFileError, check_weights, write_manifest
 from ..units import format_bytes
 from .config import ModelConfig
 
-__all__ = ["CheckpointTensor", "checkpoint_layout", "config_text", "export_config", "export_entries", "layout_of",
-           "load_checkpoint", "save_checkpoint", "shard_file"]
+__all__ = [
+    "CheckpointTensor",
+    "checkpoint_layout",
+    "config_text",
+    "export_config",
+    "export_entries",
+    "layout_of",
+    "load_checkpoint",
+    "save_checkpoint",
+    "shard_file",
+]
 
 log = logging.getLogger("genolong")
 
@@ -109,11 +118,17 @@ def layout_of(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> list[CheckpointT
         if target.endswith(".mlp.experts.gate_up_proj"):
             base, half = target[: -len("gate_up_proj")], shape[1] // 2
             for e in range(shape[0]):
-                layout.append(CheckpointTensor(f"{base}{e}.gate_proj.weight", target, (e, slice(0, half)), (half, shape[2])))
-                layout.append(CheckpointTensor(f"{base}{e}.up_proj.weight", target, (e, slice(half, None)), (half, shape[2])))
+                layout.append(
+                    CheckpointTensor(f"{base}{e}.gate_proj.weight", target, (e, slice(0, half)), (half, shape[2]))
+                )
+                layout.append(
+                    CheckpointTensor(f"{base}{e}.up_proj.weight", target, (e, slice(half, None)), (half, shape[2]))
+                )
         elif target.endswith(".mlp.experts.down_proj"):
             base = target[: -len("down_proj")]
-            layout.extend(CheckpointTensor(f"{base}{e}.down_proj.weight", target, (e,), shape[1:]) for e in range(shape[0]))
+            layout.extend(
+                CheckpointTensor(f"{base}{e}.down_proj.weight", target, (e,), shape[1:]) for e in range(shape[0])
+            )
         elif target.endswith(".self_attn.conv1d.weight"):
             # q, k and v convolutions have the same width (heads x linear_head_dim)
             base, width = target[: -len("conv1d.weight")], shape[0] // 3
@@ -148,7 +163,9 @@ def _weight_map(directory: Path) -> dict[str, str]:
                 return dict.fromkeys(f.keys(), SINGLE_FILE)
         except Exception as exc:  # SafetensorError: a damage check_weights's structural check missed
             raise DamagedFileError(single, f"safetensors cannot read it: {exc}") from None
-    raise InputError(f"checkpoint {directory} has neither {INDEX_FILE} nor {SINGLE_FILE}; point to a GLM-5.3-Flash-format directory")
+    raise InputError(
+        f"checkpoint {directory} has neither {INDEX_FILE} nor {SINGLE_FILE}; point to a GLM-5.3-Flash-format directory"
+    )
 
 
 def _text_prefix(names: Iterable[str], directory: Path) -> str:
@@ -156,7 +173,9 @@ def _text_prefix(names: Iterable[str], directory: Path) -> str:
     for prefix in _READ_PREFIXES:
         if f"{prefix}embed_tokens.weight" in names:
             return prefix
-    raise InputError(f"checkpoint {directory} has no embed_tokens.weight under any of {_READ_PREFIXES}; it is not a GLM-5.3-Flash text model")
+    raise InputError(
+        f"checkpoint {directory} has no embed_tokens.weight under any of {_READ_PREFIXES}; it is not a GLM-5.3-Flash text model"
+    )
 
 
 def _skip_reason(name: str, prefix: str, num_layers: int) -> str | None:
@@ -165,7 +184,7 @@ def _skip_reason(name: str, prefix: str, num_layers: int) -> str | None:
         return None
     if not name.startswith(prefix):
         return "vision tower"
-    layer = re.match(r"layers\.(\d+)\.", name[len(prefix):])
+    layer = re.match(r"layers\.(\d+)\.", name[len(prefix) :])
     if (layer and int(layer.group(1)) >= num_layers) or ".shared_head." in name:
         return "MTP block"
     return None
@@ -178,8 +197,10 @@ def _materialise(model: nn.Module, target: str, dtype: torch.dtype, device: torc
     if leaf in module._parameters:
         old = module._parameters[leaf]
         assert old is not None
-        new = nn.Parameter(torch.empty(old.shape, dtype=dtype if old.is_floating_point() else old.dtype, device=device),
-                           requires_grad=old.requires_grad)
+        new = nn.Parameter(
+            torch.empty(old.shape, dtype=dtype if old.is_floating_point() else old.dtype, device=device),
+            requires_grad=old.requires_grad,
+        )
         module._parameters[leaf] = new
         return new.data
     old_buffer = module._buffers[leaf]
@@ -189,8 +210,12 @@ def _materialise(model: nn.Module, target: str, dtype: torch.dtype, device: torc
     return module._buffers[leaf]
 
 
-def load_checkpoint(model: nn.Module, directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> None:
+def load_checkpoint(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> None:
     """Fill ``model`` (built on the meta device) from a GLM-5.3-Flash-format checkpoint, streaming.
 
     Each checkpoint tensor is read, cast to ``dtype`` and copied into its slice of a parameter that
@@ -228,7 +253,7 @@ def load_checkpoint(model: nn.Module, directory: str | os.PathLike[str], dtype: 
     for shard, names in by_shard.items():
         with safe_open(directory / shard, framework="pt", device="cpu") as f:
             for name in names:
-                relative = name if name == HEAD else name[len(prefix):]
+                relative = name if name == HEAD else name[len(prefix) :]
                 # a fused tensor (transformers' in-memory names, save_original_format=False) fills its target
                 entry = layout.get(relative) or (
                     CheckpointTensor(relative, relative, (), shapes[relative]) if relative in shapes else None
@@ -265,15 +290,22 @@ def load_checkpoint(model: nn.Module, directory: str | os.PathLike[str], dtype: 
                 loaded_bytes += value.numel() * value.element_size()
                 del value
 
-    missing = [name for name, tensor in model.state_dict(keep_vars=True).items() if filled.get(name, 0) != tensor.numel()]
+    missing = [
+        name for name, tensor in model.state_dict(keep_vars=True).items() if filled.get(name, 0) != tensor.numel()
+    ]
     if missing:
         raise InputError(
             f"checkpoint {directory} lacks {len(missing)} tensor(s) the model needs, first {missing[0]}; "
             "the checkpoint is incomplete or config.json describes another model"
         )
     skip_text = ", ".join(f"{reason} ({n} tensors)" for reason, n in sorted(skipped.items()))
-    log.info("genolong: loaded %d tensors (%s) from %s%s", sum(len(v) for v in by_shard.values()),
-             format_bytes(loaded_bytes), directory, f"; skipped {skip_text}" if skipped else "")
+    log.info(
+        "genolong: loaded %d tensors (%s) from %s%s",
+        sum(len(v) for v in by_shard.values()),
+        format_bytes(loaded_bytes),
+        directory,
+        f"; skipped {skip_text}" if skipped else "",
+    )
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -308,6 +340,7 @@ def config_text(config: ModelConfig, head_dtype: torch.dtype) -> str:
     hf["dtype"] = str(head_dtype).removeprefix("torch.")
     return json.dumps(hf, indent=2) + "\n"
 
+
 def _out_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     """The dtype a tensor is written in (``dtype`` for floating tensors but the fp32-kept ones)."""
     if dtype is not None and tensor.is_floating_point() and not FP32_TENSORS.search(name):
@@ -328,8 +361,13 @@ def _shards(sizes: Sequence[tuple[str, int]], max_shard_bytes: int) -> list[list
     return shards
 
 
-def save_checkpoint(model: nn.Module, directory: str | os.PathLike[str], dtype: torch.dtype | None = None,
-                    max_shard_bytes: int = 5 * 10**9, copy_files: Sequence[str | os.PathLike[str]] = ()) -> Path:
+def save_checkpoint(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 10**9,
+    copy_files: Sequence[str | os.PathLike[str]] = (),
+) -> Path:
     """Write ``model`` as a GLM-5.3-Flash-format checkpoint directory (config.json + safetensors).
 
     The layout is transformers' original format (per-expert, split convolutions; see the module
@@ -375,8 +413,13 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike[str], dtype: 
             weight_map: dict[str, str] = {}
             for i, group in enumerate(groups):
                 file = shard_file(i, len(groups))
-                shard = {name: state[entries[name].target][entries[name].index].detach().to("cpu", out_dtypes[name]).contiguous()
-                         for name in group}
+                shard = {
+                    name: state[entries[name].target][entries[name].index]
+                    .detach()
+                    .to("cpu", out_dtypes[name])
+                    .contiguous()
+                    for name in group
+                }
                 save_file(shard, tmp / file, metadata={"format": "pt"})
                 del shard
                 weight_map.update(dict.fromkeys(group, file))

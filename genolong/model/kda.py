@@ -54,9 +54,9 @@ class ShortConv(nn.Module):
             padded = F.pad(x.float(), (0, 0, k - 1, 0))  # [B, T + K - 1, C]
         else:
             padded = torch.cat([halo.float(), x.float()], dim=1)
-        out = padded[:, k - 1:] * w[:, k - 1]
+        out = padded[:, k - 1 :] * w[:, k - 1]
         for j in range(k - 1):
-            out = out + padded[:, j:j + t] * w[:, j]
+            out = out + padded[:, j : j + t] * w[:, j]
         return F.silu(out).to(x.dtype)
 
 
@@ -113,9 +113,18 @@ class ForgetGate(nn.Module):
             return self.lower_bound * torch.sigmoid(rate * raw)
         return -rate * F.softplus(raw, threshold=20.0)
 
-    def gated_kda(self, x: torch.Tensor, kda_gated: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  beta_logits: torch.Tensor, initial_state: torch.Tensor | None, output_final_state: bool,
-                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def gated_kda(
+        self,
+        x: torch.Tensor,
+        kda_gated: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        beta_logits: torch.Tensor,
+        initial_state: torch.Tensor | None,
+        output_final_state: bool,
+        chunk_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``kda_gated`` (a backend's ``chunk_kda_gated``) with this gate: the raw projection
         ``f_b(f_a(x)) [B, T, heads, head_dim]``, ``A_log`` and ``dt_bias`` go to the op, which
         applies the gate itself (inside fla's kernel: no ``[B, T, heads, head_dim]`` fp32 gate
@@ -123,8 +132,19 @@ class ForgetGate(nn.Module):
         returns the op's ``(o, final_state)``."""
         b, t, _ = x.shape
         g_raw = self._raw(x).view(b, t, self.num_heads, self.head_dim)
-        return kda_gated(q, k, v, g_raw, beta_logits, self.A_log, self.dt_bias, lower_bound=self.lower_bound,
-                         initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size)
+        return kda_gated(
+            q,
+            k,
+            v,
+            g_raw,
+            beta_logits,
+            self.A_log,
+            self.dt_bias,
+            lower_bound=self.lower_bound,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            chunk_size=chunk_size,
+        )
 
 
 class KDAMixer(nn.Module):
@@ -184,8 +204,9 @@ class KDAMixer(nn.Module):
         halo carry)."""
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
-    def _qkv(self, x: torch.Tensor, projected: torch.Tensor, halo: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(
+        self, x: torch.Tensor, projected: torch.Tensor, halo: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Short conv (with ``halo`` rows in front, or zeros) + SiLU, heads, L2-normalised q and k (fp32)."""
         b, t, _ = x.shape
         heads = (b, t, self.num_heads, self.head_dim)
@@ -194,16 +215,31 @@ class KDAMixer(nn.Module):
         q, k = l2_normalize(q.float()), l2_normalize(k.float())  # in fp32, as fla does
         return q, k, v
 
-    def _gated_kda(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   initial_state: torch.Tensor | None, output_final_state: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _gated_kda(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        initial_state: torch.Tensor | None,
+        output_final_state: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The delta rule through the backend's ``chunk_kda_gated`` (one process, no CP fold)."""
         # the gate and beta from their raw projections inside the KDA op: on the fla backend
         # fla's kernel computes them (no [B, T, H, K] fp32 gate tensor saved for backward); on
         # the torch backend the same ops as ForgetGate.forward and a sigmoid. Called through the
         # gate's own method, so that an FSDP2 unit of the gate gathers A_log and dt_bias first.
-        return self.forget_gate.gated_kda(x, self.kernels.chunk_kda_gated, q, k, v.float(), self.b_proj(x),
-                                          initial_state, output_final_state, self.chunk_size)
+        return self.forget_gate.gated_kda(
+            x,
+            self.kernels.chunk_kda_gated,
+            q,
+            k,
+            v.float(),
+            self.b_proj(x),
+            initial_state,
+            output_final_state,
+            self.chunk_size,
+        )
 
     def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """``o_proj(RMSNorm(o) * sigmoid(g_b(g_a(x))))``: ``o [B, T, heads, dv]`` -> ``[B, T, H]``."""
@@ -221,13 +257,16 @@ class KDAMixer(nn.Module):
         h = self.conv1d.weight.shape[-1] - 1
         b, t, c = projected.shape
         if t >= h:
-            return projected[:, t - h:].clone()
+            return projected[:, t - h :].clone()
         if halo is None:
             halo = projected.new_zeros(b, h, c)
         return torch.cat([halo, projected], dim=1)[:, t:].clone()
 
     def forward_segment(
-        self, x: torch.Tensor, halo: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+        self,
+        x: torch.Tensor,
+        halo: torch.Tensor | None = None,
+        initial_state: torch.Tensor | None = None,
         output_tail: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One segment of a longer sequence, given what the tokens before it leave behind.
@@ -291,7 +330,9 @@ class KDAMixer(nn.Module):
         halo = None
         if self.cp_group is not None:
             if initial_state is not None or output_final_state:
-                raise ValueError("KDAMixer: initial_state / output_final_state (decoding) do not combine with context parallelism")
+                raise ValueError(
+                    "KDAMixer: initial_state / output_final_state (decoding) do not combine with context parallelism"
+                )
             from ..kernels.kda.cp import conv_halo
 
             halo = conv_halo(projected, self.conv1d.weight.shape[-1], self.cp_group)
@@ -301,8 +342,9 @@ class KDAMixer(nn.Module):
 
             g = self.forget_gate(x)
             beta = torch.sigmoid(self.b_proj(x).float())
-            o = cp_chunk_kda(q, k, v.float(), g, beta, group=self.cp_group, chunk_size=self.chunk_size,
-                             kda_fn=self._kda_fn())
+            o = cp_chunk_kda(
+                q, k, v.float(), g, beta, group=self.cp_group, chunk_size=self.chunk_size, kda_fn=self._kda_fn()
+            )
             state = None
         else:
             o, state = self._gated_kda(x, q, k, v, initial_state, output_final_state)

@@ -62,14 +62,18 @@ class Block(nn.Module):
         self.attn_hc = HyperConnection(config)
         self.ffn_hc = HyperConnection(config)
 
-    def forward(self, streams: torch.Tensor, prev_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, streams: torch.Tensor, prev_indices: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``streams [B, T, m, H]`` (and a shared DSA layer's ``prev_indices [B, T, k]``, default
         None) -> (new streams ``[B, T, m, H]``, this DSA layer's top-k indices or None): the
         attention half, then the feed-forward half."""
         streams, indices = self.attention_half(streams, prev_indices)
         return self.ffn_half(streams), indices
 
-    def attention_half(self, streams: torch.Tensor, prev_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def attention_half(
+        self, streams: torch.Tensor, prev_indices: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The mixer inside its hyper-connection: ``attn_hc -> input_layernorm -> self_attn ->
         merge_streams``.
 
@@ -129,8 +133,14 @@ class GenoLM(nn.Module):
         """``hidden [..., H] -> logits [..., V]`` (materialises them: for short inputs and decoding)."""
         return self.lm_head(hidden)
 
-    def loss(self, tokens: torch.Tensor, softmask_weight: float = 1.0, chunk_size: int = 4096,
-             vocab: VocabMap | None = None, next_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(
+        self,
+        tokens: torch.Tensor,
+        softmask_weight: float = 1.0,
+        chunk_size: int = 4096,
+        vocab: VocabMap | None = None,
+        next_tokens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Next-base loss of store tokens ``[B, T]`` (case kept): (NLL sum in nats, weight sum).
 
         Model inputs are the tokens without case (through ``vocab`` for a text LLM checkpoint;
@@ -143,8 +153,13 @@ class GenoLM(nn.Module):
         return next_token_loss(hidden, self.lm_head.weight, tokens, softmask_weight, chunk_size, vocab, next_tokens)
 
     @torch.no_grad()
-    def token_nll(self, tokens: torch.Tensor, chunk_size: int = 4096, vocab: VocabMap | None = None,
-                  segment_tokens: int | None = None) -> torch.Tensor:
+    def token_nll(
+        self,
+        tokens: torch.Tensor,
+        chunk_size: int = 4096,
+        vocab: VocabMap | None = None,
+        segment_tokens: int | None = None,
+    ) -> torch.Tensor:
         """Per-target NLL of store tokens ``[B, T]``: ``[B, T - 1]`` float32 nats, NaN where the
         target does not count (see :func:`genolong.model.loss.next_token_nll`); no gradient.
 
@@ -162,9 +177,15 @@ class GenoLM(nn.Module):
 
     # -- checkpoints (the GLM-5.3-Flash format; see genolong.model.hf) ------------------------------
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu", moe_chunk_tokens: int | None = None,
-                        kernel_backend: str | None = None, config: ModelConfig | None = None) -> GenoLM:
+    def from_pretrained(
+        cls,
+        directory: str | os.PathLike[str],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        moe_chunk_tokens: int | None = None,
+        kernel_backend: str | None = None,
+        config: ModelConfig | None = None,
+    ) -> GenoLM:
         """Load a GLM-5.3-Flash-format checkpoint (config.json + safetensors shards), text tower only.
 
         The model is built on the meta device and filled shard by shard (one checkpoint tensor in
@@ -196,8 +217,13 @@ class GenoLM(nn.Module):
         load_checkpoint(model, directory, dtype=dtype, device=device)
         return model
 
-    def save_pretrained(self, directory: str | os.PathLike[str], dtype: torch.dtype | None = None,
-                        max_shard_bytes: int = 5 * 10**9, copy_files: Sequence[str | os.PathLike[str]] = ()) -> Path:
+    def save_pretrained(
+        self,
+        directory: str | os.PathLike[str],
+        dtype: torch.dtype | None = None,
+        max_shard_bytes: int = 5 * 10**9,
+        copy_files: Sequence[str | os.PathLike[str]] = (),
+    ) -> Path:
         """Write this model as a GLM-5.3-Flash-format checkpoint that transformers and the serving
         engines read (see :func:`genolong.model.hf.save_checkpoint` for the arguments)."""
         return save_checkpoint(self, directory, dtype=dtype, max_shard_bytes=max_shard_bytes, copy_files=copy_files)

@@ -44,10 +44,26 @@ from torch import nn
 from ..errors import InputError
 from ..files import fsync_tree, replace_dir, unique_sibling, writing
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "ExpertAdapters", "LoraLinear", "LoraSettings", "adapter_parameters",
-           "apply_lora", "experts_forward_weight", "has_lora", "load_adapter", "lora_modules", "merge_lora", "merged_expert_weight",
-           "merged_linear_weight", "peft_name", "read_adapter_config",
-           "save_adapter", "saved_module_tensors"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "ExpertAdapters",
+    "LoraLinear",
+    "LoraSettings",
+    "adapter_parameters",
+    "apply_lora",
+    "experts_forward_weight",
+    "has_lora",
+    "load_adapter",
+    "lora_modules",
+    "merge_lora",
+    "merged_expert_weight",
+    "merged_linear_weight",
+    "peft_name",
+    "read_adapter_config",
+    "save_adapter",
+    "saved_module_tensors",
+]
 
 #: the files of an adapter directory (PEFT's names)
 ADAPTER_CONFIG = "adapter_config.json"
@@ -110,7 +126,9 @@ class LoraLinear(nn.Module):
             precision, else the base's).
     """
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, dtype: torch.dtype | None = None):
+    def __init__(
+        self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, dtype: torch.dtype | None = None
+    ):
         super().__init__()
         if rank < 1:
             raise InputError(f"LoRA rank must be at least 1, got {rank}")
@@ -303,24 +321,33 @@ def apply_lora(model: nn.Module, lora: Any) -> list[str]:
     for pattern in lora.targets:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in linears):
             example = next((n for n in linears if ".self_attn." in n), linears[0] if linears else "")
-            raise InputError(f"model.lora.targets: {pattern!r} matches no linear layer (names look like {example!r}); "
-                             "fix the glob, e.g. 'layers.*.self_attn.*'")
+            raise InputError(
+                f"model.lora.targets: {pattern!r} matches no linear layer (names look like {example!r}); "
+                "fix the glob, e.g. 'layers.*.self_attn.*'"
+            )
     for pattern in lora.modules_to_save:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in modules if name):
-            raise InputError(f"model.lora.modules_to_save: {pattern!r} matches no module (names look like 'norm', "
-                             "'layers.0.input_layernorm'); fix the glob")
+            raise InputError(
+                f"model.lora.modules_to_save: {pattern!r} matches no module (names look like 'norm', "
+                "'layers.0.input_layernorm'); fix the glob"
+            )
     linear_names = [n for n in linears if _matches(n, lora.targets) and not _matches(n, lora.modules_to_save)]
     expert_names: list[str] = []
     if lora.routed_experts:
-        expert_names = [name for name, m in modules.items() if name.endswith(".mlp.experts") and hasattr(m, "gate_up_proj")]
+        expert_names = [
+            name for name, m in modules.items() if name.endswith(".mlp.experts") and hasattr(m, "gate_up_proj")
+        ]
         if not expert_names:
-            raise InputError("model.lora.routed_experts: this model has no routed experts (no MoE layer); set it to false")
+            raise InputError(
+                "model.lora.routed_experts: this model has no routed experts (no MoE layer); set it to false"
+            )
     saved_names = [name for name in modules if name and _matches(name, lora.modules_to_save)]
     return _wrap(model, lora, linear_names, expert_names, saved_names)
 
 
-def _wrap(model: nn.Module, lora: Any, linear_names: Sequence[str], expert_names: Sequence[str],
-          saved_names: Sequence[str]) -> list[str]:
+def _wrap(
+    model: nn.Module, lora: Any, linear_names: Sequence[str], expert_names: Sequence[str], saved_names: Sequence[str]
+) -> list[str]:
     """Freeze ``model``, wrap the named linear layers, give the named experts adapters and
     unfreeze the named modules; record the settings on the model. Returns the adapted names."""
     modules = dict(model.named_modules())
@@ -333,9 +360,14 @@ def _wrap(model: nn.Module, lora: Any, linear_names: Sequence[str], expert_names
     for name in saved_names:
         for param in modules[name].parameters():
             param.requires_grad_(True)
-    model.lora_settings = LoraSettings(rank=int(lora.rank), alpha=float(lora.alpha), dropout=float(lora.dropout),
-                                       targets=tuple(lora.targets), routed_experts=bool(lora.routed_experts),
-                                       modules_to_save=tuple(lora.modules_to_save))
+    model.lora_settings = LoraSettings(
+        rank=int(lora.rank),
+        alpha=float(lora.alpha),
+        dropout=float(lora.dropout),
+        targets=tuple(lora.targets),
+        routed_experts=bool(lora.routed_experts),
+        modules_to_save=tuple(lora.modules_to_save),
+    )
     model.lora_saved_modules = tuple(saved_names)
     return [*linear_names, *expert_names]
 
@@ -375,15 +407,18 @@ def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return out
 
 
-def merged_linear_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+def merged_linear_weight(
+    weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float
+) -> torch.Tensor:
     """``W + scaling * B A`` ``[out, in]`` in float32 (``weight [out, in]``, ``lora_a [r, in]``,
     ``lora_b [out, r]``): the merge of one adapted linear layer (:func:`merge_lora`, and the sharded
     export, :mod:`genolong.train.export`, which computes it from gathered tensors)."""
     return weight.float() + (lora_b.float() @ lora_a.float()) * scaling
 
 
-def merged_expert_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
-                         expert: int) -> torch.Tensor:
+def merged_expert_weight(
+    weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float, expert: int
+) -> torch.Tensor:
     """Expert ``expert``'s merged ``weight[e] + scaling * B[e] A[e]`` ``[out, in]`` in float32
     (``weight [E, out, in]``, ``lora_a [E, r, in]``, ``lora_b [E, out, r]``; the product in the
     adapters' dtype, as :meth:`ExpertAdapters.delta`)."""
@@ -397,8 +432,11 @@ def merge_lora(model: nn.Module) -> nn.Module:
     with torch.no_grad():
         for name, module in lora_modules(model).items():
             base = module.base
-            base.weight.copy_(merged_linear_weight(base.weight, module.lora_A.weight, module.lora_B.weight,
-                                                   module.scaling).to(base.weight.dtype))
+            base.weight.copy_(
+                merged_linear_weight(base.weight, module.lora_A.weight, module.lora_B.weight, module.scaling).to(
+                    base.weight.dtype
+                )
+            )
             _set_child(model, name, base)
         for name, adapters in _expert_adapters(model).items():
             experts = model.get_submodule(name)
@@ -427,7 +465,10 @@ def _peft_parameters(model: nn.Module) -> dict[str, tuple[torch.Tensor, str | No
         # adapters sit under "experts.base_layer.", down_proj's under "experts."
         for param_name, infix in zip(_EXPERT_PARAMETERS, ("base_layer.", "")):
             for part in ("lora_A", "lora_B"):
-                found[f"{_PEFT_PREFIX}{peft_name(name)}.{infix}{part}.weight"] = (getattr(adapters, part)[param_name].weight, part)
+                found[f"{_PEFT_PREFIX}{peft_name(name)}.{infix}{part}.weight"] = (
+                    getattr(adapters, part)[param_name].weight,
+                    part,
+                )
     for module_name, module in _saved_modules(model).items():
         for name, p in module.named_parameters():
             found[f"{_PEFT_PREFIX}{peft_name(module_name)}.{name}"] = (p, None)
@@ -465,12 +506,17 @@ def _adapter_config(model: nn.Module, base_model_name_or_path: str | None) -> di
         "layers_to_transform": None,
         "layers_pattern": None,
         "revision": None,
-        "genolong": {"targets": list(s.targets), "routed_experts": s.routed_experts,
-                     "modules_to_save": list(s.modules_to_save)},
+        "genolong": {
+            "targets": list(s.targets),
+            "routed_experts": s.routed_experts,
+            "modules_to_save": list(s.modules_to_save),
+        },
     }
 
 
-def save_adapter(model: nn.Module, directory: str | os.PathLike[str], base_model_name_or_path: str | None = None) -> Path:
+def save_adapter(
+    model: nn.Module, directory: str | os.PathLike[str], base_model_name_or_path: str | None = None
+) -> Path:
     """Write ``model``'s adapters as a PEFT adapter directory (``adapter_config.json``,
     ``adapter_model.safetensors`` in float32, and genolong's checksum manifest), built beside
     ``directory`` and renamed into place when complete (an existing adapter there is replaced).
@@ -518,39 +564,71 @@ def _read_peft_config(path: Path) -> tuple[LoraSettings, list[str]]:
     if not path.is_dir():
         raise InputError(f"--adapter {path}: no such directory; give a LoRA adapter directory (e.g. runs/NAME/adapter)")
     if not file.is_file():
-        raise InputError(f"--adapter {path}: no {ADAPTER_CONFIG} in it; give a PEFT LoRA adapter directory (e.g. runs/NAME/adapter)")
+        raise InputError(
+            f"--adapter {path}: no {ADAPTER_CONFIG} in it; give a PEFT LoRA adapter directory (e.g. runs/NAME/adapter)"
+        )
     try:
         raw = json.loads(file.read_text())
     except (OSError, ValueError) as error:
-        raise InputError(f"--adapter {path}: {ADAPTER_CONFIG} is not readable JSON ({error}); re-save the adapter") from None
+        raise InputError(
+            f"--adapter {path}: {ADAPTER_CONFIG} is not readable JSON ({error}); re-save the adapter"
+        ) from None
     if raw.get("peft_type") != "LORA":
-        raise InputError(f"--adapter {path}: a {raw.get('peft_type')!r} adapter; genolong reads LoRA adapters (peft_type LORA) only")
-    unsupported = [key for key, off in (("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False),
-                                        ("lora_bias", False), ("rank_pattern", {}), ("alpha_pattern", {}))
-                   if raw.get(key, off) not in (off, None)]
+        raise InputError(
+            f"--adapter {path}: a {raw.get('peft_type')!r} adapter; genolong reads LoRA adapters (peft_type LORA) only"
+        )
+    unsupported = [
+        key
+        for key, off in (
+            ("use_dora", False),
+            ("use_rslora", False),
+            ("fan_in_fan_out", False),
+            ("lora_bias", False),
+            ("rank_pattern", {}),
+            ("alpha_pattern", {}),
+        )
+        if raw.get(key, off) not in (off, None)
+    ]
     if raw.get("bias", "none") != "none":
         unsupported.append("bias")
     if unsupported:
-        raise InputError(f"--adapter {path}: uses {', '.join(unsupported)}, which genolong's LoRA does not compute; "
-                         "re-train the adapter without them")
+        raise InputError(
+            f"--adapter {path}: uses {', '.join(unsupported)}, which genolong's LoRA does not compute; "
+            "re-train the adapter without them"
+        )
     targets = raw.get("target_modules") or []
     if isinstance(targets, str):
-        raise InputError(f"--adapter {path}: target_modules is a regular expression ({targets!r}); genolong reads adapters whose "
-                         "target_modules list module names (as peft writes when given a list)")
+        raise InputError(
+            f"--adapter {path}: target_modules is a regular expression ({targets!r}); genolong reads adapters whose "
+            "target_modules list module names (as peft writes when given a list)"
+        )
     params = raw.get("target_parameters") or []
-    if any(p.rsplit(".", 1)[-1] not in _EXPERT_PARAMETERS or not p.rsplit(".", 1)[0].endswith(".mlp.experts") for p in params):
-        raise InputError(f"--adapter {path}: target_parameters {params} are not routed-expert parameters; genolong adapts "
-                         f"the experts' {' and '.join(_EXPERT_PARAMETERS)} only")
+    if any(
+        p.rsplit(".", 1)[-1] not in _EXPERT_PARAMETERS or not p.rsplit(".", 1)[0].endswith(".mlp.experts")
+        for p in params
+    ):
+        raise InputError(
+            f"--adapter {path}: target_parameters {params} are not routed-expert parameters; genolong adapts "
+            f"the experts' {' and '.join(_EXPERT_PARAMETERS)} only"
+        )
     experts = sorted({p.rsplit(".", 1)[0] for p in params})
     if sorted(params) != sorted(f"{e}.{p}" for e in experts for p in _EXPERT_PARAMETERS):
-        raise InputError(f"--adapter {path}: target_parameters adapt only one of {' and '.join(_EXPERT_PARAMETERS)} of some MoE "
-                         "layer; genolong adapts both")
+        raise InputError(
+            f"--adapter {path}: target_parameters adapt only one of {' and '.join(_EXPERT_PARAMETERS)} of some MoE "
+            "layer; genolong adapts both"
+        )
     try:
         rank, alpha, dropout = int(raw["r"]), float(raw["lora_alpha"]), float(raw.get("lora_dropout") or 0.0)
     except (KeyError, TypeError, ValueError):
         raise InputError(f"--adapter {path}: {ADAPTER_CONFIG} lacks r or lora_alpha; re-save the adapter") from None
-    return LoraSettings(rank=rank, alpha=alpha, dropout=dropout, targets=tuple(targets), routed_experts=bool(experts),
-                        modules_to_save=tuple(raw.get("modules_to_save") or ())), experts
+    return LoraSettings(
+        rank=rank,
+        alpha=alpha,
+        dropout=dropout,
+        targets=tuple(targets),
+        routed_experts=bool(experts),
+        modules_to_save=tuple(raw.get("modules_to_save") or ()),
+    ), experts
 
 
 def read_adapter_config(directory: str | os.PathLike[str]) -> LoraSettings:
@@ -605,14 +683,27 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike[str]) -> LoraSet
     for target in raw.targets:
         if not any(_peft_matches(n, target) for n in linear_names):
             shown = _genolong_name(target)
-            raise InputError(f"--adapter {path}: adapts {shown!r}, which this base model does not have (as a linear layer); "
-                             "the adapter was trained on another model")
-    for name in (*expert_names, *(_genolong_name(t) for t in raw.modules_to_save if not any(_peft_matches(n, t) for n in saved_names))):
+            raise InputError(
+                f"--adapter {path}: adapts {shown!r}, which this base model does not have (as a linear layer); "
+                "the adapter was trained on another model"
+            )
+    for name in (
+        *expert_names,
+        *(_genolong_name(t) for t in raw.modules_to_save if not any(_peft_matches(n, t) for n in saved_names)),
+    ):
         if name not in modules or (name in expert_names and not hasattr(modules[name], "gate_up_proj")):
-            raise InputError(f"--adapter {path}: adapts {name!r}, which this base model does not have; "
-                             "the adapter was trained on another model")
-    settings = LoraSettings(rank=raw.rank, alpha=raw.alpha, dropout=raw.dropout, targets=tuple(linear_names),
-                            routed_experts=bool(expert_names), modules_to_save=tuple(saved_names))
+            raise InputError(
+                f"--adapter {path}: adapts {name!r}, which this base model does not have; "
+                "the adapter was trained on another model"
+            )
+    settings = LoraSettings(
+        rank=raw.rank,
+        alpha=raw.alpha,
+        dropout=raw.dropout,
+        targets=tuple(linear_names),
+        routed_experts=bool(expert_names),
+        modules_to_save=tuple(saved_names),
+    )
     _wrap(model, settings, linear_names, expert_names, saved_names)
     expected = _peft_parameters(model)
     try:
@@ -628,9 +719,13 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike[str]) -> LoraSet
                     tensor = f.get_tensor(key)
                     shape = tuple(target.shape) if part is None else tuple(_to_peft(part, target).shape)
                     if tuple(tensor.shape) != shape:
-                        raise InputError(f"--adapter {path}: {key} has shape {tuple(tensor.shape)}, this base needs "
-                                         f"{shape}; the adapter was trained on another model")
-                    target.copy_((tensor if part is None else _from_peft(part, tensor, target.shape[0])).to(target.dtype))
+                        raise InputError(
+                            f"--adapter {path}: {key} has shape {tuple(tensor.shape)}, this base needs "
+                            f"{shape}; the adapter was trained on another model"
+                        )
+                    target.copy_(
+                        (tensor if part is None else _from_peft(part, tensor, target.shape[0])).to(target.dtype)
+                    )
     except SafetensorError as error:
         raise InputError(f"--adapter {path}: {ADAPTER_WEIGHTS} is damaged ({error}); re-save the adapter") from None
     for param in model.parameters():

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ..data.alphabet import A, BASE_MASK, SOFTMASK, T
+from ..data.alphabet import BASE_MASK, SOFTMASK, A, T
 from ..kernels.ce import chunked_cross_entropy
 from .vocab import VocabMap
 

@@ -85,14 +85,18 @@ class HyperConnection(nn.Module):
         return pre, post, comb
 
 
-def merge_streams(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+def merge_streams(
+    post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor
+) -> torch.Tensor:
     """New streams after a block: ``post * block_out + comb^T @ streams``.
 
     Shapes: ``post [B, T, m]``, ``comb [B, T, m, m]``, ``block_out [B, T, H]``,
     ``streams [B, T, m, H] -> [B, T, m, H]`` in ``block_out``'s dtype.
     """
     dtype = block_out.dtype
-    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), streams
+    )
 
 
 def expand_streams(x: torch.Tensor, hc_mult: int) -> torch.Tensor:

@@ -49,8 +49,20 @@ from .config import ModelConfig
 from .layers import SwiGLU, clamped_swiglu
 from .lora import experts_forward_weight
 
-__all__ = ["Router", "Experts", "MoE", "RoutingStats", "RoutingTally", "capacity_keep", "expert_counts", "experts_grouped",
-           "experts_loop", "grouped_mm_supported", "moe_layers", "record_routing"]
+__all__ = [
+    "Router",
+    "Experts",
+    "MoE",
+    "RoutingStats",
+    "RoutingTally",
+    "capacity_keep",
+    "expert_counts",
+    "experts_grouped",
+    "experts_loop",
+    "grouped_mm_supported",
+    "moe_layers",
+    "record_routing",
+]
 
 
 def expert_counts(flat: torch.Tensor, n: int) -> torch.Tensor:
@@ -81,8 +93,9 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all(d % 8 == 0 for w in weights for d in w.shape[1:])
 
 
-def experts_grouped(rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                    limit: float) -> torch.Tensor:
+def experts_grouped(
+    rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float
+) -> torch.Tensor:
     """The routed experts on rows grouped by expert, as two grouped matmuls (no host sync).
 
     Args:
@@ -128,7 +141,7 @@ def experts_loop(rows: torch.Tensor, counts: list[int], weight: Any, limit: floa
     """
     outs, start = [], 0
     for e, count in enumerate(counts):
-        gate, up = F.linear(rows[start:start + count], weight("gate_up_proj", e)).chunk(2, dim=-1)
+        gate, up = F.linear(rows[start : start + count], weight("gate_up_proj", e)).chunk(2, dim=-1)
         outs.append(F.linear(clamped_swiglu(gate, up, limit), weight("down_proj", e)))
         start += count
     if start < rows.shape[0]:  # rows the capacity dropped (sorted last): zeros
@@ -210,14 +223,22 @@ class RoutingStats:
     tokens: int
 
     def __add__(self, other: RoutingStats) -> RoutingStats:
-        return RoutingStats(self.load + other.load, self.dropped + other.dropped, self.entropy + other.entropy,
-                            self.tokens + other.tokens)
+        return RoutingStats(
+            self.load + other.load,
+            self.dropped + other.dropped,
+            self.entropy + other.entropy,
+            self.tokens + other.tokens,
+        )
 
     @classmethod
     def zeros(cls, num_experts: int, device: torch.device | str = "cpu") -> RoutingStats:
         """No tokens yet."""
-        return cls(torch.zeros(num_experts, dtype=torch.int64, device=device), torch.zeros((), dtype=torch.int64, device=device),
-                   torch.zeros((), dtype=torch.float64, device=device), 0)
+        return cls(
+            torch.zeros(num_experts, dtype=torch.int64, device=device),
+            torch.zeros((), dtype=torch.int64, device=device),
+            torch.zeros((), dtype=torch.float64, device=device),
+            0,
+        )
 
     def summary(self) -> dict[str, float]:
         """Plain figures: ``load_max_over_mean`` (1.0 balanced, ``E/k`` one expert for all),
@@ -271,7 +292,7 @@ class RoutingTally:
         self.capacity = moe.capacity_factor if moe.training else None
         self.balance = moe.balance_loss_weight > 0 and moe.training and torch.is_grad_enabled()
         if self.balance:
-            self.chosen = torch.zeros(self.rows, self.num_experts, device=device)   # [rows, E] selections
+            self.chosen = torch.zeros(self.rows, self.num_experts, device=device)  # [rows, E] selections
             self.probs: torch.Tensor = torch.zeros(self.rows, self.num_experts, device=device)  # [rows, E] sum of p
 
     def route(self, chunk: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,7 +303,7 @@ class RoutingTally:
         if self.balance or self.moe.routing_entropy:
             with torch.set_grad_enabled(self.balance):  # the balance loss's gradient flows through probs
                 scores = logits.sigmoid()
-                probs = scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)     # [n, E]
+                probs = scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)  # [n, E]
         self.stats.tokens += n
         if self.moe.routing_entropy:
             with torch.no_grad():
@@ -291,8 +312,11 @@ class RoutingTally:
         if self.balance:
             seq = torch.div(torch.arange(start, start + n, device=chunk.device), self.seq_len, rounding_mode="floor")
             self.probs = self.probs.index_add(0, seq, probs)
-            self.chosen.index_put_((seq.repeat_interleave(self.top_k), indices.reshape(-1)),
-                                   torch.ones((), device=chunk.device), accumulate=True)
+            self.chosen.index_put_(
+                (seq.repeat_interleave(self.top_k), indices.reshape(-1)),
+                torch.ones((), device=chunk.device),
+                accumulate=True,
+            )
         if self.capacity is not None and n > 0:
             keep = capacity_keep(indices, weights, e, max(1, math.ceil(self.capacity * n * self.top_k / e)))
             self.stats.dropped += (~keep).sum()
@@ -335,8 +359,9 @@ class Experts(nn.Module):
         never with LoRA adapters on the experts, whose per-expert weights the loop builds)."""
         return getattr(self, "lora", None) is None and grouped_mm_supported(x, self.gate_up_proj, self.down_proj)
 
-    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                host_counts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, host_counts: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Apply each token's chosen experts.
 
         Args:
@@ -392,7 +417,9 @@ class MoE(nn.Module):
         super().__init__()
         self.experts = Experts(config)
         self.gate = Router(config)
-        self.shared_experts = SwiGLU(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit)
+        self.shared_experts = SwiGLU(
+            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit
+        )
         self.chunk_tokens = chunk_tokens
         self.balance_loss_weight = 0.0
         self.capacity_factor: float | None = None
@@ -412,14 +439,16 @@ class MoE(nn.Module):
         step = self.chunk_tokens or max(flat.shape[0], 1)
         tally = RoutingTally(self, shape, x.device)
         starts = range(0, flat.shape[0], step)
-        routes = [tally.route(flat[start:start + step], start) for start in starts]  # every chunk first
+        routes = [tally.route(flat[start : start + step], start) for start in starts]  # every chunk first
         host: list[list[int] | None] = [None] * len(routes)
         if routes and not self.experts.grouped(flat):
             # the loop's row counts of every chunk in one read (one sync per call, not per chunk)
             e = self.gate.num_experts
             host = torch.stack([expert_counts(indices.reshape(-1), e + 1)[:e] for _, indices in routes]).tolist()
-        outputs = [self.experts(flat[start:start + step], indices, weights, counts)[0]
-                   for start, (weights, indices), counts in zip(starts, routes, host)]
+        outputs = [
+            self.experts(flat[start : start + step], indices, weights, counts)[0]
+            for start, (weights, indices), counts in zip(starts, routes, host)
+        ]
         routed = torch.cat(outputs) if outputs else torch.zeros_like(flat)
         return tally.finish(routed.view(shape) + self.shared_experts(x))
 
@@ -428,8 +457,10 @@ def moe_layers(model: nn.Module) -> list[tuple[str, int, MoE]]:
     """The MoE modules of ``model`` in model order: (module name, e.g. ``layers.1.mlp``; its
     decoder-layer index, from the name, else its position among the MoE modules; the module)."""
     named = [(name, module) for name, module in model.named_modules() if isinstance(module, MoE)]
-    return [(name, int(m.group(1)) if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", name)) else j, module)
-            for j, (name, module) in enumerate(named)]
+    return [
+        (name, int(m.group(1)) if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", name)) else j, module)
+        for j, (name, module) in enumerate(named)
+    ]
 
 
 @contextmanager
@@ -443,10 +474,12 @@ def record_routing(model: nn.Module) -> Iterator[dict[str, RoutingStats]]:
     handles = []
     for name, module in model.named_modules():
         if isinstance(module, MoE):
+
             def hook(mod: nn.Module, args: Any, output: Any, name: str = name) -> None:
                 stats = mod.last_routing
                 if stats is not None:
                     totals[name] = stats if name not in totals else totals[name] + stats
+
             handles.append(module.register_forward_hook(hook))
     try:
         yield totals

@@ -124,8 +124,10 @@ class PrefillStream:
         if batch_size < 1 or capacity < 0:
             raise InputError(f"batch_size must be >= 1 and capacity >= 0; got {batch_size} and {capacity}")
         if any(getattr(block.self_attn, "cp_group", None) is not None for block in model.layers):
-            raise InputError("PrefillStream runs a whole sequence in one process; this model has context "
-                             "parallelism installed (self_attn.cp_group): stream an unwrapped model")
+            raise InputError(
+                "PrefillStream runs a whole sequence in one process; this model has context "
+                "parallelism installed (self_attn.cp_group): stream an unwrapped model"
+            )
         self.model = model
         self.position = 0
         weight = model.embed_tokens.weight
@@ -138,11 +140,15 @@ class PrefillStream:
                 assert isinstance(mixer, DSAMixer)
                 cap = max(capacity, 1)
                 ix = mixer.indexer
-                self.layers.append(StreamDSA(
-                    latent=torch.zeros(batch_size, cap, mixer.kv_lora_rank, dtype=dtype, device=device),
-                    pooled=None if ix is None else torch.zeros(batch_size, max(cap // self.pool, 1), ix.head_dim,
-                                                               dtype=dtype, device=device),
-                    pending=torch.zeros(batch_size, 0, model.config.hidden_size, dtype=dtype, device=device)))
+                self.layers.append(
+                    StreamDSA(
+                        latent=torch.zeros(batch_size, cap, mixer.kv_lora_rank, dtype=dtype, device=device),
+                        pooled=None
+                        if ix is None
+                        else torch.zeros(batch_size, max(cap // self.pool, 1), ix.head_dim, dtype=dtype, device=device),
+                        pending=torch.zeros(batch_size, 0, model.config.hidden_size, dtype=dtype, device=device),
+                    )
+                )
             else:
                 assert isinstance(mixer, KDAMixer)
                 self.layers.append(kda_init_state(mixer, batch_size, device))
@@ -162,14 +168,17 @@ class PrefillStream:
         return StreamSnapshot(
             position=self.position,
             kda=tuple((s.recurrent, s.conv) if isinstance(s, KDAState) else None for s in self.layers),
-            pending=tuple(s.pending if isinstance(s, StreamDSA) else None for s in self.layers))
+            pending=tuple(s.pending if isinstance(s, StreamDSA) else None for s in self.layers),
+        )
 
     def restore(self, snap: StreamSnapshot) -> None:
         """Return to ``snap`` (taken by :meth:`snapshot` on this stream, at or before the current
         position); the next :meth:`extend` continues from there, as if nothing had run since."""
         if snap.position > self.position or len(snap.kda) != len(self.layers):
-            raise InputError(f"restore: a snapshot at position {snap.position} of another stream or from the "
-                             f"future (this stream is at {self.position})")
+            raise InputError(
+                f"restore: a snapshot at position {snap.position} of another stream or from the "
+                f"future (this stream is at {self.position})"
+            )
         for state, kda, pending in zip(self.layers, snap.kda, snap.pending):
             if isinstance(state, KDAState):
                 assert kda is not None
@@ -188,8 +197,9 @@ class PrefillStream:
         state.conv, state.recurrent = tail.float(), final
         return out
 
-    def _dsa(self, mixer: DSAMixer, x: torch.Tensor, cache: StreamDSA,
-             prev_indices: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _dsa(
+        self, mixer: DSAMixer, x: torch.Tensor, cache: StreamDSA, prev_indices: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A segment through a DSA layer over the cached keys; the cache is extended.
 
         ``x [B, n, H]`` at positions ``position ..``; ``prev_indices`` the preceding full layer's
@@ -208,10 +218,10 @@ class PrefillStream:
             assert keys.pooled is not None
             p0 = start // p
             cache.pooled = _grow(cache.pooled, end // p)
-            cache.pooled[:, p0:p0 + keys.pooled.shape[1]] = keys.pooled
+            cache.pooled[:, p0 : p0 + keys.pooled.shape[1]] = keys.pooled
             pooled = cache.pooled[:, : end // p]
         res = mixer.attend(xa, DSAKeys(cache.latent[:, :end], pooled), prev_indices, q_offset=start)
-        cache.pending = xa[:, (end // p) * p - start:].clone()  # a copy: do not keep the whole segment alive
+        cache.pending = xa[:, (end // p) * p - start :].clone()  # a copy: do not keep the whole segment alive
         return res.out[:, r:], res.indices
 
     @torch.no_grad()
@@ -245,8 +255,13 @@ class PrefillStream:
 
 
 @torch.no_grad()
-def stream_token_nll(model: torch.nn.Module, tokens: torch.Tensor, segment_tokens: int, chunk_size: int = 4096,
-                     vocab: VocabMap | None = None) -> torch.Tensor:
+def stream_token_nll(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    segment_tokens: int,
+    chunk_size: int = 4096,
+    vocab: VocabMap | None = None,
+) -> torch.Tensor:
     """:meth:`GenoLM.token_nll <genolong.model.lm.GenoLM.token_nll>` by a :class:`PrefillStream`.
 
     Args:
@@ -270,7 +285,7 @@ def stream_token_nll(model: torch.nn.Module, tokens: torch.Tensor, segment_token
         hidden = stream.extend(inputs[:, s0:s1])
         if s1 < t:  # the segment's last row predicts the next segment's first token
             hidden = F.pad(hidden, (0, 0, 0, 1))  # a dummy row: next_token_nll scores rows [:-1]
-            out[:, s0:s1] = next_token_nll(hidden, model.lm_head.weight, tokens[:, s0:s1 + 1], chunk_size, vocab)
+            out[:, s0:s1] = next_token_nll(hidden, model.lm_head.weight, tokens[:, s0 : s1 + 1], chunk_size, vocab)
         else:
             out[:, s0:] = next_token_nll(hidden, model.lm_head.weight, tokens[:, s0:], chunk_size, vocab)
     return out

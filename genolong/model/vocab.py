@@ -49,7 +49,9 @@ class VocabMap:
         return cls(tuple(range(VOCAB_SIZE)))
 
     @classmethod
-    def from_mapping(cls, letters: Mapping[str, int], pad: int | None = None, bos: int | None = None, eos: int | None = None) -> VocabMap:
+    def from_mapping(
+        cls, letters: Mapping[str, int], pad: int | None = None, bos: int | None = None, eos: int | None = None
+    ) -> VocabMap:
         """From explicit ids, e.g. ``{"A": 32, "C": 34, "G": 38, "T": 51, "N": 45}`` (a recipe)."""
         missing = [letter for letter in BASE_LETTERS.values() if letter not in letters]
         if missing:
@@ -62,7 +64,9 @@ class VocabMap:
         return cls(tuple(ids))
 
     @classmethod
-    def from_tokenizer(cls, directory: str | os.PathLike[str], pad: int | None = None, bos: int | None = None, eos: int | None = None) -> VocabMap:
+    def from_tokenizer(
+        cls, directory: str | os.PathLike[str], pad: int | None = None, bos: int | None = None, eos: int | None = None
+    ) -> VocabMap:
         """Read the single-letter tokens from ``directory/tokenizer.json``.
 
         Raises:
@@ -72,13 +76,17 @@ class VocabMap:
 
         path = Path(directory) / "tokenizer.json"
         if not path.is_file():
-            raise InputError(f"{path} does not exist; give the checkpoint's tokenizer files or the base token ids in the recipe")
+            raise InputError(
+                f"{path} does not exist; give the checkpoint's tokenizer files or the base token ids in the recipe"
+            )
         tokenizer = Tokenizer.from_file(str(path))
         letters: dict[str, int] = {}
         for letter in BASE_LETTERS.values():
             token_id = tokenizer.token_to_id(letter)
             if token_id is None:
-                raise InputError(f"{path}: {letter!r} is not a single token of this tokenizer; give the base token ids in the recipe")
+                raise InputError(
+                    f"{path}: {letter!r} is not a single token of this tokenizer; give the base token ids in the recipe"
+                )
             letters[letter] = token_id
         return cls.from_mapping(letters, pad=pad, bos=bos, eos=eos)
 

@@ -39,10 +39,17 @@ __all__ = [
 
 #: public name -> the submodule that defines it
 _LAZY = {
-    "ActivationOffloader": "offload", "apply_offload": "offload", "offloader_of": "offload",
-    "apply_moe_chunks": "parallelize", "parallelize": "parallelize",
-    "DEFAULT_SELECTIVE": "recompute", "MODULE_KINDS": "recompute", "RECOMPUTE_MODES": "recompute",
-    "apply_recompute": "recompute", "is_recomputed": "recompute", "recompute_module": "recompute",
+    "ActivationOffloader": "offload",
+    "apply_offload": "offload",
+    "offloader_of": "offload",
+    "apply_moe_chunks": "parallelize",
+    "parallelize": "parallelize",
+    "DEFAULT_SELECTIVE": "recompute",
+    "MODULE_KINDS": "recompute",
+    "RECOMPUTE_MODES": "recompute",
+    "apply_recompute": "recompute",
+    "is_recomputed": "recompute",
+    "recompute_module": "recompute",
     "remove_recompute": "recompute",
 }
 

@@ -78,8 +78,9 @@ def _query_segment(
     return merge_streams(post, comb, res.out, streams), res.indices, res.kl, count
 
 
-def _plain_half(block: nn.Module, streams: torch.Tensor,
-                prev_indices: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _plain_half(
+    block: nn.Module, streams: torch.Tensor, prev_indices: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     post, comb, x = block.attn_hc(streams)
     x, indices = block.self_attn(block.input_layernorm(x), prev_indices)
     return merge_streams(post, comb, x, streams), indices
@@ -141,8 +142,10 @@ def dsa_attention_half(
     kl = mixer.wants_indexer_kl()
 
     # 1. the keys of the slice, chunk by chunk (kept: the concatenated latent and pooled keys)
-    chunks = [checkpoint(_keys_chunk, block, streams[:, c0:c0 + chunk_tokens], kl, use_reentrant=False)
-              for c0 in range(0, t, chunk_tokens)]
+    chunks = [
+        checkpoint(_keys_chunk, block, streams[:, c0 : c0 + chunk_tokens], kl, use_reentrant=False)
+        for c0 in range(0, t, chunk_tokens)
+    ]
     latent = torch.cat([c.latent for c in chunks], dim=1) if len(chunks) > 1 else chunks[0].latent
     pooled = None
     if ix is not None:
@@ -160,8 +163,17 @@ def dsa_attention_half(
     for s0 in range(0, t, chunk_tokens):
         s1 = min(s0 + chunk_tokens, t)
         prev = None if prev_indices is None or ix is not None else prev_indices[:, s0:s1]
-        out, idx, kl_s, n_s = checkpoint(_query_segment, block, streams[:, s0:s1], keys.latent, keys.pooled, prev,
-                                         start + s0, kl, use_reentrant=False)
+        out, idx, kl_s, n_s = checkpoint(
+            _query_segment,
+            block,
+            streams[:, s0:s1],
+            keys.latent,
+            keys.pooled,
+            prev,
+            start + s0,
+            kl,
+            use_reentrant=False,
+        )
         outs.append(out)
         if mixer.returns_indices:
             indices.append(idx)

@@ -87,10 +87,14 @@ def _mixer_input(block: torch.nn.Module, seg: torch.Tensor) -> tuple[torch.Tenso
 def _check(block: torch.nn.Module, streams: torch.Tensor, chunk_tokens: int) -> KDAMixer:
     mixer = getattr(block, "self_attn", None)
     if not isinstance(mixer, KDAMixer):
-        raise InputError(f"kda_attention_half needs a block whose self_attn is a KDAMixer, got "
-                         f"{type(mixer).__name__}; use the DSA half (genolong.parallel.chunked_dsa) for DSA layers")
+        raise InputError(
+            f"kda_attention_half needs a block whose self_attn is a KDAMixer, got "
+            f"{type(mixer).__name__}; use the DSA half (genolong.parallel.chunked_dsa) for DSA layers"
+        )
     if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
-        raise InputError(f"memory.recompute_chunk_tokens must be a positive integer (a multiple of 64), got {chunk_tokens!r}")
+        raise InputError(
+            f"memory.recompute_chunk_tokens must be a positive integer (a multiple of 64), got {chunk_tokens!r}"
+        )
     if streams.dim() != 4:
         raise InputError(f"kda_attention_half takes streams [B, T, m, H] (4 dims), got {tuple(streams.shape)}")
     return mixer
@@ -128,8 +132,9 @@ def kda_attention_half(block: torch.nn.Module, streams: torch.Tensor, chunk_toke
     # slicing per segment (each slice's backward would build a zero-filled [B, T, m, H] tensor)
     pieces = streams.split([b - a for a, b in bounds], dim=1) if bounds else ()
 
-    def segment(seg: torch.Tensor, halo: torch.Tensor | None, state: torch.Tensor | None,
-                output_tail: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def segment(
+        seg: torch.Tensor, halo: torch.Tensor | None, state: torch.Tensor | None, output_tail: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         post, comb, x = _mixer_input(block, seg)
         out, tail, final = mixer.forward_segment(x, halo, state, output_tail=output_tail)
         return merge_streams(post, comb, out, seg), tail, final
@@ -146,17 +151,19 @@ def kda_attention_half(block: torch.nn.Module, streams: torch.Tensor, chunk_toke
         return torch.cat(outs, dim=1) if outs else streams.clone()
 
     if T == 0:
-        raise InputError("kda_attention_half under context parallelism needs at least one token per rank "
-                         "(memory.recompute 'full' handles empty slices)")
+        raise InputError(
+            "kda_attention_half under context parallelism needs at least one token per rank "
+            "(memory.recompute 'full' handles empty slices)"
+        )
     kernel = mixer.conv1d.weight.shape[-1]
     n = min(T, kernel - 1)
     # 1. the projected rows before the slice, from the earlier ranks: the collective once, outside
     # any recomputed region; the slice's own last rows (its contribution) projected in a small
     # checkpoint of their own (kernel - 1 rows; nothing of it is kept but the input view)
     if n and pieces[-1].shape[1] >= n:
-        tail_rows = pieces[-1][:, pieces[-1].shape[1] - n:]
+        tail_rows = pieces[-1][:, pieces[-1].shape[1] - n :]
     else:
-        tail_rows = streams[:, T - n:]
+        tail_rows = streams[:, T - n :]
 
     def project_rows(rows: torch.Tensor) -> torch.Tensor:
         return mixer.project(_mixer_input(block, rows)[2])
@@ -165,8 +172,9 @@ def kda_attention_half(block: torch.nn.Module, streams: torch.Tensor, chunk_toke
     halos: list[torch.Tensor | None] = [conv_halo(_run(project_rows, tail_rows), kernel, group).clone()]
 
     # 2. pass 1: the slice's affine state map, segment by segment (small checkpoint outputs)
-    def transition(seg: torch.Tensor, halo: torch.Tensor | None, carried: torch.Tensor | None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def transition(
+        seg: torch.Tensor, halo: torch.Tensor | None, carried: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         _, _, x = _mixer_input(block, seg)
         return mixer.segment_transition(x, halo, carried)
 

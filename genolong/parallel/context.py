@@ -37,7 +37,9 @@ class _ContextParallelDSAForward:
     def __init__(self, mixer: DSAMixer):
         self.mixer = mixer
 
-    def __call__(self, x: torch.Tensor, prev_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(
+        self, x: torch.Tensor, prev_indices: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return cp_dsa_forward(self.mixer, x, self.mixer.cp_group, prev_indices)
 
 

@@ -56,7 +56,6 @@ import torch.distributed as dist
 
 from ..errors import InputError
 from ..kernels.comm_bytes import cp_dsa_comm_bytes  # the arithmetic, torch-free (genolong plan)
-from ..model.config import ModelConfig
 from ..model.dsa import DSAKeys, DSAMixer, indexer_kl_count
 
 __all__ = ["check_cp_input", "cp_dsa_comm_bytes", "cp_dsa_forward", "gather_keys", "kl_share"]

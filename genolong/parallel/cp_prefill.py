@@ -76,8 +76,10 @@ def cp_prefill(stream: PrefillStream, input_ids: torch.Tensor, group: dist.Proce
     if input_ids.dim() != 2 or input_ids.shape[1] < 1:
         raise InputError(f"input_ids must be this rank's slice [B, n] with n >= 1; got shape {tuple(input_ids.shape)}")
     if any(isinstance(state, StreamDSA) and state.pending.shape[1] for state in stream.layers):
-        raise InputError(f"cp_prefill continues a stream on a DSA pool boundary; this one is at position {stream.position}, "
-                         f"inside a pool of {stream.pool}")
+        raise InputError(
+            f"cp_prefill continues a stream on a DSA pool boundary; this one is at position {stream.position}, "
+            f"inside a pool of {stream.pool}"
+        )
     model = stream.model
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     last = dist.get_global_rank(group, world - 1)
@@ -100,8 +102,10 @@ def cp_prefill(stream: PrefillStream, input_ids: torch.Tensor, group: dist.Proce
             if state.pooled is not None:
                 assert keys.pooled is not None
                 state.pooled = _grow(state.pooled, end // pool)
-                state.pooled[:, start // pool:end // pool] = keys.pooled
-            seen = DSAKeys(state.latent[:, : lo + n], None if state.pooled is None else state.pooled[:, : (lo + n) // pool])
+                state.pooled[:, start // pool : end // pool] = keys.pooled
+            seen = DSAKeys(
+                state.latent[:, : lo + n], None if state.pooled is None else state.pooled[:, : (lo + n) // pool]
+            )
             res = mixer.attend(x, seen, indices, q_offset=lo)
             y, indices = res.out, (res.indices if mixer.returns_indices else None)
             state.pending = x[:, :0].clone()  # the stretch ends on a pool boundary
@@ -113,8 +117,13 @@ def cp_prefill(stream: PrefillStream, input_ids: torch.Tensor, group: dist.Proce
             if rank == 0:  # the rows and the state before the stretch are the stream's (zeros at its start)
                 halo = None if start == 0 else state.conv.to(x.dtype)
                 if start:  # the constant map to the state after rank 0's slice: [S_0 | 0] composed
-                    carried = torch.cat([state.recurrent, state.recurrent.new_zeros(*state.recurrent.shape[:-1],
-                                                                                     state.recurrent.shape[-2])], dim=-1)
+                    carried = torch.cat(
+                        [
+                            state.recurrent,
+                            state.recurrent.new_zeros(*state.recurrent.shape[:-1], state.recurrent.shape[-2]),
+                        ],
+                        dim=-1,
+                    )
             # the slice's map S -> A S + B, folded over the earlier ranks into the slice's incoming
             # state (collectives: every rank)
             _, carried = mixer.segment_transition(x, halo, carried)

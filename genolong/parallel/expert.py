@@ -96,8 +96,13 @@ class AllToAllCounter:
 
     def as_dict(self) -> dict[str, int]:
         """``{"forward", "recompute", "backward", "splits", "dispatches"}`` as ints."""
-        return {"forward": self.forward, "recompute": self.recompute, "backward": self.backward,
-                "splits": self.splits, "dispatches": self.dispatches}
+        return {
+            "forward": self.forward,
+            "recompute": self.recompute,
+            "backward": self.backward,
+            "splits": self.splits,
+            "dispatches": self.dispatches,
+        }
 
 
 def _in_backward() -> bool:
@@ -110,8 +115,15 @@ class _AllToAll(torch.autograd.Function):
     backward sends the gradient rows back with the splits swapped."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup,
-                rank: int, counter: AllToAllCounter) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        send: list[int],
+        recv: list[int],
+        group: dist.ProcessGroup,
+        rank: int,
+        counter: AllToAllCounter,
+    ) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group, ctx.rank, ctx.counter = send, recv, group, rank, counter
         out = x.new_empty((sum(recv), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
@@ -125,7 +137,9 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv, group=ctx.group)
+        dist.all_to_all_single(
+            out, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv, group=ctx.group
+        )
         ctx.counter.backward += (sum(ctx.recv) - ctx.recv[ctx.rank]) * math.prod(grad.shape[1:]) * grad.element_size()
         return out, None, None, None, None, None
 
@@ -204,22 +218,36 @@ class _ExpertParallelForward:
         local = torch.stack(counts) if counts else torch.zeros(0, e, dtype=torch.int64, device=dev)
         first = local[:1] if n_local else torch.zeros(1, e, dtype=torch.int64, device=dev)
         # the first chunk's counts carry this rank's chunk count in their high bits
-        header = self._exchange((first + (n_local << _CHUNK_SHIFT)).view(1, self.ep, self.local_experts).transpose(0, 1))
+        header = self._exchange(
+            (first + (n_local << _CHUNK_SHIFT)).view(1, self.ep, self.local_experts).transpose(0, 1)
+        )
         host = torch.cat([header.reshape(-1), local.reshape(-1)]).tolist()  # one read
-        head, sent = host[:header.numel()], host[header.numel():]
+        head, sent = host[: header.numel()], host[header.numel() :]
         n = max(v >> _CHUNK_SHIFT for v in head)
-        received = [[[v & _COUNT_MASK for v in head[s * self.local_experts:(s + 1) * self.local_experts]]
-                     for s in range(self.ep)]]
-        sent_rows = [sent[i * e:(i + 1) * e] for i in range(n_local)] + [[0] * e] * (n - n_local)
+        received = [
+            [
+                [v & _COUNT_MASK for v in head[s * self.local_experts : (s + 1) * self.local_experts]]
+                for s in range(self.ep)
+            ]
+        ]
+        sent_rows = [sent[i * e : (i + 1) * e] for i in range(n_local)] + [[0] * e] * (n - n_local)
         if n > 1:  # the other chunks' counts in one more exchange (padded to the group's n chunks)
             rest = torch.zeros(n - 1, e, dtype=torch.int64, device=dev)
             rest[: max(n_local - 1, 0)] = local[1:]
-            more = self._exchange(rest.view(n - 1, self.ep, self.local_experts).transpose(0, 1)).tolist()  # [ep, n-1, E/ep]
+            more = self._exchange(
+                rest.view(n - 1, self.ep, self.local_experts).transpose(0, 1)
+            ).tolist()  # [ep, n-1, E/ep]
             received += [[more[s][i] for s in range(self.ep)] for i in range(n - 1)]
         return sent_rows, received
 
-    def _chunk(self, chunk: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, sent: list[int],
-               received: list[list[int]]) -> tuple[torch.Tensor, int]:
+    def _chunk(
+        self,
+        chunk: torch.Tensor,
+        weights: torch.Tensor,
+        indices: torch.Tensor,
+        sent: list[int],
+        received: list[list[int]],
+    ) -> tuple[torch.Tensor, int]:
         """One routed token chunk ``[n, H]`` with its split sizes (host lists) -> (routed output
         ``[n, H]``, rows received)."""
         m = self.module
@@ -227,8 +255,8 @@ class _ExpertParallelForward:
         flat = indices.reshape(-1)
         self.counter.dispatches += 1
         # (token, slot) rows grouped by expert; rows the capacity dropped (index E) sort last, unsent
-        order = flat.argsort(stable=True)[:sum(sent)]
-        send_splits = [sum(sent[j * self.local_experts:(j + 1) * self.local_experts]) for j in range(self.ep)]
+        order = flat.argsort(stable=True)[: sum(sent)]
+        send_splits = [sum(sent[j * self.local_experts : (j + 1) * self.local_experts]) for j in range(self.ep)]
         recv_splits = [sum(row) for row in received]
         token_of = order // k
         rows = _AllToAll.apply(chunk[token_of], send_splits, recv_splits, self.group, self.rank, self.counter)
@@ -252,7 +280,9 @@ class _ExpertParallelForward:
         inverse[perm] = torch.arange(total, device=chunk.device)
         per_expert = [sum(received[s][e] for s in range(self.ep)) for e in range(self.local_experts)]
         y = m.experts(rows.index_select(0, perm), per_expert)
-        back = _AllToAll.apply(y.index_select(0, inverse), recv_splits, send_splits, self.group, self.rank, self.counter)
+        back = _AllToAll.apply(
+            y.index_select(0, inverse), recv_splits, send_splits, self.group, self.rank, self.counter
+        )
         out = torch.zeros_like(chunk)
         out.index_add_(0, token_of, (back * weights.reshape(-1)[order, None]).to(out.dtype))
         return out, total
@@ -327,7 +357,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None) -> int:
     if ep_mesh is None or ep_mesh.size() == 1:
         return 0
     if ep_mesh.ndim != 1:
-        raise InputError(f"apply_expert_parallel needs the 1-D \"ep\" mesh, got a {ep_mesh.ndim}-D one")
+        raise InputError(f'apply_expert_parallel needs the 1-D "ep" mesh, got a {ep_mesh.ndim}-D one')
     ep = ep_mesh.size()
     group = ep_mesh.get_group()
     coordinate = ep_mesh.get_local_rank()
@@ -340,8 +370,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None) -> int:
             raise InputError("expert parallelism is already applied to this model; apply it once")
         experts = module.gate.num_experts
         if experts % ep:
-            raise InputError(f"parallel.ep = {ep} does not divide the model's n_routed_experts = {experts}; "
-                             f"choose ep among the divisors of {experts}")
+            raise InputError(
+                f"parallel.ep = {ep} does not divide the model's n_routed_experts = {experts}; "
+                f"choose ep among the divisors of {experts}"
+            )
         local = experts // ep
         # the experts' weights, and their LoRA factors (ExpertAdapters, stacked by expert too)
         owners = [(module.experts, name) for name in ("gate_up_proj", "down_proj")]
@@ -351,9 +383,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None) -> int:
         for owner, name in owners:
             full = getattr(owner, name)
             # this rank's experts, no communication: every rank holds the same full weights
-            piece = full.detach()[coordinate * local:(coordinate + 1) * local].clone()
-            dtensor = DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False,
-                                         shape=full.shape, stride=full.stride())
+            piece = full.detach()[coordinate * local : (coordinate + 1) * local].clone()
+            dtensor = DTensor.from_local(
+                piece, ep_mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+            )
             setattr(owner, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
         module.experts.forward = _LocalExperts(module.experts)  # type: ignore[method-assign]
         module.forward = _ExpertParallelForward(module, group, counter)  # type: ignore[method-assign]

@@ -46,15 +46,44 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..errors import InputError
-from ..model.hf import HEAD, INDEX_FILE, SINGLE_FILE, CheckpointTensor, _READ_PREFIXES, _skip_reason, _weight_map, layout_of
+from ..model.hf import (
+    _READ_PREFIXES,
+    HEAD,
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointTensor,
+    _skip_reason,
+    _weight_map,
+    layout_of,
+)
 
-__all__ = ["REPORT_VARIABLE", "ReadCounter", "SafetensorsFile", "base_digest", "base_targets", "check_base", "fill_from_safetensors", "load_report", "local_box",
-           "materialize", "resident_peak", "to_meta"]
+__all__ = [
+    "REPORT_VARIABLE",
+    "ReadCounter",
+    "SafetensorsFile",
+    "base_digest",
+    "base_targets",
+    "check_base",
+    "fill_from_safetensors",
+    "load_report",
+    "local_box",
+    "materialize",
+    "resident_peak",
+    "to_meta",
+]
 
 #: safetensors dtype names -> torch dtypes
 _DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 
 
@@ -117,7 +146,9 @@ class SafetensorsFile:
         """The safetensors dtype name of tensor ``name`` (``"BF16"``, ``"F32"``...)."""
         return str(self.header[name]["dtype"])
 
-    def read_box(self, name: str, box: tuple[tuple[int, int], ...], into: torch.Tensor, replicated: bool = False) -> None:
+    def read_box(
+        self, name: str, box: tuple[tuple[int, int], ...], into: torch.Tensor, replicated: bool = False
+    ) -> None:
         """Read ``tensor[name][box]`` into ``into`` (any dtype and device, ``box``'s number of elements).
 
         ``box``: per stored dimension ``(start, stop)``. The box is cut into contiguous byte runs
@@ -129,7 +160,7 @@ class SafetensorsFile:
         shape = tuple(entry["shape"])
         begin = int(entry["data_offsets"][0])
         item = dtype.itemsize
-        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
         # the first dimension (from the end) where the box is not the whole extent
         cut = -1
         for d in range(len(shape) - 1, -1, -1):
@@ -152,7 +183,7 @@ class SafetensorsFile:
         buffer = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B") if total else memoryview(b"")
         position = 0
         for offset, count in runs:
-            self._pread(buffer[position:position + count * item], self.data_start + begin + offset * item)
+            self._pread(buffer[position : position + count * item], self.data_start + begin + offset * item)
             position += count * item
         if not direct:
             into.copy_(target.view(into.shape))
@@ -200,7 +231,7 @@ def base_targets(model: nn.Module) -> dict[str, str]:
         base = name
         for module in wrapped:
             if name.startswith(module + ".base."):
-                base = module + "." + name[len(module) + len(".base."):]
+                base = module + "." + name[len(module) + len(".base.") :]
                 break
         out[base] = name
     return out
@@ -216,7 +247,9 @@ def to_meta(model: nn.Module) -> dict[str, torch.Tensor]:
             if param is None or param.device.type == "meta":
                 continue
             kept[f"{module_name}.{leaf}" if module_name else leaf] = param.detach()
-            module._parameters[leaf] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+            module._parameters[leaf] = nn.Parameter(
+                torch.empty_like(param, device="meta"), requires_grad=param.requires_grad
+            )
     return kept
 
 
@@ -237,8 +270,13 @@ def _float(dtype: str) -> bool:
     return dtype.startswith(("F", "BF"))
 
 
-def fill_from_safetensors(model: nn.Module, directory: str | os.PathLike[str], *,
-                          skip: Callable[[str], bool] | None = None, counter: ReadCounter | None = None) -> ReadCounter:
+def fill_from_safetensors(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    skip: Callable[[str], bool] | None = None,
+    counter: ReadCounter | None = None,
+) -> ReadCounter:
     """Fill ``model``'s local parts (materialised: :func:`materialize`) from a GLM-5.3-Flash-format
     directory, each rank reading only the rows of its own shards.
 
@@ -266,13 +304,15 @@ def fill_from_safetensors(model: nn.Module, directory: str | os.PathLike[str], *
     weight_map = _weight_map(directory)
     prefix = next((p for p in _READ_PREFIXES if f"{p}embed_tokens.weight" in weight_map), None)
     if prefix is None:
-        raise InputError(f"checkpoint {directory} has no embed_tokens.weight under any of {_READ_PREFIXES}; "
-                         "it is not a GLM-5.3-Flash text model")
+        raise InputError(
+            f"checkpoint {directory} has no embed_tokens.weight under any of {_READ_PREFIXES}; "
+            "it is not a GLM-5.3-Flash text model"
+        )
     num_layers = model.config.num_hidden_layers  # type: ignore[union-attr]
     stored: dict[str, str] = {}  # relative name -> full name
     for name in weight_map:
         if _skip_reason(name, prefix, num_layers) is None:
-            stored[name if name == HEAD else name[len(prefix):]] = name
+            stored[name if name == HEAD else name[len(prefix) :]] = name
     # every target from its split tensors (the original layout) or from one fused tensor
     by_target: dict[str, list[CheckpointTensor]] = {}
     for entry in layout_of(shapes.items()):
@@ -283,16 +323,21 @@ def fill_from_safetensors(model: nn.Module, directory: str | os.PathLike[str], *
             entries = [CheckpointTensor(target, target, (), shapes[target])]  # transformers' fused names
         for entry in entries:
             if entry.name not in stored:
-                raise InputError(f"checkpoint {directory} lacks tensor {prefix if entry.name != HEAD else ''}{entry.name} "
-                                 "the model needs; the checkpoint is incomplete or config.json describes another model")
+                raise InputError(
+                    f"checkpoint {directory} lacks tensor {prefix if entry.name != HEAD else ''}{entry.name} "
+                    "the model needs; the checkpoint is incomplete or config.json describes another model"
+                )
         plan.extend(entries)
     used = {e.name for e in plan}
     extra = [stored[n] for n in stored if n not in used]
     if extra:
-        raise InputError(f"checkpoint {directory}: tensor {extra[0]} in {weight_map[extra[0]]} has no place in GenoLM built "
-                         "from its config.json; the checkpoint and config.json disagree (or it is not GLM-5.3-Flash)")
+        raise InputError(
+            f"checkpoint {directory}: tensor {extra[0]} in {weight_map[extra[0]]} has no place in GenoLM built "
+            "from its config.json; the checkpoint and config.json disagree (or it is not GLM-5.3-Flash)"
+        )
     files: dict[str, SafetensorsFile] = {}
     try:
+
         def source(name: str) -> SafetensorsFile:
             shard = weight_map[name]
             if shard not in files:
@@ -303,16 +348,22 @@ def fill_from_safetensors(model: nn.Module, directory: str | os.PathLike[str], *
             full = stored[entry.name]
             f = source(full)
             if full not in f.header:
-                raise InputError(f"checkpoint {directory}: {INDEX_FILE} puts tensor {full} in {weight_map[full]}, which does "
-                                 "not hold it; repair the index or re-download")
+                raise InputError(
+                    f"checkpoint {directory}: {INDEX_FILE} puts tensor {full} in {weight_map[full]}, which does "
+                    "not hold it; repair the index or re-download"
+                )
             if f.shape(full) != entry.shape:
-                raise InputError(f"checkpoint {directory}: tensor {full} in {weight_map[full]} has shape {list(f.shape(full))} "
-                                 f"but the model built from config.json expects {list(entry.shape)}; config.json does "
-                                 "not match the weights")
+                raise InputError(
+                    f"checkpoint {directory}: tensor {full} in {weight_map[full]} has shape {list(f.shape(full))} "
+                    f"but the model built from config.json expects {list(entry.shape)}; config.json does "
+                    "not match the weights"
+                )
             if _float(f.dtype_name(full)) != floating[entry.target]:
-                raise InputError(f"checkpoint {directory}: tensor {full} in {weight_map[full]} is stored as "
-                                 f"{f.dtype_name(full)} but the model expects {'a floating' if floating[entry.target] else 'an integer'} "
-                                 "tensor; the checkpoint is damaged or not GLM-5.3-Flash")
+                raise InputError(
+                    f"checkpoint {directory}: tensor {full} in {weight_map[full]} is stored as "
+                    f"{f.dtype_name(full)} but the model expects {'a floating' if floating[entry.target] else 'an integer'} "
+                    "tensor; the checkpoint is damaged or not GLM-5.3-Flash"
+                )
         filled: dict[str, int] = {}
         with torch.no_grad():
             for entry in plan:
@@ -342,12 +393,14 @@ def fill_from_safetensors(model: nn.Module, directory: str | os.PathLike[str], *
     finally:
         for f in files.values():
             f.close()
-    for base, name in targets.items():
+    for name in targets.values():
         if skip is not None and skip(name):
             continue
         if filled.get(name, 0) != _local(state[name]).numel():
-            raise InputError(f"checkpoint {directory} does not fill {name} of the model built from config.json; "
-                             "the checkpoint is incomplete or describes another model")
+            raise InputError(
+                f"checkpoint {directory} does not fill {name} of the model built from config.json; "
+                "the checkpoint is incomplete or describes another model"
+            )
     return counter
 
 
@@ -439,7 +492,12 @@ def load_report(model: nn.Module, counter: ReadCounter, before: int | None, peak
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     share = sum(_local(t).numel() * t.element_size() for t in model.state_dict(keep_vars=True).values())
-    figures = {"read": counter.bytes, "replicated": counter.replicated, "largest": counter.largest, "share": share,
-               "increase": None if before is None or peak is None else peak - before}
+    figures = {
+        "read": counter.bytes,
+        "replicated": counter.replicated,
+        "largest": counter.largest,
+        "share": share,
+        "increase": None if before is None or peak is None else peak - before,
+    }
     Path(directory).mkdir(parents=True, exist_ok=True)
     Path(directory, f"load-rank{rank}.json").write_text(json.dumps(figures) + "\n")

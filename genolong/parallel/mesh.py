@@ -104,27 +104,36 @@ def mesh_shape(cp: int, dp_shard: int, dp_replicate: int, world_size: int, ep: i
             does not divide the world size, the product of the three is not the world size, or
             ``ep`` does not divide ``dp_shard * cp``.
     """
-    for name, value in (("parallel.cp", cp), ("parallel.dp_replicate", dp_replicate), ("world size", world_size),
-                        ("parallel.ep", ep)):
+    for name, value in (
+        ("parallel.cp", cp),
+        ("parallel.dp_replicate", dp_replicate),
+        ("world size", world_size),
+        ("parallel.ep", ep),
+    ):
         if not _is_int(value) or value < 1:
             raise InputError(f"{name} = {value!r}: must be an integer >= 1")
     if not _is_int(dp_shard) or (dp_shard != -1 and dp_shard < 1):
-        raise InputError(f"parallel.dp_shard = {dp_shard!r}: must be an integer >= 1, or -1 for all ranks left after cp x dp_replicate")
+        raise InputError(
+            f"parallel.dp_shard = {dp_shard!r}: must be an integer >= 1, or -1 for all ranks left after cp x dp_replicate"
+        )
     if dp_shard == -1:
         if world_size % (cp * dp_replicate):
             raise InputError(
                 f"parallel.cp ({cp}) x parallel.dp_replicate ({dp_replicate}) = {cp * dp_replicate} does not divide the world "
-                f"size {world_size}; choose cp and dp_replicate whose product divides {world_size}")
+                f"size {world_size}; choose cp and dp_replicate whose product divides {world_size}"
+            )
         dp_shard = world_size // (cp * dp_replicate)
     elif cp * dp_shard * dp_replicate != world_size:
         raise InputError(
             f"parallel.cp ({cp}) x parallel.dp_shard ({dp_shard}) x parallel.dp_replicate ({dp_replicate}) = "
             f"{cp * dp_shard * dp_replicate} but the world size is {world_size}; make the product {world_size} or set "
-            "parallel.dp_shard: -1")
+            "parallel.dp_shard: -1"
+        )
     if (dp_shard * cp) % ep:
         raise InputError(
             f"parallel.ep = {ep} does not divide parallel.dp_shard x parallel.cp = {dp_shard} x {cp} = {dp_shard * cp} "
-            f"(the ranks the experts are spread over); choose ep among the divisors of {dp_shard * cp}")
+            f"(the ranks the experts are spread over); choose ep among the divisors of {dp_shard * cp}"
+        )
     return {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp}
 
 
@@ -157,7 +166,8 @@ def build_mesh(parallel: ParallelSizes, world_size: int | None = None, device_ty
     if running is not None and world_size != running:
         raise InputError(
             f"the parallel mesh needs {world_size} processes but the job runs {running}; set parallel.devices x "
-            f"parallel.num_nodes to {running} or launch {world_size} processes")
+            f"parallel.num_nodes to {running} or launch {world_size} processes"
+        )
     ep = getattr(parallel, "ep", 1)
     shape = mesh_shape(parallel.cp, parallel.dp_shard, parallel.dp_replicate, world_size, ep=ep)
     mesh = init_device_mesh(device_type, tuple(shape[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
@@ -257,7 +267,7 @@ def fsdp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     """
     if mesh is None:
         return None
-    flat = mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")         # cached by build_mesh
+    flat = mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")  # cached by build_mesh
     if mesh["dp_replicate"].size() == 1:
         return flat
     with warnings.catch_warnings():

@@ -137,7 +137,7 @@ class HostPool:
         size = self.slot_bytes(nbytes)
         if self.offset + size > self.nbytes:
             return None
-        tensor = self.buffer[self.offset:self.offset + nbytes].view(dtype).view(tuple(shape))
+        tensor = self.buffer[self.offset : self.offset + nbytes].view(dtype).view(tuple(shape))
         self.offset += size
         self.live += 1
         return tensor
@@ -150,10 +150,26 @@ class HostPool:
 class _Offloaded:
     """Handle autograd stores for an offloaded tensor: the host copy and, once fetched, the device copy."""
 
-    __slots__ = ("host", "device", "group", "device_copy", "host_charge", "reload_charge", "pool", "slot", "__weakref__")
+    __slots__ = (
+        "host",
+        "device",
+        "group",
+        "device_copy",
+        "host_charge",
+        "reload_charge",
+        "pool",
+        "slot",
+        "__weakref__",
+    )
 
-    def __init__(self, host: torch.Tensor, device: torch.device, group: _Group, pool: ActivationOffloader,
-                 slot: HostPool | None = None):
+    def __init__(
+        self,
+        host: torch.Tensor,
+        device: torch.device,
+        group: _Group,
+        pool: ActivationOffloader,
+        slot: HostPool | None = None,
+    ):
         self.host = host
         self.device = device
         self.group = group
@@ -255,6 +271,7 @@ class ActivationOffloader:
             ctx = saved_tensors_hooks(self._pack, self._unpack)
             ctx.__enter__()
             self._stack.append((ctx, group))
+
         return hook
 
     def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -299,8 +316,11 @@ class ActivationOffloader:
         if self.pool is None and not self._released:
             # the planner's size at the first copy; else the first step's peak, once that step is
             # over (nothing offloaded alive: this copy is the second step's first)
-            size = self.pool_bytes if self.pool_bytes is not None else (
-                self._peak_extent if self._peak_extent > 0 and self._slot_bytes == 0 else None)
+            size = (
+                self.pool_bytes
+                if self.pool_bytes is not None
+                else (self._peak_extent if self._peak_extent > 0 and self._slot_bytes == 0 else None)
+            )
             if size:
                 self._allocate_pool(size, pin=cuda)
         if self.pool is not None:
@@ -320,8 +340,12 @@ class ActivationOffloader:
             if empty is not None:
                 empty()
         # once per run: pinning a large pool takes seconds (the kernel maps every page)
-        log.info("genolong: activation offload pool: %s of %s host memory in %.2f s", format_bytes(nbytes),
-                 "pinned" if pin else "plain", self.pool.seconds)
+        log.info(
+            "genolong: activation offload pool: %s of %s host memory in %.2f s",
+            format_bytes(nbytes),
+            "pinned" if pin else "plain",
+            self.pool.seconds,
+        )
 
     def release(self) -> None:
         """Give the host pool back (before the export, at the end of a run); copies still alive
@@ -347,13 +371,25 @@ class ActivationOffloader:
         assert group is not None
         # an empty tensor is never worth a copy, whatever min_bytes says (torch 2.11's checkpoint
         # saves one per recomputed layer: offloading it cost a D2H and an H2D launch for 0 bytes)
-        if (tensor.device.type == "meta" or tensor.is_sparse or tensor.is_nested or isinstance(tensor, nn.Parameter)
-                or isinstance(tensor._base, nn.Parameter) or tensor.numel() == 0
-                or tensor.numel() * tensor.element_size() < self.min_bytes
-                or self._is_parameter(tensor, group)):
+        if (
+            tensor.device.type == "meta"
+            or tensor.is_sparse
+            or tensor.is_nested
+            or isinstance(tensor, nn.Parameter)
+            or isinstance(tensor._base, nn.Parameter)
+            or tensor.numel() == 0
+            or tensor.numel() * tensor.element_size() < self.min_bytes
+            or self._is_parameter(tensor, group)
+        ):
             return track_saved(tensor)
-        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-               tuple(tensor.stride()), tensor.dtype)
+        key = (
+            tensor.device,
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+        )
         handle = group.dedupe.get(key)
         if handle is not None:
             return handle
@@ -421,8 +457,9 @@ class ActivationOffloader:
         return tensor
 
 
-def apply_offload(model: nn.Module, min_bytes: int = 2**20, prefetch: bool = True,
-                  pool_bytes: int | None = None) -> ActivationOffloader:
+def apply_offload(
+    model: nn.Module, min_bytes: int = 2**20, prefetch: bool = True, pool_bytes: int | None = None
+) -> ActivationOffloader:
     """Attach an :class:`ActivationOffloader` to ``model.layers`` (see :func:`offloader_of`);
     ``pool_bytes``: its host pool's size (default None: the first step's peak).
 

@@ -83,7 +83,9 @@ def apply_moe_chunks(model: nn.Module, chunk_tokens: int | None) -> int:
     Raises:
         InputError: ``chunk_tokens`` is not None and not a positive integer.
     """
-    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1):
+    if chunk_tokens is not None and (
+        isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
+    ):
         raise InputError(f"moe_chunk_tokens must be a positive integer or None, got {chunk_tokens!r}")
     count = 0
     for module in model.modules():
@@ -155,7 +157,9 @@ def parallelize(
     up to float summation order for MoE chunks, context parallelism and the FSDP2 reduction).
     """
     if mesh is None and (param_dtype is not None or reduce_dtype is not None):
-        raise InputError("param_dtype / reduce_dtype are FSDP2's mixed precision: they need a mesh (a multi-process run)")
+        raise InputError(
+            "param_dtype / reduce_dtype are FSDP2's mixed precision: they need a mesh (a multi-process run)"
+        )
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise InputError(f"parallelize needs a GenoLM (a model with .layers); got {type(model).__name__}")
@@ -164,8 +168,10 @@ def parallelize(
     if not isinstance(offload, bool):
         raise InputError(f"offload must be true or false, got {offload!r}")
     if ep is not None and ep != ep_size(mesh):
-        raise InputError(f"parallel.ep = {ep} but the mesh has expert-parallel groups of {ep_size(mesh)} ranks; build the mesh "
-                         "with the same parallel section (genolong.parallel.mesh.build_mesh)")
+        raise InputError(
+            f"parallel.ep = {ep} but the mesh has expert-parallel groups of {ep_size(mesh)} ranks; build the mesh "
+            "with the same parallel section (genolong.parallel.mesh.build_mesh)"
+        )
     apply_moe_chunks(model, moe_chunk_tokens)
     if mesh is not None:
         apply_context_parallel(model, cp_group(mesh))
@@ -178,8 +184,9 @@ def parallelize(
     return model
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype | None = None) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None
+) -> nn.Module:
     """FSDP2 over ``mesh``'s ``dp_shard x cp`` ranks: one ``fully_shard`` unit for the token
     embedding, one per block (under expert parallelism its routed experts a nested unit over the
     ranks holding the same experts), then the root (final norm, LM head and whatever else is
@@ -221,8 +228,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
             # the EP shard on dim 0 the placements stay plain (Shard(1), Shard(0)) and global
             # shapes need no padding of the expert dimension
             experts = unit.mlp.experts
-            fully_shard(experts, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=reshard,
-                        shard_placement_fn=lambda param: Shard(1))
+            fully_shard(
+                experts,
+                mesh=expert_mesh,
+                mp_policy=policy,
+                reshard_after_forward=reshard,
+                shard_placement_fn=lambda param: Shard(1),
+            )
             nested.append(experts)
         for module in unit.modules():
             if id(module) in keep:

@@ -91,6 +91,7 @@ def _kind_targets() -> dict[str, tuple[tuple[str, type[nn.Module]], ...]]:
     assert tuple(targets) == MODULE_KINDS, "MODULE_KINDS must list the kinds of _kind_targets, in order"
     return targets
 
+
 #: What ``selective`` checkpoints by default: both token mixers (on the small preset at 2k tokens
 #: the KDA mixers alone hold 41% of the saved bytes) and the hyper-connections (their weight
 #: computation, 17%, is now rebuilt in backward anyway: ``HyperConnection.recompute_weights``;
@@ -150,11 +151,14 @@ def remove_recompute(model: nn.Module) -> int:
 #: [B, T, k] or None, chunk_tokens) -> (streams [B, T, m, H], indices [B, T, k] or None)``. It may
 #: checkpoint its segments itself (non-reentrant ``torch.utils.checkpoint``); it must give the
 #: values of ``Block.attention_half`` (bitwise, or to its own stated tolerance).
-AttentionHalf = Callable[["Block", "torch.Tensor", "torch.Tensor | None", int], "tuple[torch.Tensor, torch.Tensor | None]"]
+AttentionHalf = Callable[
+    ["Block", "torch.Tensor", "torch.Tensor | None", int], "tuple[torch.Tensor, torch.Tensor | None]"
+]
 
 
-def whole_attention_half(block: Block, streams: torch.Tensor, prev_indices: torch.Tensor | None,
-                         chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def whole_attention_half(
+    block: Block, streams: torch.Tensor, prev_indices: torch.Tensor | None, chunk_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention half in one piece (:meth:`Block.attention_half`; ``chunk_tokens`` unused).
 
     Inside :class:`ChunkedBlockForward`'s block-level checkpoint this rebuilds the whole half at
@@ -164,8 +168,9 @@ def whole_attention_half(block: Block, streams: torch.Tensor, prev_indices: torc
     return block.attention_half(streams, prev_indices)
 
 
-def segmented_kda_half(block: Block, streams: torch.Tensor, prev_indices: torch.Tensor | None,
-                       chunk_tokens: int) -> tuple[torch.Tensor, None]:
+def segmented_kda_half(
+    block: Block, streams: torch.Tensor, prev_indices: torch.Tensor | None, chunk_tokens: int
+) -> tuple[torch.Tensor, None]:
     """A KDA layer's attention half in checkpointed segments of ``chunk_tokens`` tokens carrying
     the KDA state and the short-conv tail (:func:`genolong.parallel.chunked_kda.kda_attention_half`;
     KDA layers take no ``prev_indices`` and return no indices). Shapes as :data:`AttentionHalf`."""
@@ -305,7 +310,9 @@ class ChunkedBlockForward:
         self.block = block
         self.chunk_tokens = chunk_tokens
 
-    def __call__(self, streams: torch.Tensor, prev_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(
+        self, streams: torch.Tensor, prev_indices: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         import torch
         from torch.utils.checkpoint import checkpoint
 
@@ -316,7 +323,9 @@ class ChunkedBlockForward:
         # the model has no randomness: no RNG state to stash per block
         return checkpoint(self._layer, streams, prev_indices, use_reentrant=False, preserve_rng_state=False)
 
-    def _layer(self, streams: torch.Tensor, prev_indices: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _layer(
+        self, streams: torch.Tensor, prev_indices: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         from .offload import _in_backward
 
         block = self.block
@@ -327,8 +336,9 @@ class ChunkedBlockForward:
 
 def _check_chunk_tokens(chunk_tokens: object) -> int:
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise InputError(f"recompute chunk_tokens must be a positive integer (memory.recompute_chunk_tokens), "
-                         f"got {chunk_tokens!r}")
+        raise InputError(
+            f"recompute chunk_tokens must be a positive integer (memory.recompute_chunk_tokens), got {chunk_tokens!r}"
+        )
     return chunk_tokens
 
 
@@ -344,8 +354,12 @@ def _check_kinds(modules: Iterable[str]) -> tuple[str, ...]:
     return kinds
 
 
-def apply_recompute(model: nn.Module, mode: str = "none", modules: Sequence[str] = DEFAULT_SELECTIVE,
-                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> list[str]:
+def apply_recompute(
+    model: nn.Module,
+    mode: str = "none",
+    modules: Sequence[str] = DEFAULT_SELECTIVE,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> list[str]:
     """Apply activation recomputation to a GenoLM in place.
 
     Args:

@@ -35,7 +35,16 @@ import torch.distributed as dist
 
 from ..errors import CollectiveTimeoutError
 
-__all__ = ["MONITOR_LIMIT_S", "collective_name", "describe_stall", "in_frames", "is_collective_timeout", "name_stall", "set_timeout", "stall_guard"]
+__all__ = [
+    "MONITOR_LIMIT_S",
+    "collective_name",
+    "describe_stall",
+    "in_frames",
+    "is_collective_timeout",
+    "name_stall",
+    "set_timeout",
+    "stall_guard",
+]
 
 #: The longest :func:`name_stall` waits for the ranks to report after a timeout (seconds; less when
 #: ``parallel.timeout_s`` is shorter): the live ranks time out within moments of each other, and a
@@ -45,16 +54,41 @@ MONITOR_LIMIT_S = 30.0
 # the messages of a collective that waited past its timeout: gloo's tcp transport ("Timed out
 # waiting 15000ms for recv operation to complete"), c10d's DistBackendError / store waits, NCCL's
 # blocking wait (TORCH_NCCL_BLOCKING_WAIT=1)
-_TIMEOUT_TEXT = re.compile(r"timed out waiting|timeout caused pair closure|timed out after|watchdog caught collective operation timeout|"
-                           r"operation timed out|wait timeout|timeout waiting for key", re.IGNORECASE)
+_TIMEOUT_TEXT = re.compile(
+    r"timed out waiting|timeout caused pair closure|timed out after|watchdog caught collective operation timeout|"
+    r"operation timed out|wait timeout|timeout waiting for key",
+    re.IGNORECASE,
+)
 # a peer that went away (SIGKILL, a crash): gloo reads a closed connection at once
 _GONE_TEXT = re.compile(r"connection (reset|closed) by peer|broken pipe", re.IGNORECASE)
 # torch.distributed's collectives by their Python names, and what FSDP2 and DCP call them through
-_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_gather_object", "all_gather",
-                "all_to_all_single", "all_to_all", "reduce_scatter", "broadcast_object_list", "broadcast", "gather_object",
-                "scatter_object_list", "gather", "scatter", "reduce", "barrier", "monitored_barrier", "send", "recv")
-_FSDP_STAGES = (("foreach_all_gather", "FSDP all-gather of parameters"), ("wait_for_unshard", "FSDP all-gather of parameters"),
-                ("foreach_reduce", "FSDP reduce-scatter of gradients"), ("post_backward", "FSDP reduce-scatter of gradients"))
+_COLLECTIVES = (
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_gather_object",
+    "all_gather",
+    "all_to_all_single",
+    "all_to_all",
+    "reduce_scatter",
+    "broadcast_object_list",
+    "broadcast",
+    "gather_object",
+    "scatter_object_list",
+    "gather",
+    "scatter",
+    "reduce",
+    "barrier",
+    "monitored_barrier",
+    "send",
+    "recv",
+)
+_FSDP_STAGES = (
+    ("foreach_all_gather", "FSDP all-gather of parameters"),
+    ("wait_for_unshard", "FSDP all-gather of parameters"),
+    ("foreach_reduce", "FSDP reduce-scatter of gradients"),
+    ("post_backward", "FSDP reduce-scatter of gradients"),
+)
 
 
 # (the default group, the monitor group made for it by set_timeout)
@@ -80,7 +114,10 @@ def set_timeout(timeout_s: float) -> None:
     timeout = timedelta(seconds=timeout_s)
     c10d = dist.distributed_c10d
     if _monitor_group() is None:
-        _monitor = (c10d._get_default_group(), dist.new_group(backend="gloo", timeout=timeout, group_desc="genolong_monitor"))
+        _monitor = (
+            c10d._get_default_group(),
+            dist.new_group(backend="gloo", timeout=timeout, group_desc="genolong_monitor"),
+        )
     for group in list(c10d._world.pg_map):
         if group is not None and not c10d._rank_not_in_group(group):
             c10d._set_pg_timeout(timeout, group)
@@ -93,7 +130,9 @@ def is_collective_timeout(exc: BaseException) -> bool:
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, (RuntimeError, dist.DistError, TimeoutError)) and (_TIMEOUT_TEXT.search(str(e)) or _GONE_TEXT.search(str(e))):
+        if isinstance(e, (RuntimeError, dist.DistError, TimeoutError)) and (
+            _TIMEOUT_TEXT.search(str(e)) or _GONE_TEXT.search(str(e))
+        ):
             return True
         e = e.__cause__ or e.__context__
     return False
@@ -203,4 +242,5 @@ def describe_stall(exc: BaseException, timeout_s: float, where: str) -> Collecti
     return CollectiveTimeoutError(
         f"{who}: rank {me} {waited} in {op} ({where}) and gives up; check that rank's node "
         f"(a hung filesystem, a dead network link, a stopped process), or raise parallel.timeout_s if the ranks "
-        f"legitimately wait longer")
+        f"legitimately wait longer"
+    )

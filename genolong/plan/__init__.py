@@ -59,7 +59,6 @@ from .comm import (
     routed_expert_parameters,
 )
 from .constants import FRAGMENTATION, GIB, WORKSPACE_BYTES
-from .params import ParameterSplit, linear_shapes, lora_adapter_shapes, parameter_shapes, parameter_split
 from .evaluate import (
     CPU_PROCESS_BYTES,
     EVAL_CHUNK_ROWS,
@@ -70,6 +69,7 @@ from .evaluate import (
     forward_working_set,
     stream_cache_tensors,
 )
+from .params import ParameterSplit, linear_shapes, lora_adapter_shapes, parameter_shapes, parameter_split
 from .recipe import recipe_moe_imbalance
 from .report import format_eval_plan, format_plan
 from .train import ATTENTION_LORA, ATTENTION_ONLY_FREEZE, TRANSIENTS, Plan, plan

@@ -144,8 +144,13 @@ class TrainedParts:
     lora_dropout: float = 0.0
 
     @classmethod
-    def from_names(cls, config: ModelConfig, trained_names: Sequence[str],
-                   adapted: Sequence[tuple[str, int, int]] = (), lora_dropout: float = 0.0) -> TrainedParts:
+    def from_names(
+        cls,
+        config: ModelConfig,
+        trained_names: Sequence[str],
+        adapted: Sequence[tuple[str, int, int]] = (),
+        lora_dropout: float = 0.0,
+    ) -> TrainedParts:
         """From the trained parameters' names (``ParameterSplit.trained_names``; LoRA adapters under
         their base module's name) and the adapted linears (``ParameterSplit.adapted``).
 
@@ -165,11 +170,14 @@ class TrainedParts:
             if name.startswith("layers."):
                 _, i, part = name.split(".", 3)[:3]
                 layers[int(i)].add(part)
-        return cls(embedding=any(n.startswith("embed_tokens.") for n in trained_names),
-                   layers=tuple(frozenset(x) for x in layers),
-                   norm=any(n.startswith("norm.") for n in trained_names),
-                   lm_head=any(n.startswith("lm_head.") for n in trained_names),
-                   adapters=tuple({k: tuple(v) for k, v in x.items()} for x in adapters), lora_dropout=lora_dropout)
+        return cls(
+            embedding=any(n.startswith("embed_tokens.") for n in trained_names),
+            layers=tuple(frozenset(x) for x in layers),
+            norm=any(n.startswith("norm.") for n in trained_names),
+            lm_head=any(n.startswith("lm_head.") for n in trained_names),
+            adapters=tuple({k: tuple(v) for k, v in x.items()} for x in adapters),
+            lora_dropout=lora_dropout,
+        )
 
     def adapter_items(self, config: ModelConfig, layer: int, part: str, a: int, kind: str) -> list[SavedTensor]:
         """What the LoRA adapters of ``part`` keep besides the base part's saved set: per adapter the
@@ -307,15 +315,27 @@ def _kda(cfg: ModelConfig, a: int, recomputed: bool, kernel: str = "torch", cp_p
         mixer.append(SavedTensor("kda", "normalised k", q * _F32, views=3.0))
     mixer.append(SavedTensor("kda", "gate low-rank", d * a, weight_only=d * a))  # f_b_proj's input
     if kernel != "fla" or cp_path:
-        mixer += [SavedTensor("kda", "gate logits + sigmoid", 2 * q * _F32),
-                  SavedTensor("kda", "beta", heads * _F32, views=4.0 if kernel != "fla" else 1.0)]
+        mixer += [
+            SavedTensor("kda", "gate logits + sigmoid", 2 * q * _F32),
+            SavedTensor("kda", "beta", heads * _F32, views=4.0 if kernel != "fla" else 1.0),
+        ]
     if kernel == "fla":
         if cp_path:
-            chunk = [SavedTensor("kda", "fla chunk_kda under CP: q, k, [v | 0], g_cumsum, g, Aqk, Akk; [o0 | P]",
-                                 heads * (5 * K + V + 2 * C + (V + K)) * _F32)]
+            chunk = [
+                SavedTensor(
+                    "kda",
+                    "fla chunk_kda under CP: q, k, [v | 0], g_cumsum, g, Aqk, Akk; [o0 | P]",
+                    heads * (5 * K + V + 2 * C + (V + K)) * _F32,
+                )
+            ]
         else:
-            chunk = [SavedTensor("kda", "fla chunk_kda (gate in kernel): q, k, v, g raw, beta raw + sigmoid, Aqk, Akk",
-                                 heads * (3 * K + V + 2 * C + 2) * _F32)]
+            chunk = [
+                SavedTensor(
+                    "kda",
+                    "fla chunk_kda (gate in kernel): q, k, v, g raw, beta raw + sigmoid, Aqk, Akk",
+                    heads * (3 * K + V + 2 * C + 2) * _F32,
+                )
+            ]
     else:
         intra = _kda_intra_floats(K, C, KDA_SUB_BLOCK)
         chunk = [
@@ -323,19 +343,38 @@ def _kda(cfg: ModelConfig, a: int, recomputed: bool, kernel: str = "torch", cp_p
             # are) and by the product (unsqueezed): two offload copies, 2K more per head
             SavedTensor("kda", "chunk: in-chunk matrices", heads * intra * _F32, views=1.0 + 2.0 * K / intra),
             SavedTensor("kda", "chunk: decays, u, w, q_eff", heads * (10 * K + 2 * V + 2 * C) * _F32),
-            SavedTensor("kda", "chunk: transitions + states", heads * (K * K + 2 * K * V + K) / C * _F32, piece_tokens=C),
+            SavedTensor(
+                "kda", "chunk: transitions + states", heads * (K * K + 2 * K * V + K) / C * _F32, piece_tokens=C
+            ),
         ]
     # of the output's: the normalised value before the norm weight, o_proj's and g_b_proj's inputs
-    return mixer + chunk + [SavedTensor("kda", "output + gated norm", (4 * q + heads) * _F32 + q * a + d * a,
-                                        weight_only=q * _F32 + q * a + d * a)]
+    return (
+        mixer
+        + chunk
+        + [
+            SavedTensor(
+                "kda",
+                "output + gated norm",
+                (4 * q + heads) * _F32 + q * a + d * a,
+                weight_only=q * _F32 + q * a + d * a,
+            )
+        ]
+    )
 
 
 def _index_slots(cfg: ModelConfig) -> int:
     return cfg.index_topk + (cfg.index_kpool - 1 if cfg.index_kpool_always_select_tail and cfg.index_kpool > 1 else 0)
 
 
-def _dsa(cfg: ModelConfig, layer: int, a: int, recomputed: bool, prev_recomputed: bool,
-         indexer_kl: bool, kernel: str = "torch") -> list[SavedTensor]:
+def _dsa(
+    cfg: ModelConfig,
+    layer: int,
+    a: int,
+    recomputed: bool,
+    prev_recomputed: bool,
+    indexer_kl: bool,
+    kernel: str = "torch",
+) -> list[SavedTensor]:
     """The DSA mixer (``genolong.model.dsa.DSAMixer``, absorbed MLA over the kv latent).
 
     Recomputed: its input (H) and, on a ``shared`` layer, the top-k indices it receives
@@ -395,7 +434,9 @@ def _dsa(cfg: ModelConfig, layer: int, a: int, recomputed: bool, prev_recomputed
         if kernel == "triton":
             out.append(SavedTensor("indexer_kl", "pool ids, target (Triton KL)", pools * (_I64 + _F32)))
         else:
-            out.append(SavedTensor("indexer_kl", "pool ids, validity, target", pools * (_I64 + 1 + _F32), piece_tokens=blk))
+            out.append(
+                SavedTensor("indexer_kl", "pool ids, validity, target", pools * (_I64 + 1 + _F32), piece_tokens=blk)
+            )
     return out
 
 
@@ -406,8 +447,15 @@ def _swiglu(kind: str, name: str, inner: int, a: int) -> list[SavedTensor]:
     return [SavedTensor(kind, f"{name} gate/up/clamps/silu/product", 6 * inner * a, weight_only=inner * a)]
 
 
-def _ffn(cfg: ModelConfig, layer: int, a: int, recomputed: bool, tokens: int, chunk: int | None,
-         expert_load: float | None = None) -> list[SavedTensor]:
+def _ffn(
+    cfg: ModelConfig,
+    layer: int,
+    a: int,
+    recomputed: bool,
+    tokens: int,
+    chunk: int | None,
+    expert_load: float | None = None,
+) -> list[SavedTensor]:
     """The feed-forward: dense SwiGLU (input H + :func:`_swiglu`) or MoE.
 
     MoE (``genolong.model.moe.MoE``), not recomputed, per token: the input (H in the compute
@@ -429,7 +477,9 @@ def _ffn(cfg: ModelConfig, layer: int, a: int, recomputed: bool, tokens: int, ch
     if cfg.mlp_layer_types[layer] == "dense":
         if recomputed:
             return [SavedTensor("mlp", "input (recomputed)", H * a)]
-        return [SavedTensor("mlp", "input", H * a, weight_only=H * a)] + _swiglu("mlp", "dense", cfg.intermediate_size, a)
+        return [SavedTensor("mlp", "input", H * a, weight_only=H * a)] + _swiglu(
+            "mlp", "dense", cfg.intermediate_size, a
+        )
     if recomputed:
         return [SavedTensor("moe", "input (recomputed)", H * a)]
     E, k, inner = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
@@ -446,8 +496,13 @@ def _ffn(cfg: ModelConfig, layer: int, a: int, recomputed: bool, tokens: int, ch
         SavedTensor("moe", "top-k indices, order, token map", 3 * k * _I64),
         SavedTensor("moe", "routing weights", (k + 1) * _F32),
         # of which the gathered input (gate_up's) and the product (down_proj's) serve the weight gradients only
-        SavedTensor("moe", "routed experts", load * k * ((3 * H + 6 * inner) * a + _F32), piece_tokens=per_expert,
-                    weight_only=load * k * (H + inner) * a),
+        SavedTensor(
+            "moe",
+            "routed experts",
+            load * k * ((3 * H + 6 * inner) * a + _F32),
+            piece_tokens=per_expert,
+            weight_only=load * k * (H + inner) * a,
+        ),
         *received,
         *_swiglu("moe", "shared expert", inner * cfg.n_shared_experts, a),
     ]
@@ -472,9 +527,22 @@ def _mhc(cfg: ModelConfig, name: str, a: int, recomputed: bool) -> list[SavedTen
     return out
 
 
-def _half(cfg: ModelConfig, layer: int, half: str, a: int, kinds: frozenset[str], *, indexer_kl: bool,
-          tokens: int, moe_chunk_tokens: int | None, kda_kernel: str, dsa_kernel: str, cp_path: bool,
-          expert_load: float | None = None, trained: TrainedParts | None = None) -> list[SavedTensor]:
+def _half(
+    cfg: ModelConfig,
+    layer: int,
+    half: str,
+    a: int,
+    kinds: frozenset[str],
+    *,
+    indexer_kl: bool,
+    tokens: int,
+    moe_chunk_tokens: int | None,
+    kda_kernel: str,
+    dsa_kernel: str,
+    cp_path: bool,
+    expert_load: float | None = None,
+    trained: TrainedParts | None = None,
+) -> list[SavedTensor]:
     """The saved tensors of one half of block ``layer``: ``attention`` (``attn_hc ->
     input_layernorm -> self_attn -> merge``) or ``ffn`` (``ffn_hc -> post_attention_layernorm ->
     mlp -> merge``), under ``selective`` recompute of ``kinds`` (empty: nothing recomputed);
@@ -501,7 +569,11 @@ def _half(cfg: ModelConfig, layer: int, half: str, a: int, kinds: frozenset[str]
     flags = trained.flags(layer)
     merge = [t for t in hcs if t.name.endswith(" merge")]
     reads = [t for t in hcs if not t.name.endswith(" merge")]
-    out = _frozen_items(reads, flags[names[0]]) + _frozen_items(norm, flags[names[1]]) + _frozen_items(body, flags[names[2]])
+    out = (
+        _frozen_items(reads, flags[names[0]])
+        + _frozen_items(norm, flags[names[1]])
+        + _frozen_items(body, flags[names[2]])
+    )
     if body:
         out += trained.adapter_items(cfg, layer, names[2], a, body[0].kind)
     hc_trained, hc_grad = flags[names[0]]
@@ -534,10 +606,21 @@ class ChunkedTerms:
     layer_bytes: float
 
 
-def chunked_recompute_terms(config: ModelConfig, layer: int, tokens: int, chunk_tokens: int, *, cp: int = 1,
-                            dtype_bytes: int = 4, indexer_kl: bool = False, moe_chunk_tokens: int | None = None,
-                            kda_kernel: str = "torch", dsa_kernel: str = "torch",
-                            expert_load: float | None = None, trained: TrainedParts | None = None) -> ChunkedTerms:
+def chunked_recompute_terms(
+    config: ModelConfig,
+    layer: int,
+    tokens: int,
+    chunk_tokens: int,
+    *,
+    cp: int = 1,
+    dtype_bytes: int = 4,
+    indexer_kl: bool = False,
+    moe_chunk_tokens: int | None = None,
+    kda_kernel: str = "torch",
+    dsa_kernel: str = "torch",
+    expert_load: float | None = None,
+    trained: TrainedParts | None = None,
+) -> ChunkedTerms:
     """The formulas for ``memory.recompute: chunked`` on layer ``layer`` (one place to adjust).
 
     From the code (:class:`genolong.parallel.recompute.ChunkedBlockForward`,
@@ -590,8 +673,16 @@ def chunked_recompute_terms(config: ModelConfig, layer: int, tokens: int, chunk_
         saved.append(SavedTensor("block_input", "received top-k indices", _index_slots(cfg) * _I64))
     if trained is not None and not trained.any_below(layer):  # nothing in or below the block trains
         return ChunkedTerms(saved=[], rebuilt_bytes=0.0, rebuilt_region="nothing (frozen)", layer_bytes=0.0)
-    plain = dict(indexer_kl=indexer_kl, tokens=c, moe_chunk_tokens=moe_chunk_tokens, kda_kernel=kda_kernel,
-                 dsa_kernel=dsa_kernel, cp_path=cp > 1, expert_load=expert_load, trained=trained)
+    plain = dict(
+        indexer_kl=indexer_kl,
+        tokens=c,
+        moe_chunk_tokens=moe_chunk_tokens,
+        kda_kernel=kda_kernel,
+        dsa_kernel=dsa_kernel,
+        cp_path=cp > 1,
+        expert_load=expert_load,
+        trained=trained,
+    )
     # a segment's (or chunk's) backward also holds the gradients of its output and of its input
     # streams, [c, m, H] each
     grads = 2 * c * m * H * a
@@ -612,12 +703,23 @@ def chunked_recompute_terms(config: ModelConfig, layer: int, tokens: int, chunk_
     return ChunkedTerms(saved=saved, rebuilt_bytes=max(attn, ffn), rebuilt_region=region, layer_bytes=carried)
 
 
-def layer_saved_tensors(config: ModelConfig, layer: int, recompute: str = "none",
-                        recompute_modules: Sequence[str] = (), *, dtype_bytes: int = 4,
-                        indexer_kl: bool = False, tokens: int = 4096,
-                        moe_chunk_tokens: int | None = None, kda_kernel: str = "torch",
-                        dsa_kernel: str = "torch", cp: int = 1, recompute_chunk_tokens: int = 16384,
-                        expert_load: float | None = None, trained: TrainedParts | None = None) -> list[SavedTensor]:
+def layer_saved_tensors(
+    config: ModelConfig,
+    layer: int,
+    recompute: str = "none",
+    recompute_modules: Sequence[str] = (),
+    *,
+    dtype_bytes: int = 4,
+    indexer_kl: bool = False,
+    tokens: int = 4096,
+    moe_chunk_tokens: int | None = None,
+    kda_kernel: str = "torch",
+    dsa_kernel: str = "torch",
+    cp: int = 1,
+    recompute_chunk_tokens: int = 16384,
+    expert_load: float | None = None,
+    trained: TrainedParts | None = None,
+) -> list[SavedTensor]:
     """What layer ``layer`` keeps for backward, storage by storage.
 
     Args:
@@ -659,19 +761,39 @@ def layer_saved_tensors(config: ModelConfig, layer: int, recompute: str = "none"
             out.append(SavedTensor("block_input", "received top-k indices", _index_slots(cfg) * _I64))
         return out
     if recompute == "chunked":
-        return chunked_recompute_terms(cfg, layer, tokens, recompute_chunk_tokens, cp=cp, dtype_bytes=a,
-                                       indexer_kl=indexer_kl, moe_chunk_tokens=moe_chunk_tokens,
-                                       kda_kernel=kda_kernel, dsa_kernel=dsa_kernel,
-                                       expert_load=expert_load, trained=trained).saved
-    common = dict(indexer_kl=indexer_kl, tokens=tokens, moe_chunk_tokens=moe_chunk_tokens, kda_kernel=kda_kernel,
-                  dsa_kernel=dsa_kernel, cp_path=cp > 1,
-                  expert_load=expert_load, trained=trained)
-    return (_half(cfg, layer, "attention", a, kinds, **common)  # type: ignore[arg-type]
-            + _half(cfg, layer, "ffn", a, kinds, **common))  # type: ignore[arg-type]
+        return chunked_recompute_terms(
+            cfg,
+            layer,
+            tokens,
+            recompute_chunk_tokens,
+            cp=cp,
+            dtype_bytes=a,
+            indexer_kl=indexer_kl,
+            moe_chunk_tokens=moe_chunk_tokens,
+            kda_kernel=kda_kernel,
+            dsa_kernel=dsa_kernel,
+            expert_load=expert_load,
+            trained=trained,
+        ).saved
+    common = dict(
+        indexer_kl=indexer_kl,
+        tokens=tokens,
+        moe_chunk_tokens=moe_chunk_tokens,
+        kda_kernel=kda_kernel,
+        dsa_kernel=dsa_kernel,
+        cp_path=cp > 1,
+        expert_load=expert_load,
+        trained=trained,
+    )
+    return (
+        _half(cfg, layer, "attention", a, kinds, **common)  # type: ignore[arg-type]
+        + _half(cfg, layer, "ffn", a, kinds, **common)
+    )  # type: ignore[arg-type]
 
 
-def outside_saved_tensors(config: ModelConfig, dtype_bytes: int = 4,
-                          trained: TrainedParts | None = None) -> list[SavedTensor]:
+def outside_saved_tensors(
+    config: ModelConfig, dtype_bytes: int = 4, trained: TrainedParts | None = None
+) -> list[SavedTensor]:
     """What the embedding, the final norm and the chunked cross-entropy keep (per token): the
     input ids (int64), the final RMSNorm (:func:`_norm`), the hidden state the loss reads (H),
     the targets (int64), token weights and log-sum-exp (fp32); with ``trained``
@@ -684,8 +806,11 @@ def outside_saved_tensors(config: ModelConfig, dtype_bytes: int = 4,
     if trained is None:
         return ids + norm + loss
     below = trained.any_below(config.num_hidden_layers - 1)
-    return (_frozen_items(ids, (trained.embedding, False)) + _frozen_items(norm, (trained.norm, below))
-            + _frozen_items(loss, (trained.lm_head, below or trained.norm)))
+    return (
+        _frozen_items(ids, (trained.embedding, False))
+        + _frozen_items(norm, (trained.norm, below))
+        + _frozen_items(loss, (trained.lm_head, below or trained.norm))
+    )
 
 
 @dataclass
@@ -729,13 +854,25 @@ class ActivationEstimate:
         return sum(self.by_kind.values())
 
 
-def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "none",
-                        recompute_modules: Sequence[str] = (), offload: bool = False,
-                        offload_min_bytes: int = 1 << 20, dtype_bytes: int = 4, indexer_kl: bool = False,
-                        moe_chunk_tokens: int | None = None, batch: int = 1,
-                        kda_kernel: str = "torch", dsa_kernel: str = "torch", cp: int = 1,
-                        recompute_chunk_tokens: int = 16384,
-                        expert_load: float | None = None, trained: TrainedParts | None = None) -> ActivationEstimate:
+def activation_estimate(
+    config: ModelConfig,
+    tokens: int,
+    *,
+    recompute: str = "none",
+    recompute_modules: Sequence[str] = (),
+    offload: bool = False,
+    offload_min_bytes: int = 1 << 20,
+    dtype_bytes: int = 4,
+    indexer_kl: bool = False,
+    moe_chunk_tokens: int | None = None,
+    batch: int = 1,
+    kda_kernel: str = "torch",
+    dsa_kernel: str = "torch",
+    cp: int = 1,
+    recompute_chunk_tokens: int = 16384,
+    expert_load: float | None = None,
+    trained: TrainedParts | None = None,
+) -> ActivationEstimate:
     """Saved-activation bytes of one forward + backward on ``batch x tokens`` tokens of one rank.
 
     What :class:`~genolong.memory.meter.ActivationMeter` measures around ``model.loss(...)
@@ -776,8 +913,7 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
     if dsa_kernel not in DSA_KERNELS:
         raise InputError(f"dsa_kernel {dsa_kernel!r} is unknown; choose one of {', '.join(DSA_KERNELS)}")
     n = tokens * batch
-    kernels = dict(kda_kernel=kda_kernel, dsa_kernel=dsa_kernel, cp=cp,
-                   expert_load=expert_load, trained=trained)
+    kernels = dict(kda_kernel=kda_kernel, dsa_kernel=dsa_kernel, cp=cp, expert_load=expert_load, trained=trained)
     L = config.num_hidden_layers
     resident: list[int] = []
     offloaded: list[int] = []
@@ -786,9 +922,18 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
     rebuilt = 0
     pinned = 0.0
     for i in range(L):
-        items = layer_saved_tensors(config, i, recompute, recompute_modules, dtype_bytes=dtype_bytes,
-                                    indexer_kl=indexer_kl, tokens=n, moe_chunk_tokens=moe_chunk_tokens,
-                                    recompute_chunk_tokens=recompute_chunk_tokens, **kernels)  # type: ignore[arg-type]
+        items = layer_saved_tensors(
+            config,
+            i,
+            recompute,
+            recompute_modules,
+            dtype_bytes=dtype_bytes,
+            indexer_kl=indexer_kl,
+            tokens=n,
+            moe_chunk_tokens=moe_chunk_tokens,
+            recompute_chunk_tokens=recompute_chunk_tokens,
+            **kernels,
+        )  # type: ignore[arg-type]
         res = off = 0.0
         for t in items:
             size = t.nbytes(n)
@@ -800,22 +945,43 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
                 res += size
         resident.append(int(round(res)))
         offloaded.append(int(round(off)))
-        plain = layer_saved_tensors(config, i, "none", dtype_bytes=dtype_bytes, indexer_kl=indexer_kl,
-                                    tokens=n, moe_chunk_tokens=moe_chunk_tokens, **kernels)  # type: ignore[arg-type]
+        plain = layer_saved_tensors(
+            config,
+            i,
+            "none",
+            dtype_bytes=dtype_bytes,
+            indexer_kl=indexer_kl,
+            tokens=n,
+            moe_chunk_tokens=moe_chunk_tokens,
+            **kernels,
+        )  # type: ignore[arg-type]
         for t in plain:
             plain_by_kind[t.kind] = plain_by_kind.get(t.kind, 0) + int(round(t.nbytes(n)))
         if recompute != "none":
             if recompute == "full":
                 region = sum(t.nbytes(n) for t in plain)
             elif recompute == "chunked":
-                terms = chunked_recompute_terms(config, i, n, recompute_chunk_tokens, dtype_bytes=dtype_bytes,
-                                                indexer_kl=indexer_kl, moe_chunk_tokens=moe_chunk_tokens,
-                                                **kernels)  # type: ignore[arg-type]
+                terms = chunked_recompute_terms(
+                    config,
+                    i,
+                    n,
+                    recompute_chunk_tokens,
+                    dtype_bytes=dtype_bytes,
+                    indexer_kl=indexer_kl,
+                    moe_chunk_tokens=moe_chunk_tokens,
+                    **kernels,
+                )  # type: ignore[arg-type]
                 region = terms.rebuilt_bytes + terms.layer_bytes
             else:
                 kinds = _resolve_kinds(recompute, recompute_modules)
-                region = max([sum(t.nbytes(n) for t in plain if t.kind == k or (k == "dsa" and t.kind == "indexer_kl"))
-                              for k in kinds if k != "hc"] + [0])
+                region = max(
+                    [
+                        sum(t.nbytes(n) for t in plain if t.kind == k or (k == "dsa" and t.kind == "indexer_kl"))
+                        for k in kinds
+                        if k != "hc"
+                    ]
+                    + [0]
+                )
                 if "hc" in kinds:
                     region = max(region, sum(t.nbytes(n) for t in plain if t.kind == "mhc") / 2)
             rebuilt = max(rebuilt, int(round(region)))
@@ -833,15 +999,24 @@ def activation_estimate(config: ModelConfig, tokens: int, *, recompute: str = "n
             peak_resident = max(peak_resident, res)
             peak_total = max(peak_total, res + sum(offloaded[: i + 1]))
     return ActivationEstimate(
-        tokens=n, layer_resident=resident, layer_offloaded=offloaded, outside_bytes=outside,
-        peak_resident_bytes=peak_resident, peak_offloaded_bytes=sum(offloaded), peak_total_bytes=peak_total,
-        by_kind=by_kind, rebuilt_bytes=rebuilt, plain_by_kind=plain_by_kind, pinned_pool_bytes=int(round(pinned)),
+        tokens=n,
+        layer_resident=resident,
+        layer_offloaded=offloaded,
+        outside_bytes=outside,
+        peak_resident_bytes=peak_resident,
+        peak_offloaded_bytes=sum(offloaded),
+        peak_total_bytes=peak_total,
+        by_kind=by_kind,
+        rebuilt_bytes=rebuilt,
+        plain_by_kind=plain_by_kind,
+        pinned_pool_bytes=int(round(pinned)),
     )
 
 
 def _pinned_pieces(t: SavedTensor, tokens: int) -> int:
     """Pinned host bytes of one view of ``t``: each saved piece's host buffer rounded up to a
     power of two (torch's caching host allocator)."""
+
     def block(nbytes: float) -> int:
         n = int(round(nbytes))
         return 0 if n <= 0 else 1 << (n - 1).bit_length()
@@ -853,8 +1028,9 @@ def _pinned_pieces(t: SavedTensor, tokens: int) -> int:
     return full * block(t.bytes_per_token * piece) + block(t.bytes_per_token * rest) + block(t.const_bytes)
 
 
-def dsa_buffer_bytes(config: ModelConfig, sequence_tokens: int, cp: int, dtype_bytes: int, *,
-                     gradients: bool = True) -> int:
+def dsa_buffer_bytes(
+    config: ModelConfig, sequence_tokens: int, cp: int, dtype_bytes: int, *, gradients: bool = True
+) -> int:
     """Bytes of the DSA indexer / top-k / gather buffers one DSA layer holds besides its saved tensors.
 
     The KPool top-k's tile (``INDEXER_TILE^2`` scores for ``index_n_heads + 3`` fp32 planes and the
@@ -877,9 +1053,17 @@ def dsa_buffer_bytes(config: ModelConfig, sequence_tokens: int, cp: int, dtype_b
     if INDEXED_ATTENTION not in cfg.layer_types:
         return 0
     slots = _index_slots(cfg)
-    tile = INDEXER_TILE * INDEXER_TILE * (cfg.index_n_heads + 3) * 4 + 2 * INDEXER_TILE * (cfg.index_topk // cfg.index_kpool) * 8
+    tile = (
+        INDEXER_TILE * INDEXER_TILE * (cfg.index_n_heads + 3) * 4
+        + 2 * INDEXER_TILE * (cfg.index_topk // cfg.index_kpool) * 8
+    )
     gather = DSA_QUERY_BLOCK * slots * (2 * cfg.kv_lora_rank + 2 * cfg.num_attention_heads) * 4
     allgather = 0.0
     if cp > 1:
-        allgather = (2 if gradients else 1) * sequence_tokens * (cfg.kv_lora_rank + cfg.index_head_dim / cfg.index_kpool) * dtype_bytes
+        allgather = (
+            (2 if gradients else 1)
+            * sequence_tokens
+            * (cfg.kv_lora_rank + cfg.index_head_dim / cfg.index_kpool)
+            * dtype_bytes
+        )
     return int(tile + gather + allgather)

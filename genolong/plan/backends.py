@@ -43,7 +43,9 @@ def backend_kernels(backend: str, accelerator: str = "gpu") -> tuple[str, str]:
         InputError: an unknown backend name.
     """
     if backend not in BACKEND_KERNELS:
-        raise InputError(f"kernel_backend {backend!r} is unknown to the planner; choose one of {', '.join(BACKEND_KERNELS)}")
+        raise InputError(
+            f"kernel_backend {backend!r} is unknown to the planner; choose one of {', '.join(BACKEND_KERNELS)}"
+        )
     if backend == "auto" and accelerator == "cpu":
         return "torch", "torch"
     return BACKEND_KERNELS[backend]

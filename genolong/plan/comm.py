@@ -150,8 +150,12 @@ def fsdp_units(config: ModelConfig) -> list[int]:
     # a block's count is the difference of two prefixes of the layer schedule (a prefix is a
     # valid config: a shared-indexer layer always follows the full layer it reads)
     for i in range(1, cfg.num_hidden_layers + 1):
-        prefix = cfg.replace(num_hidden_layers=i, layer_types=cfg.layer_types[:i],
-                             mlp_layer_types=cfg.mlp_layer_types[:i], indexer_types=cfg.indexer_types[:i])
+        prefix = cfg.replace(
+            num_hidden_layers=i,
+            layer_types=cfg.layer_types[:i],
+            mlp_layer_types=cfg.mlp_layer_types[:i],
+            indexer_types=cfg.indexer_types[:i],
+        )
         count = parameter_count(prefix).total
         blocks.append(count - previous)
         previous = count
@@ -190,8 +194,9 @@ class FSDPUnit:
             object.__setattr__(self, "trained", self.params)
 
 
-def fsdp_unit_groups(config: ModelConfig, shard_group: int = 1, ep: int = 1,
-                     split: ParameterSplit | None = None) -> list[FSDPUnit]:
+def fsdp_unit_groups(
+    config: ModelConfig, shard_group: int = 1, ep: int = 1, split: ParameterSplit | None = None
+) -> list[FSDPUnit]:
     """The FSDP2 units in order (the embedding, each block, then under EP its experts unit, then
     the root: final norm and LM head), as :func:`genolong.parallel.apply_fsdp` builds them.
 
@@ -231,7 +236,9 @@ def fsdp_unit_groups(config: ModelConfig, shard_group: int = 1, ep: int = 1,
     return out
 
 
-def ep_comm_bytes(config: ModelConfig, tokens: int, ep: int, chunk_tokens: int | None, dtype_bytes: int) -> dict[str, int]:
+def ep_comm_bytes(
+    config: ModelConfig, tokens: int, ep: int, chunk_tokens: int | None, dtype_bytes: int
+) -> dict[str, int]:
     """Bytes one rank SENDS through expert parallelism's all-to-alls in one forward and one
     backward, summed over the model's MoE layers (recompute not included: a recomputed MoE runs
     its forward exchanges again, the count exchange included).
@@ -276,10 +283,21 @@ def ep_comm_bytes(config: ModelConfig, tokens: int, ep: int, chunk_tokens: int |
     return {"forward": layers * 2 * data, "backward": layers * 2 * data, "splits": layers * splits}
 
 
-def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, dtype_bytes: int = 4,
-                  recompute: str = "none", recompute_modules: Sequence[str] = (), shard_group: int = 1,
-                  dp_replicate: int = 1, ep: int = 1, moe_chunk_tokens: int | None = None,
-                  split: ParameterSplit | None = None) -> CommEstimate:
+def comm_estimate(
+    config: ModelConfig,
+    tokens: int,
+    cp: int,
+    *,
+    batch: int = 1,
+    dtype_bytes: int = 4,
+    recompute: str = "none",
+    recompute_modules: Sequence[str] = (),
+    shard_group: int = 1,
+    dp_replicate: int = 1,
+    ep: int = 1,
+    moe_chunk_tokens: int | None = None,
+    split: ParameterSplit | None = None,
+) -> CommEstimate:
     """Bytes one rank moves through the collectives in one training step (forward + backward).
 
     Context parallelism (per layer call, the exact per-call formulas, summed over the layers):
@@ -326,8 +344,14 @@ def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, 
     Raises:
         InputError: non-positive sizes, a bad dtype or recompute setting.
     """
-    for name, value in (("tokens", tokens), ("cp", cp), ("batch", batch), ("shard_group", shard_group),
-                        ("dp_replicate", dp_replicate), ("ep", ep)):
+    for name, value in (
+        ("tokens", tokens),
+        ("cp", cp),
+        ("batch", batch),
+        ("shard_group", shard_group),
+        ("dp_replicate", dp_replicate),
+        ("ep", ep),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{name} must be a positive integer, got {value!r}")
     if dtype_bytes not in (2, 4):
@@ -357,8 +381,10 @@ def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, 
     halo = conv_halo_payload(batch, 3 * heads * d, cfg.linear_conv_kernel_dim, cp, compute)
     rows.append(payload_row("KDA state all-gather fwd / all-reduce bwd (cp_kda_comm_bytes)", n_kda, state, redo_kda))
     rows.append(payload_row("KDA short-conv halo (conv_halo_comm_bytes)", n_kda, halo, redo_kda))
-    for name, layers, full in (("DSA latent + pooled index keys, full-indexer layers", n_full, True),
-                               ("DSA latent, shared-indexer layers", n_shared, False)):
+    for name, layers, full in (
+        ("DSA latent + pooled index keys, full-indexer layers", n_full, True),
+        ("DSA latent, shared-indexer layers", n_shared, False),
+    ):
         call = cp_dsa_comm_bytes(cfg, batch, tokens, cp, full_indexer=full, dtype_bytes=dtype_bytes)
         fwd, bwd = layers * call["forward"], layers * call["backward"]
         rec = fwd if redo_dsa else 0
@@ -372,8 +398,18 @@ def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, 
         n_moe = sum(t == "sparse" for t in (cfg.mlp_layer_types or ()))
         forward = call["forward"] + call["splits"]
         rec = forward if redo_moe else 0
-        rows.append(CommRow("ep", "EP dispatch + combine all-to-all, split sizes (ep_comm_bytes)", n_moe, SENT,
-                            forward, rec, call["backward"], forward + rec + call["backward"]))
+        rows.append(
+            CommRow(
+                "ep",
+                "EP dispatch + combine all-to-all, split sizes (ep_comm_bytes)",
+                n_moe,
+                SENT,
+                forward,
+                rec,
+                call["backward"],
+                forward + rec + call["backward"],
+            )
+        )
 
     S, R = shard_group, dp_replicate
     all_units = fsdp_unit_groups(cfg, S, ep, split=split)
@@ -393,15 +429,55 @@ def comm_estimate(config: ModelConfig, tokens: int, cp: int, *, batch: int = 1, 
         reduced = [u for u in units if u.trained > 0]
         reduce = sum((u.group - 1) * math.ceil(u.trained / u.group) * _F32 for u in reduced)
         over = f", over {G}" if kind == "experts" else ""
-        rows.append(CommRow("fsdp", f"FSDP {label}parameter all-gather fwd ({p_dtype}{over})", len(units), RECEIVED,
-                            gather_fwd, 0, 0, gather_fwd))
-        rows.append(CommRow("fsdp", f"FSDP {label}parameter all-gather bwd, resharded units ({p_dtype}{over})",
-                            len(resharded), RECEIVED, 0, 0, gather_bwd, gather_bwd))
+        rows.append(
+            CommRow(
+                "fsdp",
+                f"FSDP {label}parameter all-gather fwd ({p_dtype}{over})",
+                len(units),
+                RECEIVED,
+                gather_fwd,
+                0,
+                0,
+                gather_fwd,
+            )
+        )
+        rows.append(
+            CommRow(
+                "fsdp",
+                f"FSDP {label}parameter all-gather bwd, resharded units ({p_dtype}{over})",
+                len(resharded),
+                RECEIVED,
+                0,
+                0,
+                gather_bwd,
+                gather_bwd,
+            )
+        )
         trained_note = ", trained parameters only" if split is not None and split.any_frozen else ""
-        rows.append(CommRow("fsdp", f"FSDP {label}gradient reduce-scatter (fp32{over}{trained_note})", len(reduced),
-                            RECEIVED, 0, 0, reduce, reduce))
+        rows.append(
+            CommRow(
+                "fsdp",
+                f"FSDP {label}gradient reduce-scatter (fp32{over}{trained_note})",
+                len(reduced),
+                RECEIVED,
+                0,
+                0,
+                reduce,
+                reduce,
+            )
+        )
         if R > 1:
             replicas = sum(_ring_allreduce(math.ceil(u.trained / u.group) * _F32, R) for u in reduced)
-            rows.append(CommRow("fsdp", f"HSDP {label}gradient all-reduce across replicas (fp32, ring)", len(units),
-                                RECEIVED, 0, 0, replicas, replicas))
+            rows.append(
+                CommRow(
+                    "fsdp",
+                    f"HSDP {label}gradient all-reduce across replicas (fp32, ring)",
+                    len(units),
+                    RECEIVED,
+                    0,
+                    0,
+                    replicas,
+                    replicas,
+                )
+            )
     return CommEstimate(cp=cp, shard_group=S, dp_replicate=R, tokens_per_rank=batch * tokens, rows=rows, ep=ep)

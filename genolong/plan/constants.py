@@ -9,9 +9,21 @@ and the block sizes are the kernels' own defaults, named where they are defined.
 
 from __future__ import annotations
 
-__all__ = ["CUBLAS_WORKSPACES", "CUBLAS_WORKSPACE_BYTES", "CUDA_CONTEXT_BYTES", "DSA_QUERY_BLOCK", "FRAGMENTATION", "GIB",
-           "INDEXER_TILE", "KDA_SUB_BLOCK", "MIB", "NCCL_ALLTOALL_PEER_BYTES", "NCCL_COMM_BYTES", "NCCL_SINGLE_RANK_BYTES",
-           "WORKSPACE_BYTES"]
+__all__ = [
+    "CUBLAS_WORKSPACES",
+    "CUBLAS_WORKSPACE_BYTES",
+    "CUDA_CONTEXT_BYTES",
+    "DSA_QUERY_BLOCK",
+    "FRAGMENTATION",
+    "GIB",
+    "INDEXER_TILE",
+    "KDA_SUB_BLOCK",
+    "MIB",
+    "NCCL_ALLTOALL_PEER_BYTES",
+    "NCCL_COMM_BYTES",
+    "NCCL_SINGLE_RANK_BYTES",
+    "WORKSPACE_BYTES",
+]
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -33,7 +33,15 @@ from ..units import format_bytes, format_count
 from .activations import _half, _index_slots, dsa_buffer_bytes, outside_saved_tensors
 from .backends import DSA_KERNELS, KDA_KERNELS, backend_kernels
 from .constants import _F32, _I64, FRAGMENTATION, GIB, WORKSPACE_BYTES
-from .recipe import _check_positive, _describe, _largest_unit, _mesh_sizes, _model_config, _with_gpus, recipe_moe_imbalance
+from .recipe import (
+    _check_positive,
+    _describe,
+    _largest_unit,
+    _mesh_sizes,
+    _model_config,
+    _with_gpus,
+    recipe_moe_imbalance,
+)
 
 __all__ = [
     "CPU_PROCESS_BYTES",
@@ -49,8 +57,16 @@ __all__ = [
 #: MoE tensors the dispatch makes per chunk of ``memory.moe_chunk_tokens`` tokens (the router reads
 #: each chunk's rows, the experts run them); the input, the shared expert and the routed outputs are
 #: whole-slice tensors (``genolong.model.moe.MoE.forward``).
-_MOE_PER_CHUNK = frozenset({"input fp32 (router)", "router scores", "top-k indices, order, token map",
-                            "routing weights", "routed experts", "EP received rows"})
+_MOE_PER_CHUNK = frozenset(
+    {
+        "input fp32 (router)",
+        "router scores",
+        "top-k indices, order, token map",
+        "routing weights",
+        "routed experts",
+        "EP received rows",
+    }
+)
 #: Fixed process memory of a CPU run (``parallel.accelerator: cpu``) besides tensors: Python, torch
 #: and genolong imported (measured here: RSS 0.38 GiB after importing torch, numpy, pandas,
 #: ``genolong.cli`` and ``genolong.evaluation.score``; rounded up to 0.5 GiB for what a run adds).
@@ -89,10 +105,20 @@ def _fla_forward_temporaries(cfg: ModelConfig, cp_path: bool) -> float:
     return heads * floats * _F32
 
 
-def forward_working_set(config: ModelConfig, layer: int, half: str, tokens: int, *, dtype_bytes: int = 4,
-                        kda_kernel: str = "torch", dsa_kernel: str = "torch", cp: int = 1,
-                        moe_chunk_tokens: int | None = None, expert_load: float | None = None,
-                        sequence_tokens: int | None = None) -> list[WorkingTensor]:
+def forward_working_set(
+    config: ModelConfig,
+    layer: int,
+    half: str,
+    tokens: int,
+    *,
+    dtype_bytes: int = 4,
+    kda_kernel: str = "torch",
+    dsa_kernel: str = "torch",
+    cp: int = 1,
+    moe_chunk_tokens: int | None = None,
+    expert_load: float | None = None,
+    sequence_tokens: int | None = None,
+) -> list[WorkingTensor]:
     """What one half of block ``layer`` holds at the peak of a forward-only pass (``torch.no_grad``).
 
     Counted from the training inventory (one set of per-tensor formulas): the half's saved
@@ -128,11 +154,27 @@ def forward_working_set(config: ModelConfig, layer: int, half: str, tokens: int,
     if half not in ("attention", "ffn"):
         raise InputError(f"half must be 'attention' or 'ffn', got {half!r}")
     a, H, m = dtype_bytes, cfg.hidden_size, cfg.hc_mult
-    items = _half(cfg, layer, half, a, frozenset(), indexer_kl=False, tokens=tokens, moe_chunk_tokens=moe_chunk_tokens,
-                  kda_kernel=kda_kernel, dsa_kernel=dsa_kernel, cp_path=cp > 1, expert_load=expert_load)
+    items = _half(
+        cfg,
+        layer,
+        half,
+        a,
+        frozenset(),
+        indexer_kl=False,
+        tokens=tokens,
+        moe_chunk_tokens=moe_chunk_tokens,
+        kda_kernel=kda_kernel,
+        dsa_kernel=dsa_kernel,
+        cp_path=cp > 1,
+        expert_load=expert_load,
+    )
     chunk = min(moe_chunk_tokens or tokens, tokens)
-    out = [WorkingTensor(t.kind, t.name, int(round(t.nbytes(chunk if t.kind == "moe" and t.name in _MOE_PER_CHUNK
-                                                              else tokens)))) for t in items]
+    out = [
+        WorkingTensor(
+            t.kind, t.name, int(round(t.nbytes(chunk if t.kind == "moe" and t.name in _MOE_PER_CHUNK else tokens)))
+        )
+        for t in items
+    ]
     out.append(WorkingTensor("mhc", f"{half} half's output streams [T, m, H]", tokens * m * H * a))
     is_dsa = cfg.layer_types[layer] == INDEXED_ATTENTION
     shared = is_dsa and cfg.indexer_types[layer] == "shared"
@@ -140,8 +182,13 @@ def forward_working_set(config: ModelConfig, layer: int, half: str, tokens: int,
     slots = _index_slots(cfg)
     if half == "attention":
         if not is_dsa and kda_kernel == "fla":
-            out.append(WorkingTensor("kda", "fla chunk_kda forward temporaries (w, u, kg, v_new, h, ...)",
-                                     int(round(tokens * _fla_forward_temporaries(cfg, cp > 1)))))
+            out.append(
+                WorkingTensor(
+                    "kda",
+                    "fla chunk_kda forward temporaries (w, u, kg, v_new, h, ...)",
+                    int(round(tokens * _fla_forward_temporaries(cfg, cp > 1))),
+                )
+            )
         if is_dsa:
             seq = tokens * cp if sequence_tokens is None else sequence_tokens
             name = "DSA indexer / top-k / gather buffers" + (" + all-gathered latent and pooled keys" if cp > 1 else "")
@@ -171,18 +218,34 @@ def stream_cache_tensors(config: ModelConfig, tokens: int, dtype_bytes: int = 4)
     heads, d = cfg.linear_num_heads, cfg.linear_head_dim
     out = []
     if dsa:
-        out.append(WorkingTensor("stream cache", f"DSA kv latent of every token ({len(dsa)} layers)",
-                                 len(dsa) * tokens * cfg.kv_lora_rank * a))
-        out.append(WorkingTensor("stream cache", f"DSA pooled index keys + pending pool rows ({len(full)} full layers)",
-                                 len(full) * (tokens // P * cfg.index_head_dim + (P - 1) * cfg.hidden_size) * a))
+        out.append(
+            WorkingTensor(
+                "stream cache",
+                f"DSA kv latent of every token ({len(dsa)} layers)",
+                len(dsa) * tokens * cfg.kv_lora_rank * a,
+            )
+        )
+        out.append(
+            WorkingTensor(
+                "stream cache",
+                f"DSA pooled index keys + pending pool rows ({len(full)} full layers)",
+                len(full) * (tokens // P * cfg.index_head_dim + (P - 1) * cfg.hidden_size) * a,
+            )
+        )
     if n_kda:
-        out.append(WorkingTensor("stream cache", f"KDA states + conv tails ({n_kda} layers)",
-                                 n_kda * (heads * d * d + (cfg.linear_conv_kernel_dim - 1) * 3 * heads * d) * _F32))
+        out.append(
+            WorkingTensor(
+                "stream cache",
+                f"KDA states + conv tails ({n_kda} layers)",
+                n_kda * (heads * d * d + (cfg.linear_conv_kernel_dim - 1) * 3 * heads * d) * _F32,
+            )
+        )
     return out
 
 
-def eval_outside_tensors(config: ModelConfig, tokens: int, pass_tokens: int, dtype_bytes: int = 4,
-                         chunk_rows: int = EVAL_CHUNK_ROWS) -> list[WorkingTensor]:
+def eval_outside_tensors(
+    config: ModelConfig, tokens: int, pass_tokens: int, dtype_bytes: int = 4, chunk_rows: int = EVAL_CHUNK_ROWS
+) -> list[WorkingTensor]:
     """The LM-head phase of a forward-only scoring pass over ``pass_tokens`` tokens (the whole
     slice, or the last streamed segment), of a tile slice of ``tokens`` tokens: the streams
     ``[n, m, H]`` the final norm collapses, the final norm and the scored hidden rows
@@ -193,9 +256,16 @@ def eval_outside_tensors(config: ModelConfig, tokens: int, pass_tokens: int, dty
     rows = min(chunk_rows, n)
     out = [WorkingTensor("mhc", "streams [T, m, H] into the final norm", n * cfg.hc_mult * cfg.hidden_size * a)]
     out += [WorkingTensor("outside", t.name, int(round(t.nbytes(n)))) for t in outside_saved_tensors(cfg, a)]
-    out.append(WorkingTensor("outside", "LM-head chunk: logits, fp32 copy, logsumexp", rows * cfg.vocab_size * (a + 2 * _F32)))
-    out.append(WorkingTensor("outside", "tile ids, model inputs, targets, per-token NLL (whole slice)",
-                             tokens * (3 * _I64 + 1 + 2 * _F32)))
+    out.append(
+        WorkingTensor("outside", "LM-head chunk: logits, fp32 copy, logsumexp", rows * cfg.vocab_size * (a + 2 * _F32))
+    )
+    out.append(
+        WorkingTensor(
+            "outside",
+            "tile ids, model inputs, targets, per-token NLL (whole slice)",
+            tokens * (3 * _I64 + 1 + 2 * _F32),
+        )
+    )
     return out
 
 
@@ -276,22 +346,37 @@ class EvalPlan:
 _EVAL_DTYPES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2}
 
 
-def _eval_once(recipe: Recipe, cfg: ModelConfig, gpus: int, context: int, gpu_mem_gib: float, host_mem_gib: float | None,
-               gpus_per_node: int, moe_imbalance: float | None, kda_kernel: str, dsa_kernel: str, dtype: str,
-               segment_tokens: int | None) -> EvalPlan:
+def _eval_once(
+    recipe: Recipe,
+    cfg: ModelConfig,
+    gpus: int,
+    context: int,
+    gpu_mem_gib: float,
+    host_mem_gib: float | None,
+    gpus_per_node: int,
+    moe_imbalance: float | None,
+    kda_kernel: str,
+    dsa_kernel: str,
+    dtype: str,
+    segment_tokens: int | None,
+) -> EvalPlan:
     par, mem = recipe.parallel, recipe.memory
     imbalance, imbalance_source = recipe_moe_imbalance(recipe, moe_imbalance)
     cp, rep, ep, dp_shard, shard, moe_layers = _mesh_sizes(par, cfg, gpus)
     unit = kernel_multiple(cfg, cp)
     if context % unit:
-        raise InputError(f"--context {context} is not a multiple of {unit} (cp {cp} x the KDA chunk / DSA pool); "
-                         f"use e.g. {max(unit, context // unit * unit)}")
+        raise InputError(
+            f"--context {context} is not a multiple of {unit} (cp {cp} x the KDA chunk / DSA pool); "
+            f"use e.g. {max(unit, context // unit * unit)}"
+        )
     if segment_tokens is not None and shard > 1:
         # PrefillStream calls each block's parts itself, outside FSDP2's per-block gather hooks, and
         # refuses a model with context parallelism installed
-        raise InputError(f"--segment-tokens streams a tile through one process holding the whole model; this mesh "
-                         f"shards it over cp x dp_shard = {cp} x {dp_shard}: drop --segment-tokens, or set parallel.cp=1 "
-                         "and parallel.dp_shard=1 (replicas: parallel.dp_replicate)")
+        raise InputError(
+            f"--segment-tokens streams a tile through one process holding the whole model; this mesh "
+            f"shards it over cp x dp_shard = {cp} x {dp_shard}: drop --segment-tokens, or set parallel.cp=1 "
+            "and parallel.dp_shard=1 (replicas: parallel.dp_replicate)"
+        )
     a = _EVAL_DTYPES[dtype]
     H = cfg.hidden_size
     count = parameter_count(cfg).total
@@ -301,17 +386,31 @@ def _eval_once(recipe: Recipe, cfg: ModelConfig, gpus: int, context: int, gpu_me
     assert n is not None
     gpu = par.accelerator != "cpu"
 
-    device: dict[str, int] = {f"parameters ({dtype}, sharded over {shard})" if shard > 1 else f"parameters ({dtype})":
-                              a * math.ceil(count / shard)}
+    device: dict[str, int] = {
+        f"parameters ({dtype}, sharded over {shard})" if shard > 1 else f"parameters ({dtype})": a
+        * math.ceil(count / shard)
+    }
     largest = _largest_unit(cfg, ep)
     device["FSDP unsharded params (2 units: computing + prefetched)"] = 2 * largest * a if shard > 1 else 0
 
     expert_load = imbalance if ep > 1 else None
-    kw = dict(dtype_bytes=a, kda_kernel=kda_kernel, dsa_kernel=dsa_kernel, cp=cp, moe_chunk_tokens=mem.moe_chunk_tokens,
-              expert_load=expert_load, sequence_tokens=context)
+    kw = dict(
+        dtype_bytes=a,
+        kda_kernel=kda_kernel,
+        dsa_kernel=dsa_kernel,
+        cp=cp,
+        moe_chunk_tokens=mem.moe_chunk_tokens,
+        expert_load=expert_load,
+        sequence_tokens=context,
+    )
     # outside the block being computed: the whole slice's ids, inputs and NLL; streamed, the caches too
-    resident = [WorkingTensor("outside", "tile ids, model inputs, targets, per-token NLL (whole slice)",
-                              tokens * (3 * _I64 + 1 + 2 * _F32))]
+    resident = [
+        WorkingTensor(
+            "outside",
+            "tile ids, model inputs, targets, per-token NLL (whole slice)",
+            tokens * (3 * _I64 + 1 + 2 * _F32),
+        )
+    ]
     if streamed:
         resident += stream_cache_tensors(cfg, tokens, a)
     resident_bytes = sum(t.nbytes for t in resident)
@@ -332,21 +431,26 @@ def _eval_once(recipe: Recipe, cfg: ModelConfig, gpus: int, context: int, gpu_me
         best = (phases["LM head"], "LM head", head)
     peak, phase, working = best
     device[f"forward working set ({phase}, {n:,} tokens)"] = peak
-    device["tile ids, inputs, NLL" + (" + stream caches (DSA latent, pooled keys; KDA states)" if streamed else "")] = resident_bytes
+    device["tile ids, inputs, NLL" + (" + stream caches (DSA latent, pooled keys; KDA states)" if streamed else "")] = (
+        resident_bytes
+    )
     if ep > 1 and moe_layers:
         # the rank's own (token, slot) rows of one chunk: the dispatch send and combine receive buffers
         c = min(mem.moe_chunk_tokens or n, n)
         device["MoE all-to-all send + receive (own rows, one chunk)"] = 2 * c * cfg.num_experts_per_tok * H * a
     subtotal = sum(device.values())
     fixed = WORKSPACE_BYTES if gpu else CPU_PROCESS_BYTES
-    device["workspace (context, NCCL, fragmentation)" if gpu else "process (Python, torch) + fragmentation"] = \
-        int(fixed + FRAGMENTATION * subtotal)
+    device["workspace (context, NCCL, fragmentation)" if gpu else "process (Python, torch) + fragmentation"] = int(
+        fixed + FRAGMENTATION * subtotal
+    )
     total = sum(device.values())
 
     # host memory while loading: each rank reads its own slices (never the whole model)
     biggest = max(parameter_count(cfg).embedding, parameter_count(cfg).lm_head)
-    host = {"read buffer: the largest checkpoint tensor (embedding / LM head)": biggest * a,
-            "staged shard of the weights before the copy to the device": a * math.ceil(count / shard) if gpu else 0}
+    host = {
+        "read buffer: the largest checkpoint tensor (embedding / LM head)": biggest * a,
+        "staged shard of the weights before the copy to the device": a * math.ceil(count / shard) if gpu else 0,
+    }
     host_gpu = sum(host.values())
     per_node = min(gpus_per_node, gpus)
     host_node = host_gpu * per_node
@@ -359,43 +463,101 @@ def _eval_once(recipe: Recipe, cfg: ModelConfig, gpus: int, context: int, gpu_me
         "the peak is the largest half-block's working set: its saved tensors as training would keep them "
         "(the planner's per-tensor inventory, an upper bound: without grad the layer frees them as it goes; "
         "measured on tiny/small, CPU, fp32, one-shot and streamed: the no_grad peak is 0.46-0.82x of it, tests/plan/test_plan_evaluate.py)"
-        + ("; fla chunk_kda's forward temporaries (w, u, kg, v_new, chunk states h) added" if kda_kernel == "fla" else ""),
+        + (
+            "; fla chunk_kda's forward temporaries (w, u, kg, v_new, chunk states h) added"
+            if kda_kernel == "fla"
+            else ""
+        ),
         f"weights in {dtype} sharded over cp x dp_shard = {shard} ranks (FSDP2"
-        + (f"; ep {ep}: {cfg.n_routed_experts // ep} experts per rank, each MoE layer's experts a unit over {shard // ep}"
-           if ep > 1 else "") + f"); 2 unsharded units in flight (the largest: {format_count(largest)} params)",
+        + (
+            f"; ep {ep}: {cfg.n_routed_experts // ep} experts per rank, each MoE layer's experts a unit over {shard // ep}"
+            if ep > 1
+            else ""
+        )
+        + f"); 2 unsharded units in flight (the largest: {format_count(largest)} params)",
         f"kernel_backend {cfg.kernel_backend!r} -> KDA {kda_kernel}, DSA {dsa_kernel}"
-        + (" (auto counted as on a CUDA machine with Triton and fla-core)" if cfg.kernel_backend == "auto" and gpu else ""),
-        (f"context parallelism: each of the {cp} ranks scores {tokens:,} tokens of the {context:,}-token tile; DSA "
-         "all-gathers the whole tile's kv latent and pooled index keys (forward: once, no gradients)") if cp > 1 else
-        (f"streamed in segments of {segment_tokens:,} tokens (genolong.model.stream.PrefillStream): one segment's "
-         "working set plus the DSA latent / pooled-key caches of the whole tile and the KDA states" if streamed else
-         f"one forward over the {tokens:,}-token tile"),
+        + (
+            " (auto counted as on a CUDA machine with Triton and fla-core)"
+            if cfg.kernel_backend == "auto" and gpu
+            else ""
+        ),
+        (
+            f"context parallelism: each of the {cp} ranks scores {tokens:,} tokens of the {context:,}-token tile; DSA "
+            "all-gathers the whole tile's kv latent and pooled index keys (forward: once, no gradients)"
+        )
+        if cp > 1
+        else (
+            f"streamed in segments of {segment_tokens:,} tokens (genolong.model.stream.PrefillStream): one segment's "
+            "working set plus the DSA latent / pooled-key caches of the whole tile and the KDA states"
+            if streamed
+            else f"one forward over the {tokens:,}-token tile"
+        ),
         f"MoE dispatch in chunks of {mem.moe_chunk_tokens or 'all'} tokens (memory.moe_chunk_tokens)"
         + (f"; the busiest EP rank's expert rows at {imbalance:g} x the mean ({imbalance_source})" if ep > 1 else ""),
         f"LM head {EVAL_CHUNK_ROWS} rows per chunk (evaluate's chunk_size); the largest of the phases counts",
-        ("loading: each rank reads only its slices (safetensors get_slice / dcp.load into the sharded model); host "
-         "per GPU: the largest tensor's read buffer plus the rank's shard staged before the copy") if gpu else
-        "CPU run: 'device' is the process's memory; loading streams the safetensors one tensor at a time",
+        (
+            "loading: each rank reads only its slices (safetensors get_slice / dcp.load into the sharded model); host "
+            "per GPU: the largest tensor's read buffer plus the rank's shard staged before the copy"
+        )
+        if gpu
+        else "CPU run: 'device' is the process's memory; loading streams the safetensors one tensor at a time",
         (f"workspace {format_bytes(WORKSPACE_BYTES)}" if gpu else f"process {format_bytes(CPU_PROCESS_BYTES)}")
         + f" + {FRAGMENTATION:.0%} fragmentation",
     ]
     return EvalPlan(
-        recipe=recipe.name, model=_describe(cfg, count), gpus=gpus, gpus_per_node=gpus_per_node,
-        nodes=math.ceil(gpus / gpus_per_node), accelerator=par.accelerator, cp=cp, dp_shard=dp_shard, dp_replicate=rep,
-        shard_group=shard, ep=ep, experts_per_rank=cfg.n_routed_experts // ep if moe_layers else 0,
-        expert_shard_group=shard // ep, context=context, tokens_per_rank=tokens,
-        segment_tokens=segment_tokens if streamed else None, dtype=dtype, moe_chunk_tokens=mem.moe_chunk_tokens,
-        kernel_backend=cfg.kernel_backend, kda_kernel=kda_kernel, dsa_kernel=dsa_kernel, parameters=count,
-        device=device, working=working, peak_phase=phase, phase_bytes=phases, device_total=int(total), gpu_mem=gpu_mem,
-        host=host, host_per_gpu=host_gpu, host_per_node=host_node, host_mem=host_mem, fits_device=fits_device,
-        fits_host=fits_host, fits=fits_device and fits_host, assumptions=assumptions,
+        recipe=recipe.name,
+        model=_describe(cfg, count),
+        gpus=gpus,
+        gpus_per_node=gpus_per_node,
+        nodes=math.ceil(gpus / gpus_per_node),
+        accelerator=par.accelerator,
+        cp=cp,
+        dp_shard=dp_shard,
+        dp_replicate=rep,
+        shard_group=shard,
+        ep=ep,
+        experts_per_rank=cfg.n_routed_experts // ep if moe_layers else 0,
+        expert_shard_group=shard // ep,
+        context=context,
+        tokens_per_rank=tokens,
+        segment_tokens=segment_tokens if streamed else None,
+        dtype=dtype,
+        moe_chunk_tokens=mem.moe_chunk_tokens,
+        kernel_backend=cfg.kernel_backend,
+        kda_kernel=kda_kernel,
+        dsa_kernel=dsa_kernel,
+        parameters=count,
+        device=device,
+        working=working,
+        peak_phase=phase,
+        phase_bytes=phases,
+        device_total=int(total),
+        gpu_mem=gpu_mem,
+        host=host,
+        host_per_gpu=host_gpu,
+        host_per_node=host_node,
+        host_mem=host_mem,
+        fits_device=fits_device,
+        fits_host=fits_host,
+        fits=fits_device and fits_host,
+        assumptions=assumptions,
     )
 
 
-def eval_plan(recipe: Recipe, context: int | None = None, gpus: int | None = None, gpu_mem_gib: float = 80.0,
-              host_mem_gib: float | None = None, gpus_per_node: int = 8, moe_imbalance: float | None = None, *,
-              dtype: str | None = None, segment_tokens: int | None = None, kda_kernel: str | None = None,
-              dsa_kernel: str | None = None) -> EvalPlan:
+def eval_plan(
+    recipe: Recipe,
+    context: int | None = None,
+    gpus: int | None = None,
+    gpu_mem_gib: float = 80.0,
+    host_mem_gib: float | None = None,
+    gpus_per_node: int = 8,
+    moe_imbalance: float | None = None,
+    *,
+    dtype: str | None = None,
+    segment_tokens: int | None = None,
+    kda_kernel: str | None = None,
+    dsa_kernel: str | None = None,
+) -> EvalPlan:
     """Plan the memory per GPU of scoring a recipe's model on tiles of ``context`` tokens
     (``genolong plan RECIPE --evaluate``): forward only, on the recipe's mesh.
 
@@ -460,9 +622,11 @@ def eval_plan(recipe: Recipe, context: int | None = None, gpus: int | None = Non
     assert cfg.mlp_layer_types is not None
     if "sparse" in cfg.mlp_layer_types:
         fold = world // par.dp_replicate
-        options += [([f"parallel.ep={e}"], world, segment_tokens)
-                    for e in range(par.ep + 1, min(fold, cfg.n_routed_experts) + 1)
-                    if fold % e == 0 and cfg.n_routed_experts % e == 0 and world % (par.cp * par.dp_replicate) == 0]
+        options += [
+            ([f"parallel.ep={e}"], world, segment_tokens)
+            for e in range(par.ep + 1, min(fold, cfg.n_routed_experts) + 1)
+            if fold % e == 0 and cfg.n_routed_experts % e == 0 and world % (par.cp * par.dp_replicate) == 0
+        ]
         chunk = min(mem.moe_chunk_tokens or base.tokens_per_rank, base.tokens_per_rank)
         if chunk > 1024:
             options.append(([f"memory.moe_chunk_tokens={chunk // 4}"], world, segment_tokens))
@@ -470,8 +634,11 @@ def eval_plan(recipe: Recipe, context: int | None = None, gpus: int | None = Non
         current = segment_tokens or ctx
         options += [([], world, s) for s in (65536, 16384, 4096) if s < current]
     if segment_tokens is None:
-        options += [([f"parallel.cp={par.cp * f}", "parallel.dp_shard=-1"], world, None) for f in (2, 4, 8)
-                    if world % (par.cp * f * par.dp_replicate) == 0]
+        options += [
+            ([f"parallel.cp={par.cp * f}", "parallel.dp_shard=-1"], world, None)
+            for f in (2, 4, 8)
+            if world % (par.cp * f * par.dp_replicate) == 0
+        ]
     options += [(["parallel.dp_shard=-1"], world * f, segment_tokens) for f in (2, 4)]
     for overrides, n, segment in options:
         try:
@@ -480,8 +647,11 @@ def eval_plan(recipe: Recipe, context: int | None = None, gpus: int | None = Non
         except InputError:
             continue
         if result.fits:
-            base.suggestion = (overrides + ([f"--gpus {n}"] if n != world else [])
-                               + ([f"--segment-tokens {segment}"] if segment != segment_tokens else []))
+            base.suggestion = (
+                overrides
+                + ([f"--gpus {n}"] if n != world else [])
+                + ([f"--segment-tokens {segment}"] if segment != segment_tokens else [])
+            )
             base.suggestion_total = result.device_total
             break
     return base

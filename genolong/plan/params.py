@@ -23,7 +23,14 @@ from typing import Any
 from ..errors import InputError
 from ..model.config import LINEAR_ATTENTION, ModelConfig
 
-__all__ = ["ParameterSplit", "fp32_unit_parameters", "linear_shapes", "lora_adapter_shapes", "parameter_shapes", "parameter_split"]
+__all__ = [
+    "ParameterSplit",
+    "fp32_unit_parameters",
+    "linear_shapes",
+    "lora_adapter_shapes",
+    "parameter_shapes",
+    "parameter_split",
+]
 
 
 def _linear(out: dict[str, tuple[int, ...]], name: str, fan_in: int, fan_out: int, bias: bool = False) -> None:
@@ -83,8 +90,11 @@ def _model_tables(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[st
                 params[f"{x}.k_norm.bias"] = (di,)
                 lin(f"{x}.weights_proj", h, hi)
         if mlp == "dense":
-            for proj, fi, fo in (("gate_proj", h, cfg.intermediate_size), ("up_proj", h, cfg.intermediate_size),
-                                 ("down_proj", cfg.intermediate_size, h)):
+            for proj, fi, fo in (
+                ("gate_proj", h, cfg.intermediate_size),
+                ("up_proj", h, cfg.intermediate_size),
+                ("down_proj", cfg.intermediate_size, h),
+            ):
                 lin(f"{p}.mlp.{proj}", fi, fo)
         else:
             E, inner = cfg.n_routed_experts, cfg.moe_intermediate_size
@@ -178,8 +188,10 @@ def lora_adapter_shapes(config: ModelConfig, lora: Any) -> dict[str, tuple[int, 
     r = int(lora.rank)
     for pattern in lora.targets:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in linears):
-            raise InputError(f"model.lora.targets: {pattern!r} matches no linear layer (names look like "
-                             f"{next(iter(linears))!r}); fix the glob")
+            raise InputError(
+                f"model.lora.targets: {pattern!r} matches no linear layer (names look like "
+                f"{next(iter(linears))!r}); fix the glob"
+            )
     out: dict[str, tuple[int, ...]] = {}
     for name, (fan_in, fan_out) in linears.items():
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in lora.targets):
@@ -299,8 +311,10 @@ def parameter_split(config: ModelConfig, freeze: Sequence[str] = (), lora: Any =
         saved = tuple(lora.modules_to_save)
         for pattern in saved:
             if not any(fnmatch.fnmatchcase(mod, pattern) for mod in modules):
-                raise InputError(f"model.lora.modules_to_save: {pattern!r} matches no module with parameters "
-                                 f"(names look like {'layers.0.input_layernorm'!r}); fix the glob")
+                raise InputError(
+                    f"model.lora.modules_to_save: {pattern!r} matches no module with parameters "
+                    f"(names look like {'layers.0.input_layernorm'!r}); fix the glob"
+                )
 
         def kept(name: str) -> bool:
             # a parameter trains in full when a module above it (its own or an ancestor) is matched
@@ -311,8 +325,9 @@ def parameter_split(config: ModelConfig, freeze: Sequence[str] = (), lora: Any =
     else:
         for pattern in freeze:
             if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-                raise InputError(f"model.freeze: {pattern!r} matches no parameter (names look like {names[1]!r}); "
-                                 "fix the glob")
+                raise InputError(
+                    f"model.freeze: {pattern!r} matches no parameter (names look like {names[1]!r}); fix the glob"
+                )
         trained_flags = {n: not any(fnmatch.fnmatchcase(n, p) for p in freeze) for n in names}
     units: dict[tuple[str, int | None], list[int]] = {}
     total = trained = 0
@@ -332,11 +347,20 @@ def parameter_split(config: ModelConfig, freeze: Sequence[str] = (), lora: Any =
         u[1] += n
         adapters += n
     return ParameterSplit(
-        total=total + adapters, trained=trained + adapters, frozen=total - trained, adapters=adapters,
-        lora=lora is not None, units={k: (v[0], v[1]) for k, v in units.items()},
+        total=total + adapters,
+        trained=trained + adapters,
+        frozen=total - trained,
+        adapters=adapters,
+        lora=lora is not None,
+        units={k: (v[0], v[1]) for k, v in units.items()},
         trained_names=tuple(n for n, t in trained_flags.items() if t) + tuple(adapter_shapes),
-        adapted=tuple((n.rsplit(".", 2)[0], adapter_shapes[n][1], adapter_shapes[n][0])
-                      for n in adapter_shapes if n.endswith(".lora_A.weight"))
-        + tuple((n.rsplit(".", 1)[0], -1, adapter_shapes[n][1]) for n in adapter_shapes if n.endswith(".lora_A_gate_up")),
+        adapted=tuple(
+            (n.rsplit(".", 2)[0], adapter_shapes[n][1], adapter_shapes[n][0])
+            for n in adapter_shapes
+            if n.endswith(".lora_A.weight")
+        )
+        + tuple(
+            (n.rsplit(".", 1)[0], -1, adapter_shapes[n][1]) for n in adapter_shapes if n.endswith(".lora_A_gate_up")
+        ),
         lora_dropout=float(lora.dropout) if lora is not None else 0.0,
     )

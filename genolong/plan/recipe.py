@@ -28,8 +28,10 @@ def _model_config(recipe: Recipe) -> ModelConfig:
     if ckpt is not None and (ckpt / "config.json").is_file():
         return recipe.model_config()
     if recipe.model.preset is None:
-        raise InputError(f"model.checkpoint {str(ckpt)!r} has no config.json and model.preset is not set; "
-                         "set model.preset to the checkpoint's geometry (e.g. glm-5.3-flash) to plan before downloading it")
+        raise InputError(
+            f"model.checkpoint {str(ckpt)!r} has no config.json and model.preset is not set; "
+            "set model.preset to the checkpoint's geometry (e.g. glm-5.3-flash) to plan before downloading it"
+        )
     return ModelConfig.from_preset(recipe.model.preset, **dict(recipe.model.overrides))
 
 
@@ -52,11 +54,16 @@ def _describe(cfg: ModelConfig, count: int, split: Any = None) -> str:
     moe = sum(1 for t in (cfg.mlp_layer_types or ()) if t == "sparse")
     trained = ""
     if split is not None and split.any_frozen:
-        trained = (f" ({format_count(split.trained)} trained, {format_count(split.frozen)} frozen"
-                   + (f"; LoRA adapters {format_count(split.adapters)} of the trained" if split.lora else "") + ")")
-    return (f"{format_count(count)} params{trained}, {cfg.num_hidden_layers} layers ({cfg.pattern.count('K')} KDA + "
-            f"{cfg.pattern.count('D')} DSA, {moe} MoE x {cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}), "
-            f"hidden {cfg.hidden_size}, mHC x {cfg.hc_mult}")
+        trained = (
+            f" ({format_count(split.trained)} trained, {format_count(split.frozen)} frozen"
+            + (f"; LoRA adapters {format_count(split.adapters)} of the trained" if split.lora else "")
+            + ")"
+        )
+    return (
+        f"{format_count(count)} params{trained}, {cfg.num_hidden_layers} layers ({cfg.pattern.count('K')} KDA + "
+        f"{cfg.pattern.count('D')} DSA, {moe} MoE x {cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}), "
+        f"hidden {cfg.hidden_size}, mHC x {cfg.hc_mult}"
+    )
 
 
 def _mesh_sizes(par: Any, cfg: ModelConfig, gpus: int) -> tuple[int, int, int, int, int, int]:
@@ -69,18 +76,24 @@ def _mesh_sizes(par: Any, cfg: ModelConfig, gpus: int) -> tuple[int, int, int, i
     """
     cp, rep, ep = par.cp, par.dp_replicate, par.ep
     if gpus % (cp * rep):
-        raise InputError(f"--gpus {gpus} is not divisible by parallel.cp x parallel.dp_replicate = {cp * rep}; "
-                         f"use a multiple of {cp * rep}")
+        raise InputError(
+            f"--gpus {gpus} is not divisible by parallel.cp x parallel.dp_replicate = {cp * rep}; "
+            f"use a multiple of {cp * rep}"
+        )
     dp_shard = gpus // (cp * rep)
     shard = dp_shard * cp
     if shard % ep:
-        raise InputError(f"parallel.ep = {ep} does not divide dp_shard x cp = {dp_shard} x {cp} = {shard} on {gpus} GPUs; "
-                         f"choose ep among the divisors of {shard}")
+        raise InputError(
+            f"parallel.ep = {ep} does not divide dp_shard x cp = {dp_shard} x {cp} = {shard} on {gpus} GPUs; "
+            f"choose ep among the divisors of {shard}"
+        )
     assert cfg.mlp_layer_types is not None and cfg.layer_types is not None
     moe_layers = sum(t == "sparse" for t in cfg.mlp_layer_types)
     if ep > 1 and (moe_layers == 0 or cfg.n_routed_experts % ep):
-        raise InputError(f"parallel.ep = {ep} does not divide the model's n_routed_experts = {cfg.n_routed_experts}; "
-                         "choose ep among its divisors")
+        raise InputError(
+            f"parallel.ep = {ep} does not divide the model's n_routed_experts = {cfg.n_routed_experts}; "
+            "choose ep among its divisors"
+        )
     return cp, rep, ep, dp_shard, shard, moe_layers
 
 

@@ -54,31 +54,65 @@ from typing import Any
 
 from ..config import Recipe, kernel_multiple, parse_recipe
 from ..errors import InputError
+from ..kernels.probe import describe_here
 from ..model.config import ModelConfig
 from ..parallel.recompute import DEFAULT_SELECTIVE
 from ..units import format_bytes, format_count
-from .activations import _BLOCK_RECOMPUTE, TrainedParts, _resolve_kinds, activation_estimate, chunked_recompute_terms, dsa_buffer_bytes
-from ..kernels.probe import describe_here
+from .activations import (
+    _BLOCK_RECOMPUTE,
+    TrainedParts,
+    _resolve_kinds,
+    activation_estimate,
+    chunked_recompute_terms,
+    dsa_buffer_bytes,
+)
 from .backends import DSA_KERNELS, KDA_KERNELS, backend_kernels
 from .comm import COMM_PARTS, PAYLOAD, RECEIVED, SENT, CommEstimate, comm_estimate, fsdp_unit_groups
-from .constants import (CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES, CUDA_CONTEXT_BYTES, FRAGMENTATION, GIB,
-                        NCCL_ALLTOALL_PEER_BYTES, NCCL_COMM_BYTES, NCCL_SINGLE_RANK_BYTES)
+from .constants import (
+    CUBLAS_WORKSPACE_BYTES,
+    CUBLAS_WORKSPACES,
+    CUDA_CONTEXT_BYTES,
+    FRAGMENTATION,
+    GIB,
+    NCCL_ALLTOALL_PEER_BYTES,
+    NCCL_COMM_BYTES,
+    NCCL_SINGLE_RANK_BYTES,
+)
 from .params import ParameterSplit, fp32_unit_parameters, parameter_split
 from .recipe import _check_positive, _describe, _mesh_sizes, _model_config, _with_gpus, recipe_moe_imbalance
 
-__all__ = ["ATTENTION_LORA", "ATTENTION_ONLY_FREEZE", "TRANSIENTS", "Plan", "fsdp_resident_bytes", "nccl_communicators", "plan"]
+__all__ = [
+    "ATTENTION_LORA",
+    "ATTENTION_ONLY_FREEZE",
+    "TRANSIENTS",
+    "Plan",
+    "fsdp_resident_bytes",
+    "nccl_communicators",
+    "plan",
+]
 
 #: ``model.freeze`` that trains the attention layers (``self_attn``: KDA and DSA) only, the
 #: quickstart's list (``recipes/quickstart.yaml``).
-ATTENTION_ONLY_FREEZE: tuple[str, ...] = ("embed_tokens.*", "lm_head.*", "norm.*", "layers.*.mlp.*", "layers.*.attn_hc.*",
-                                          "layers.*.ffn_hc.*", "layers.*.input_layernorm.*",
-                                          "layers.*.post_attention_layernorm.*")
+ATTENTION_ONLY_FREEZE: tuple[str, ...] = (
+    "embed_tokens.*",
+    "lm_head.*",
+    "norm.*",
+    "layers.*.mlp.*",
+    "layers.*.attn_hc.*",
+    "layers.*.ffn_hc.*",
+    "layers.*.input_layernorm.*",
+    "layers.*.post_attention_layernorm.*",
+)
 #: ``model.lora`` that adapts every attention projection (the ``nn.Linear`` modules under ``self_attn``).
 ATTENTION_LORA = "{targets: [layers.*.self_attn.*]}"
 
 #: Device line items that do not coexist (the plan counts the largest).
-TRANSIENTS = ("MoE dispatch chunk", "MoE all-to-all buffers (busiest rank)", "DSA indexer / top-k / gather buffers",
-              "cross-entropy chunk")
+TRANSIENTS = (
+    "MoE dispatch chunk",
+    "MoE all-to-all buffers (busiest rank)",
+    "DSA indexer / top-k / gather buffers",
+    "cross-entropy chunk",
+)
 
 
 @dataclass
@@ -195,8 +229,9 @@ class Plan:
         return out
 
 
-def fsdp_resident_bytes(config: ModelConfig, shard: int, ep: int, split: ParameterSplit | None, dtype_bytes: int
-                        ) -> dict[str, int]:
+def fsdp_resident_bytes(
+    config: ModelConfig, shard: int, ep: int, split: ParameterSplit | None, dtype_bytes: int
+) -> dict[str, int]:
     """What FSDP2's gathered units hold on a rank (bytes), as :func:`genolong.parallel.apply_fsdp`
     builds them over ``shard`` ranks:
 
@@ -257,7 +292,9 @@ def nccl_communicators(gpus: int, cp: int, replicate: int, shard: int, ep: int) 
 BASE_BYTES_PER_PARAM = 2
 
 
-def checkpoint_figures(recipe: Recipe, split: Any, shard: int, routing_biases: int, frozen_bytes: int) -> tuple[int, int, int]:
+def checkpoint_figures(
+    recipe: Recipe, split: Any, shard: int, routing_biases: int, frozen_bytes: int
+) -> tuple[int, int, int]:
     """(bytes per save, bytes on disk with ``checkpoint.keep_last`` saves, bytes each rank reads of
     the base at load) for a recipe (:mod:`genolong.parallel.load`, :mod:`genolong.train.finetune`).
 
@@ -270,12 +307,25 @@ def checkpoint_figures(recipe: Recipe, split: Any, shard: int, routing_biases: i
     if recipe.model.checkpoint is None:
         save += frozen_bytes * split.frozen
     keep = max(recipe.checkpoint.keep_last, 1)
-    read = 0 if recipe.model.checkpoint is None else math.ceil(BASE_BYTES_PER_PARAM * (split.total - split.adapters) / shard)
+    read = (
+        0
+        if recipe.model.checkpoint is None
+        else math.ceil(BASE_BYTES_PER_PARAM * (split.total - split.adapters) / shard)
+    )
     return save, save * keep, read
 
 
-def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None,
-               gpus_per_node: int, moe_imbalance: float | None, kda_kernel: str, dsa_kernel: str = "torch") -> Plan:
+def _plan_once(
+    recipe: Recipe,
+    cfg: ModelConfig,
+    gpus: int,
+    gpu_mem_gib: float,
+    host_mem_gib: float | None,
+    gpus_per_node: int,
+    moe_imbalance: float | None,
+    kda_kernel: str,
+    dsa_kernel: str = "torch",
+) -> Plan:
     par, mem = recipe.parallel, recipe.memory
     moe_imbalance, imbalance_source = recipe_moe_imbalance(recipe, moe_imbalance)
     cp, rep, ep, dp_shard, shard, moe_layers = _mesh_sizes(par, cfg, gpus)
@@ -289,8 +339,11 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
     split = parameter_split(cfg, recipe.model.freeze, recipe.model.lora)
     count = split.total
     # which parts train: frozen ones keep no weight-gradient inputs (None: all train, as before)
-    trained = (TrainedParts.from_names(cfg, split.trained_names, split.adapted, split.lora_dropout)
-               if split.any_frozen else None)
+    trained = (
+        TrainedParts.from_names(cfg, split.trained_names, split.adapted, split.lora_dropout)
+        if split.any_frozen
+        else None
+    )
 
     # parameters, gradients, AdamW state: fp32 for the trained parameters, sharded over the shard
     # group (ceil: uneven shards); under EP an experts unit holds E / ep experts over shard / ep
@@ -301,7 +354,8 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
     if split.any_frozen:
         device = {
             "trained parameters (fp32 master, sharded)": 4 * per_rank,
-            f"frozen parameters ({'bf16' if bf16 else 'fp32'}, sharded, no master)": a * math.ceil(split.frozen / shard),
+            f"frozen parameters ({'bf16' if bf16 else 'fp32'}, sharded, no master)": a
+            * math.ceil(split.frozen / shard),
             "gradients (fp32, sharded, trained only)": 4 * per_rank,
             "AdamW moments (2 x fp32, sharded, trained only)": 8 * per_rank,
         }
@@ -320,30 +374,59 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
         # backward (genolong.parallel.apply_fsdp, torchtitan's choice), one block in use and one
         # prefetched otherwise
         fsdp = fsdp_resident_bytes(cfg, shard, ep, split, a)
-        device["FSDP root unit (final norm + LM head) unsharded all step, + its grad"] = fsdp["root"] + fsdp["root grad"]
+        device["FSDP root unit (final norm + LM head) unsharded all step, + its grad"] = (
+            fsdp["root"] + fsdp["root grad"]
+        )
         device["FSDP units in use + prefetched (the last block from its forward to its backward) + grad (1 unit)"] = (
-            max(fsdp["last block"], fsdp["unit"]) + fsdp["unit"] + fsdp["grad"])
+            max(fsdp["last block"], fsdp["unit"]) + fsdp["unit"] + fsdp["grad"]
+        )
     else:  # unsharded: only the trained fp32 masters need bf16 compute copies
         device["FSDP unsharded params (2 units) + grad (1 unit)"] = 2 * unit_trained * a if bf16 else 0
 
     # under EP the busiest rank holds moe_imbalance x the mean (token, slot) rows of its experts
     expert_load = moe_imbalance if ep > 1 else None
-    act = activation_estimate(cfg, context // cp, recompute=mem.recompute, recompute_modules=mem.recompute_modules,
-                              offload=mem.offload, offload_min_bytes=mem.offload_min_bytes, dtype_bytes=a,
-                              indexer_kl=True, moe_chunk_tokens=mem.moe_chunk_tokens, batch=recipe.data.batch_size,
-                              kda_kernel=kda_kernel, dsa_kernel=dsa_kernel, cp=cp,
-                              recompute_chunk_tokens=mem.recompute_chunk_tokens,
-                              expert_load=expert_load, trained=trained)
+    act = activation_estimate(
+        cfg,
+        context // cp,
+        recompute=mem.recompute,
+        recompute_modules=mem.recompute_modules,
+        offload=mem.offload,
+        offload_min_bytes=mem.offload_min_bytes,
+        dtype_bytes=a,
+        indexer_kl=True,
+        moe_chunk_tokens=mem.moe_chunk_tokens,
+        batch=recipe.data.batch_size,
+        kda_kernel=kda_kernel,
+        dsa_kernel=dsa_kernel,
+        cp=cp,
+        recompute_chunk_tokens=mem.recompute_chunk_tokens,
+        expert_load=expert_load,
+        trained=trained,
+    )
     device["saved activations (resident peak)"] = act.peak_resident_bytes
     rebuilt_region = ""
     if mem.recompute == "chunked":
-        regions = [chunked_recompute_terms(cfg, i, tokens, mem.recompute_chunk_tokens, cp=cp, dtype_bytes=a, indexer_kl=True,
-                                           moe_chunk_tokens=mem.moe_chunk_tokens, kda_kernel=kda_kernel,
-                                           dsa_kernel=dsa_kernel,
-                                           expert_load=expert_load, trained=trained)
-                   for i in range(cfg.num_hidden_layers)]
+        regions = [
+            chunked_recompute_terms(
+                cfg,
+                i,
+                tokens,
+                mem.recompute_chunk_tokens,
+                cp=cp,
+                dtype_bytes=a,
+                indexer_kl=True,
+                moe_chunk_tokens=mem.moe_chunk_tokens,
+                kda_kernel=kda_kernel,
+                dsa_kernel=dsa_kernel,
+                expert_load=expert_load,
+                trained=trained,
+            )
+            for i in range(cfg.num_hidden_layers)
+        ]
         rebuilt_region = max(regions, key=lambda r: r.rebuilt_bytes + r.layer_bytes).rebuilt_region
-        device[f"rebuilt activations (chunked: {rebuilt_region}, + the layer's carried states / keys)"] = act.rebuilt_bytes
+        device[f"rebuilt activations (chunked: {rebuilt_region}, + the layer's carried states / keys)"] = (
+            act.rebuilt_bytes
+        )
     else:
         device["rebuilt activations (largest recomputed region)"] = act.rebuilt_bytes
     device["activation gradients in flight (3 x streams)"] = 3 * tokens * m * H * a
@@ -362,14 +445,19 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
     ce = min(mem.ce_chunk_tokens, tokens)
     ce_bytes = ce * cfg.vocab_size * (2 * 4 + a)
     moe_name = "MoE all-to-all buffers (busiest rank)" if ep > 1 else "MoE dispatch chunk"
-    transients = {moe_name: moe_bytes, "DSA indexer / top-k / gather buffers": dsa_bytes,
-                  "cross-entropy chunk": ce_bytes}
+    transients = {
+        moe_name: moe_bytes,
+        "DSA indexer / top-k / gather buffers": dsa_bytes,
+        "cross-entropy chunk": ce_bytes,
+    }
     peak_name = max(transients, key=lambda k: transients[k])
     for name, value in transients.items():
         device[name] = value
     subtotal = sum(v for k, v in device.items() if k not in transients) + transients[peak_name]
     communicators = nccl_communicators(gpus, cp, rep, shard, ep)
-    device["CUDA context + cuBLAS / cuBLASLt workspaces"] = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACES * CUBLAS_WORKSPACE_BYTES
+    device["CUDA context + cuBLAS / cuBLASLt workspaces"] = (
+        CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACES * CUBLAS_WORKSPACE_BYTES
+    )
     device[f"NCCL communicators ({', '.join(communicators) or 'none'})"] = sum(communicators.values())
     device["allocator fragmentation"] = int(FRAGMENTATION * subtotal)
     total = subtotal + sum(device[k] for k in list(device)[-3:])
@@ -385,36 +473,53 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
     if kda_kernel == "torch":
         kda_note = "(genolong's torch kernels: validated against ActivationMeter within 10% on tiny/small, fp32)"
     else:
-        kda_note = ("(fla-core's ChunkKDAFunction save set, read from fla/ops/kda/chunk.py save_for_backward: "
-                    "q, k, v, g_cumsum, g, beta, Aqk, Akk fp32; not runnable on CPU, so not metered)")
-    dsa_note = ("DSA kernels 'triton' (genolong's Triton kernels: metered on CPU under TRITON_INTERPRET=1)"
-                if dsa_kernel == "triton" else "DSA kernels 'torch'")
-    recompute_note = (f"recompute {mem.recompute}" + (f" ({', '.join(mem.recompute_modules or DEFAULT_SELECTIVE)})"
-                      if mem.recompute == 'selective' else "")
-                      + ": the largest recomputed region is rebuilt whole during its backward (MoE chunks do not bound it)")
+        kda_note = (
+            "(fla-core's ChunkKDAFunction save set, read from fla/ops/kda/chunk.py save_for_backward: "
+            "q, k, v, g_cumsum, g, beta, Aqk, Akk fp32; not runnable on CPU, so not metered)"
+        )
+    dsa_note = (
+        "DSA kernels 'triton' (genolong's Triton kernels: metered on CPU under TRITON_INTERPRET=1)"
+        if dsa_kernel == "triton"
+        else "DSA kernels 'torch'"
+    )
+    recompute_note = (
+        f"recompute {mem.recompute}"
+        + (f" ({', '.join(mem.recompute_modules or DEFAULT_SELECTIVE)})" if mem.recompute == "selective" else "")
+        + ": the largest recomputed region is rebuilt whole during its backward (MoE chunks do not bound it)"
+    )
     if mem.recompute == "chunked":
-        recompute_note = (f"recompute chunked ({mem.recompute_chunk_tokens:,} tokens): saved per layer the block input "
-                          "streams only (as full; metered); during one layer's backward its carried extras (KDA: conv tail "
-                          "and fp32 state per segment boundary, + state maps under CP; DSA: kv latent and pooled keys up to "
-                          "the slice's end) and one feed-forward chunk with the mid-block streams [T, m, H], or one "
-                          "attention segment, at a time (chunked_recompute_terms; the backward-peak slopes in T and in the "
-                          "chunk are held to measurement on tiny/small)")
+        recompute_note = (
+            f"recompute chunked ({mem.recompute_chunk_tokens:,} tokens): saved per layer the block input "
+            "streams only (as full; metered); during one layer's backward its carried extras (KDA: conv tail "
+            "and fp32 state per segment boundary, + state maps under CP; DSA: kv latent and pooled keys up to "
+            "the slice's end) and one feed-forward chunk with the mid-block streams [T, m, H], or one "
+            "attention segment, at a time (chunked_recompute_terms; the backward-peak slopes in T and in the "
+            "chunk are held to measurement on tiny/small)"
+        )
     assumptions = [
         f"saved activations from formulas over the config, {tokens:,} tokens per rank, kernel_backend {backend!r}: "
-        f"KDA chunk kernel {kda_kernel!r} " + kda_note + f"; {dsa_note}"
-        + ("; 'auto' counted as on a CUDA machine with Triton and fla-core >= 0.5.2 (resolve_auto -> 'triton')"
-           if backend == "auto" and kda_kernel != "torch" else "")
+        f"KDA chunk kernel {kda_kernel!r} "
+        + kda_note
+        + f"; {dsa_note}"
+        + (
+            "; 'auto' counted as on a CUDA machine with Triton and fla-core >= 0.5.2 (resolve_auto -> 'triton')"
+            if backend == "auto" and kda_kernel != "torch"
+            else ""
+        )
         + "; bf16 sizes assume bf16 compute with the layers' fp32 parts kept fp32",
-        (f"parameters, gradients and AdamW state fp32 (16 B/param) sharded over cp x dp_shard = {shard} ranks (FSDP2); "
-         if not split.any_frozen else
-         f"trained parameters ({format_count(split.trained)}"
-         + (f", LoRA adapters {format_count(split.adapters)} of them" if split.lora else "")
-         + f"): fp32 master, gradient and AdamW state (16 B/param); frozen ({format_count(split.frozen)}): stored at "
-         f"{'bf16 (2 B' if bf16 else 'fp32 (4 B'}/param), no master, gradient or optimizer state; all sharded over "
-         f"cp x dp_shard = {shard} ranks (FSDP2), no gradient reduce-scatter for frozen parameters; ")
+        (
+            f"parameters, gradients and AdamW state fp32 (16 B/param) sharded over cp x dp_shard = {shard} ranks (FSDP2); "
+            if not split.any_frozen
+            else f"trained parameters ({format_count(split.trained)}"
+            + (f", LoRA adapters {format_count(split.adapters)} of them" if split.lora else "")
+            + f"): fp32 master, gradient and AdamW state (16 B/param); frozen ({format_count(split.frozen)}): stored at "
+            f"{'bf16 (2 B' if bf16 else 'fp32 (4 B'}/param), no master, gradient or optimizer state; all sharded over "
+            f"cp x dp_shard = {shard} ranks (FSDP2), no gradient reduce-scatter for frozen parameters; "
+        )
         + f"2 unsharded units in {'bf16' if bf16 else 'fp32'} + 1 unsharded fp32 gradient in flight (the largest unit: "
         f"{format_count(unit)} params"
-        + (f"; the most trained in one unit: {format_count(unit_trained)}" if split.any_frozen else "") + ")",
+        + (f"; the most trained in one unit: {format_count(unit_trained)}" if split.any_frozen else "")
+        + ")",
         recompute_note,
         "offload: every saved tensor of at least offload_min_bytes goes to pinned host memory, one host copy per "
         "distinct view autograd saves, each rounded up to a power of two by torch's pinned caching allocator (the "
@@ -423,9 +528,13 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
         if mem.offload
         else "offload off: all saved activations stay on the device",
         f"MoE dispatch buffer for the busiest GPU at {moe_imbalance:g} x the mean load ({imbalance_source})"
-        + (f"; expert parallelism ep {ep}: {cfg.n_routed_experts // ep} experts per rank, each MoE layer's experts an "
-           f"FSDP unit over {shard // ep} ranks; the busiest rank's expert activations at {moe_imbalance:g} x, plus its own "
-           "dispatch-send and combine-receive rows" if ep > 1 else ""),
+        + (
+            f"; expert parallelism ep {ep}: {cfg.n_routed_experts // ep} experts per rank, each MoE layer's experts an "
+            f"FSDP unit over {shard // ep} ranks; the busiest rank's expert activations at {moe_imbalance:g} x, plus its own "
+            "dispatch-send and combine-receive rows"
+            if ep > 1
+            else ""
+        ),
         "DSA under CP all-gathers the whole sequence's kv latent and pooled index keys (and their gradients)",
         f"CUDA context {format_bytes(CUDA_CONTEXT_BYTES)} + {CUBLAS_WORKSPACES} cuBLAS workspaces of "
         f"{format_bytes(CUBLAS_WORKSPACE_BYTES)}; NCCL per communicator {format_bytes(NCCL_COMM_BYTES)} (NVIDIA/nccl#964), "
@@ -440,25 +549,67 @@ def _plan_once(recipe: Recipe, cfg: ModelConfig, gpus: int, gpu_mem_gib: float, 
         "rank sends at balanced routing (ep_comm_bytes); the wire column converts every row to bytes sent with ring "
         "algorithms; recompute repeats the mixers' (and the MoE's) forward collectives",
     ]
-    comm = comm_estimate(cfg, context // cp, cp, batch=recipe.data.batch_size, dtype_bytes=a, recompute=mem.recompute,
-                         recompute_modules=mem.recompute_modules, shard_group=shard, dp_replicate=rep, ep=ep,
-                         moe_chunk_tokens=mem.moe_chunk_tokens, split=split if split.any_frozen else None)
+    comm = comm_estimate(
+        cfg,
+        context // cp,
+        cp,
+        batch=recipe.data.batch_size,
+        dtype_bytes=a,
+        recompute=mem.recompute,
+        recompute_modules=mem.recompute_modules,
+        shard_group=shard,
+        dp_replicate=rep,
+        ep=ep,
+        moe_chunk_tokens=mem.moe_chunk_tokens,
+        split=split if split.any_frozen else None,
+    )
     save, on_disk, read = checkpoint_figures(recipe, split, shard, moe_layers * cfg.n_routed_experts, a)
     return Plan(
-        checkpoint_bytes=save, checkpoint_disk_bytes=on_disk, keep_last=max(recipe.checkpoint.keep_last, 1),
+        checkpoint_bytes=save,
+        checkpoint_disk_bytes=on_disk,
+        keep_last=max(recipe.checkpoint.keep_last, 1),
         load_read_per_rank=read,
-        recipe=recipe.name, model=_describe(cfg, count, split), gpus=gpus, gpus_per_node=gpus_per_node,
-        nodes=math.ceil(gpus / gpus_per_node), cp=cp, dp_shard=dp_shard, dp_replicate=rep, shard_group=shard,
-        tokens_per_rank=tokens, precision=recipe.train.precision, recompute=mem.recompute,
-        recompute_modules=tuple(mem.recompute_modules), offload=mem.offload, moe_chunk_tokens=mem.moe_chunk_tokens,
-        ce_chunk_tokens=mem.ce_chunk_tokens, parameters=count, device=device, transient_peak=peak_name,
-        activations_by_kind=act.by_kind, plain_by_kind=act.plain_by_kind, device_total=int(total), gpu_mem=gpu_mem, host_per_gpu=host_gpu,
-        host_per_node=host_node, host_mem=host_mem, fits_device=fits_device, fits_host=fits_host,
-        fits=fits_device and fits_host, comm=comm, assumptions=assumptions, ep=ep,
-        experts_per_rank=cfg.n_routed_experts // ep if moe_layers else 0, expert_shard_group=shard // ep,
-        kernel_backend=backend, kda_kernel=kda_kernel, dsa_kernel=dsa_kernel,
+        recipe=recipe.name,
+        model=_describe(cfg, count, split),
+        gpus=gpus,
+        gpus_per_node=gpus_per_node,
+        nodes=math.ceil(gpus / gpus_per_node),
+        cp=cp,
+        dp_shard=dp_shard,
+        dp_replicate=rep,
+        shard_group=shard,
+        tokens_per_rank=tokens,
+        precision=recipe.train.precision,
+        recompute=mem.recompute,
+        recompute_modules=tuple(mem.recompute_modules),
+        offload=mem.offload,
+        moe_chunk_tokens=mem.moe_chunk_tokens,
+        ce_chunk_tokens=mem.ce_chunk_tokens,
+        parameters=count,
+        device=device,
+        transient_peak=peak_name,
+        activations_by_kind=act.by_kind,
+        plain_by_kind=act.plain_by_kind,
+        device_total=int(total),
+        gpu_mem=gpu_mem,
+        host_per_gpu=host_gpu,
+        host_per_node=host_node,
+        host_mem=host_mem,
+        fits_device=fits_device,
+        fits_host=fits_host,
+        fits=fits_device and fits_host,
+        comm=comm,
+        assumptions=assumptions,
+        ep=ep,
+        experts_per_rank=cfg.n_routed_experts // ep if moe_layers else 0,
+        expert_shard_group=shard // ep,
+        kernel_backend=backend,
+        kda_kernel=kda_kernel,
+        dsa_kernel=dsa_kernel,
         recompute_chunk_tokens=mem.recompute_chunk_tokens if mem.recompute == "chunked" else None,
-        rebuilt_region=rebuilt_region, trained_parameters=split.trained, frozen_parameters=split.frozen,
+        rebuilt_region=rebuilt_region,
+        trained_parameters=split.trained,
+        frozen_parameters=split.frozen,
         adapter_parameters=split.adapters,
     )
 
@@ -507,9 +658,17 @@ def _candidates(recipe: Recipe, cfg: ModelConfig, gpus: int) -> list[tuple[list[
     return out
 
 
-def plan(recipe: Recipe, gpus: int | None = None, gpu_mem_gib: float = 80.0, host_mem_gib: float | None = None,
-         gpus_per_node: int = 8, moe_imbalance: float | None = None, *, kda_kernel: str | None = None,
-         dsa_kernel: str | None = None) -> Plan:
+def plan(
+    recipe: Recipe,
+    gpus: int | None = None,
+    gpu_mem_gib: float = 80.0,
+    host_mem_gib: float | None = None,
+    gpus_per_node: int = 8,
+    moe_imbalance: float | None = None,
+    *,
+    kda_kernel: str | None = None,
+    dsa_kernel: str | None = None,
+) -> Plan:
     """Plan a recipe's memory per GPU and per node; suggest the cheapest change when it does not fit.
 
     Args:

@@ -14,8 +14,14 @@ from __future__ import annotations
 
 from .callbacks import StepMetrics, held_bytes, read_step_log
 from .finetune import FinetuneResult, RunPaths, latest_checkpoint, run
-from .module import (GenoLMModule, NonFiniteLossError, OptimSettings, cast_frozen_parameters, freeze_parameters,
-                     low_precision_parameters)
+from .module import (
+    GenoLMModule,
+    NonFiniteLossError,
+    OptimSettings,
+    cast_frozen_parameters,
+    freeze_parameters,
+    low_precision_parameters,
+)
 
 __all__ = [
     "FinetuneResult",

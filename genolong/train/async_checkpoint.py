@@ -133,5 +133,8 @@ def first_difference(a: Any, b: Any, where: str = "") -> str | None:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if type(a) is not type(b) or len(a) != len(b):
             return f"{where} (length)"
-        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := first_difference(x, y, f"{where}[{i}]")) is not None), None)
+        return next(
+            (d for i, (x, y) in enumerate(zip(a, b)) if (d := first_difference(x, y, f"{where}[{i}]")) is not None),
+            None,
+        )
     return None if a == b else (where or ".")

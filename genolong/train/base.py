@@ -29,15 +29,15 @@ __all__ = ["absent_keys", "base_reference", "check_same_base", "load_base_weight
 log = logging.getLogger("genolong")
 
 
-def load_base_weights(recipe: Recipe, resume: bool, model: GenoLM, kept: Mapping[str, torch.Tensor], device: torch.device) -> None:
+def load_base_weights(
+    recipe: Recipe, resume: bool, model: GenoLM, kept: Mapping[str, torch.Tensor], device: torch.device
+) -> None:
     """The sharded loader (:mod:`genolong.parallel.load`) for a model built on the meta device
     from ``model.checkpoint`` and parallelized: the base's files checked (each rank a share of the
     checksums), this rank's shards allocated in their dtypes, ``kept`` (LoRA's adapters) put back,
     and this rank's rows of every base tensor read. With ``resume`` the trained parameters and the
     buffers are not read: the checkpoint restores them next."""
-    from ..parallel.load import check_base, fill_from_safetensors, materialize
-
-    from ..parallel.load import load_report, resident_peak
+    from ..parallel.load import check_base, fill_from_safetensors, load_report, materialize, resident_peak
 
     base = recipe.model.checkpoint
     assert base is not None
@@ -46,11 +46,18 @@ def load_base_weights(recipe: Recipe, resume: bool, model: GenoLM, kept: Mapping
     materialize(model, device, kept)
     skip = None
     if resume:
-        restored = {name for name, p in model.named_parameters() if p.requires_grad} | {name for name, _ in model.named_buffers()}
+        restored = {name for name, p in model.named_parameters() if p.requires_grad} | {
+            name for name, _ in model.named_buffers()
+        }
         skip = restored.__contains__
     counter = fill_from_safetensors(model, base, skip=skip)
     load_report(model, counter, before, resident_peak())
-    log.info("genolong: read %s of %s for this rank's shards (%d files)", format_bytes(counter.bytes), base, len(counter.files))
+    log.info(
+        "genolong: read %s of %s for this rank's shards (%d files)",
+        format_bytes(counter.bytes),
+        base,
+        len(counter.files),
+    )
 
 
 def base_reference(recipe: Recipe) -> dict[str, str] | None:
@@ -83,14 +90,25 @@ def check_same_base(checkpoint: Path, base: dict[str, str] | None) -> None:
     if saved is None:
         return  # an older checkpoint, or a run from fresh weights: it holds every parameter
     if base is None or base["digest"] != saved.get("digest"):
-        now = "no model.checkpoint" if base is None else f"model.checkpoint {base['path']} (digest {base['digest'][:24]}...)"
-        raise InputError(f"--resume: {checkpoint.name} holds only what training changed on the base {saved.get('path')} "
-                         f"(digest {str(saved.get('digest'))[:24]}...), but the recipe has {now}; point model.checkpoint "
-                         "to that base")
+        now = (
+            "no model.checkpoint"
+            if base is None
+            else f"model.checkpoint {base['path']} (digest {base['digest'][:24]}...)"
+        )
+        raise InputError(
+            f"--resume: {checkpoint.name} holds only what training changed on the base {saved.get('path')} "
+            f"(digest {str(saved.get('digest'))[:24]}...), but the recipe has {now}; point model.checkpoint "
+            "to that base"
+        )
 
 
-def load_partial_dcp(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], path: Path, stored: set[str],
-                     weights_only: bool | None) -> dict[str, Any]:
+def load_partial_dcp(
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    path: Path,
+    stored: set[str],
+    weights_only: bool | None,
+) -> dict[str, Any]:
     """Lightning's sharded restore (``lightning.fabric.strategies.model_parallel._load_checkpoint``)
     of a checkpoint that holds only what training changed: the model keys it holds, into the
     sharded model in place, then the optimiser states; returns the rest (``meta.pt``)."""
@@ -103,8 +121,9 @@ def load_partial_dcp(model: torch.nn.Module, optimizers: Sequence[torch.optim.Op
     for i, optimizer in enumerate(optimizers):
         optim_state = {f"optimizer_{i}": get_optimizer_state_dict(model, optimizer)}
         load(optim_state, checkpoint_id=path)
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[f"optimizer_{i}"],
-                                 options=StateDictOptions(cpu_offload=True))
+        set_optimizer_state_dict(
+            model, optimizer, optim_state_dict=optim_state[f"optimizer_{i}"], options=StateDictOptions(cpu_offload=True)
+        )
     return torch.load(path / "meta.pt", weights_only=True if weights_only is None else weights_only)
 
 
@@ -122,9 +141,13 @@ def absent_keys(model: torch.nn.Module, module: Any, present: set[str], path: Pa
     absent = [k for k in model.state_dict() if k not in present]
     trained = [k for k in absent if k not in frozen]
     if trained:
-        raise InputError(f"{path} lacks {trained[0].removeprefix('model.')}, which this run trains: it was written by a run "
-                         "with other model.freeze / model.lora settings; resume with that recipe")
+        raise InputError(
+            f"{path} lacks {trained[0].removeprefix('model.')}, which this run trains: it was written by a run "
+            "with other model.freeze / model.lora settings; resume with that recipe"
+        )
     if absent and getattr(module, "checkpoint_frozen", True):
-        raise InputError(f"{path} lacks the frozen {absent[0].removeprefix('model.')}, kept in the base checkpoint it was "
-                         "trained from; set model.checkpoint to that base")
+        raise InputError(
+            f"{path} lacks the frozen {absent[0].removeprefix('model.')}, kept in the base checkpoint it was "
+            "trained from; set model.checkpoint to that base"
+        )
     return absent

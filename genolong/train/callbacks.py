@@ -73,8 +73,18 @@ def held_bytes(model: torch.nn.Module | None, optimizers: Sequence[torch.optim.O
         ``params/frozen``, element counts of the whole model (a DTensor's global size). Buffers
         (the MoE routing biases) are not parameters and not counted.
     """
-    out = dict.fromkeys(("memory/parameter_bytes", "memory/trained_parameter_bytes", "memory/frozen_parameter_bytes",
-                         "memory/gradient_bytes", "memory/optimizer_bytes", "params/trained", "params/frozen"), 0.0)
+    out = dict.fromkeys(
+        (
+            "memory/parameter_bytes",
+            "memory/trained_parameter_bytes",
+            "memory/frozen_parameter_bytes",
+            "memory/gradient_bytes",
+            "memory/optimizer_bytes",
+            "params/trained",
+            "params/frozen",
+        ),
+        0.0,
+    )
     if model is None:
         return out
     for param in model.parameters():
@@ -134,7 +144,9 @@ class StepMetrics(L.Callback):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._handle = self.path.open("a")
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.use_meter:
             meter = ActivationMeter(getattr(pl_module, "model", None))
             self._meter = meter.__enter__()  # set only once entered: on_exception closes it
@@ -151,7 +163,9 @@ class StepMetrics(L.Callback):
         self._meter = None
         return summary
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         elapsed = time.perf_counter() - self._started
         memory = self._close_meter()
         tokens = int(batch["tokens"].numel())
@@ -182,7 +196,10 @@ class StepMetrics(L.Callback):
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._handle is not None and "eval/loss" in trainer.callback_metrics:
-            record = {"step": trainer.global_step, **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("eval/")}}
+            record = {
+                "step": trainer.global_step,
+                **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("eval/")},
+            }
             self._handle.write(json.dumps(record) + "\n")
             self._handle.flush()
 
@@ -230,8 +247,15 @@ class TrainingBar(ProgressBar):
         from tqdm.auto import tqdm
 
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-        self._bar = tqdm(total=total, initial=trainer.global_step, desc="train", unit="step", file=sys.stderr,
-                         dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 30.0)
+        self._bar = tqdm(
+            total=total,
+            initial=trainer.global_step,
+            desc="train",
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            mininterval=0.1 if sys.stderr.isatty() else 30.0,
+        )
 
     def _show(self, trainer: L.Trainer) -> None:
         if self._bar is None:
@@ -242,7 +266,9 @@ class TrainingBar(ProgressBar):
         self._bar.set_postfix({k: f"{float(metrics[m]):.4f}" for k, m in shown.items() if m in metrics}, refresh=False)
         self._bar.update(trainer.global_step - self._bar.n)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._show(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -127,7 +127,9 @@ def _pieces(tensor: DTensor) -> list[tuple[int, tuple[int, ...], tuple[int, ...]
     for coord in itertools.product(*(range(n) for n in mesh.shape)):
         if any(coord[d] != 0 for d in replicated):
             continue
-        shape, offset = _compute_local_shape_and_global_offset(tuple(tensor.shape), tuple(mesh.shape), list(coord), placements)
+        shape, offset = _compute_local_shape_and_global_offset(
+            tuple(tensor.shape), tuple(mesh.shape), list(coord), placements
+        )
         found.append((int(ranks[coord]), tuple(shape), tuple(offset)))
     return found
 
@@ -188,30 +190,40 @@ def _plain_and_sources(model: GenoLM, lora: Any | None, merged: bool) -> tuple[G
     if lora is None:
         return plain, {name: _Source(name) for name in plain.state_dict(keep_vars=True)}
     if not merged:
-        raise InputError("export_model of a model with LoRA adapters writes the merged model: pass merged=True "
-                         "(the adapters alone: export_adapter)")
+        raise InputError(
+            "export_model of a model with LoRA adapters writes the merged model: pass merged=True "
+            "(the adapters alone: export_adapter)"
+        )
     apply_lora(adapted, lora)
     sources: dict[str, _Source] = {}
     for name, module in lora_modules(adapted).items():
         for leaf, _ in module.base.named_parameters():
             key = f"{name}.base.{leaf}"
             if leaf == "weight":
-                sources[f"{name}.weight"] = _Source(key, f"{name}.lora_A.weight", f"{name}.lora_B.weight", module.scaling)
+                sources[f"{name}.weight"] = _Source(
+                    key, f"{name}.lora_A.weight", f"{name}.lora_B.weight", module.scaling
+                )
             else:
                 sources[f"{name}.{leaf}"] = _Source(key)
     for name, module in adapted.named_modules():
         adapters = getattr(module, "lora", None)
         if isinstance(adapters, ExpertAdapters):
             for param in ("gate_up_proj", "down_proj"):
-                sources[f"{name}.{param}"] = _Source(f"{name}.{param}", f"{name}.lora.lora_A.{param}.weight",
-                                                     f"{name}.lora.lora_B.{param}.weight", adapters.scaling, experts=True)
+                sources[f"{name}.{param}"] = _Source(
+                    f"{name}.{param}",
+                    f"{name}.lora.lora_A.{param}.weight",
+                    f"{name}.lora.lora_B.{param}.weight",
+                    adapters.scaling,
+                    experts=True,
+                )
     for name in plain.state_dict(keep_vars=True):
         sources.setdefault(name, _Source(name))
     return plain, sources
 
 
-def _value(source: _Source, state: dict[str, torch.Tensor], stats: ExportStats, owners: set[int],
-           rank: int) -> torch.Tensor | None:
+def _value(
+    source: _Source, state: dict[str, torch.Tensor], stats: ExportStats, owners: set[int], rank: int
+) -> torch.Tensor | None:
     """The exported value of one tensor on each rank of ``owners`` (those owning one of its
     entries), None on the others; every rank calls (the gathers are collectives of the tensor's
     mesh), in the same order."""
@@ -249,9 +261,16 @@ def _owned(tensor: torch.Tensor) -> torch.Tensor:
 #: safetensors' dtype names, ranked as its serializer orders tensors in a file (higher first, then by
 #: name): the Rust ``Dtype`` enum's order for the dtypes a GenoLM holds
 _ST_DTYPES: dict[torch.dtype, tuple[str, int]] = {
-    torch.bool: ("BOOL", 0), torch.uint8: ("U8", 1), torch.int8: ("I8", 2), torch.int16: ("I16", 5),
-    torch.float16: ("F16", 7), torch.bfloat16: ("BF16", 8), torch.int32: ("I32", 9), torch.float32: ("F32", 11),
-    torch.float64: ("F64", 12), torch.int64: ("I64", 13),
+    torch.bool: ("BOOL", 0),
+    torch.uint8: ("U8", 1),
+    torch.int8: ("I8", 2),
+    torch.int16: ("I16", 5),
+    torch.float16: ("F16", 7),
+    torch.bfloat16: ("BF16", 8),
+    torch.int32: ("I32", 9),
+    torch.float32: ("F32", 11),
+    torch.float64: ("F64", 12),
+    torch.int64: ("I64", 13),
 }
 
 
@@ -268,7 +287,9 @@ class _ShardWriter:
         metadata: the header's ``__metadata__``.
     """
 
-    def __init__(self, path: Path, tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
+    def __init__(
+        self, path: Path, tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]
+    ):
         import json
         import struct
 
@@ -323,9 +344,16 @@ def _check_out(out: Path, marker: str, what: str) -> None:
         raise InputError(f"refusing to replace {out}: it exists and is not {what}; choose another path")
 
 
-def export_model(model: GenoLM, directory: str | os.PathLike[str], lora: Any | None = None, merged: bool = False,
-                 dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9,
-                 copy_files: Sequence[str | os.PathLike[str]] = (), stats: ExportStats | None = None) -> Path | None:
+def export_model(
+    model: GenoLM,
+    directory: str | os.PathLike[str],
+    lora: Any | None = None,
+    merged: bool = False,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 10**9,
+    copy_files: Sequence[str | os.PathLike[str]] = (),
+    stats: ExportStats | None = None,
+) -> Path | None:
     """Write ``model`` (sharded or not) as a GLM-5.3-Flash checkpoint directory, each rank its own
     shards (see the module docstring); the files equal :func:`genolong.model.hf.save_checkpoint`'s
     of the gathered model bitwise.
@@ -355,7 +383,9 @@ def export_model(model: GenoLM, directory: str | os.PathLike[str], lora: Any | N
     state = _live_state(model)
     missing = sorted({s.key for s in sources.values()} - set(state))
     if missing:
-        raise InputError(f"the model to export lacks {missing[0]} (it does not match its config); export the model it was trained as")
+        raise InputError(
+            f"the model to export lacks {missing[0]} (it does not match its config); export the model it was trained as"
+        )
 
     def out_dtype(name: str, target: str) -> torch.dtype:
         source = sources[target]
@@ -398,8 +428,11 @@ def export_model(model: GenoLM, directory: str | os.PathLike[str], lora: Any | N
                         if streamable:
                             # straight into its place in the file: memory holds the gathered tensor only
                             if i not in writers:
-                                writers[i] = _ShardWriter(tmp / files[i], [(n, dtypes[n], entries[n].shape) for n in groups[i]],
-                                                          {"format": "pt"})
+                                writers[i] = _ShardWriter(
+                                    tmp / files[i],
+                                    [(n, dtypes[n], entries[n].shape) for n in groups[i]],
+                                    {"format": "pt"},
+                                )
                             if writers[i].put(name, piece):
                                 del writers[i]
                                 stats.files.append(files[i])
@@ -416,8 +449,13 @@ def export_model(model: GenoLM, directory: str | os.PathLike[str], lora: Any | N
             stats.bytes_written = sum((tmp / f).stat().st_size for f in stats.files)
             # each rank hashes what it wrote (from the page cache); rank 0 lists every file
             # (1 MiB reads: the export's memory stays that of one tensor)
-            digests = {files[i]: {"bytes": (tmp / files[i]).stat().st_size,
-                                  ALGORITHM: file_checksum(tmp / files[i], chunk=2**20)} for i in mine}
+            digests = {
+                files[i]: {
+                    "bytes": (tmp / files[i]).stat().st_size,
+                    ALGORITHM: file_checksum(tmp / files[i], chunk=2**20),
+                }
+                for i in mine
+            }
             gathered: list[dict[str, dict[str, Any]] | None] = [digests]
             if world > 1:
                 gathered = [None] * world
@@ -453,8 +491,9 @@ def _json(data: Any) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
-def export_adapter(model: GenoLM, directory: str | os.PathLike[str], lora: Any,
-                   base_model_name_or_path: str | None = None) -> Path | None:
+def export_adapter(
+    model: GenoLM, directory: str | os.PathLike[str], lora: Any, base_model_name_or_path: str | None = None
+) -> Path | None:
     """Write ``model``'s LoRA adapters as a PEFT adapter directory
     (:func:`genolong.model.lora.save_adapter`), gathering the adapter tensors only (one at a time;
     the frozen base stays where it is): the same files as ``save_adapter`` of the gathered model.
@@ -498,8 +537,9 @@ def release_offload_pool(model: GenoLM) -> None:
         offloader.release()
 
 
-def write_exports(recipe: Recipe, model: GenoLM, root: Path, model_export: bool | None = None,
-                  adapter_export: bool | None = None) -> tuple[Path | None, Path | None]:
+def write_exports(
+    recipe: Recipe, model: GenoLM, root: Path, model_export: bool | None = None, adapter_export: bool | None = None
+) -> tuple[Path | None, Path | None]:
     """What a run writes at its end, into ``root`` (the run's directory, or ``genolong export
     --out``): ``root/adapter`` (PEFT adapters, under ``model.lora``) and ``root/export`` (the
     model, adapters merged, with ``checkpoint.export_safetensors``); each rank writes its own

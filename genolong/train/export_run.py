@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-
 from ..errors import InputError
 from .export import release_offload_pool, write_exports
 
@@ -26,9 +25,14 @@ if TYPE_CHECKING:
 __all__ = ["export_command", "export_from_checkpoint", "resolve_target"]
 
 
-def export_from_checkpoint(recipe: Recipe, checkpoint: Path, out: Path, model_export: bool | None = None,
-                           adapter_export: bool | None = None,
-                           environment: ClusterEnvironment | None = None) -> tuple[Path | None, Path | None, bool]:
+def export_from_checkpoint(
+    recipe: Recipe,
+    checkpoint: Path,
+    out: Path,
+    model_export: bool | None = None,
+    adapter_export: bool | None = None,
+    environment: ClusterEnvironment | None = None,
+) -> tuple[Path | None, Path | None, bool]:
     """Restore a run's step checkpoint and write its exports into ``out`` (``out/export``,
     ``out/adapter``: :func:`write_exports`), on this process or on the recipe's mesh (every rank
     calls; Lightning joins torchrun's ranks). The trained state comes back through the code
@@ -49,9 +53,19 @@ def export_from_checkpoint(recipe: Recipe, checkpoint: Path, out: Path, model_ex
     with leaves_no_process_group(), quiet_run():
         config = recipe.model_config()
         module = _module(recipe, recipe.vocab_map(config), resume=True)  # the trained weights come from the checkpoint
-        trainer = _trainer(recipe, RunPaths.of(recipe), [], environment, logger=False, limit_train_batches=0,
-                           limit_val_batches=0, val_check_interval=None, enable_progress_bar=False,
-                           enable_checkpointing=False, default_root_dir=out)
+        trainer = _trainer(
+            recipe,
+            RunPaths.of(recipe),
+            [],
+            environment,
+            logger=False,
+            limit_train_batches=0,
+            limit_val_batches=0,
+            val_check_interval=None,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            default_root_dir=out,
+        )
         strategy = trainer.strategy
         assert isinstance(strategy, AtomicModelParallelStrategy)
         strategy.weights_for_export = True
@@ -65,8 +79,14 @@ def export_from_checkpoint(recipe: Recipe, checkpoint: Path, out: Path, model_ex
 
 
 #: the recipe keys ``genolong export`` sets to restore a run's checkpoint in one process
-_ONE_PROCESS = ("parallel.devices=1", "parallel.num_nodes=1", "parallel.cp=1", "parallel.dp_shard=-1",
-                "parallel.dp_replicate=1", "parallel.ep=1")
+_ONE_PROCESS = (
+    "parallel.devices=1",
+    "parallel.num_nodes=1",
+    "parallel.cp=1",
+    "parallel.dp_shard=-1",
+    "parallel.dp_replicate=1",
+    "parallel.ep=1",
+)
 
 
 def _launched() -> bool:
@@ -87,16 +107,20 @@ def resolve_target(target: str | os.PathLike[str]) -> tuple[Path, Path]:
     if _STEP_FILE.match(path.name) and path.exists():
         root = path.parent.parent
         if not (root / "recipe.yaml").is_file():
-            raise InputError(f"{path}: no recipe.yaml in {root}; give a checkpoint of a finetune run "
-                             "(runs/NAME/checkpoints/stepN.ckpt) or the run directory")
+            raise InputError(
+                f"{path}: no recipe.yaml in {root}; give a checkpoint of a finetune run "
+                "(runs/NAME/checkpoints/stepN.ckpt) or the run directory"
+            )
         from ..integrity import check_weights
 
         # the ranks of a job check the sizes here, each its own shard's checksums on load (as --resume)
         check_weights(path, shards=(0, 0) if _launched() else None)
         return root, path
     if not (path / "recipe.yaml").is_file():
-        raise InputError(f"{path}: not a finetune run directory (no recipe.yaml) nor a step*.ckpt of one; "
-                         "give runs/NAME or runs/NAME/checkpoints/stepN.ckpt")
+        raise InputError(
+            f"{path}: not a finetune run directory (no recipe.yaml) nor a step*.ckpt of one; "
+            "give runs/NAME or runs/NAME/checkpoints/stepN.ckpt"
+        )
     from ..config import load_recipe
     from .finetune import RunPaths
 
@@ -107,8 +131,12 @@ def resolve_target(target: str | os.PathLike[str]) -> tuple[Path, Path]:
     return path, found
 
 
-def export_command(target: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, merged: bool = False,
-                   adapter: bool = False) -> int:
+def export_command(
+    target: str | os.PathLike[str],
+    out: str | os.PathLike[str] | None = None,
+    merged: bool = False,
+    adapter: bool = False,
+) -> int:
     """``genolong export RUN|CKPT [--merged] [--adapter] [--out DIR]``: the exports of a run's step
     checkpoint, as ``finetune`` writes them at its end (:func:`genolong.train.finetune.write_exports`),
     into ``DIR/export`` (the model; adapters merged under LoRA) and ``DIR/adapter`` (PEFT, under
@@ -121,6 +149,7 @@ def export_command(target: str | os.PathLike[str], out: str | os.PathLike[str] |
         InputError: see :func:`resolve_target`; ``adapter`` for a run without ``model.lora``.
     """
     from ..config import load_recipe
+
     root, checkpoint = resolve_target(target)
     recipe = load_recipe(root / "recipe.yaml", () if _launched() else _ONE_PROCESS)
     if adapter and not merged and recipe.model.lora is None:
@@ -128,8 +157,9 @@ def export_command(target: str | os.PathLike[str], out: str | os.PathLike[str] |
     model_export = merged or not adapter
     adapter_export = recipe.model.lora is not None and (adapter or not merged)
     destination = Path(out) if out is not None else root / "exports" / checkpoint.stem
-    written_adapter, written_model, is_zero = export_from_checkpoint(recipe, checkpoint, destination, model_export=model_export,
-                                                                     adapter_export=adapter_export)
+    written_adapter, written_model, is_zero = export_from_checkpoint(
+        recipe, checkpoint, destination, model_export=model_export, adapter_export=adapter_export
+    )
     if is_zero:
         written = [str(p) for p in (written_model, written_adapter) if p is not None]
         print(f"genolong export: {checkpoint.name} of {root.name} -> {', '.join(written)}", flush=True)

@@ -55,6 +55,7 @@ consecutive ranks, checkpoints and the export in the one-process layout) and FSD
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -64,11 +65,10 @@ import shutil
 import signal
 import sys
 import warnings
-import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -129,7 +129,9 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         #: into the plain model (:meth:`_load_dcp_whole`); a run's --resume never does
         self.weights_for_export = False
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any = None
+    ) -> None:
         path = Path(self.broadcast(str(filepath)))
         if self.writer is not None:
             # at most one save in flight: the previous one is complete (or its error raised) first
@@ -162,7 +164,9 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             self._checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
         return self._checkpoint_group
 
-    def _write(self, checkpoint: dict[str, Any], path: Path, tmp: Path, needed: int, group: dist.ProcessGroup | None) -> None:
+    def _write(
+        self, checkpoint: dict[str, Any], path: Path, tmp: Path, needed: int, group: dist.ProcessGroup | None
+    ) -> None:
         """Write ``checkpoint`` to ``tmp``, its manifest, then rename it to ``path`` (rank 0). In a
         multi-process run each rank hashes its own shard and rank 0 writes the manifest from the
         gathered digests. Runs in the training thread, or (``async_save``) in the background with
@@ -246,11 +250,14 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         if module is None or getattr(module, "checkpoint_frozen", True):
             return super().lightning_module_state_dict()
         assert self.model is not None
-        options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True,
-                                   ignore_frozen_params=True)
+        options = StateDictOptions(
+            full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True, ignore_frozen_params=True
+        )
         return get_model_state_dict(self.model, options=options)
 
-    def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Lightning's loader for sharded (DTensor) models; for a plain, unsharded model (one
         process, no FSDP) a full checkpoint file, read with ``weights_only=True`` unless told
         otherwise: model and optimiser states are set here, the rest is returned to Lightning.
@@ -267,13 +274,16 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         if path.is_dir() and self.weights_for_export:
             return self._load_dcp_whole(path, weights_only)
         checkpoint = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
-        strict = self.lightning_module.strict_loading and not absent_keys(self.model, self.lightning_module, set(checkpoint["state_dict"]), path)
-        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=StateDictOptions(full_state_dict=True, strict=strict))
+        strict = self.lightning_module.strict_loading and not absent_keys(
+            self.model, self.lightning_module, set(checkpoint["state_dict"]), path
+        )
+        set_model_state_dict(
+            self.model, checkpoint.pop("state_dict"), options=StateDictOptions(full_state_dict=True, strict=strict)
+        )
         # Lightning saved the optimiser states re-keyed by parameter id (torch's standard format)
         for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
             optimizer.load_state_dict(state)
         return checkpoint
-
 
     def _load_dcp_whole(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         """A multi-process run's sharded (DCP) checkpoint read whole into this process's plain
@@ -288,11 +298,15 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         stored = _stored_keys(path)
         # a checkpoint without the frozen parameters: the base's, read before this runs, stay
         absent = absent_keys(self.model, self.lightning_module, stored, path)
-        state: dict[str, Any] = {"state_dict": {k: v for k, v in get_model_state_dict(self.model).items() if k in stored}}
+        state: dict[str, Any] = {
+            "state_dict": {k: v for k, v in get_model_state_dict(self.model).items() if k in stored}
+        }
         load(state, checkpoint_id=path)
         strict = self.lightning_module.strict_loading and not absent
         set_model_state_dict(self.model, state.pop("state_dict"), options=StateDictOptions(strict=strict))
-        return torch.load(path / "meta.pt", map_location="cpu", weights_only=True if weights_only is None else weights_only)
+        return torch.load(
+            path / "meta.pt", map_location="cpu", weights_only=True if weights_only is None else weights_only
+        )
 
     def _check_shards(self, path: Path) -> None:
         """Each rank checks the checksums of its own shard of a DCP checkpoint (the rest was checked
@@ -313,8 +327,11 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         dist.all_gather_object(reports, None if found is None else (str(found.file), found.problem))
         for report in reports:
             if report is not None:
-                raise DamagedFileError(Path(report[0]), report[1], f"move {path.name} away and run with --resume "
-                                       "again to resume from an older checkpoint") from None
+                raise DamagedFileError(
+                    Path(report[0]),
+                    report[1],
+                    f"move {path.name} away and run with --resume again to resume from an older checkpoint",
+                ) from None
 
 
 def _save_dcp(checkpoint: dict[str, Any], path: Path, group: dist.ProcessGroup | None, is_global_zero: bool) -> None:
@@ -429,13 +446,18 @@ def intact_checkpoint(directory: Path, hash_shards: bool = True) -> Path | None:
             continue
         if is_rank_zero():
             for bad, error in damaged:
-                print(f"genolong: {bad.name} is damaged ({_damage(bad, error)}); resuming from {checkpoint.name}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"genolong: {bad.name} is damaged ({_damage(bad, error)}); resuming from {checkpoint.name}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return checkpoint
     if damaged:
         listed = "; ".join(f"{bad.name} ({_damage(bad, error)})" for bad, error in damaged)
-        raise InputError(f"--resume: no intact checkpoint in {directory}: {listed}; move them away and run without "
-                         "--resume to start again")
+        raise InputError(
+            f"--resume: no intact checkpoint in {directory}: {listed}; move them away and run without "
+            "--resume to start again"
+        )
     return None
 
 
@@ -516,11 +538,19 @@ def _parallelize(recipe: Recipe, model: GenoLM, mesh: DeviceMesh | None) -> Geno
     FSDP2; a bf16-mixed run all-gathers parameters in bf16 and reduces gradients in fp32."""
     m = recipe.memory
     mixed = mesh is not None and recipe.train.precision == "bf16-mixed"
-    parallelize(model, recompute=m.recompute, recompute_modules=m.recompute_modules,
-                recompute_chunk_tokens=m.recompute_chunk_tokens, offload=m.offload,
-                offload_min_bytes=m.offload_min_bytes, moe_chunk_tokens=m.moe_chunk_tokens, mesh=mesh,
-                param_dtype=torch.bfloat16 if mixed else None, reduce_dtype=torch.float32 if mixed else None,
-                ep=recipe.parallel.ep if mesh is not None else None)
+    parallelize(
+        model,
+        recompute=m.recompute,
+        recompute_modules=m.recompute_modules,
+        recompute_chunk_tokens=m.recompute_chunk_tokens,
+        offload=m.offload,
+        offload_min_bytes=m.offload_min_bytes,
+        moe_chunk_tokens=m.moe_chunk_tokens,
+        mesh=mesh,
+        param_dtype=torch.bfloat16 if mixed else None,
+        reduce_dtype=torch.float32 if mixed else None,
+        ep=recipe.parallel.ep if mesh is not None else None,
+    )
     return model
 
 
@@ -569,8 +599,13 @@ def _merged_export(model: GenoLM) -> GenoLM:
     return merge_lora(model)
 
 
-def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback], environment: ClusterEnvironment | None = None,
-             **overrides: Any) -> L.Trainer:
+def _trainer(
+    recipe: Recipe,
+    paths: RunPaths,
+    callbacks: list[L.Callback],
+    environment: ClusterEnvironment | None = None,
+    **overrides: Any,
+) -> L.Trainer:
     """The run's Lightning trainer; ``overrides``: Trainer arguments that replace the recipe's
     (``genolong export``: no logger, no training batch)."""
     p, t = recipe.parallel, recipe.train
@@ -583,7 +618,8 @@ def _trainer(recipe: Recipe, paths: RunPaths, callbacks: list[L.Callback], envir
     # Lightning's mesh is (data_parallel, tensor_parallel); genolong.parallel builds its own
     # (dp_replicate, dp_shard, cp) mesh from the recipe when it needs one
     strategy = AtomicModelParallelStrategy(
-        data_parallel_size=p.dp_size, tensor_parallel_size=p.cp,
+        data_parallel_size=p.dp_size,
+        tensor_parallel_size=p.cp,
         save_distributed_checkpoint=p.world_size > 1,
         # the default group's timeout (and its rendezvous'); the sub-groups get it from build_mesh
         timeout=timedelta(seconds=p.timeout_s),
@@ -688,7 +724,9 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
             cut = "".join(f"; {p.name} (a save cut short) ignored" for p in partial_saves(paths.checkpoints))
             print(f"genolong: resuming from {resume_from.name}: {reason}{cut}", file=sys.stderr, flush=True)
     if resume and resume_from is None:
-        raise InputError(f"--resume: nothing to resume in {paths.checkpoints} (no step*.ckpt); run without --resume to start")
+        raise InputError(
+            f"--resume: nothing to resume in {paths.checkpoints} (no step*.ckpt); run without --resume to start"
+        )
     if not resume and resume_from is not None:
         raise InputError(
             f"{paths.checkpoints} already holds checkpoints ({resume_from.name}); pass --resume to continue "
@@ -704,17 +742,33 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
     module = _module(recipe, vocab, resume=resume)
     d = recipe.data
     datamodule = GenomeDataModule(
-        d.store, train_length=d.context, eval_length=recipe.eval_context, train_split=d.train_split,
-        eval_split=d.eval_split if recipe.eval.every_n_steps else None, batch_size=d.batch_size,
-        eval_batch_size=recipe.eval.batch_size, seed=recipe.seed, rc_prob=d.rc_prob, num_workers=d.num_workers,
-        windows_per_epoch=d.windows_per_epoch, verify=d.verify, eval_max_tiles=recipe.eval.max_tiles,
+        d.store,
+        train_length=d.context,
+        eval_length=recipe.eval_context,
+        train_split=d.train_split,
+        eval_split=d.eval_split if recipe.eval.every_n_steps else None,
+        batch_size=d.batch_size,
+        eval_batch_size=recipe.eval.batch_size,
+        seed=recipe.seed,
+        rc_prob=d.rc_prob,
+        num_workers=d.num_workers,
+        windows_per_epoch=d.windows_per_epoch,
+        verify=d.verify,
+        eval_max_tiles=recipe.eval.max_tiles,
         planting=None if d.plant_repeats is None else RepeatPlanting(**dataclasses.asdict(d.plant_repeats)),
     )
     every = recipe.checkpoint.every_n_steps or recipe.train.max_steps
     checkpoints = RunCheckpoint(
-        paths.root, dirpath=paths.checkpoints, filename="step{step:07d}", auto_insert_metric_name=False,
-        every_n_train_steps=every, save_top_k=recipe.checkpoint.keep_last, monitor="step", mode="max",
-        save_last=False, save_on_train_epoch_end=True,
+        paths.root,
+        dirpath=paths.checkpoints,
+        filename="step{step:07d}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=every,
+        save_top_k=recipe.checkpoint.keep_last,
+        monitor="step",
+        mode="max",
+        save_last=False,
+        save_on_train_epoch_end=True,
         # a step's checkpoint replaces one of the same name: the damaged newest one that --resume
         # went past, not a "step0000020-v1.ckpt" beside it that the next --resume would not see
         enable_version_counter=False,
@@ -729,7 +783,9 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
         callbacks.append(SaveCheck())
     trainer = _trainer(recipe, paths, callbacks, environment)
     # the module logs eval/* already summed over all ranks (Lightning cannot know)
-    warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting", category=UserWarning)
+    warnings.filterwarnings(
+        "ignore", message=r".*when logging on epoch level in distributed setting", category=UserWarning
+    )
     # a rank that stops answering ends the others within parallel.timeout_s, with one line naming it
     # (StallReport names it while the trainer still knows where it was, before Lightning's teardown)
     strategy = trainer.strategy
@@ -740,7 +796,9 @@ def _run(recipe: Recipe, resume: bool, environment: ClusterEnvironment | None = 
     except SIGTERMException:
         strategy.finish_saves()  # the stop step's checkpoint, complete before the line that names it
         # Lightning's exit after RunCheckpoint saved the step where a stop signal was agreed
-        stop = trainer._signal_connector.preemption if isinstance(trainer._signal_connector, StopSignalConnector) else None
+        stop = (
+            trainer._signal_connector.preemption if isinstance(trainer._signal_connector, StopSignalConnector) else None
+        )
         if stop is None:
             raise
         stop = finish_stop(stop, trainer.is_global_zero)  # the requeue, now that the checkpoint is complete
@@ -759,8 +817,11 @@ def _stored_keys(path: Path) -> set[str]:
     """The model state keys a sharded (DCP) checkpoint holds (its metadata, without reading data)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    return {k.removeprefix("state_dict.") for k in FileSystemReader(path).read_metadata().state_dict_metadata
-            if k.startswith("state_dict.")}
+    return {
+        k.removeprefix("state_dict.")
+        for k in FileSystemReader(path).read_metadata().state_dict_metadata
+        if k.startswith("state_dict.")
+    }
 
 
 def _module(recipe: Recipe, vocab: VocabMap, resume: bool = False) -> GenoLMModule:
@@ -772,10 +833,16 @@ def _module(recipe: Recipe, vocab: VocabMap, resume: bool = False) -> GenoLMModu
     return GenoLMModule(
         build_model=functools.partial(_build_model, recipe),
         optim=OptimSettings(
-            lr=recipe.train.lr, min_lr=recipe.train.min_lr, warmup_steps=recipe.train.warmup_steps,
-            max_steps=recipe.train.max_steps, weight_decay=recipe.train.weight_decay, betas=recipe.train.betas,
-            eps=recipe.train.eps, moe_bias_rate=recipe.train.moe_bias_update_rate,
-            moe_bias_update=recipe.train.moe_bias_update, moe_balance_loss_weight=recipe.train.moe_balance_loss_weight,
+            lr=recipe.train.lr,
+            min_lr=recipe.train.min_lr,
+            warmup_steps=recipe.train.warmup_steps,
+            max_steps=recipe.train.max_steps,
+            weight_decay=recipe.train.weight_decay,
+            betas=recipe.train.betas,
+            eps=recipe.train.eps,
+            moe_bias_rate=recipe.train.moe_bias_update_rate,
+            moe_bias_update=recipe.train.moe_bias_update,
+            moe_balance_loss_weight=recipe.train.moe_balance_loss_weight,
         ),
         parallelize=functools.partial(_parallelize, recipe),
         parallel=recipe.parallel,
@@ -801,8 +868,9 @@ class SaveCheck(L.Callback):
     """Raises the error of a failed background save (``checkpoint.async_save``; a
     :class:`~genolong.errors.DiskFullError`, say) at the end of the next training batch."""
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         strategy = trainer.strategy
         writer = strategy.writer if isinstance(strategy, AtomicModelParallelStrategy) else None
         if writer is not None and writer.failed() is not None:
@@ -834,7 +902,9 @@ def _where(trainer: L.Trainer, exc: BaseException) -> str:
     return "starting the run" if step == 0 else f"after step {step}"
 
 
-def _export(recipe: Recipe, paths: RunPaths, trainer: L.Trainer, module: GenoLMModule, resumed_from: Path | None) -> FinetuneResult:
+def _export(
+    recipe: Recipe, paths: RunPaths, trainer: L.Trainer, module: GenoLMModule, resumed_from: Path | None
+) -> FinetuneResult:
     """The adapters and the export of a trained run (every rank takes part, each writing its own
     shards: :func:`write_exports`); the offload host pool is released first."""
     from .export import release_offload_pool, write_exports
@@ -846,5 +916,11 @@ def _export(recipe: Recipe, paths: RunPaths, trainer: L.Trainer, module: GenoLMM
     trainer.strategy.barrier("genolong_export")
     if trainer.is_global_zero:
         remove_marker(paths.root)  # finished: a later start without --resume refuses the checkpoints again
-    return FinetuneResult(paths=paths, global_step=trainer.global_step, resumed_from=resumed_from, export=export,
-                          is_global_zero=trainer.is_global_zero, adapter=adapter)
+    return FinetuneResult(
+        paths=paths,
+        global_step=trainer.global_step,
+        resumed_from=resumed_from,
+        export=export,
+        is_global_zero=trainer.is_global_zero,
+        adapter=adapter,
+    )

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ..config.schema import LoraSection
 from ..data.alphabet import PAD
 from ..data.windows import context_cut_spans, context_parallel_bounds
-from ..config.schema import LoraSection
 from ..errors import GenolongError, InputError
 from ..model.config import KEEP_FP32
 from ..model.dsa import DSAMixer
@@ -42,9 +42,20 @@ from ..parallel.expert import ep_comm_counter
 from ..parallel.load import to_meta
 from ..parallel.mesh import ParallelSizes, build_mesh, cp_rank, cp_size, dp_size, ep_size
 
-__all__ = ["BIAS_UPDATES", "KEEP_FP32", "GenoLMModule", "NonFiniteLossError", "OptimSettings", "WarmupCosine",
-           "cast_frozen_parameters", "clip_grad_norm_by_mesh", "cut_windows", "freeze_parameters", "low_precision_parameters",
-           "routing_bias_step"]
+__all__ = [
+    "BIAS_UPDATES",
+    "KEEP_FP32",
+    "GenoLMModule",
+    "NonFiniteLossError",
+    "OptimSettings",
+    "WarmupCosine",
+    "cast_frozen_parameters",
+    "clip_grad_norm_by_mesh",
+    "cut_windows",
+    "freeze_parameters",
+    "low_precision_parameters",
+    "routing_bias_step",
+]
 
 log = logging.getLogger("genolong")
 
@@ -339,7 +350,9 @@ class GenoLMModule(L.LightningModule):
     ):
         super().__init__()
         if optim.moe_bias_update not in BIAS_UPDATES:
-            raise InputError(f"train.moe_bias_update must be one of {', '.join(BIAS_UPDATES)}, got {optim.moe_bias_update!r}")
+            raise InputError(
+                f"train.moe_bias_update must be one of {', '.join(BIAS_UPDATES)}, got {optim.moe_bias_update!r}"
+            )
         self.moe_capacity_factor = moe_capacity_factor
         self.moe_collapse_steps = moe_collapse_steps
         self.context_cut = context_cut
@@ -386,9 +399,11 @@ class GenoLMModule(L.LightningModule):
 
             self.lora_modules = apply_lora(model, self.lora)
             if self.optim.moe_bias_rate > 0 and moe_layers(model) and self.global_rank == 0:
-                log.info("genolong: the MoE routing-bias update (train.moe_bias_update_rate %g) is off under model.lora: "
-                         "the routing biases are base state, and the adapter must describe the whole change",
-                         self.optim.moe_bias_rate)
+                log.info(
+                    "genolong: the MoE routing-bias update (train.moe_bias_update_rate %g) is off under model.lora: "
+                    "the routing biases are base state, and the adapter must describe the whole change",
+                    self.optim.moe_bias_rate,
+                )
         if self.freeze:
             freeze_parameters(model, self.freeze)
         if self.frozen_dtype is not None:
@@ -414,7 +429,9 @@ class GenoLMModule(L.LightningModule):
                 raise InputError("a multi-process run needs the recipe's parallel section (GenoLMModule(parallel=...))")
             self.mesh = build_mesh(self.parallel, world_size=dist.get_world_size(), device_type=self.device.type)
             if cp_size(self.mesh) > 1 and self.context_cut is not None:
-                raise InputError("train.context_cut trains short pieces one process can hold: set parallel.cp: 1 with it")
+                raise InputError(
+                    "train.context_cut trains short pieces one process can hold: set parallel.cp: 1 with it"
+                )
         self.model = self.parallelize_fn(model, self.mesh) if self.parallelize_fn is not None else model
         if meta:
             assert self.load_weights is not None
@@ -441,7 +458,7 @@ class GenoLMModule(L.LightningModule):
         if cp_size(self.mesh) > 1:
             total = tokens.shape[1]
             lo, hi = context_parallel_bounds(total, cp_rank(self.mesh), cp_size(self.mesh))
-            tokens, next_tokens = tokens[:, lo:hi], (tokens[:, hi:hi + 1] if hi < total else None)
+            tokens, next_tokens = tokens[:, lo:hi], (tokens[:, hi : hi + 1] if hi < total else None)
         return self.model.loss(tokens, self.softmask_weight, self.ce_chunk_tokens, self.vocab, next_tokens)
 
     # -- optimisation ------------------------------------------------------------------------------
@@ -456,15 +473,24 @@ class GenoLMModule(L.LightningModule):
         if ep_size(self.mesh) > 1:
             # parameters on the expert mesh get their own group: the optimiser's foreach ops
             # (the default on GPU) cannot mix DTensors of different meshes in one list
-            groups = [{"params": [p for p in group["params"] if _mesh_of(p) == mesh], "weight_decay": group["weight_decay"]}
-                      for mesh in dict.fromkeys(_mesh_of(p) for p in decay + no_decay) for group in groups]
+            groups = [
+                {"params": [p for p in group["params"] if _mesh_of(p) == mesh], "weight_decay": group["weight_decay"]}
+                for mesh in dict.fromkeys(_mesh_of(p) for p in decay + no_decay)
+                for group in groups
+            ]
             groups = [g for g in groups if g["params"]]
         optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(o.warmup_steps, o.max_steps, o.min_lr / o.lr))
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, WarmupCosine(o.warmup_steps, o.max_steps, o.min_lr / o.lr)
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: int | float | None = None,
-                                    gradient_clip_algorithm: str | None = None) -> None:
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: int | float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
         """Lightning's clipping, except under expert parallelism with norm clipping: the global
         gradient norm is summed from one norm per device mesh (torch's ``clip_grad_norm_``
         stacks per-tensor norms, which DTensors of different meshes cannot be), then every
@@ -480,8 +506,15 @@ class GenoLMModule(L.LightningModule):
         kl = torch.stack(kls).mean() if kls else None
         # global sums over all ranks: (NLL, target weight, indexer KL); a NaN anywhere is a NaN
         # in the sums, so every rank takes the same decision below
-        totals = _all_reduce_sum(torch.stack([nll.detach().float(), weight.detach().float(),
-                                              kl.detach().float() if kl is not None else nll.new_zeros(())]))
+        totals = _all_reduce_sum(
+            torch.stack(
+                [
+                    nll.detach().float(),
+                    weight.detach().float(),
+                    kl.detach().float() if kl is not None else nll.new_zeros(()),
+                ]
+            )
+        )
         global_weight = totals[1].clamp_min(1.0)
         loss = nll / global_weight  # this rank's share: the shares sum to the global mean
         # each CP group's KL shares sum to its sequences' KL; average that over the DP groups
@@ -523,27 +556,40 @@ class GenoLMModule(L.LightningModule):
         dtype = torch.float64
         device = stats[0].load.device  # type: ignore[union-attr]
         balance = [m.last_balance_loss for m in self.moes]
-        per_layer = torch.tensor([[float(x.dropped), float(x.entropy), float(x.tokens),  # type: ignore[union-attr]
-                                   float(b) if b is not None else 0.0] for x, b in zip(stats, balance)],
-                                 dtype=dtype, device=device)
+        per_layer = torch.tensor(
+            [
+                [
+                    float(x.dropped),
+                    float(x.entropy),
+                    float(x.tokens),  # type: ignore[union-attr]
+                    float(b) if b is not None else 0.0,
+                ]
+                for x, b in zip(stats, balance)
+            ],
+            dtype=dtype,
+            device=device,
+        )
         parts = [x.load.to(dtype).reshape(-1) for x in stats] + [per_layer.reshape(-1)]  # type: ignore[union-attr]
         if ep > 1:
             # the rows each rank's experts received, per layer: this rank's row of a [world, layers]
             # table, the others zero, summed with the loads in the same all-reduce
             world, rank = dist.get_world_size(), dist.get_rank()
             table = torch.zeros(world, len(self.moes), dtype=dtype, device=device)
-            table[rank] = torch.tensor([float(getattr(m, "last_received", 0)) for m in self.moes], dtype=dtype,
-                                       device=table.device)
+            table[rank] = torch.tensor(
+                [float(getattr(m, "last_received", 0)) for m in self.moes], dtype=dtype, device=table.device
+            )
             parts.append(table.reshape(-1))
         summed = _all_reduce_sum(torch.cat(parts))
         sizes = [m.gate.num_experts for m in self.moes]
         n_loads, n_layers = sum(sizes), len(self.moes)
-        layers = summed[n_loads:n_loads + 4 * n_layers].view(-1, 4)
-        self._step_routing = [RoutingStats(load.round().long(), row[0].round().long(), row[1], int(row[2]))
-                              for load, row in zip(summed[:n_loads].split(sizes), layers)]
+        layers = summed[n_loads : n_loads + 4 * n_layers].view(-1, 4)
+        self._step_routing = [
+            RoutingStats(load.round().long(), row[0].round().long(), row[1], int(row[2]))
+            for load, row in zip(summed[:n_loads].split(sizes), layers)
+        ]
         world = dist.get_world_size() if _distributed() else 1
         self._step_balance = float(layers[:, 3].mean()) / world if any(b is not None for b in balance) else None
-        self._step_received = summed[n_loads + 4 * n_layers:].view(-1, n_layers) if ep > 1 else None
+        self._step_received = summed[n_loads + 4 * n_layers :].view(-1, n_layers) if ep > 1 else None
 
     def _log_routing(self) -> None:
         """Log this step's routing statistics (see the class docstring) and warn, once per run,
@@ -584,12 +630,20 @@ class GenoLMModule(L.LightningModule):
         for j, (layer, summary) in enumerate(zip(self.moe_layers, summaries)):
             long_dead = int((self._dead_streak[j] >= n).sum())
             if int(self._hog_streak[j]) >= n or long_dead:
-                what = (f"one expert took over half the tokens for {n} steps ({summary['top_expert_share']:.0%} now)"
-                        if int(self._hog_streak[j]) >= n else f"{long_dead} of {dead.shape[1]} experts got no token for {n} steps")
+                what = (
+                    f"one expert took over half the tokens for {n} steps ({summary['top_expert_share']:.0%} now)"
+                    if int(self._hog_streak[j]) >= n
+                    else f"{long_dead} of {dead.shape[1]} experts got no token for {n} steps"
+                )
                 if self.global_rank == 0:
-                    log.warning("genolong: MoE layer %d collapsed at step %d: %s, load max/mean %.2f; balance it with "
-                                "train.moe_balance_loss_weight (e.g. 0.1) or train.moe_bias_update: proportional",
-                                layer, self.global_step + 1, what, summary["load_max_over_mean"])
+                    log.warning(
+                        "genolong: MoE layer %d collapsed at step %d: %s, load max/mean %.2f; balance it with "
+                        "train.moe_balance_loss_weight (e.g. 0.1) or train.moe_bias_update: proportional",
+                        layer,
+                        self.global_step + 1,
+                        what,
+                        summary["load_max_over_mean"],
+                    )
                 self._collapse_warned = True
                 return
 
@@ -616,7 +670,11 @@ class GenoLMModule(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Skip (zero) a step whose gradients hold NaN/inf, counting it like a NaN loss."""
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.parameters() if p.grad is not None]
+        grads = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for p in self.parameters()
+            if p.grad is not None
+        ]
         # each rank holds a shard of the gradients: agree on whether any shard is non-finite
         bad = torch.tensor([0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0], device=self.device)
         if float(_all_reduce_sum(bad)) > 0:
@@ -659,8 +717,12 @@ class GenoLMModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         # sums over all ranks (each holds other tiles, or another slice of the same ones)
-        nll, weight = (float(x) for x in _all_reduce_sum(torch.tensor([self._val_nll, self._val_weight], dtype=torch.float64,
-                                                                         device=self.device)))
+        nll, weight = (
+            float(x)
+            for x in _all_reduce_sum(
+                torch.tensor([self._val_nll, self._val_weight], dtype=torch.float64, device=self.device)
+            )
+        )
         if weight > 0:
             mean = nll / weight
             self.log("eval/loss", mean, prog_bar=True)

@@ -52,8 +52,16 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from ..files import replace_file
 from ..signals import SignalFlag, received_at_start
 
-__all__ = ["MARKER", "Preemption", "RunCheckpoint", "StopSignalConnector", "auto_resume_reason", "finish_stop",
-           "requeue_slurm_job", "requeue_wanted"]
+__all__ = [
+    "MARKER",
+    "Preemption",
+    "RunCheckpoint",
+    "StopSignalConnector",
+    "auto_resume_reason",
+    "finish_stop",
+    "requeue_slurm_job",
+    "requeue_wanted",
+]
 
 #: the run directory's note that the run was stopped by a signal (removed when the run finishes)
 MARKER = "preempted.json"
@@ -73,15 +81,21 @@ class Preemption:
     def message(self) -> str:
         """The stop's one line (without the command's name)."""
         if not self.starting:
-            line = (f"stopped by {SignalFlag.names(self.signals)} after step {self.step}; checkpoint "
-                    f"{self.checkpoint}; running the same command again resumes from it")
+            line = (
+                f"stopped by {SignalFlag.names(self.signals)} after step {self.step}; checkpoint "
+                f"{self.checkpoint}; running the same command again resumes from it"
+            )
         elif self.checkpoint is not None:
-            line = (f"stopped by {SignalFlag.names(self.signals)} during start-up, before step {self.step + 1}; "
-                    f"nothing new to save, checkpoint {self.checkpoint}; running the same command again resumes "
-                    "from it")
+            line = (
+                f"stopped by {SignalFlag.names(self.signals)} during start-up, before step {self.step + 1}; "
+                f"nothing new to save, checkpoint {self.checkpoint}; running the same command again resumes "
+                "from it"
+            )
         else:
-            line = (f"stopped by {SignalFlag.names(self.signals)} during start-up, before the first step; nothing "
-                    "to save yet; running the same command again starts the run")
+            line = (
+                f"stopped by {SignalFlag.names(self.signals)} during start-up, before the first step; nothing "
+                "to save yet; running the same command again starts the run"
+            )
         return line + (f"; {self.requeue}" if self.requeue else "")
 
 
@@ -114,7 +128,9 @@ class StopSignalConnector(_SignalConnector):
         return got
 
 
-def requeue_wanted(signals: tuple[signal.Signals, ...], environment: Any, environ: Mapping[str, str] = os.environ) -> bool:
+def requeue_wanted(
+    signals: tuple[signal.Signals, ...], environment: Any, environ: Mapping[str, str] = os.environ
+) -> bool:
     """Whether a stop by ``signals`` should requeue the SLURM job: inside a SLURM job
     (``SLURM_JOB_ID``), on the requeue signal of Lightning's ``SLURMEnvironment`` (SIGUSR1 unless
     it says otherwise; never when its ``auto_requeue`` is off), SIGUSR1 under another launcher
@@ -139,8 +155,14 @@ def requeue_slurm_job(environ: Mapping[str, str] = os.environ) -> str:
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
     try:
-        done = subprocess.run(["scontrol", "requeue", job], env=dict(environ), stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            ["scontrol", "requeue", job],
+            env=dict(environ),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except subprocess.TimeoutExpired:
         return f"SLURM job {job} not requeued (scontrol requeue did not answer in 60 s)"
     except OSError as error:
@@ -151,7 +173,9 @@ def requeue_slurm_job(environ: Mapping[str, str] = os.environ) -> str:
     if done.returncode == 0:
         return f"SLURM job {job} requeued"
     if done.returncode < 0:
-        return f"SLURM job {job} perhaps not requeued (scontrol requeue ended by {signal.Signals(-done.returncode).name})"
+        return (
+            f"SLURM job {job} perhaps not requeued (scontrol requeue ended by {signal.Signals(-done.returncode).name})"
+        )
     # scontrol's own message, folded into genolong's line ("scontrol: error: ..." on stderr)
     said = " ".join(done.stderr.split()).removeprefix("scontrol: ").removeprefix("error: ")
     return f"SLURM job {job} not requeued (scontrol requeue exited {done.returncode}{': ' + said if said else ''})"
@@ -207,13 +231,18 @@ class RunCheckpoint(ModelCheckpoint):
         self.root = Path(root)
         self._checked_step = -1
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         step = trainer.global_step
         connector = trainer._signal_connector
         # once per optimiser step (not per accumulated batch); the last step ends the run anyway
-        if step == self._checked_step or not isinstance(connector, StopSignalConnector) or step >= (trainer.max_steps or 0):
+        if (
+            step == self._checked_step
+            or not isinstance(connector, StopSignalConnector)
+            or step >= (trainer.max_steps or 0)
+        ):
             return
         self._checked_step = step
         got = connector.agree()
@@ -234,12 +263,19 @@ class RunCheckpoint(ModelCheckpoint):
         self._stop(trainer, connector, got, Path(resumed) if resumed else None, starting=True)
         raise SIGTERMException
 
-    def _stop(self, trainer: L.Trainer, connector: StopSignalConnector, got: tuple[signal.Signals, ...],
-              checkpoint: Path | None, starting: bool) -> None:
+    def _stop(
+        self,
+        trainer: L.Trainer,
+        connector: StopSignalConnector,
+        got: tuple[signal.Signals, ...],
+        checkpoint: Path | None,
+        starting: bool,
+    ) -> None:
         step = trainer.global_step
         if trainer.is_global_zero and checkpoint is not None:
             record = {"step": step, "checkpoint": checkpoint.name, "signals": [s.name for s in got]}
             replace_file(self.root / MARKER, lambda tmp: tmp.write_text(json.dumps(record) + "\n"), durable=True)
         requeue = requeue_wanted(got, trainer._accelerator_connector.cluster_environment)
-        connector.preemption = Preemption(step=step, checkpoint=checkpoint, signals=got, starting=starting,
-                                          requeue_wanted=requeue)
+        connector.preemption = Preemption(
+            step=step, checkpoint=checkpoint, signals=got, starting=starting, requeue_wanted=requeue
+        )

@@ -87,8 +87,10 @@ def _connect_error(address: str | None, error: BaseException) -> str:
         exc = exc.__cause__ or exc.__context__
     text = " ".join(causes)
     if "InvalidAuthToken" in text or "AuthenticationError" in text:
-        fix = ("the cluster uses Ray's token authentication: set RAY_AUTH_MODE=token for this command (the token from "
-               "RAY_AUTH_TOKEN or ~/.ray/auth_token, the cluster's), or use --ray-address auto on a node of the cluster")
+        fix = (
+            "the cluster uses Ray's token authentication: set RAY_AUTH_MODE=token for this command (the token from "
+            "RAY_AUTH_TOKEN or ~/.ray/auth_token, the cluster's), or use --ray-address auto on a node of the cluster"
+        )
     else:
         fix = "check that a Ray cluster runs there (`ray status --address ADDRESS`) and is reachable from this machine"
     return f"{where}: cannot join the Ray cluster ({str(error).splitlines()[0] if str(error) else type(error).__name__}); {fix}"
@@ -111,8 +113,14 @@ def _worker(config: dict[str, Any]) -> None:
         print(result.summary(recipe.name), flush=True)
 
 
-def launch(recipe_path: str | os.PathLike[str], overrides: Sequence[str] = (), *, resume: bool = False,
-           address: str | None = None, max_failures: int = 3) -> int:
+def launch(
+    recipe_path: str | os.PathLike[str],
+    overrides: Sequence[str] = (),
+    *,
+    resume: bool = False,
+    address: str | None = None,
+    max_failures: int = 3,
+) -> int:
     """Run ``genolong finetune`` on a Ray cluster (see the module docstring); returns the exit status.
 
     Args:
@@ -141,12 +149,18 @@ def launch(recipe_path: str | os.PathLike[str], overrides: Sequence[str] = (), *
     paths = RunPaths.of(recipe)
     existing = latest_checkpoint(paths.checkpoints)
     if existing is not None and not resume and auto_resume_reason(paths.root) is None:
-        raise InputError(f"{paths.checkpoints} already holds checkpoints ({existing.name}); pass --resume to continue "
-                         "that run, or set another name / checkpoint.dir")
+        raise InputError(
+            f"{paths.checkpoints} already holds checkpoints ({existing.name}); pass --resume to continue "
+            "that run, or set another name / checkpoint.dir"
+        )
     p = recipe.parallel
     gpu = p.accelerator == "gpu"
-    config = {"recipe": str(Path(recipe_path).resolve()), "overrides": list(overrides), "resume": resume,
-              "cwd": os.getcwd()}
+    config = {
+        "recipe": str(Path(recipe_path).resolve()),
+        "overrides": list(overrides),
+        "resume": resume,
+        "cwd": os.getcwd(),
+    }
     started_ray = not ray.is_initialized()
     if started_ray:
         try:
@@ -158,10 +172,14 @@ def launch(recipe_path: str | os.PathLike[str], overrides: Sequence[str] = (), *
             _worker,
             train_loop_config=config,
             torch_config=ray_torch.TorchConfig(backend="nccl" if gpu else "gloo", timeout_s=int(p.timeout_s)),
-            scaling_config=ScalingConfig(num_workers=p.world_size, use_gpu=gpu,
-                                         resources_per_worker={"GPU": 1} if gpu else {"CPU": 1}),
-            run_config=RunConfig(name=f"genolong-{recipe.name}", storage_path=str((paths.root / "ray").resolve()),
-                                 failure_config=FailureConfig(max_failures=max_failures)),
+            scaling_config=ScalingConfig(
+                num_workers=p.world_size, use_gpu=gpu, resources_per_worker={"GPU": 1} if gpu else {"CPU": 1}
+            ),
+            run_config=RunConfig(
+                name=f"genolong-{recipe.name}",
+                storage_path=str((paths.root / "ray").resolve()),
+                failure_config=FailureConfig(max_failures=max_failures),
+            ),
         )
         try:
             trainer.fit()
@@ -169,8 +187,11 @@ def launch(recipe_path: str | os.PathLike[str], overrides: Sequence[str] = (), *
             cause = _worker_error(error)
             if isinstance(cause, GenolongError):  # the same input error on the workers: one line, status 2
                 raise cause from None
-            print(f"genolong finetune: error: the Ray Train job failed (restarts allowed: {max_failures}; the "
-                  f"workers' errors are above): {_first_line(cause)}", file=sys.stderr)
+            print(
+                f"genolong finetune: error: the Ray Train job failed (restarts allowed: {max_failures}; the "
+                f"workers' errors are above): {_first_line(cause)}",
+                file=sys.stderr,
+            )
             return 1
     finally:
         if started_ray:

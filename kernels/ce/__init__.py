@@ -99,7 +99,11 @@ def chunked_cross_entropy(
         )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    w = torch.ones(hidden.shape[0], dtype=torch.float32, device=hidden.device) if token_weights is None else token_weights.float()
+    w = (
+        torch.ones(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        if token_weights is None
+        else token_weights.float()
+    )
     safe_targets = torch.where(w > 0, targets, torch.zeros_like(targets))  # masked rows may hold any id
     total = _ChunkedCrossEntropy.apply(hidden, weight, safe_targets, w, chunk_size)
     return total, w.sum()

@@ -21,7 +21,9 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.float().permute(2, 0, 1, 3).reshape(HK, B * T, D).contiguous()
 
 
-def _block_indices(indices: torch.Tensor, TK: int, q0: int, q1: int, q_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_indices(
+    indices: torch.Tensor, TK: int, q0: int, q1: int, q_offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat key rows ``[B * n * K]`` (``b * TK + position``, invalid slots sent to row 0) and
     ``valid [B, n, K]`` for query rows ``q0:q1`` (global positions ``q_offset + q0 ..``)."""
     B = indices.shape[0]
@@ -164,8 +166,9 @@ class _SparseAttention(torch.autograd.Function):
         )
 
 
-def check_sparse_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                                q_offset: int = 0, query_block: int = 64) -> None:
+def check_sparse_attention_args(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, q_offset: int = 0, query_block: int = 64
+) -> None:
     """The argument checks of :func:`sparse_attention` (shared with the Triton kernel's entry point,
     so both reject the same inputs with the same messages).
 
@@ -175,8 +178,13 @@ def check_sparse_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or indices.dim() != 3:
         raise ValueError("expected q [B, T, H, D], k [B, T, HK, D], v [B, T, HK, DV], indices [B, T, K]")
     B, T, H, D = q.shape
-    if (k.shape[0] != B or k.shape[1] < q_offset + T or v.shape[:3] != k.shape[:3] or k.shape[3] != D
-            or indices.shape[:2] != (B, T)):
+    if (
+        k.shape[0] != B
+        or k.shape[1] < q_offset + T
+        or v.shape[:3] != k.shape[:3]
+        or k.shape[3] != D
+        or indices.shape[:2] != (B, T)
+    ):
         raise ValueError(
             f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, indices {tuple(indices.shape)}, "
             f"q_offset {q_offset} (keys must cover positions 0 .. q_offset + T - 1)"
@@ -227,5 +235,5 @@ def sparse_attention(
     """
     check_sparse_attention_args(q, k, v, indices, q_offset, query_block)
     D = q.shape[3]
-    sc = D ** -0.5 if scale is None else float(scale)
+    sc = D**-0.5 if scale is None else float(scale)
     return _SparseAttention.apply(q, k, v, indices, sc, query_block, int(q_offset))

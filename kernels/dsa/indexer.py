@@ -229,7 +229,9 @@ def indexer_topk(
         half the bytes), ``-1`` where fewer than ``topk`` causal keys exist (rows ``t < topk - 1``).
     """
     if q_idx.dim() != 4 or k_idx.dim() != 3:
-        raise ValueError(f"q_idx must be [B, T, HI, DI] and k_idx [B, T, DI]; got {tuple(q_idx.shape)} and {tuple(k_idx.shape)}")
+        raise ValueError(
+            f"q_idx must be [B, T, HI, DI] and k_idx [B, T, DI]; got {tuple(q_idx.shape)} and {tuple(k_idx.shape)}"
+        )
     B, T, HI, DI = q_idx.shape
     if k_idx.shape != (B, T, DI):
         raise ValueError(f"k_idx must have shape {(B, T, DI)} to match q_idx; got {tuple(k_idx.shape)}")
@@ -239,7 +241,7 @@ def indexer_topk(
         raise ValueError(f"topk, block_size and query_block must be positive; got {topk}, {block_size}, {query_block}")
     if T >= 2**32 - 1:
         raise ValueError(f"sequence length {T} does not fit the 32-bit position field")
-    sc = DI ** -0.5 if scale is None else scale
+    sc = DI**-0.5 if scale is None else scale
 
     def score_fn(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         w = None if w_idx is None else w_idx[:, q0:q1]

@@ -41,7 +41,9 @@ def kpool_keys(k_idx: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor) -> to
     B, T, DI = k_idx.shape
     P = ape.shape[0]
     if gate.shape != k_idx.shape or ape.shape != (P, DI):
-        raise ValueError(f"gate must be {tuple(k_idx.shape)} and ape [P, {DI}]; got {tuple(gate.shape)}, {tuple(ape.shape)}")
+        raise ValueError(
+            f"gate must be {tuple(k_idx.shape)} and ape [P, {DI}]; got {tuple(gate.shape)}, {tuple(ape.shape)}"
+        )
     NP = T // P
     kk = k_idx[:, : NP * P].reshape(B, NP, P, DI)
     logits = gate[:, : NP * P].float().reshape(B, NP, P, DI) + ape.float()[None, None]
@@ -124,7 +126,7 @@ def kpool_topk(
     if P < 1 or topk % P != 0:
         raise ValueError(f"topk ({topk}) must be divisible by the pool size ({P}), as in glm5_next")
     check_key_range(k_pool, B, T, DI, P, q_offset)
-    sc = DI ** -0.5 if scale is None else scale
+    sc = DI**-0.5 if scale is None else scale
 
     def score_fn(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         w = None if w_idx is None else w_idx[:, q0:q1]

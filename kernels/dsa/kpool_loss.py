@@ -104,7 +104,7 @@ def kpool_select_pools(
         raise InputError(f"k_pool must be [B, T // P, DI] = {(B, T // P, DI)}; got {tuple(k_pool.shape)}")
     if w_idx is not None and w_idx.shape != (B, T, HI):
         raise InputError(f"w_idx must be [B, T, HI] = {(B, T, HI)}; got {tuple(w_idx.shape)}")
-    sc = DI ** -0.5 if scale is None else scale
+    sc = DI**-0.5 if scale is None else scale
 
     def score_fn(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         w = None if w_idx is None else w_idx[:, q0:q1]
@@ -152,8 +152,13 @@ def kpool_pool_ids(indices: torch.Tensor, pool_size: int, tail: bool = True) -> 
 def _check(q, k, q_idx, k_pool, w_idx, pool_indices, pool_size, query_block, activation, q_offset=0) -> None:
     if q_offset < 0:
         raise InputError(f"q_offset must be >= 0; got {q_offset}")
-    if (q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or k.shape[1] != q_offset + q.shape[1]
-            or q.shape[3] != k.shape[3]):
+    if (
+        q.dim() != 4
+        or k.dim() != 4
+        or q.shape[0] != k.shape[0]
+        or k.shape[1] != q_offset + q.shape[1]
+        or q.shape[3] != k.shape[3]
+    ):
         raise InputError(
             f"q must be [B, T, H, D] and k [B, q_offset + T, HK, D] (q_offset {q_offset}); got {tuple(q.shape)}, "
             f"{tuple(k.shape)}"
@@ -329,7 +334,7 @@ def kpool_indexer_kl_loss(
     _check(q, k, q_idx, k_pool, w_idx, pool_indices, pool_size, query_block, activation, q_offset)
     B, T, H, D = q.shape
     P = pool_size
-    a_sc = D ** -0.5 if attn_scale is None else float(attn_scale)
+    a_sc = D**-0.5 if attn_scale is None else float(attn_scale)
     i_sc = q_idx.shape[-1] ** -0.5 if idx_scale is None else float(idx_scale)
     dt = _compute_dtype(q_idx, k_pool, w_idx)
     tdt = _compute_dtype(q, k)
@@ -350,8 +355,14 @@ def kpool_indexer_kl_loss(
             logp = _block_log_target(q[:, q0:q1], k, pid, valid, q_offset + q0, P, tail, a_sc, tdt).to(dt)
         count = count + valid.any(-1).sum()
         args = (
-            q_idx[:, q0:q1], k_pool, None if w_idx is None else w_idx[:, q0:q1],
-            pid, valid, logp, i_sc, activation,
+            q_idx[:, q0:q1],
+            k_pool,
+            None if w_idx is None else w_idx[:, q0:q1],
+            pid,
+            valid,
+            logp,
+            i_sc,
+            activation,
         )
         if needs_grad:
             total = total + checkpoint(_block_kl, *args, use_reentrant=False)
@@ -386,7 +397,7 @@ def reference_kpool_indexer_kl_rows(
     B, T, H, D = q.shape
     HK, P = k.shape[2], pool_size
     NP = T // P
-    a_sc = D ** -0.5 if attn_scale is None else float(attn_scale)
+    a_sc = D**-0.5 if attn_scale is None else float(attn_scale)
     i_sc = q_idx.shape[-1] ** -0.5 if idx_scale is None else float(idx_scale)
     dt = _compute_dtype(q_idx, k_pool, w_idx)
     # selected complete pools J(t) as a dense mask

@@ -33,7 +33,9 @@ def _check(q, k, q_idx, k_idx, w_idx, activation):
         raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key heads ({k.shape[2]})")
     B, T = q.shape[:2]
     if q_idx.dim() != 4 or q_idx.shape[:2] != (B, T) or k_idx.shape != (B, T, q_idx.shape[3]):
-        raise ValueError(f"q_idx must be [B, T, HI, DI] and k_idx [B, T, DI]; got {tuple(q_idx.shape)}, {tuple(k_idx.shape)}")
+        raise ValueError(
+            f"q_idx must be [B, T, HI, DI] and k_idx [B, T, DI]; got {tuple(q_idx.shape)}, {tuple(k_idx.shape)}"
+        )
     if w_idx is not None and w_idx.shape != q_idx.shape[:3]:
         raise ValueError(f"w_idx must be {tuple(q_idx.shape[:3])}; got {tuple(w_idx.shape)}")
     if activation not in ("relu", None):
@@ -122,7 +124,13 @@ class _DenseKL(torch.autograd.Function):
             dq_idx.to(q_idx.dtype),
             dk_idx.to(k_idx.dtype),
             None if dw is None else dw.to(w_idx.dtype),
-            None, None, None, None, None, None, None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
         )
 
 
@@ -222,15 +230,21 @@ def indexer_kl_loss_sparse(
     a_sc = q.shape[-1] ** -0.5 if attn_scale is None else float(attn_scale)
     i_sc = q_idx.shape[-1] ** -0.5 if idx_scale is None else float(idx_scale)
     q, k = q.detach(), k.detach()
-    needs_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q_idx, k_idx, w_idx)
-    )
+    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q_idx, k_idx, w_idx))
     total = q_idx.new_zeros((), dtype=torch.float32)
     for q0 in range(0, T, query_block):
         q1 = min(q0 + query_block, T)
         args = (
-            q_idx[:, q0:q1], k_idx, None if w_idx is None else w_idx[:, q0:q1],
-            q[:, q0:q1], k, indices[:, q0:q1], q0, a_sc, i_sc, activation,
+            q_idx[:, q0:q1],
+            k_idx,
+            None if w_idx is None else w_idx[:, q0:q1],
+            q[:, q0:q1],
+            k,
+            indices[:, q0:q1],
+            q0,
+            a_sc,
+            i_sc,
+            activation,
         )
         if needs_grad:
             total = total + checkpoint(_sparse_block_kl, *args, use_reentrant=False)

@@ -72,20 +72,50 @@ from .triton_common import KERNEL_DTYPES, check_runnable
 __all__ = ["sparse_attention_triton"]
 
 
-
 @triton.jit
 def _sparse_attn_fwd_kernel(
-    Q, K, V, IDX, O, LSE,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kh, stride_kd,
-    stride_vb, stride_vt, stride_vh, stride_vd,
-    stride_ib, stride_it, stride_ik,
-    stride_ob, stride_ot, stride_oh, stride_od,
-    stride_lb, stride_lt, stride_lh,
-    T, TOPK, q_offset, scale,
-    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SHARED_KV: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    IDX,
+    O,
+    LSE,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_ib,
+    stride_it,
+    stride_ik,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_lb,
+    stride_lt,
+    stride_lh,
+    T,
+    TOPK,
+    q_offset,
+    scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SHARED_KV: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One program: query ``t`` of batch ``b``, the ``G`` query heads of KV head ``hk``."""
     pid = tl.program_id(0)
@@ -146,19 +176,60 @@ def _sparse_attn_fwd_kernel(
 
 @triton.jit
 def _sparse_attn_bwd_dq_kernel(
-    Q, K, V, IDX, O, DO, LSE, DQ, DELTA,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kh, stride_kd,
-    stride_vb, stride_vt, stride_vh, stride_vd,
-    stride_ib, stride_it, stride_ik,
-    stride_ob, stride_ot, stride_oh, stride_od,
-    stride_dob, stride_dot, stride_doh, stride_dod,
-    stride_lb, stride_lt, stride_lh,
-    stride_dqb, stride_dqt, stride_dqh, stride_dqd,
-    T, TOPK, q_offset, scale,
-    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SHARED_KV: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, N_SPLIT: tl.constexpr,
+    Q,
+    K,
+    V,
+    IDX,
+    O,
+    DO,
+    LSE,
+    DQ,
+    DELTA,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_ib,
+    stride_it,
+    stride_ik,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_dob,
+    stride_dot,
+    stride_doh,
+    stride_dod,
+    stride_lb,
+    stride_lt,
+    stride_lh,
+    stride_dqb,
+    stride_dqt,
+    stride_dqh,
+    stride_dqd,
+    T,
+    TOPK,
+    q_offset,
+    scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SHARED_KV: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    N_SPLIT: tl.constexpr,
 ):
     """One program: query ``t`` of batch ``b``, ``BLOCK_G`` heads of KV head ``hk`` (its group in ``N_SPLIT``
     programs): writes their dQ rows and ``delta``.
@@ -184,16 +255,25 @@ def _sparse_attn_bwd_dq_kernel(
     mask_qdv = mask_g[:, None] & mask_dv[None, :]
     heads = hk * G + offs_g
 
-    do = tl.load(DO + b * stride_dob + t * stride_dot + heads[:, None] * stride_doh + offs_dv[None, :] * stride_dod,
-                 mask=mask_qdv, other=0.0)  # [BLOCK_G, BLOCK_DV]
-    o = tl.load(O + b * stride_ob + t * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od,
-                mask=mask_qdv, other=0.0)
+    do = tl.load(
+        DO + b * stride_dob + t * stride_dot + heads[:, None] * stride_doh + offs_dv[None, :] * stride_dod,
+        mask=mask_qdv,
+        other=0.0,
+    )  # [BLOCK_G, BLOCK_DV]
+    o = tl.load(
+        O + b * stride_ob + t * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od,
+        mask=mask_qdv,
+        other=0.0,
+    )
     # delta = rowsum(dO * O) = sum_j P_j dP_j: the softmax-Jacobian term shared by the row
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)  # [BLOCK_G]
     tl.store(DELTA + b * stride_lb + t * stride_lt + heads * stride_lh, delta, mask=mask_g)
     do = do.to(DOT)
-    q = tl.load(Q + b * stride_qb + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=mask_qd, other=0.0).to(DOT)  # [BLOCK_G, BLOCK_D]
+    q = tl.load(
+        Q + b * stride_qb + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=mask_qd,
+        other=0.0,
+    ).to(DOT)  # [BLOCK_G, BLOCK_D]
     lse = tl.load(LSE + b * stride_lb + t * stride_lt + heads * stride_lh, mask=mask_g, other=float("inf"))
     # rows with no valid key (lse = -inf) and padded head rows: lse = +inf makes every P exactly 0
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
@@ -205,13 +285,19 @@ def _sparse_attn_bwd_dq_kernel(
         idx = tl.load(IDX + b * stride_ib + t * stride_it + slot * stride_ik, mask=slot < TOPK, other=-1).to(tl.int64)
         valid = (idx >= 0) & (idx <= limit)
         row = tl.where(valid, idx, 0)
-        kt = tl.load(K + b * stride_kb + row[:, None] * stride_kt + hk * stride_kh + offs_d[None, :] * stride_kd,
-                     mask=valid[:, None] & mask_d[None, :], other=0.0).to(DOT)  # [BLOCK_K, BLOCK_D]
+        kt = tl.load(
+            K + b * stride_kb + row[:, None] * stride_kt + hk * stride_kh + offs_d[None, :] * stride_kd,
+            mask=valid[:, None] & mask_d[None, :],
+            other=0.0,
+        ).to(DOT)  # [BLOCK_K, BLOCK_D]
         if SHARED_KV:
             vt = kt
         else:
-            vt = tl.load(V + b * stride_vb + row[:, None] * stride_vt + hk * stride_vh + offs_dv[None, :] * stride_vd,
-                         mask=valid[:, None] & mask_dv[None, :], other=0.0).to(DOT)  # [BLOCK_K, BLOCK_DV]
+            vt = tl.load(
+                V + b * stride_vb + row[:, None] * stride_vt + hk * stride_vh + offs_dv[None, :] * stride_vd,
+                mask=valid[:, None] & mask_dv[None, :],
+                other=0.0,
+            ).to(DOT)  # [BLOCK_K, BLOCK_DV]
         # recompute P = exp(S - lse) exactly as the forward normalised it
         s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_K]
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -227,19 +313,64 @@ def _sparse_attn_bwd_dq_kernel(
 
 @triton.jit
 def _sparse_attn_bwd_dkv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV_, PART_K, PART_V,
-    SEG_TILE, SEG_START, SEG_END, SEG_SLOT, ENT_T, ENT_BITS,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kh, stride_kd,
-    stride_vb, stride_vt, stride_vh, stride_vd,
-    stride_dob, stride_dot, stride_doh, stride_dod,
-    stride_lb, stride_lt, stride_lh,
-    stride_dkb, stride_dkt, stride_dkh, stride_dkd,
-    stride_dvb, stride_dvt, stride_dvh, stride_dvd,
-    TK, NT, HK, scale,
-    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    GP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SHARED_KV: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV_,
+    PART_K,
+    PART_V,
+    SEG_TILE,
+    SEG_START,
+    SEG_END,
+    SEG_SLOT,
+    ENT_T,
+    ENT_BITS,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_dob,
+    stride_dot,
+    stride_doh,
+    stride_dod,
+    stride_lb,
+    stride_lt,
+    stride_lh,
+    stride_dkb,
+    stride_dkt,
+    stride_dkh,
+    stride_dkd,
+    stride_dvb,
+    stride_dvt,
+    stride_dvh,
+    stride_dvd,
+    TK,
+    NT,
+    HK,
+    scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    GP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SHARED_KV: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One program: one segment of the query list of one key tile (``BLOCK_K`` keys), KV head ``hk``.
 
@@ -268,13 +399,19 @@ def _sparse_attn_bwd_dkv_kernel(
     keys = key0 + offs_k
     mask_key = keys < TK
 
-    kt = tl.load(K + b * stride_kb + keys[:, None] * stride_kt + hk * stride_kh + offs_d[None, :] * stride_kd,
-                 mask=mask_key[:, None] & mask_d[None, :], other=0.0).to(DOT)  # [BLOCK_K, BLOCK_D]
+    kt = tl.load(
+        K + b * stride_kb + keys[:, None] * stride_kt + hk * stride_kh + offs_d[None, :] * stride_kd,
+        mask=mask_key[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(DOT)  # [BLOCK_K, BLOCK_D]
     if SHARED_KV:
         vt = kt
     else:
-        vt = tl.load(V + b * stride_vb + keys[:, None] * stride_vt + hk * stride_vh + offs_dv[None, :] * stride_vd,
-                     mask=mask_key[:, None] & mask_dv[None, :], other=0.0).to(DOT)  # [BLOCK_K, BLOCK_DV]
+        vt = tl.load(
+            V + b * stride_vb + keys[:, None] * stride_vt + hk * stride_vh + offs_dv[None, :] * stride_vd,
+            mask=mask_key[:, None] & mask_dv[None, :],
+            other=0.0,
+        ).to(DOT)  # [BLOCK_K, BLOCK_DV]
 
     dk = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_K, BLOCK_DV], dtype=tl.float32)
@@ -287,10 +424,16 @@ def _sparse_attn_bwd_dkv_kernel(
         t = tl.load(ENT_T + ent, mask=in_seg, other=0).to(tl.int64)
         bits = tl.load(ENT_BITS + ent, mask=row_ok, other=0)  # rows not in use select nothing
         heads = hk * G + r_g
-        qm = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                     mask=row_ok[:, None] & mask_d[None, :], other=0.0).to(DOT)  # [ROWS, BLOCK_D]
-        dom = tl.load(DO + b * stride_dob + t[:, None] * stride_dot + heads[:, None] * stride_doh
-                      + offs_dv[None, :] * stride_dod, mask=row_ok[:, None] & mask_dv[None, :], other=0.0).to(DOT)
+        qm = tl.load(
+            Q + b * stride_qb + t[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+            mask=row_ok[:, None] & mask_d[None, :],
+            other=0.0,
+        ).to(DOT)  # [ROWS, BLOCK_D]
+        dom = tl.load(
+            DO + b * stride_dob + t[:, None] * stride_dot + heads[:, None] * stride_doh + offs_dv[None, :] * stride_dod,
+            mask=row_ok[:, None] & mask_dv[None, :],
+            other=0.0,
+        ).to(DOT)
         lse = tl.load(LSE + b * stride_lb + t * stride_lt + heads * stride_lh, mask=row_ok, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)  # cannot happen for a listed query; kept safe
         delta = tl.load(DELTA + b * stride_lb + t * stride_lt + heads * stride_lh, mask=row_ok, other=0.0)
@@ -311,11 +454,17 @@ def _sparse_attn_bwd_dkv_kernel(
 
     mk = mask_key[:, None] & mask_d[None, :]
     if slot < 0:  # the tile's only segment: its final gradient rows
-        tl.store(DK + b * stride_dkb + keys[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :] * stride_dkd,
-                 dk.to(DK.dtype.element_ty), mask=mk)
+        tl.store(
+            DK + b * stride_dkb + keys[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :] * stride_dkd,
+            dk.to(DK.dtype.element_ty),
+            mask=mk,
+        )
         if not SHARED_KV:
-            tl.store(DV_ + b * stride_dvb + keys[:, None] * stride_dvt + hk * stride_dvh + offs_dv[None, :] * stride_dvd,
-                     dv.to(DV_.dtype.element_ty), mask=mask_key[:, None] & mask_dv[None, :])
+            tl.store(
+                DV_ + b * stride_dvb + keys[:, None] * stride_dvt + hk * stride_dvh + offs_dv[None, :] * stride_dvd,
+                dv.to(DV_.dtype.element_ty),
+                mask=mask_key[:, None] & mask_dv[None, :],
+            )
     else:  # one of several: a float32 partial, summed in segment order by _sparse_attn_dkv_reduce_kernel
         part = (slot * HK + hk) * BLOCK_K + offs_k
         tl.store(PART_K + part[:, None] * BLOCK_D + offs_d[None, :], dk)
@@ -325,10 +474,22 @@ def _sparse_attn_bwd_dkv_kernel(
 
 @triton.jit
 def _sparse_attn_dkv_reduce_kernel(
-    PART, DK, TILE, SLOT0, NSLOT,
-    stride_dkb, stride_dkt, stride_dkh, stride_dkd,
-    TK, NT, HK,
-    D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DC: tl.constexpr,
+    PART,
+    DK,
+    TILE,
+    SLOT0,
+    NSLOT,
+    stride_dkb,
+    stride_dkt,
+    stride_dkh,
+    stride_dkd,
+    TK,
+    NT,
+    HK,
+    D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DC: tl.constexpr,
 ):
     """One program: a key tile split into ``NSLOT`` segments, KV head ``hk``, columns
     ``[c * BLOCK_DC, (c + 1) * BLOCK_DC)`` of the partials' ``BLOCK_D``: sums the segments' float32
@@ -349,8 +510,11 @@ def _sparse_attn_dkv_reduce_kernel(
     for j in range(0, n):
         part = ((s0 + j) * HK + hk) * BLOCK_K + offs_k
         acc += tl.load(PART + part[:, None] * BLOCK_D + offs_d[None, :])
-    tl.store(DK + b * stride_dkb + keys[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :] * stride_dkd,
-             acc.to(DK.dtype.element_ty), mask=(keys < TK)[:, None] & (offs_d < D)[None, :])
+    tl.store(
+        DK + b * stride_dkb + keys[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :] * stride_dkd,
+        acc.to(DK.dtype.element_ty),
+        mask=(keys < TK)[:, None] & (offs_d < D)[None, :],
+    )
 
 
 #: Largest float32 dQ accumulator of one dQ program (elements): 64 registers per thread at 8 warps.
@@ -471,8 +635,9 @@ def _tl_dtype(dt: torch.dtype) -> tl.dtype:
 _PRECISION = "ieee"
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, scale: float,
-             q_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, scale: float, q_offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel (``v is k``: one gather).
 
     Args:
@@ -494,12 +659,34 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.T
     cfg = _query_major_config(G, topk, D, DV, dot.itemsize, bg * bd * dot.itemsize)
     if B * T > 0:
         _sparse_attn_fwd_kernel[(B * T, HK)](
-            q, k, v, indices, o, lse,
-            *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *o.stride(), *lse.stride(),
-            T, topk, q_offset, scale,
-            G=G, D=D, DV=DV, BLOCK_G=cfg.block_g, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d,
-            BLOCK_DV=cfg.block_dv, SHARED_KV=k is v, DOT=_tl_dtype(dot), PRECISION=_PRECISION,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            q,
+            k,
+            v,
+            indices,
+            o,
+            lse,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *indices.stride(),
+            *o.stride(),
+            *lse.stride(),
+            T,
+            topk,
+            q_offset,
+            scale,
+            G=G,
+            D=D,
+            DV=DV,
+            BLOCK_G=cfg.block_g,
+            BLOCK_K=cfg.block_k,
+            BLOCK_D=cfg.block_d,
+            BLOCK_DV=cfg.block_dv,
+            SHARED_KV=k is v,
+            DOT=_tl_dtype(dot),
+            PRECISION=_PRECISION,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
     return o, lse
 
@@ -537,7 +724,9 @@ def _key_lists(indices: torch.Tensor, TK: int, q_offset: int, block_k: int) -> _
     t = torch.arange(T, device=dev, dtype=code_dt)
     b_tiles = torch.arange(B, device=dev, dtype=code_dt)[:, None, None] * NT
     codes = ((b_tiles + idx.div(block_k, rounding_mode="floor")) * T + t[None, :, None])[valid]
-    bits = torch.bitwise_left_shift(torch.ones((), dtype=torch.int32, device=dev), (idx[valid] % block_k).to(torch.int32))
+    bits = torch.bitwise_left_shift(
+        torch.ones((), dtype=torch.int32, device=dev), (idx[valid] % block_k).to(torch.int32)
+    )
     uniq, inverse = torch.unique(codes, sorted=True, return_inverse=True)
     # integer sums of distinct powers of two (indices are distinct within a row): exact, any order
     ent_bits = torch.zeros(uniq.numel(), dtype=torch.int32, device=dev).scatter_add_(0, inverse, bits)
@@ -578,9 +767,18 @@ def _segments(counts: torch.Tensor, segment: int) -> _Segments:
     return _Segments(tile, start, end, slot, int(split.sum()), tiles[red], slot[first_seg[red]], n_seg[red])
 
 
-def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, o: torch.Tensor,
-              do: torch.Tensor, lse: torch.Tensor, scale: float, q_offset: int,
-              segment: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    o: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    q_offset: int,
+    segment: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward: the query-major dQ kernel (it also writes ``delta``), then the key-major
     dK/dV kernel over the inverse index lists (and the reduction of split key tiles). Deterministic:
     no atomics; every sum runs in a fixed order.
@@ -616,13 +814,40 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.
     n_split, cfg = _dq_config(G, topk, D, DV, dot.itemsize)
     tl_dot, prec = _tl_dtype(dot), _PRECISION
     _sparse_attn_bwd_dq_kernel[(B * T * n_split, HK)](
-        q, k, v, indices, o, do, lse, dq, delta,
-        *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *o.stride(), *do.stride(),
-        *lse.stride(), *dq.stride(),
-        T, topk, q_offset, scale,
-        G=G, D=D, DV=DV, BLOCK_G=cfg.block_g, BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d,
-        BLOCK_DV=cfg.block_dv, SHARED_KV=shared, DOT=tl_dot, PRECISION=prec, N_SPLIT=n_split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        q,
+        k,
+        v,
+        indices,
+        o,
+        do,
+        lse,
+        dq,
+        delta,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *indices.stride(),
+        *o.stride(),
+        *do.stride(),
+        *lse.stride(),
+        *dq.stride(),
+        T,
+        topk,
+        q_offset,
+        scale,
+        G=G,
+        D=D,
+        DV=DV,
+        BLOCK_G=cfg.block_g,
+        BLOCK_K=cfg.block_k,
+        BLOCK_D=cfg.block_d,
+        BLOCK_DV=cfg.block_dv,
+        SHARED_KV=shared,
+        DOT=tl_dot,
+        PRECISION=prec,
+        N_SPLIT=n_split,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     assert delta.stride() == lse.stride()  # the kernels index both with lse's strides
 
@@ -635,26 +860,75 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.
     part_v = part_k if shared else torch.empty(n_part, HK, kcfg.block_k, kcfg.block_dv, dtype=torch.float32, device=dev)
     if segs.tile.numel() > 0:
         _sparse_attn_bwd_dkv_kernel[(segs.tile.numel(), HK)](
-            q, k, v, do, lse, delta, dk, dv, part_k, part_v,
-            segs.tile, segs.start, segs.end, segs.slot, lists.ent_t, lists.ent_bits,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
-            TK, NT, HK, scale,
-            G=G, D=D, DV=DV, GP=gp, ROWS=rows, BLOCK_K=kcfg.block_k, BLOCK_D=kcfg.block_d,
-            BLOCK_DV=kcfg.block_dv, SHARED_KV=shared, DOT=tl_dot, PRECISION=prec,
-            num_warps=kcfg.num_warps, num_stages=kcfg.num_stages,
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dk,
+            dv,
+            part_k,
+            part_v,
+            segs.tile,
+            segs.start,
+            segs.end,
+            segs.slot,
+            lists.ent_t,
+            lists.ent_bits,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *do.stride(),
+            *lse.stride(),
+            *dk.stride(),
+            *dv.stride(),
+            TK,
+            NT,
+            HK,
+            scale,
+            G=G,
+            D=D,
+            DV=DV,
+            GP=gp,
+            ROWS=rows,
+            BLOCK_K=kcfg.block_k,
+            BLOCK_D=kcfg.block_d,
+            BLOCK_DV=kcfg.block_dv,
+            SHARED_KV=shared,
+            DOT=tl_dot,
+            PRECISION=prec,
+            num_warps=kcfg.num_warps,
+            num_stages=kcfg.num_stages,
         )
     if segs.red_tile.numel() > 0:
-        for part, grad, width, bw in ((part_k, dk, D, kcfg.block_d),) + (() if shared else ((part_v, dv, DV, kcfg.block_dv),)):
+        for part, grad, width, bw in ((part_k, dk, D, kcfg.block_d),) + (
+            () if shared else ((part_v, dv, DV, kcfg.block_dv),)
+        ):
             bc = min(bw, _DKV_REDUCE_COLS)
             _sparse_attn_dkv_reduce_kernel[(segs.red_tile.numel(), HK, bw // bc)](
-                part, grad, segs.red_tile, segs.red_slot0, segs.red_n,
-                *grad.stride(), TK, NT, HK,
-                D=width, BLOCK_K=kcfg.block_k, BLOCK_D=bw, BLOCK_DC=bc, num_warps=4, num_stages=1,
+                part,
+                grad,
+                segs.red_tile,
+                segs.red_slot0,
+                segs.red_n,
+                *grad.stride(),
+                TK,
+                NT,
+                HK,
+                D=width,
+                BLOCK_K=kcfg.block_k,
+                BLOCK_D=bw,
+                BLOCK_DC=bc,
+                num_warps=4,
+                num_stages=1,
             )
     return dq, dk, dv
 
 
-def _kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _kernel_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The tensors the kernels load: inputs of a kernel dtype as they are (mixed dtypes are cast to
     the dot dtype inside the kernels, no copy), anything else (float64) as float32; ``v is k`` kept."""
     qc = q if q.dtype in KERNEL_DTYPES else q.float()
@@ -727,7 +1001,15 @@ def sparse_attention_triton(
     """
     check_sparse_attention_args(q, k, v, indices, q_offset, query_block)
     D = q.shape[3]
-    check_runnable(_sparse_attn_fwd_kernel, "genolong.kernels.dsa.triton_attention",
-                   "sparse_attention_triton", "q, k, v and indices", q, k, v, indices)
-    sc = D ** -0.5 if scale is None else float(scale)
+    check_runnable(
+        _sparse_attn_fwd_kernel,
+        "genolong.kernels.dsa.triton_attention",
+        "sparse_attention_triton",
+        "q, k, v and indices",
+        q,
+        k,
+        v,
+        indices,
+    )
+    sc = D**-0.5 if scale is None else float(scale)
     return _SparseAttentionTriton.apply(q, k, v, indices, sc, int(q_offset))

@@ -57,13 +57,26 @@ _POOLS_PER_PROGRAM = 32
 
 @triton.jit
 def _kpool_fwd_kernel(
-    K, G, A, O,
-    stride_kb, stride_kt, stride_kc,
-    stride_gb, stride_gt, stride_gc,
-    stride_ap, stride_ac,
-    stride_ob, stride_oj, stride_oc,
-    NP, DI,
-    P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    K,
+    G,
+    A,
+    O,
+    stride_kb,
+    stride_kt,
+    stride_kc,
+    stride_gb,
+    stride_gt,
+    stride_gc,
+    stride_ap,
+    stride_ac,
+    stride_ob,
+    stride_oj,
+    stride_oc,
+    NP,
+    DI,
+    P: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """One program: pool ``j`` of batch ``b``, channels ``[c0, c0 + BLOCK_C)``."""
     pid = tl.program_id(0)
@@ -88,16 +101,40 @@ def _kpool_fwd_kernel(
 
 @triton.jit
 def _kpool_bwd_kernel(
-    K, G, A, DO, DK, DG, DA_PART,
-    stride_kb, stride_kt, stride_kc,
-    stride_gb, stride_gt, stride_gc,
-    stride_ap, stride_ac,
-    stride_dob, stride_doj, stride_doc,
-    stride_dkb, stride_dkt, stride_dkc,
-    stride_dgb, stride_dgt, stride_dgc,
-    stride_pn, stride_pp, stride_pc,
-    NP, DI, N_CHUNKS, POOLS_PER_PROGRAM,
-    P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    K,
+    G,
+    A,
+    DO,
+    DK,
+    DG,
+    DA_PART,
+    stride_kb,
+    stride_kt,
+    stride_kc,
+    stride_gb,
+    stride_gt,
+    stride_gc,
+    stride_ap,
+    stride_ac,
+    stride_dob,
+    stride_doj,
+    stride_doc,
+    stride_dkb,
+    stride_dkt,
+    stride_dkc,
+    stride_dgb,
+    stride_dgt,
+    stride_dgc,
+    stride_pn,
+    stride_pp,
+    stride_pc,
+    NP,
+    DI,
+    N_CHUNKS,
+    POOLS_PER_PROGRAM,
+    P: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """One program: pools ``[chunk * PPP, (chunk + 1) * PPP)`` of batch ``b``, one channel tile.
 
@@ -121,10 +158,12 @@ def _kpool_bwd_kernel(
         mask = mask_ic & (tok < NP * P)[:, None]
         mask_do = mask_c & ((offs_c * 0 + j) < NP)
         g = tl.load(G + b * stride_gb + tok[:, None] * stride_gt + offs_c[None, :] * stride_gc, mask=mask, other=0.0)
-        k = tl.load(K + b * stride_kb + tok[:, None] * stride_kt + offs_c[None, :] * stride_kc,
-                    mask=mask, other=0.0).to(tl.float32)
-        do = tl.load(DO + b * stride_dob + j * stride_doj + offs_c * stride_doc,
-                     mask=mask_do, other=0.0).to(tl.float32)  # [BLOCK_C]
+        k = tl.load(
+            K + b * stride_kb + tok[:, None] * stride_kt + offs_c[None, :] * stride_kc, mask=mask, other=0.0
+        ).to(tl.float32)
+        do = tl.load(DO + b * stride_dob + j * stride_doj + offs_c * stride_doc, mask=mask_do, other=0.0).to(
+            tl.float32
+        )  # [BLOCK_C]
         # recompute a exactly as the forward did
         logit = tl.where(mask_i[:, None], g.to(tl.float32) + ap, float("-inf"))
         e = tl.exp(logit - tl.max(logit, axis=0)[None, :])
@@ -134,10 +173,16 @@ def _kpool_bwd_kernel(
         x = k * do[None, :]
         dlogit = a * (x - tl.sum(a * x, axis=0)[None, :])
         dlogit = tl.where(mask, dlogit, 0.0)
-        tl.store(DK + b * stride_dkb + tok[:, None] * stride_dkt + offs_c[None, :] * stride_dkc,
-                 dk.to(DK.dtype.element_ty), mask=mask)
-        tl.store(DG + b * stride_dgb + tok[:, None] * stride_dgt + offs_c[None, :] * stride_dgc,
-                 dlogit.to(DG.dtype.element_ty), mask=mask)
+        tl.store(
+            DK + b * stride_dkb + tok[:, None] * stride_dkt + offs_c[None, :] * stride_dkc,
+            dk.to(DK.dtype.element_ty),
+            mask=mask,
+        )
+        tl.store(
+            DG + b * stride_dgb + tok[:, None] * stride_dgt + offs_c[None, :] * stride_dgc,
+            dlogit.to(DG.dtype.element_ty),
+            mask=mask,
+        )
         dape += dlogit
     slot = b * N_CHUNKS + chunk
     tl.store(DA_PART + slot * stride_pn + offs_i[:, None] * stride_pp + offs_c[None, :] * stride_pc, dape, mask=mask_ic)
@@ -167,15 +212,26 @@ def _forward(k_idx: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor) -> torc
     BP, BC = _blocks(P, DI)
     if B * NP * DI > 0:
         _kpool_fwd_kernel[(B * NP, triton.cdiv(DI, BC))](
-            k_idx, gate, ape, out,
-            *k_idx.stride(), *gate.stride(), *ape.stride(), *out.stride(),
-            NP, DI, P=P, BLOCK_P=BP, BLOCK_C=BC,
+            k_idx,
+            gate,
+            ape,
+            out,
+            *k_idx.stride(),
+            *gate.stride(),
+            *ape.stride(),
+            *out.stride(),
+            NP,
+            DI,
+            P=P,
+            BLOCK_P=BP,
+            BLOCK_C=BC,
         )
     return out
 
 
-def _backward(k_idx: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor,
-              dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward(
+    k_idx: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, dout: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernel (``a`` recomputed) and reduce the partial ``dape``.
 
     Args:
@@ -200,10 +256,27 @@ def _backward(k_idx: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor,
     BP, BC = _blocks(P, DI)
     if B * NP * DI > 0:
         _kpool_bwd_kernel[(B * n_chunks, triton.cdiv(DI, BC))](
-            k_idx, gate, ape, dout, dk, dgate, part,
-            *k_idx.stride(), *gate.stride(), *ape.stride(), *dout.stride(),
-            *dk.stride(), *dgate.stride(), *part.stride(),
-            NP, DI, n_chunks, ppp, P=P, BLOCK_P=BP, BLOCK_C=BC,
+            k_idx,
+            gate,
+            ape,
+            dout,
+            dk,
+            dgate,
+            part,
+            *k_idx.stride(),
+            *gate.stride(),
+            *ape.stride(),
+            *dout.stride(),
+            *dk.stride(),
+            *dgate.stride(),
+            *part.stride(),
+            NP,
+            DI,
+            n_chunks,
+            ppp,
+            P=P,
+            BLOCK_P=BP,
+            BLOCK_C=BC,
         )
     # the second reduction: one partial per (batch, chunk), summed in a fixed order
     dape = part.sum(0) if part.shape[0] > 0 else torch.zeros(P, DI, dtype=torch.float32, device=k_idx.device)
@@ -256,8 +329,15 @@ def kpool_keys_triton(k_idx: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
         raise ValueError(
             f"gate must be {tuple(k_idx.shape)} and ape [P, {DI}]; got {tuple(gate.shape)}, {tuple(ape.shape)}"
         )
-    check_runnable(_kpool_fwd_kernel, "genolong.kernels.dsa.triton_kpool",
-                   "kpool_keys_triton", "k_idx, gate and ape", k_idx, gate, ape)
+    check_runnable(
+        _kpool_fwd_kernel,
+        "genolong.kernels.dsa.triton_kpool",
+        "kpool_keys_triton",
+        "k_idx, gate and ape",
+        k_idx,
+        gate,
+        ape,
+    )
     return _KPoolKeysTriton.apply(k_idx, gate, ape)
 
 
@@ -312,15 +392,39 @@ def kpool_keys_triton(k_idx: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
 
 @triton.jit
 def _kl_target_kernel(
-    Q, K, PID, LOGP,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kh, stride_kd,
-    stride_pb, stride_pt, stride_pk,
-    stride_lb, stride_lt, stride_lk,
-    T, KP, HK, D, Q_OFF, a_sc,
-    G: tl.constexpr, P: tl.constexpr, TAIL: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_KP: tl.constexpr,
+    Q,
+    K,
+    PID,
+    LOGP,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_pb,
+    stride_pt,
+    stride_pk,
+    stride_lb,
+    stride_lt,
+    stride_lk,
+    T,
+    KP,
+    HK,
+    D,
+    Q_OFF,
+    a_sc,
+    G: tl.constexpr,
+    P: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_KP: tl.constexpr,
 ):
     """One program: query ``t`` of batch ``b``; writes ``log p [KP]`` (``-inf`` off the selection)."""
     pid = tl.program_id(0)
@@ -359,8 +463,11 @@ def _kl_target_kernel(
         for d0 in range(0, D, BLOCK_D):
             dd = d0 + offs_d
             q = tl.load(q_row + dd[None, :] * stride_qd, mask=mask_g[:, None] & (dd < D)[None, :], other=0.0)
-            kt_tail = tl.load(k_head + tail_row[:, None] * stride_kt + dd[None, :] * stride_kd,
-                         mask=tail_mask[:, None] & (dd < D)[None, :], other=0.0)
+            kt_tail = tl.load(
+                k_head + tail_row[:, None] * stride_kt + dd[None, :] * stride_kd,
+                mask=tail_mask[:, None] & (dd < D)[None, :],
+                other=0.0,
+            )
             s_tail += tl.dot(q, tl.trans(kt_tail), input_precision="ieee")
         s_tail = tl.where(tail_mask[None, :], s_tail * a_sc, float("-inf"))
         mx_tail = tl.max(s_tail, axis=1)
@@ -376,8 +483,11 @@ def _kl_target_kernel(
             for d0 in range(0, D, BLOCK_D):
                 dd = d0 + offs_d
                 q = tl.load(q_row + dd[None, :] * stride_qd, mask=mask_g[:, None] & (dd < D)[None, :], other=0.0)
-                kt1 = tl.load(k_head + row1[:, None] * stride_kt + dd[None, :] * stride_kd,
-                             mask=tmask1[:, None] & (dd < D)[None, :], other=0.0)
+                kt1 = tl.load(
+                    k_head + row1[:, None] * stride_kt + dd[None, :] * stride_kd,
+                    mask=tmask1[:, None] & (dd < D)[None, :],
+                    other=0.0,
+                )
                 s1 += tl.dot(q, tl.trans(kt1), input_precision="ieee")
             s1 = tl.where(tmask1[None, :], s1 * a_sc, float("-inf"))
             # lse = logaddexp(lse, logsumexp_row(s1)), with -inf kept exact (no nan)
@@ -396,13 +506,17 @@ def _kl_target_kernel(
             for d0 in range(0, D, BLOCK_D):
                 dd = d0 + offs_d
                 q = tl.load(q_row + dd[None, :] * stride_qd, mask=mask_g[:, None] & (dd < D)[None, :], other=0.0)
-                kt2 = tl.load(k_head + row2[:, None] * stride_kt + dd[None, :] * stride_kd,
-                             mask=tmask2[:, None] & (dd < D)[None, :], other=0.0)
+                kt2 = tl.load(
+                    k_head + row2[:, None] * stride_kt + dd[None, :] * stride_kd,
+                    mask=tmask2[:, None] & (dd < D)[None, :],
+                    other=0.0,
+                )
                 s2 += tl.dot(q, tl.trans(kt2), input_precision="ieee")
             la = tl.where(mask_g[:, None] & tmask2[None, :], s2 * a_sc - lses[:, None], float("-inf"))
             # [G, J * P] -> [J, G * P] (row-major reshape: token u = j * BLOCK_P + i): one reduction
-            la = tl.reshape(tl.permute(tl.reshape(la, [BLOCK_G, BLOCK_J, BLOCK_P]), (1, 0, 2)),
-                            [BLOCK_J, BLOCK_G * BLOCK_P])
+            la = tl.reshape(
+                tl.permute(tl.reshape(la, [BLOCK_G, BLOCK_J, BLOCK_P]), (1, 0, 2)), [BLOCK_J, BLOCK_G * BLOCK_P]
+            )
             mx_j = tl.max(la, axis=1)  # [BLOCK_J]
             mxs_j = tl.where(mx_j == float("-inf"), 0.0, mx_j)
             sum_j = tl.sum(tl.exp(la - mxs_j[:, None]), axis=1)
@@ -425,19 +539,57 @@ def _kl_target_kernel(
 
 @triton.jit
 def _kl_rows_kernel(
-    QI, KPOOL, W, PID, LOGP, KL, DKL, DQI, DKPOOL, DW,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kj, stride_kd,
-    stride_wb, stride_wt, stride_wh,
-    stride_pb, stride_pt, stride_pk,
-    stride_lb, stride_lt, stride_lk,
-    stride_gb, stride_gt,
-    stride_dqb, stride_dqt, stride_dqh, stride_dqd,
-    stride_dkb, stride_dkj, stride_dkd,
-    stride_dwb, stride_dwt, stride_dwh,
-    T, KP, HI, DI, P, Q_OFF, i_sc,
-    HAS_W: tl.constexpr, RELU: tl.constexpr, BACKWARD: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_DI: tl.constexpr,
+    QI,
+    KPOOL,
+    W,
+    PID,
+    LOGP,
+    KL,
+    DKL,
+    DQI,
+    DKPOOL,
+    DW,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kj,
+    stride_kd,
+    stride_wb,
+    stride_wt,
+    stride_wh,
+    stride_pb,
+    stride_pt,
+    stride_pk,
+    stride_lb,
+    stride_lt,
+    stride_lk,
+    stride_gb,
+    stride_gt,
+    stride_dqb,
+    stride_dqt,
+    stride_dqh,
+    stride_dqd,
+    stride_dkb,
+    stride_dkj,
+    stride_dkd,
+    stride_dwb,
+    stride_dwt,
+    stride_dwh,
+    T,
+    KP,
+    HI,
+    DI,
+    P,
+    Q_OFF,
+    i_sc,
+    HAS_W: tl.constexpr,
+    RELU: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KP: tl.constexpr,
+    BLOCK_DI: tl.constexpr,
 ):
     """One program: query ``t`` of batch ``b``. Forward: writes ``KL_t`` (0 without a selected pool)
     to ``KL [B, T]``. Backward: reads ``DKL``, writes the dq_idx and dw rows, scatters dk_pool."""
@@ -489,8 +641,9 @@ def _kl_rows_kernel(
         # d/dI of -sum_j p_j log q_j (a row without pools has p = 0 and gets no gradient)
         di = g * tl.where(valid, tl.exp(logq) * tl.sum(p, axis=0) - p, 0.0)  # [BLOCK_KP]
         if HAS_W:
-            tl.store(DW + b * stride_dwb + t * stride_dwt + offs_h * stride_dwh, tl.sum(z * di[None, :], axis=1),
-                     mask=mask_h)
+            tl.store(
+                DW + b * stride_dwb + t * stride_dwt + offs_h * stride_dwh, tl.sum(z * di[None, :], axis=1), mask=mask_h
+            )
         dpre = w[:, None] * di[None, :]
         if RELU:
             dpre = tl.where(pre > 0.0, dpre, 0.0)
@@ -502,11 +655,18 @@ def _kl_rows_kernel(
             q = tl.load(q_row + dd[None, :] * stride_qd, mask=mask_hd, other=0.0).to(tl.float32)
             kp = tl.load(kp_rows + dd[None, :] * stride_kd, mask=mask_kd, other=0.0).to(tl.float32)
             dq = tl.dot(dpre, kp, input_precision="tf32x3")  # [BLOCK_H, BLOCK_DI]
-            tl.store(DQI + b * stride_dqb + t * stride_dqt + offs_h[:, None] * stride_dqh + dd[None, :] * stride_dqd,
-                     dq, mask=mask_hd)
+            tl.store(
+                DQI + b * stride_dqb + t * stride_dqt + offs_h[:, None] * stride_dqh + dd[None, :] * stride_dqd,
+                dq,
+                mask=mask_hd,
+            )
             dkp = tl.dot(tl.trans(dpre), q, input_precision="tf32x3")  # [BLOCK_KP, BLOCK_DI]
-            tl.atomic_add(DKPOOL + b * stride_dkb + row[:, None] * stride_dkj + dd[None, :] * stride_dkd, dkp,
-                          mask=mask_kd, sem="relaxed")
+            tl.atomic_add(
+                DKPOOL + b * stride_dkb + row[:, None] * stride_dkj + dd[None, :] * stride_dkd,
+                dkp,
+                mask=mask_kd,
+                sem="relaxed",
+            )
 
 
 def _pow2_16(n: int) -> int:
@@ -514,8 +674,9 @@ def _pow2_16(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def _kl_target(q: torch.Tensor, k: torch.Tensor, pools: torch.Tensor, P: int, tail: bool,
-               a_sc: float, q_offset: int = 0) -> torch.Tensor:
+def _kl_target(
+    q: torch.Tensor, k: torch.Tensor, pools: torch.Tensor, P: int, tail: bool, a_sc: float, q_offset: int = 0
+) -> torch.Tensor:
     """Launch the target kernel: ``log p`` ``[B, T, KP]`` float32, ``-inf`` off the selection.
 
     Args:
@@ -535,11 +696,29 @@ def _kl_target(q: torch.Tensor, k: torch.Tensor, pools: torch.Tensor, P: int, ta
     BJ = min(triton.next_power_of_2(KP), max(1, 64 // BP))  # <= 64 gathered key rows a tile ...
     BJ = max(BJ, 16 // BP)  # ... and >= 16 (tl.dot)
     _kl_target_kernel[(B * T,)](
-        q, k, pools, logp,
-        *q.stride(), *k.stride(), *pools.stride(), *logp.stride(),
-        T, KP, HK, D, q_offset, a_sc,
-        G=G, P=P, TAIL=bool(tail), BLOCK_G=_pow2_16(G), BLOCK_J=BJ, BLOCK_P=BP, BLOCK_TAIL=_pow2_16(P),
-        BLOCK_D=min(64, _pow2_16(D)), BLOCK_KP=triton.next_power_of_2(KP),
+        q,
+        k,
+        pools,
+        logp,
+        *q.stride(),
+        *k.stride(),
+        *pools.stride(),
+        *logp.stride(),
+        T,
+        KP,
+        HK,
+        D,
+        q_offset,
+        a_sc,
+        G=G,
+        P=P,
+        TAIL=bool(tail),
+        BLOCK_G=_pow2_16(G),
+        BLOCK_J=BJ,
+        BLOCK_P=BP,
+        BLOCK_TAIL=_pow2_16(P),
+        BLOCK_D=min(64, _pow2_16(D)),
+        BLOCK_KP=triton.next_power_of_2(KP),
     )
     return logp
 
@@ -557,12 +736,26 @@ def _kl_rows_config(HI: int, KP: int, DI: int, backward: bool) -> dict[str, int]
     registers at 128 and spill 400-970 B; ``1b`` backward with 4 warps spilled 32-40 B).
     """
     bh, bkp = _pow2_16(HI), _pow2_16(KP)
-    return dict(BLOCK_H=bh, BLOCK_KP=bkp, BLOCK_DI=min(16 if backward else 64, _pow2_16(DI)),
-                num_warps=4 if bh * bkp < 2048 else 8)
+    return dict(
+        BLOCK_H=bh,
+        BLOCK_KP=bkp,
+        BLOCK_DI=min(16 if backward else 64, _pow2_16(DI)),
+        num_warps=4 if bh * bkp < 2048 else 8,
+    )
 
 
-def _kl_rows(qc: torch.Tensor, kc: torch.Tensor, wc: torch.Tensor | None, pools: torch.Tensor, logp: torch.Tensor,
-             P: int, i_sc: float, relu: bool, dkl: torch.Tensor | None = None, q_offset: int = 0):
+def _kl_rows(
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    wc: torch.Tensor | None,
+    pools: torch.Tensor,
+    logp: torch.Tensor,
+    P: int,
+    i_sc: float,
+    relu: bool,
+    dkl: torch.Tensor | None = None,
+    q_offset: int = 0,
+):
     """Launch the KL-rows kernel (queries at positions ``q_offset ..``, ``kc`` the pools of positions
     ``0 .. q_offset + T - 1``): forward (``dkl`` None) -> ``kl [B, T]`` float32; backward ->
     ``(dq_idx [B, T, HI, DI], dk_pool [B, NP, DI], dw [B, T, HI] or None)`` float32."""
@@ -582,11 +775,36 @@ def _kl_rows(qc: torch.Tensor, kc: torch.Tensor, wc: torch.Tensor | None, pools:
     dw_strides = (0, 0, 0) if dw is None else dw.stride()
     if B * T > 0:
         _kl_rows_kernel[(B * T,)](
-            qc, kc, w_arg, pools, logp, kl, dkl, dq, dkp, dw_arg,
-            *qc.stride(), *kc.stride(), *w_strides, *pools.stride(), *logp.stride(), *dkl.stride(),
-            *dq.stride(), *dkp.stride(), *dw_strides,
-            T, KP, HI, DI, P, q_offset, i_sc,
-            HAS_W=wc is not None, RELU=relu, BACKWARD=backward, **_kl_rows_config(HI, KP, DI, backward),
+            qc,
+            kc,
+            w_arg,
+            pools,
+            logp,
+            kl,
+            dkl,
+            dq,
+            dkp,
+            dw_arg,
+            *qc.stride(),
+            *kc.stride(),
+            *w_strides,
+            *pools.stride(),
+            *logp.stride(),
+            *dkl.stride(),
+            *dq.stride(),
+            *dkp.stride(),
+            *dw_strides,
+            T,
+            KP,
+            HI,
+            DI,
+            P,
+            q_offset,
+            i_sc,
+            HAS_W=wc is not None,
+            RELU=relu,
+            BACKWARD=backward,
+            **_kl_rows_config(HI, KP, DI, backward),
         )
     return (dq, dkp, dw) if backward else kl
 
@@ -666,15 +884,20 @@ def kpool_indexer_kl_loss_triton(
     _check(q, k, q_idx, k_pool, w_idx, pool_indices, pool_size, query_block, activation, q_offset)
     B, T, H, D = q.shape
     P = pool_size
-    a_sc = D ** -0.5 if attn_scale is None else float(attn_scale)
+    a_sc = D**-0.5 if attn_scale is None else float(attn_scale)
     i_sc = q_idx.shape[-1] ** -0.5 if idx_scale is None else float(idx_scale)
     dt = _compute_dtype(q_idx, k_pool, w_idx)
     if (q_offset + T) // P == 0:  # no complete pool anywhere: nothing to train, but keep the graph connected
         zero = torch.zeros((), dtype=dt, device=q.device)
         return sum((x.sum().to(dt) * 0 for x in (q_idx, k_pool, w_idx) if x is not None), zero)
     tensors = [q, k, q_idx, k_pool, pool_indices] + ([] if w_idx is None else [w_idx])
-    check_runnable(_kpool_fwd_kernel, "genolong.kernels.dsa.triton_kpool",
-                   "kpool_indexer_kl_loss_triton", "q, k, q_idx, k_pool, w_idx and pool_indices", *tensors)
+    check_runnable(
+        _kpool_fwd_kernel,
+        "genolong.kernels.dsa.triton_kpool",
+        "kpool_indexer_kl_loss_triton",
+        "q, k, q_idx, k_pool, w_idx and pool_indices",
+        *tensors,
+    )
     pools = pool_indices if pool_indices.dtype in (torch.int32, torch.int64) else pool_indices.long()
     # one operand dtype for the target's dots (bf16-mixed: the 16-bit side; see dot_dtype)
     cdt = dot_dtype(q, k)

@@ -71,15 +71,37 @@ _ACTIVATIONS = ("relu", None)
 
 @triton.jit
 def _kpool_topk_kernel(
-    Q, KPOOL, W, OUT,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kd,
-    stride_wb, stride_wt, stride_wh,
-    stride_ob, stride_ot, stride_ok,
-    T, NP, Q_OFF, scale,
-    HI: tl.constexpr, DI: tl.constexpr, P: tl.constexpr, KSEL: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_W: tl.constexpr, RELU: tl.constexpr,
+    Q,
+    KPOOL,
+    W,
+    OUT,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kn,
+    stride_kd,
+    stride_wb,
+    stride_wt,
+    stride_wh,
+    stride_ob,
+    stride_ot,
+    stride_ok,
+    T,
+    NP,
+    Q_OFF,
+    scale,
+    HI: tl.constexpr,
+    DI: tl.constexpr,
+    P: tl.constexpr,
+    KSEL: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_W: tl.constexpr,
+    RELU: tl.constexpr,
 ):
     """One program: query rows ``[q0, q0 + BLOCK_Q)`` of batch row ``b`` (global positions ``Q_OFF +
     row``); writes their int32 pool ids."""
@@ -203,12 +225,29 @@ def _select_pools(
     w_strides = w_idx.stride() if w_idx is not None else (0, 0, 0)
     if B * T > 0:
         _kpool_topk_kernel[(triton.cdiv(T, bq), B)](
-            qc, kc, w, out,
-            *qc.stride(), *kc.stride(), *w_strides, *out.stride(),
-            T, NP, int(q_offset), float(scale),
-            HI=HI, DI=DI, P=pool_size, KSEL=ksel,
-            BLOCK_Q=bq, BLOCK_N=bn, BLOCK_D=bd, BLOCK_K=bk,
-            HAS_W=w_idx is not None, RELU=activation == "relu", num_warps=_num_warps(bq, bn, bk),
+            qc,
+            kc,
+            w,
+            out,
+            *qc.stride(),
+            *kc.stride(),
+            *w_strides,
+            *out.stride(),
+            T,
+            NP,
+            int(q_offset),
+            float(scale),
+            HI=HI,
+            DI=DI,
+            P=pool_size,
+            KSEL=ksel,
+            BLOCK_Q=bq,
+            BLOCK_N=bn,
+            BLOCK_D=bd,
+            BLOCK_K=bk,
+            HAS_W=w_idx is not None,
+            RELU=activation == "relu",
+            num_warps=_num_warps(bq, bn, bk),
         )
     return out
 
@@ -286,11 +325,14 @@ def kpool_topk_triton(
             f"activation {activation!r} has no Triton kernel; use 'relu' or None, or kernel_backend 'torch'"
         )
     if k_pool.shape[1] >= 2**31 - 1 or q_offset + T >= 2**31 - 1:
-        raise InputError(f"{k_pool.shape[1]} pools (positions up to {q_offset + T}) do not fit the kernel's 31-bit fields")
+        raise InputError(
+            f"{k_pool.shape[1]} pools (positions up to {q_offset + T}) do not fit the kernel's 31-bit fields"
+        )
     tensors = (q_idx, k_pool) if w_idx is None else (q_idx, k_pool, w_idx)
-    check_runnable(_kpool_topk_kernel, "genolong.kernels.dsa.triton_topk",
-                   "kpool_topk_triton", "q_idx, k_pool and w_idx", *tensors)
-    sc = DI ** -0.5 if scale is None else scale
+    check_runnable(
+        _kpool_topk_kernel, "genolong.kernels.dsa.triton_topk", "kpool_topk_triton", "q_idx, k_pool and w_idx", *tensors
+    )
+    sc = DI**-0.5 if scale is None else scale
     ksel = topk // P
     with torch.no_grad():
         if ksel == 0:

@@ -47,12 +47,13 @@ def _lower_left_quadrants(M: torch.Tensor, h: int) -> torch.Tensor:
     ``[..., n * c // (2h), h, h]`` in block order."""
     *lead, n, c, _ = M.shape
     nb = c // (2 * h)
-    d = torch.diagonal(M.reshape(*lead, n, nb, 2 * h, nb, 2 * h), dim1=-4, dim2=-2)   # [..., n, 2h, 2h, nb]
+    d = torch.diagonal(M.reshape(*lead, n, nb, 2 * h, nb, 2 * h), dim1=-4, dim2=-2)  # [..., n, 2h, 2h, nb]
     return d.movedim(-1, -3)[..., h:, :h].reshape(*lead, n * nb, h, h)
 
 
-def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Tensor,
-                 gate_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _intra_chunk(
+    q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Tensor, gate_bound: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Decay-weighted in-chunk matrices, built bottom-up over blocks of size 1, 2, 4, ..., C.
 
     Args:
@@ -89,44 +90,44 @@ def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.
     if fast:
         ns = C // c
         Gv = G.reshape(*lead, ns, c, K)
-        Gr = Gv[..., c // 2 - 1:c // 2, :]                              # [..., ns, 1, K] middle of sub-block
-        row = torch.exp(Gv - Gr).unsqueeze(-3)                         # [..., ns, 1, c, K]
-        col = torch.exp(Gr - Gv)                                       # [..., ns, c, K]
-        rows = (torch.stack([k.reshape(*lead, ns, c, K), q.reshape(*lead, ns, c, K)], dim=-3) * row)
+        Gr = Gv[..., c // 2 - 1 : c // 2, :]  # [..., ns, 1, K] middle of sub-block
+        row = torch.exp(Gv - Gr).unsqueeze(-3)  # [..., ns, 1, c, K]
+        col = torch.exp(Gr - Gv)  # [..., ns, c, K]
+        rows = torch.stack([k.reshape(*lead, ns, c, K), q.reshape(*lead, ns, c, K)], dim=-3) * row
         full = rows.reshape(*lead, ns, 2 * c, K) @ (k.reshape(*lead, ns, c, K) * col).transpose(-1, -2)
-        Akk_b, Aqk_b = full.reshape(*lead, ns, 2, c, c).unbind(-3)     # [..., ns, c, c]
+        Akk_b, Aqk_b = full.reshape(*lead, ns, 2, c, c).unbind(-3)  # [..., ns, c, c]
         Akk_b = torch.tril(Akk_b, -1) * beta.reshape(*lead, ns, c, 1)
-        Dqk = torch.tril(Aqk_b)                                        # [..., ns, c, c]
+        Dqk = torch.tril(Aqk_b)  # [..., ns, c, c]
         X = torch.ones_like(q[..., :1]).reshape(*lead, C, 1, 1)
         h = 1
-        while h < c:                                                   # invert the sub-block diagonals
+        while h < c:  # invert the sub-block diagonals
             nb = C // (2 * h)
-            Okk = _lower_left_quadrants(Akk_b, h)                      # [..., nb, h, h]
+            Okk = _lower_left_quadrants(Akk_b, h)  # [..., nb, h, h]
             X1, X2 = X.reshape(*lead, nb, 2, h, h).unbind(-3)
             X21 = -(X2 @ (Okk @ X1))
             X = torch.cat([F.pad(X1, (0, h)), torch.cat([X21, X2], dim=-1)], dim=-2)
             h *= 2
     else:
         # blocks of size 1: diagonal of Aqk is q_t . k_t (decay ratio exp(0) = 1); Tm diagonal is 1
-        Dqk = (q * k).sum(-1).reshape(*lead, C, 1, 1)                  # [..., nblocks, h, h]
+        Dqk = (q * k).sum(-1).reshape(*lead, C, 1, 1)  # [..., nblocks, h, h]
         X = torch.ones_like(Dqk)
         h = 1
     while h < C:
         nb = C // (2 * h)
         # halves of each block of size 2h; unbind (not indexing) keeps backward to one stack
-        G1, G2 = G.reshape(*lead, nb, 2, h, K).unbind(-3)             # [..., nb, h, K]
+        G1, G2 = G.reshape(*lead, nb, 2, h, K).unbind(-3)  # [..., nb, h, K]
         k1, k2 = k.reshape(*lead, nb, 2, h, K).unbind(-3)
         q2 = q.reshape(*lead, nb, 2, h, K)[..., 1, :, :]
-        Gm = G1[..., h - 1:h, :]                                       # [..., nb, 1, K] last of first half
-        row = torch.exp(G2 - Gm).unsqueeze(-3)                         # [..., nb, 1, h, K]  exponent <= 0
-        col = torch.exp(Gm - G1)                                       # [..., nb, h, K]     exponent <= 0
+        Gm = G1[..., h - 1 : h, :]  # [..., nb, 1, K] last of first half
+        row = torch.exp(G2 - Gm).unsqueeze(-3)  # [..., nb, 1, h, K]  exponent <= 0
+        col = torch.exp(Gm - G1)  # [..., nb, h, K]     exponent <= 0
         rows = (torch.stack([k2, q2], dim=-3) * row).reshape(*lead, nb, 2 * h, K)
-        off = rows @ (k1 * col).transpose(-1, -2)                      # [..., nb, 2h, h]
+        off = rows @ (k1 * col).transpose(-1, -2)  # [..., nb, 2h, h]
         Okk, Oqk = off.reshape(*lead, nb, 2, h, h).unbind(-3)
-        Okk = Okk * beta.reshape(*lead, nb, 2, h)[..., 1, :].unsqueeze(-1)   # L21 of (I + A)
+        Okk = Okk * beta.reshape(*lead, nb, 2, h)[..., 1, :].unsqueeze(-1)  # L21 of (I + A)
         D1, D2 = Dqk.reshape(*lead, nb, 2, h, h).unbind(-3)
         X1, X2 = X.reshape(*lead, nb, 2, h, h).unbind(-3)
-        X21 = -(X2 @ (Okk @ X1))                                       # [[X1,0],[L21,X2]]^-1 block
+        X21 = -(X2 @ (Okk @ X1))  # [[X1,0],[L21,X2]]^-1 block
         Dqk = torch.cat([F.pad(D1, (0, h)), torch.cat([Oqk, D2], dim=-1)], dim=-2)
         X = torch.cat([F.pad(X1, (0, h)), torch.cat([X21, X2], dim=-1)], dim=-2)
         h *= 2
@@ -204,22 +205,22 @@ def chunk_kda(
         bc = F.pad(bc, (0, pad))
     bc = bc.reshape(BH, N, C)
 
-    G = gc.cumsum(-2)                                        # [BH, N, C, K]
-    Aqk, Tm = _intra_chunk(qc, kc, G, bc, gate_bound)        # [BH, N, C, C]
+    G = gc.cumsum(-2)  # [BH, N, C, K]
+    Aqk, Tm = _intra_chunk(qc, kc, G, bc, gate_bound)  # [BH, N, C, C]
     bcol = bc.unsqueeze(-1)
-    u = Tm @ (bcol * vc)                                     # [BH, N, C, V]
-    w = Tm @ (bcol * torch.exp(G) * kc)                      # [BH, N, C, K]
+    u = Tm @ (bcol * vc)  # [BH, N, C, V]
+    w = Tm @ (bcol * torch.exp(G) * kc)  # [BH, N, C, K]
     # One chunk and no final state asked for: no state transition feeds anything, so none is
     # computed (that graph would never be differentiated, and a saved-tensor hook that keeps its
     # tensors, as a saved output's packing does, would then keep it for good).
     transitions = N > 1 or output_final_state
     if transitions:
-        G_last = G[..., C - 1:, :]                           # [BH, N, 1, K]
+        G_last = G[..., C - 1 :, :]  # [BH, N, 1, K]
         kd = (kc * torch.exp(G_last - G)).transpose(-1, -2)  # [BH, N, K, C]
-        M = torch.diag_embed(torch.exp(G_last.squeeze(-2))) - kd @ w   # [BH, N, K, K] chunk transition
-        U = kd @ u                                           # [BH, N, K, V]
-    q_eff = qc * torch.exp(G) - Aqk @ w                      # [BH, N, C, K] reads S0
-    o_intra = Aqk @ u                                        # [BH, N, C, V]
+        M = torch.diag_embed(torch.exp(G_last.squeeze(-2))) - kd @ w  # [BH, N, K, K] chunk transition
+        U = kd @ u  # [BH, N, K, V]
+    q_eff = qc * torch.exp(G) - Aqk @ w  # [BH, N, C, K] reads S0
+    o_intra = Aqk @ u  # [BH, N, C, V]
 
     S = qc.new_zeros(BH, K, V)
     if initial_state is not None:
@@ -228,11 +229,11 @@ def chunk_kda(
     if transitions:
         for M_n, U_n in zip(M.transpose(0, 1).unbind(0), U.transpose(0, 1).unbind(0)):
             starts.append(S)
-            S = torch.baddbmm(U_n, M_n, S)                   # [BH, K, V]
+            S = torch.baddbmm(U_n, M_n, S)  # [BH, K, V]
     else:
         starts.append(S)
-    S_start = torch.stack(starts, dim=1)                     # [BH, N, K, V]
-    o = q_eff @ S_start + o_intra                            # [BH, N, C, V]
+    S_start = torch.stack(starts, dim=1)  # [BH, N, K, V]
+    o = q_eff @ S_start + o_intra  # [BH, N, C, V]
     o = o.reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)  # [B, T, H, V]
     final = S.reshape(B, H, K, V) if output_final_state else None
     return o.to(out_dtype), final

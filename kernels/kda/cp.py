@@ -55,8 +55,15 @@ from .chunk import chunk_kda
 from .recurrent import check_kda_inputs, compute_dtype
 
 __all__ = [
-    "KDAFn", "affine_state", "comm_meter", "conv_halo", "conv_halo_comm_bytes", "cp_chunk_kda", "cp_kda_comm_bytes",
-    "fold_states", "identity_map",
+    "KDAFn",
+    "affine_state",
+    "comm_meter",
+    "conv_halo",
+    "conv_halo_comm_bytes",
+    "cp_chunk_kda",
+    "cp_kda_comm_bytes",
+    "fold_states",
+    "identity_map",
 ]
 
 
@@ -124,8 +131,8 @@ class _FoldStates(torch.autograd.Function):
     @staticmethod
     def forward(ctx, X: torch.Tensor, group: dist.ProcessGroup, V: int) -> torch.Tensor:  # type: ignore[override]
         rank = dist.get_rank(group)
-        Xs = _all_gather(X, group)                                   # [W, B, H, K, V + K]
-        S = X.new_zeros(X.shape[:-1] + (V,))                         # [B, H, K, V]
+        Xs = _all_gather(X, group)  # [W, B, H, K, V + K]
+        S = X.new_zeros(X.shape[:-1] + (V,))  # [B, H, K, V]
         for j in range(rank):
             S = Xs[j, ..., V:] @ S + Xs[j, ..., :V]
         ctx.group, ctx.rank, ctx.V = group, rank, V
@@ -135,14 +142,14 @@ class _FoldStates(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, G: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        (Xs,) = ctx.saved_tensors                                    # [r, B, H, K, V + K]
+        (Xs,) = ctx.saved_tensors  # [r, B, H, K, V + K]
         rank, V = ctx.rank, ctx.V
         W = dist.get_world_size(ctx.group)
         # the states each earlier fold step started from (recomputed: r small [K, V] products)
         starts = [G.new_zeros(G.shape)]
         for j in range(rank - 1):
             starts.append(Xs[j, ..., V:] @ starts[-1] + Xs[j, ..., :V])
-        dX = G.new_zeros((W,) + G.shape[:-1] + (V + G.shape[-2],))   # [W, B, H, K, V + K]
+        dX = G.new_zeros((W,) + G.shape[:-1] + (V + G.shape[-2],))  # [W, B, H, K, V + K]
         G = G.contiguous()
         for j in range(rank - 1, -1, -1):
             dX[j, ..., :V] = G
@@ -222,14 +229,15 @@ def cp_chunk_kda(
         # an empty slice passes the state through (X = [0 | I], a constant); tie X to the (empty)
         # inputs so that this rank, too, runs the fold's backward and its collective
         X = X + sum(x.sum() for x in (q, k, v, g, beta)).to(X.dtype)
-    S_in = fold_states(X, group, V)                                                     # [B, H, K, V]
-    o0, P = o_aug[..., :V], o_aug[..., V:]                                              # [B, T, H, V], [B, T, H, K]
+    S_in = fold_states(X, group, V)  # [B, H, K, V]
+    o0, P = o_aug[..., :V], o_aug[..., V:]  # [B, T, H, V], [B, T, H, K]
     o = o0 + torch.einsum("bthk,bhkv->bthv", P, S_in)
     return o.to(v.dtype)
 
 
-def identity_map(B: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device | str | None = None
-                 ) -> torch.Tensor:
+def identity_map(
+    B: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device | str | None = None
+) -> torch.Tensor:
     """The identity affine state map ``[0 | I]``: ``[B, H, K, V + K]`` (``S -> I S + 0``)."""
     eye = torch.eye(K, dtype=dtype, device=device).expand(B, H, K, K)
     return torch.cat([torch.zeros(B, H, K, V, dtype=dtype, device=device), eye], dim=-1)
@@ -274,7 +282,7 @@ def affine_state(
     V = v.shape[-1]
     cdt = compute_dtype(q.dtype)
     # in the accumulation dtype so that P and A are not rounded to a low-precision v dtype
-    v_aug = torch.cat([v.to(cdt), v.new_zeros(B, T, H, K, dtype=cdt)], dim=-1)          # [B, T, H, V + K]
+    v_aug = torch.cat([v.to(cdt), v.new_zeros(B, T, H, K, dtype=cdt)], dim=-1)  # [B, T, H, V + K]
     s0 = identity_map(B, H, K, V, cdt, q.device) if start is None else start
     o_aug, X = kda(q, k, v_aug, g, beta, scale=scale, initial_state=s0, output_final_state=True, chunk_size=chunk_size)
     assert X is not None, "kda_fn returned no final state for output_final_state=True"
@@ -327,14 +335,14 @@ def conv_halo(x: torch.Tensor, kernel: int, group: dist.ProcessGroup | None = No
     rank = dist.get_rank(group)
     n = min(T, h)
     lengths = _all_gather(torch.tensor([n], dtype=torch.int64, device=x.device), group)[:, 0].tolist()
-    tail = F.pad(x[:, T - n:], (0, 0, h - n, 0))                                        # [B, h, C], valid rows last
-    tails = _GatherTails.apply(tail, group)                                             # [W, B, h, C]
+    tail = F.pad(x[:, T - n :], (0, 0, h - n, 0))  # [B, h, C], valid rows last
+    tails = _GatherTails.apply(tail, group)  # [W, B, h, C]
     # zeros, then every rank's valid tail rows in order; this rank's halo is the h rows ending
     # where its own tail would start (a slice of a tensor built from all ranks' tails, so the
     # backward's all-reduce runs on every rank, rank 0 included)
-    seq = torch.cat([x.new_zeros(B, h, C)] + [tails[j, :, h - lengths[j]:] for j in range(W)], dim=1)
+    seq = torch.cat([x.new_zeros(B, h, C)] + [tails[j, :, h - lengths[j] :] for j in range(W)], dim=1)
     end = h + sum(lengths[:rank])
-    return seq[:, end - h:end]
+    return seq[:, end - h : end]
 
 
 def cp_kda_comm_bytes(B: int, H: int, K: int, V: int, cp: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:

@@ -82,8 +82,9 @@ def _parse_version(version: str) -> tuple[int, int, int]:
     """``"0.6.0"`` / ``"0.5.2.dev3+g1234"`` -> ``(0, 6, 0)`` / ``(0, 5, 2)``; missing parts are 0."""
     parts = [int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3]]
     if not parts:
-        raise InputError(f"fla-core version {version!r} cannot be read; install fla-core >= "
-                         f"{'.'.join(map(str, MIN_FLA_VERSION))}")
+        raise InputError(
+            f"fla-core version {version!r} cannot be read; install fla-core >= {'.'.join(map(str, MIN_FLA_VERSION))}"
+        )
     while len(parts) < 3:
         parts.append(0)
     return parts[0], parts[1], parts[2]
@@ -93,8 +94,10 @@ def check_fla_version(version: str) -> None:
     """Raise :class:`~genolong.errors.InputError` unless ``version`` (fla-core's) is >= 0.5.2."""
     if _parse_version(version) < MIN_FLA_VERSION:
         need = ".".join(map(str, MIN_FLA_VERSION))
-        raise InputError(f"fla-core {version} is too old for genolong's fla backend (its context-parallel "
-                         f"KDA backward is wrong before {need}); pip install 'fla-core>={need}'")
+        raise InputError(
+            f"fla-core {version} is too old for genolong's fla backend (its context-parallel "
+            f"KDA backward is wrong before {need}); pip install 'fla-core>={need}'"
+        )
 
 
 def fla_version() -> str | None:
@@ -136,9 +139,17 @@ def fla_input_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
 
 
-def _check_fla_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      scale: float | None, initial_state: torch.Tensor | None, chunk_size: int,
-                      cuda_only: bool) -> float:
+def _check_fla_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None,
+    initial_state: torch.Tensor | None,
+    chunk_size: int,
+    cuda_only: bool,
+) -> float:
     """The checks both fla ops make: genolong's KDA input checks
     (:func:`~genolong.kernels.kda.recurrent.check_kda_inputs`; ``g`` and ``beta`` may be their raw
     projections), then what fla's kernel cannot take. Returns the resolved scale.
@@ -152,15 +163,21 @@ def _check_fla_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a positive power of two (e.g. 64), got {chunk_size!r}")
     if torch.float64 in (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype):
-        raise InputError("the fla KDA backend has no float64 kernels; pass float32/bfloat16/float16 "
-                         "inputs or use kernel_backend 'torch'")
+        raise InputError(
+            "the fla KDA backend has no float64 kernels; pass float32/bfloat16/float16 "
+            "inputs or use kernel_backend 'torch'"
+        )
     K = q.shape[-1]
     if K > FLA_MAX_HEAD_DIM:
-        raise InputError(f"the fla KDA backend supports key head dims up to {FLA_MAX_HEAD_DIM}, got "
-                         f"K = {K}; use kernel_backend 'torch'")
+        raise InputError(
+            f"the fla KDA backend supports key head dims up to {FLA_MAX_HEAD_DIM}, got "
+            f"K = {K}; use kernel_backend 'torch'"
+        )
     if cuda_only and q.device.type != "cuda":
-        raise InputError(f"the fla KDA backend runs on CUDA tensors only, got {q.device}; "
-                         "use kernel_backend 'torch' (or 'auto') on this device")
+        raise InputError(
+            f"the fla KDA backend runs on CUDA tensors only, got {q.device}; "
+            "use kernel_backend 'torch' (or 'auto') on this device"
+        )
     return scale
 
 
@@ -240,7 +257,10 @@ def make_fla_chunk_kda(
 # ------------------------------------------------------------------------------------------------
 # gate and beta inside the kernel
 
-def kda_gate(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+
+def kda_gate(
+    g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
+) -> torch.Tensor:
     """The KDA layer's per-channel log decay from its raw projection, in float32 (<= 0).
 
     ``g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))`` when ``lower_bound`` is set, else
@@ -258,8 +278,10 @@ def kda_gate(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lo
     """
     H, K = g_raw.shape[-2:]
     if A_log.shape != (H,) or dt_bias.shape != (H * K,):
-        raise InputError(f"A_log must be [H] = [{H}] and dt_bias [H * K] = [{H * K}] for g_raw "
-                         f"{tuple(g_raw.shape)}, got {tuple(A_log.shape)} and {tuple(dt_bias.shape)}")
+        raise InputError(
+            f"A_log must be [H] = [{H}] and dt_bias [H * K] = [{H * K}] for g_raw "
+            f"{tuple(g_raw.shape)}, got {tuple(A_log.shape)} and {tuple(dt_bias.shape)}"
+        )
     raw = g_raw.float() + dt_bias.float().view(H, K)
     rate = A_log.float().exp().view(H, 1)
     if lower_bound is not None:
@@ -292,8 +314,18 @@ def reference_chunk_kda_gated(
     beta = torch.sigmoid(beta_logits.float())
     # the lower-bound gate keeps -g below -lower_bound: chunk_kda then needs no read of g (no sync)
     bound = -lower_bound if lower_bound is not None and lower_bound < 0 else None
-    return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state, chunk_size=chunk_size, gate_bound=bound)
+    return chunk_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        chunk_size=chunk_size,
+        gate_bound=bound,
+    )
 
 
 def make_fla_chunk_kda_gated(
@@ -336,13 +368,16 @@ def make_fla_chunk_kda_gated(
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """KDA through fla-core's ``chunk_kda`` with the gate and beta applied in the kernel; see
         :func:`reference_chunk_kda_gated`."""
-        scale = _check_fla_inputs(q, k, v, g_raw, beta_logits, scale, initial_state, chunk_size,
-                                  cuda_only=default_kernel)
+        scale = _check_fla_inputs(
+            q, k, v, g_raw, beta_logits, scale, initial_state, chunk_size, cuda_only=default_kernel
+        )
         B, T, H, K = q.shape
         V = v.shape[-1]
         if A_log.shape != (H,) or dt_bias.shape != (H * K,):
-            raise InputError(f"A_log must be [H] = [{H}] and dt_bias [H * K] = [{H * K}], got "
-                             f"{tuple(A_log.shape)} and {tuple(dt_bias.shape)}")
+            raise InputError(
+                f"A_log must be [H] = [{H}] and dt_bias [H * K] = [{H * K}], got "
+                f"{tuple(A_log.shape)} and {tuple(dt_bias.shape)}"
+            )
         if T == 0:
             # no kernel call; keep A_log / dt_bias in the graph so their gradients exist (zero)
             zero = (A_log.float().sum() + dt_bias.float().sum()) * 0

@@ -48,8 +48,9 @@ def check_kda_inputs(
     if k.shape != q.shape:
         raise ValueError(f"k must have the shape of q {tuple(q.shape)} = [B, T, H, K], got {tuple(k.shape)}")
     if g.shape != q.shape:
-        raise ValueError(f"g (per-channel log decay) must have the shape of q {tuple(q.shape)} = [B, T, H, K], "
-                         f"got {tuple(g.shape)}")
+        raise ValueError(
+            f"g (per-channel log decay) must have the shape of q {tuple(q.shape)} = [B, T, H, K], got {tuple(g.shape)}"
+        )
     if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V] (B, T, H as in q), got {tuple(v.shape)}")
     if beta.shape != q.shape[:3]:
@@ -59,14 +60,16 @@ def check_kda_inputs(
         if not isinstance(initial_state, torch.Tensor) or not initial_state.is_floating_point():
             raise ValueError("initial_state must be a floating-point torch.Tensor of shape [B, H, K, V] or None")
         if initial_state.shape != (B, H, K, V):
-            raise ValueError(f"initial_state must have shape [B, H, K, V] = {(B, H, K, V)}, got {tuple(initial_state.shape)}")
+            raise ValueError(
+                f"initial_state must have shape [B, H, K, V] = {(B, H, K, V)}, got {tuple(initial_state.shape)}"
+            )
     devices = {x.device for x in tensors.values()}
     if initial_state is not None:
         devices.add(initial_state.device)
     if len(devices) > 1:
         raise ValueError(f"all KDA inputs must be on one device, got {sorted(str(d) for d in devices)}")
     if scale is None:
-        scale = K ** -0.5
+        scale = K**-0.5
     scale = float(scale)
     return scale
 
@@ -108,18 +111,18 @@ def recurrent_kda(
 
     qs = q.to(cdt) * scale
     kf, vf, gf, bf = (x.to(cdt) for x in (k, v, g, beta))
-    decay = gf.exp()                                   # [B, T, H, K]
-    S = q.new_zeros(B, H, K, V, dtype=cdt)              # [B, H, K, V]
+    decay = gf.exp()  # [B, T, H, K]
+    S = q.new_zeros(B, H, K, V, dtype=cdt)  # [B, H, K, V]
     if initial_state is not None:
         S = S + initial_state.to(cdt)
     outs: list[torch.Tensor] = []
     for q_t, k_t, v_t, a_t, b_t in zip(qs.unbind(1), kf.unbind(1), vf.unbind(1), decay.unbind(1), bf.unbind(1)):
-        S = S * a_t.unsqueeze(-1)                                           # [B, H, K, V]
-        kS = (k_t.unsqueeze(-2) @ S).squeeze(-2)                           # S^T k: [B, H, V]
+        S = S * a_t.unsqueeze(-1)  # [B, H, K, V]
+        kS = (k_t.unsqueeze(-2) @ S).squeeze(-2)  # S^T k: [B, H, V]
         S = S + (b_t.unsqueeze(-1) * k_t).unsqueeze(-1) * (v_t - kS).unsqueeze(-2)
-        outs.append((q_t.unsqueeze(-2) @ S).squeeze(-2))                   # [B, H, V]
+        outs.append((q_t.unsqueeze(-2) @ S).squeeze(-2))  # [B, H, V]
     if outs:
-        o = torch.stack(outs, dim=1)                                        # [B, T, H, V]
+        o = torch.stack(outs, dim=1)  # [B, T, H, V]
     else:
         o = vf.new_zeros(B, 0, H, V)
     return o.to(out_dtype), (S if output_final_state else None)

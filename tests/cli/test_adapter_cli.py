@@ -28,12 +28,22 @@ from genolong.evaluation.probe import ProbeResult
 from genolong.evaluation.results import EvalResult
 from genolong.evaluation.score import read_tokens
 from genolong.model import PRESETS, GenoLM
-from genolong.model.lora import ADAPTER_CONFIG, LoraSettings, adapter_parameters, apply_lora, load_adapter, merge_lora, save_adapter
+from genolong.model.lora import (
+    ADAPTER_CONFIG,
+    LoraSettings,
+    adapter_parameters,
+    apply_lora,
+    load_adapter,
+    merge_lora,
+    save_adapter,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 #: attention projections of every layer, the routed experts and a module trained in full
-_LORA = LoraSettings(rank=4, alpha=8.0, targets=("layers.*.self_attn.*",), routed_experts=True, modules_to_save=("norm",))
+_LORA = LoraSettings(
+    rank=4, alpha=8.0, targets=("layers.*.self_attn.*",), routed_experts=True, modules_to_save=("norm",)
+)
 _EVAL = ["--context", "256", "--max-tiles", "2", "--first-bucket", "64", "--quiet"]
 
 
@@ -97,7 +107,9 @@ def test_evaluate_with_adapter_equals_the_merged_export(models: Path, sample_sto
     the default name."""
     common = ["--store", str(sample_store), *_EVAL]
     adapter = models / "runs" / "lora" / "adapter"
-    assert main(["evaluate", str(models / "base"), "--adapter", str(adapter), "--out", str(tmp_path / "a"), *common]) == 0
+    assert (
+        main(["evaluate", str(models / "base"), "--adapter", str(adapter), "--out", str(tmp_path / "a"), *common]) == 0
+    )
     assert main(["evaluate", str(models / "runs" / "lora" / "export"), "--out", str(tmp_path / "m"), *common]) == 0
     assert main(["evaluate", str(models / "base"), "--out", str(tmp_path / "b"), *common]) == 0
     a, m, b = (read_tokens(tmp_path / x)["nll"].to_numpy() for x in "amb")
@@ -112,19 +124,58 @@ def test_probe_and_check_logprobs_with_adapter(models: Path, sample_store: Path,
     """probe and check-logprobs with --adapter: the same numbers as the merged export (to fp32
     rounding, 1e-6 relative), not the base's; the adapter in their metadata."""
     adapter = models / "runs" / "lora" / "adapter"
-    runs = {"a": [str(models / "base"), "--adapter", str(adapter)], "m": [str(models / "runs" / "lora" / "export")],
-            "b": [str(models / "base")]}
+    runs = {
+        "a": [str(models / "base"), "--adapter", str(adapter)],
+        "m": [str(models / "runs" / "lora" / "export")],
+        "b": [str(models / "base")],
+    }
     for key, model in runs.items():
-        assert main(["probe", *model, "--store", str(sample_store), "--context", "256", "--repeat-bases", "20",
-                     "--distances", "32,128", "--max-tiles", "2", "--quiet", "--out", str(tmp_path / f"p{key}")]) == 0
+        assert (
+            main(
+                [
+                    "probe",
+                    *model,
+                    "--store",
+                    str(sample_store),
+                    "--context",
+                    "256",
+                    "--repeat-bases",
+                    "20",
+                    "--distances",
+                    "32,128",
+                    "--max-tiles",
+                    "2",
+                    "--quiet",
+                    "--out",
+                    str(tmp_path / f"p{key}"),
+                ]
+            )
+            == 0
+        )
     a, m, b = (ProbeResult.load(tmp_path / f"p{x}") for x in "amb")
     np.testing.assert_allclose(a.tile_full, m.tile_full, rtol=1e-6)
     np.testing.assert_allclose(a.tile_cut, m.tile_cut, rtol=1e-6)
     assert np.abs(a.tile_full - b.tile_full).max() > 1e-2
     assert a.meta["adapter"] == str(adapter.resolve()) and a.label == "base+lora"
     for key, model in runs.items():
-        assert main(["check-logprobs", *model, "--store", str(sample_store), "--context", "96", "--first-bucket", "32",
-                     "--quiet", "--out", str(tmp_path / f"g{key}")]) == 0
+        assert (
+            main(
+                [
+                    "check-logprobs",
+                    *model,
+                    "--store",
+                    str(sample_store),
+                    "--context",
+                    "96",
+                    "--first-bucket",
+                    "32",
+                    "--quiet",
+                    "--out",
+                    str(tmp_path / f"g{key}"),
+                ]
+            )
+            == 0
+        )
     a, m, b = (pd.read_parquet(tmp_path / f"g{x}" / "tokens.parquet") for x in "amb")
     for column in ("train_logprob", "decode_logprob"):
         np.testing.assert_allclose(a[column], m[column], rtol=1e-6, atol=1e-7)
@@ -143,7 +194,9 @@ def _bad_adapters(models: Path, root: Path) -> list[tuple[str, list[str], str]]:
     missing = root / "missing-module"
     missing.mkdir()
     (missing / "adapter_model.safetensors").write_bytes((adapter / "adapter_model.safetensors").read_bytes())
-    (missing / ADAPTER_CONFIG).write_text(json.dumps({**config, "target_modules": ["model.language_model.layers.9.self_attn.q_proj"]}))
+    (missing / ADAPTER_CONFIG).write_text(
+        json.dumps({**config, "target_modules": ["model.language_model.layers.9.self_attn.q_proj"]})
+    )
     # an adapter trained on another geometry (hidden 96): its factors' shapes do not fit
     save_adapter(_adapted(hidden_size=96), root / "other-geometry")
     # a damaged weights file (truncated), named by genolong's checksum manifest
@@ -162,11 +215,23 @@ def _bad_adapters(models: Path, root: Path) -> list[tuple[str, list[str], str]]:
     return [
         ("no such directory", [base, "--adapter", str(root / "nowhere")], "no such directory"),
         ("no config", [base, "--adapter", str(root / "empty")], f"no {ADAPTER_CONFIG} in it"),
-        ("a module the base lacks", [base, "--adapter", str(missing)], "'layers.9.self_attn.q_proj', which this base model does not have"),
-        ("another geometry", [base, "--adapter", str(root / "other-geometry")], "this base needs (4, 64); the adapter was trained on another model"),
+        (
+            "a module the base lacks",
+            [base, "--adapter", str(missing)],
+            "'layers.9.self_attn.q_proj', which this base model does not have",
+        ),
+        (
+            "another geometry",
+            [base, "--adapter", str(root / "other-geometry")],
+            "this base needs (4, 64); the adapter was trained on another model",
+        ),
         ("a damaged file", [base, "--adapter", str(damaged)], "adapter_model.safetensors is damaged"),
         ("a LoRA run's checkpoint", [str(run), "--adapter", str(adapter)], "belongs to a LoRA fine-tune run"),
-        ("a LoRA run's export", [str(run / "export"), "--adapter", str(adapter)], "give the base model the adapter was trained on"),
+        (
+            "a LoRA run's export",
+            [str(run / "export"), "--adapter", str(adapter)],
+            "give the base model the adapter was trained on",
+        ),
     ]
 
 
@@ -178,8 +243,9 @@ def _error_line(stderr: str) -> str:
     return errors[0]
 
 
-def test_bad_adapters_are_one_line_errors_and_write_nothing(models: Path, sample_store: Path, tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_adapters_are_one_line_errors_and_write_nothing(
+    models: Path, sample_store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cases = _bad_adapters(models, tmp_path)
     for what, model, words in cases:
         out = tmp_path / "out"
@@ -188,9 +254,15 @@ def test_bad_adapters_are_one_line_errors_and_write_nothing(models: Path, sample
         assert words in err and ("--adapter" in err or "damaged" in what), (what, err)
         assert not out.exists() and not list(tmp_path.glob(".out*")), what
     # the same checks in the other two commands
-    for command, extra in (("probe", ["--context", "256", "--max-tiles", "1"]), ("check-logprobs", ["--context", "96"])):
+    for command, extra in (
+        ("probe", ["--context", "256", "--max-tiles", "1"]),
+        ("check-logprobs", ["--context", "96"]),
+    ):
         for what, model, words in (cases[1], cases[3]):
-            assert main([command, *model, "--store", str(sample_store), "--quiet", "--out", str(tmp_path / "out"), *extra]) == 2
+            assert (
+                main([command, *model, "--store", str(sample_store), "--quiet", "--out", str(tmp_path / "out"), *extra])
+                == 2
+            )
             err = _error_line(capsys.readouterr().err)
             assert words in err, (command, what, err)
             assert not (tmp_path / "out").exists()
@@ -198,19 +270,42 @@ def test_bad_adapters_are_one_line_errors_and_write_nothing(models: Path, sample
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_multi_process_evaluation_merges_the_adapter_into_each_shard(models: Path, sample_store: Path, tmp_path: Path) -> None:
+def test_multi_process_evaluation_merges_the_adapter_into_each_shard(
+    models: Path, sample_store: Path, tmp_path: Path
+) -> None:
     """evaluate BASE --adapter DIR on 2 processes (FSDP2 dp_shard 2: every weight, the routed
     experts' included, split over the ranks; each rank merges its own rows) equals the one-process
     run to 1e-5 relative (as the other multi-process evaluations: another summation order)."""
     common = ["--store", str(sample_store), *_EVAL, "--adapter", str(models / "runs" / "lora" / "adapter")]
     assert main(["evaluate", str(models / "base"), *common, "--out", str(tmp_path / "one")]) == 0
     env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "genolong.cli", "evaluate", str(models / "base"), *common,
-                          "--out", str(tmp_path / "two"), "--set", "parallel.accelerator=cpu", "--set", "parallel.devices=2",
-                          "--set", "parallel.dp_shard=2"], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "genolong.cli",
+            "evaluate",
+            str(models / "base"),
+            *common,
+            "--out",
+            str(tmp_path / "two"),
+            "--set",
+            "parallel.accelerator=cpu",
+            "--set",
+            "parallel.devices=2",
+            "--set",
+            "parallel.dp_shard=2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     one, two = read_tokens(tmp_path / "one"), read_tokens(tmp_path / "two")
     np.testing.assert_allclose(two["nll"], one["nll"], rtol=1e-5, atol=0)
     assert (one["position"].to_numpy() == two["position"].to_numpy()).all()
     meta = EvalResult.load(tmp_path / "two").meta
-    assert meta["parallel"]["dp_shard"] == 2 and meta["adapter"] == str((models / "runs" / "lora" / "adapter").resolve())
+    assert meta["parallel"]["dp_shard"] == 2 and meta["adapter"] == str(
+        (models / "runs" / "lora" / "adapter").resolve()
+    )

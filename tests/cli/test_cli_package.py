@@ -53,30 +53,48 @@ def test_kernel_backend_choices_are_the_registry_with_auto_first(monkeypatch: py
 
 def test_parallel_sets_take_the_section_s_own_values() -> None:
     assert parallel_from_sets([]) == ParallelSection()
-    section = parallel_from_sets(["parallel.devices=2", "parallel.cp=2", "parallel.accelerator=cpu",
-                                  "parallel.timeout_s=7", "parallel.devices=4"])
-    assert (section.devices, section.cp, section.accelerator, section.world_size) == (4, 2, "cpu", 4)  # the last item wins
+    section = parallel_from_sets(
+        [
+            "parallel.devices=2",
+            "parallel.cp=2",
+            "parallel.accelerator=cpu",
+            "parallel.timeout_s=7",
+            "parallel.devices=4",
+        ]
+    )
+    assert (section.devices, section.cp, section.accelerator, section.world_size) == (
+        4,
+        2,
+        "cpu",
+        4,
+    )  # the last item wins
     assert isinstance(section.timeout_s, float) and section.timeout_s == 7.0  # whole seconds held as a number
     assert parallel_from_sets(["parallel.timeout_s=0.5"]).timeout_s == 0.5
 
 
-@pytest.mark.parametrize(("item", "message"), [
-    ("train.lr=1", "without --recipe only the parallel section can be set, one of parallel.accelerator, "
-                   "parallel.devices, parallel.num_nodes, parallel.cp, parallel.dp_shard, parallel.dp_replicate, "
-                   "parallel.ep, parallel.timeout_s"),
-    ("parallel.gpus=2", "without --recipe only the parallel section can be set, one of parallel.accelerator"),
-    ("parallel.accelerator=tpu", "parallel.accelerator is one of cpu, gpu, cuda, auto"),
-    ("parallel.accelerator=1", "parallel.accelerator is one of cpu, gpu, cuda, auto"),
-    ("parallel.devices=x", "parallel.devices must be an integer"),
-    ("parallel.cp=2.0", "parallel.cp must be an integer"),
-    ("parallel.ep=true", "parallel.ep must be an integer"),
-    ("parallel.dp_shard=null", "parallel.dp_shard must be an integer"),
-    ("parallel.timeout_s=0", "parallel.timeout_s must be a number of seconds > 0"),
-    ("parallel.timeout_s=-1.5", "parallel.timeout_s must be a number of seconds > 0"),
-    ("parallel.timeout_s=true", "parallel.timeout_s must be a number of seconds > 0"),
-    ("parallel.timeout_s=.nan", "parallel.timeout_s must be a number of seconds > 0"),
-    ("parallel.timeout_s='30'", "parallel.timeout_s must be a number of seconds > 0"),
-])
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        (
+            "train.lr=1",
+            "without --recipe only the parallel section can be set, one of parallel.accelerator, "
+            "parallel.devices, parallel.num_nodes, parallel.cp, parallel.dp_shard, parallel.dp_replicate, "
+            "parallel.ep, parallel.timeout_s",
+        ),
+        ("parallel.gpus=2", "without --recipe only the parallel section can be set, one of parallel.accelerator"),
+        ("parallel.accelerator=tpu", "parallel.accelerator is one of cpu, gpu, cuda, auto"),
+        ("parallel.accelerator=1", "parallel.accelerator is one of cpu, gpu, cuda, auto"),
+        ("parallel.devices=x", "parallel.devices must be an integer"),
+        ("parallel.cp=2.0", "parallel.cp must be an integer"),
+        ("parallel.ep=true", "parallel.ep must be an integer"),
+        ("parallel.dp_shard=null", "parallel.dp_shard must be an integer"),
+        ("parallel.timeout_s=0", "parallel.timeout_s must be a number of seconds > 0"),
+        ("parallel.timeout_s=-1.5", "parallel.timeout_s must be a number of seconds > 0"),
+        ("parallel.timeout_s=true", "parallel.timeout_s must be a number of seconds > 0"),
+        ("parallel.timeout_s=.nan", "parallel.timeout_s must be a number of seconds > 0"),
+        ("parallel.timeout_s='30'", "parallel.timeout_s must be a number of seconds > 0"),
+    ],
+)
 def test_a_bad_parallel_set_is_one_line_naming_the_item(item: str, message: str) -> None:
     with pytest.raises(InputError) as info:
         parallel_from_sets(["parallel.devices=2", item])
@@ -87,21 +105,32 @@ def test_a_bad_parallel_set_is_one_line_naming_the_item(item: str, message: str)
 def test_an_infinite_timeout_is_a_one_line_error_not_a_traceback() -> None:
     # the section refuses inf (allow_inf_nan=False): a --set item now says so in one line, where the
     # checks copied into the command line let it through to a pydantic traceback
-    with pytest.raises(InputError, match=r"^--set 'parallel.timeout_s=.inf': parallel.timeout_s must be a number of seconds > 0$"):
+    with pytest.raises(
+        InputError, match=r"^--set 'parallel.timeout_s=.inf': parallel.timeout_s must be a number of seconds > 0$"
+    ):
         parallel_from_sets(["parallel.timeout_s=.inf"])
 
 
-def test_the_scoring_commands_report_a_bad_parallel_set_in_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_the_scoring_commands_report_a_bad_parallel_set_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     # through main: the error is the command's one line with exit code 2, before any model or store is read
-    for command in (["evaluate", "m", "--store", "s", "--context", "128"], ["probe", "m", "--store", "s", "--context", "128"],
-                    ["check-logprobs", "m", "--store", "s", "--context", "64", "--out", str(tmp_path / "x")]):
+    for command in (
+        ["evaluate", "m", "--store", "s", "--context", "128"],
+        ["probe", "m", "--store", "s", "--context", "128"],
+        ["check-logprobs", "m", "--store", "s", "--context", "64", "--out", str(tmp_path / "x")],
+    ):
         assert cli.main([*command, "--set", "parallel.timeout_s=0"]) == 2
         err = capsys.readouterr().err
-        assert err == (f"genolong {command[0]}: error: --set 'parallel.timeout_s=0': "
-                       "parallel.timeout_s must be a number of seconds > 0\n"), err
+        assert err == (
+            f"genolong {command[0]}: error: --set 'parallel.timeout_s=0': "
+            "parallel.timeout_s must be a number of seconds > 0\n"
+        ), err
 
 
-def test_log_lines_follow_the_stderr_of_the_moment(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_log_lines_follow_the_stderr_of_the_moment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """genolong's log handler writes to the ``sys.stderr`` of each record, not to the one it was
     made under: a handler made under a capture that is closed later would make every later log
     line an "I/O operation on closed file" error (seen under pytest-xdist)."""

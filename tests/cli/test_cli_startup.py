@@ -52,16 +52,34 @@ def _tiny_result(directory: Path, label: str, seed: int) -> Path:
     tile_tokens = np.tile(np.diff(edges), (w, 1)).astype(np.int64)
     tile_nll = tile_tokens * rng.uniform(1.2, 1.4, size=(w, k))
     position_tokens = np.r_[0, np.full(context - 1, w)].astype(np.int64)
-    meta = {"format": FORMAT, "label": label, "checkpoint": f"{label}.ckpt", "store": "genome", "split": "eval",
-            "context": context, "context_cut": None, "bucket_edges": [int(e) for e in edges], "tiles": w,
-            "tokens": int(tile_tokens.sum()), "nll_sum": float(tile_nll.sum()), "fingerprint": "f" * 64,
-            "dtype": "float32"}
-    tiles = pd.DataFrame({"tile": np.arange(w), "contig": ["chr22"] * w, "start": np.arange(w) * context,
-                          "length": np.full(w, context)})
+    meta = {
+        "format": FORMAT,
+        "label": label,
+        "checkpoint": f"{label}.ckpt",
+        "store": "genome",
+        "split": "eval",
+        "context": context,
+        "context_cut": None,
+        "bucket_edges": [int(e) for e in edges],
+        "tiles": w,
+        "tokens": int(tile_tokens.sum()),
+        "nll_sum": float(tile_nll.sum()),
+        "fingerprint": "f" * 64,
+        "dtype": "float32",
+    }
+    tiles = pd.DataFrame(
+        {"tile": np.arange(w), "contig": ["chr22"] * w, "start": np.arange(w) * context, "length": np.full(w, context)}
+    )
     position_nll = position_tokens * rng.uniform(1.2, 1.4, context)
     position_nll *= tile_nll.sum() / position_nll.sum()  # the result checks that both tables add up to the same loss
-    result = EvalResult(meta=meta, tiles=tiles, tile_tokens=tile_tokens, tile_nll=tile_nll,
-                        position_tokens=position_tokens, position_nll=position_nll)
+    result = EvalResult(
+        meta=meta,
+        tiles=tiles,
+        tile_tokens=tile_tokens,
+        tile_nll=tile_nll,
+        position_tokens=position_tokens,
+        position_nll=position_nll,
+    )
     directory.mkdir(parents=True)
     result.save(directory)
     return directory
@@ -74,21 +92,42 @@ def startup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("startup")
     a, b = _tiny_result(tmp / "a", "A", 0), _tiny_result(tmp / "b", "B", 1)
     commands = sorted(command.name for command in COMMANDS)
-    runs = [["--help"], *([c, "--help"] for c in commands),
-            ["prepare", str(REPO / "data" / "sample" / "sample.fa.gz"), "--out", str(tmp / "store"), "--train", "chr1",
-             "--eval", "chr22", "--quiet"],
-            ["plan", str(REPO / "recipes" / "quickstart.yaml"), "--gpus", "1"],
-            ["plan", str(REPO / "recipes" / "quickstart.yaml"), "--gpus", "1", "--evaluate"],
-            ["compare", str(a), str(b), "--n-boot", "50"],
-            ["plot", str(a), str(b), "--out", str(tmp / "figures"), "--format", "png", "--n-boot", "50"]]
+    runs = [
+        ["--help"],
+        *([c, "--help"] for c in commands),
+        [
+            "prepare",
+            str(REPO / "data" / "sample" / "sample.fa.gz"),
+            "--out",
+            str(tmp / "store"),
+            "--train",
+            "chr1",
+            "--eval",
+            "chr22",
+            "--quiet",
+        ],
+        ["plan", str(REPO / "recipes" / "quickstart.yaml"), "--gpus", "1"],
+        ["plan", str(REPO / "recipes" / "quickstart.yaml"), "--gpus", "1", "--evaluate"],
+        ["compare", str(a), str(b), "--n-boot", "50"],
+        ["plot", str(a), str(b), "--out", str(tmp / "figures"), "--format", "png", "--n-boot", "50"],
+    ]
     # pandas is watched too, as a control: compare needs it, so the runner must report it from then on
-    proc = subprocess.run([sys.executable, "-c", RUNNER, ",".join((*HEAVY, "pandas")), json.dumps(runs)],
-                          capture_output=True, text=True, cwd=tmp, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER, ",".join((*HEAVY, "pandas")), json.dumps(runs)],
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [json.loads(line.removeprefix("RESULT ")) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    results = [
+        json.loads(line.removeprefix("RESULT ")) for line in proc.stdout.splitlines() if line.startswith("RESULT ")
+    ]
     assert [r["argv"] for r in results] == runs, proc.stderr[-3000:]
-    return {" ".join(r["argv"]): {**r, "heavy": [m for m in r["heavy"] if m in HEAVY],
-                                  "pandas": "pandas" in r["heavy"]} for r in results}
+    return {
+        " ".join(r["argv"]): {**r, "heavy": [m for m in r["heavy"] if m in HEAVY], "pandas": "pandas" in r["heavy"]}
+        for r in results
+    }
 
 
 def test_help_texts_load_no_torch(startup: dict[str, dict]) -> None:
@@ -119,8 +158,12 @@ def test_runner_reports_what_a_command_loads(startup: dict[str, dict]) -> None:
 def test_a_closed_pipe_ends_the_command_quietly() -> None:
     """`genolong plan RECIPE | head`: the reader gone before the plan is printed gives no traceback,
     and the status of a command killed by SIGPIPE (141), as cat's."""
-    proc = subprocess.Popen([sys.executable, "-m", "genolong.cli", "plan", str(REPO / "recipes" / "quickstart.yaml"), "--gpus", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "genolong.cli", "plan", str(REPO / "recipes" / "quickstart.yaml"), "--gpus", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd="/",
+    )
     assert proc.stdout is not None
     proc.stdout.close()  # before the command has written anything
     _, err = proc.communicate(timeout=120)

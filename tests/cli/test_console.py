@@ -22,9 +22,20 @@ from genolong.cli import main
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # what Lightning printed between genolong's lines before genolong.console (issue 18)
-_NOISE = ("GPU available", "TPU available", "Tip:", "litlogger", "Initializing distributed", "distributed_backend",
-          "All distributed processes registered", "limit_val_batches", "Validation DataLoader", "Sanity Checking",
-          "`Trainer.fit` stopped", "LeafSpec")
+_NOISE = (
+    "GPU available",
+    "TPU available",
+    "Tip:",
+    "litlogger",
+    "Initializing distributed",
+    "distributed_backend",
+    "All distributed processes registered",
+    "limit_val_batches",
+    "Validation DataLoader",
+    "Sanity Checking",
+    "`Trainer.fit` stopped",
+    "LeafSpec",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -45,8 +56,11 @@ def _fresh_console(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def _library_records(caplog: pytest.LogCaptureFixture) -> list[str]:
     """The messages below WARNING that Lightning's and torch's loggers let through."""
-    return [r.getMessage() for r in caplog.records
-            if r.name.startswith(("lightning", "pytorch_lightning", "torch")) and r.levelno < logging.WARNING]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith(("lightning", "pytorch_lightning", "torch")) and r.levelno < logging.WARNING
+    ]
 
 
 def _tiny_recipe(tmp_path: Path, store: Path, name: str, **sections: dict) -> Path:
@@ -75,7 +89,10 @@ def _finetune(tmp_path: Path, store: Path, name: str, *args: str, **sections: di
     filters (recorded, with every other filter set to "always": what a user would see)."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        launcher = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")}
+        launcher = {
+            name: os.environ.get(name)
+            for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+        }
         assert main(["finetune", str(_tiny_recipe(tmp_path, store, name, **sections)), *args]) == 0
     import torch.distributed as dist
 
@@ -87,10 +104,13 @@ def _finetune(tmp_path: Path, store: Path, name: str, *args: str, **sections: di
     return seen
 
 
-def test_finetune_prints_genolong_lines_and_setup_warnings_only(sample_store: Path, tmp_path: Path,
-                                                                capfd: pytest.CaptureFixture[str],
-                                                                caplog: pytest.LogCaptureFixture,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_finetune_prints_genolong_lines_and_setup_warnings_only(
+    sample_store: Path,
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # a machine with more CPUs than this one: Lightning's PossibleUserWarning about the data loader
     # workers (a warning about the user's setup, raised inside Lightning) must still show
     from lightning.pytorch.trainer.connectors import data_connector
@@ -112,10 +132,12 @@ def test_finetune_prints_genolong_lines_and_setup_warnings_only(sample_store: Pa
     assert logging.getLogger("lightning.pytorch").level == logging.INFO  # restored after the run
 
 
-def test_finetune_verbose_shows_lightning(sample_store: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str],
-                                          caplog: pytest.LogCaptureFixture) -> None:
-    seen = _finetune(tmp_path, sample_store, "loud", "--verbose", eval={"every_n_steps": 0},
-                     checkpoint={"export_safetensors": False})
+def test_finetune_verbose_shows_lightning(
+    sample_store: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    seen = _finetune(
+        tmp_path, sample_store, "loud", "--verbose", eval={"every_n_steps": 0}, checkpoint={"export_safetensors": False}
+    )
     out, _ = capfd.readouterr()
     assert "genolong finetune: loud: 1 steps" in out
     shown = "\n".join(_library_records(caplog))
@@ -126,17 +148,22 @@ def test_finetune_verbose_shows_lightning(sample_store: Path, tmp_path: Path, ca
     assert any(w.filename.endswith("_pytree.py") for w in seen), [str(w.message) for w in seen]
 
 
-@pytest.mark.parametrize(("env", "zero"), [
-    ({}, True),
-    ({"RANK": "0", "LOCAL_RANK": "0"}, True),
-    ({"RANK": "3", "LOCAL_RANK": "1"}, False),  # torchrun
-    ({"LOCAL_RANK": "1"}, False),  # started by Lightning itself
-    ({"LOCAL_RANK": "0", "NODE_RANK": "1"}, False),  # the first process of the second node
-    ({"LOCAL_RANK": "0", "NODE_RANK": "0", "SLURM_PROCID": "5"}, True),  # Lightning's order: LOCAL_RANK first
-    ({"SLURM_PROCID": "2"}, False),  # srun
-    ({"SLURM_PROCID": "0"}, True),
-])
-def test_rank_zero_from_the_launcher_environment(env: dict[str, str], zero: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("env", "zero"),
+    [
+        ({}, True),
+        ({"RANK": "0", "LOCAL_RANK": "0"}, True),
+        ({"RANK": "3", "LOCAL_RANK": "1"}, False),  # torchrun
+        ({"LOCAL_RANK": "1"}, False),  # started by Lightning itself
+        ({"LOCAL_RANK": "0", "NODE_RANK": "1"}, False),  # the first process of the second node
+        ({"LOCAL_RANK": "0", "NODE_RANK": "0", "SLURM_PROCID": "5"}, True),  # Lightning's order: LOCAL_RANK first
+        ({"SLURM_PROCID": "2"}, False),  # srun
+        ({"SLURM_PROCID": "0"}, True),
+    ],
+)
+def test_rank_zero_from_the_launcher_environment(
+    env: dict[str, str], zero: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _launcher_env(monkeypatch, env)
     assert console.is_rank_zero() is zero
 
@@ -220,6 +247,11 @@ def test_library_warnings_hidden_setup_warnings_kept(monkeypatch: pytest.MonkeyP
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             with console.quiet_run(verbose=False):
-                warnings.warn_explicit(srun, PossibleUserWarning, "lightning/fabric/plugins/environments/slurm.py", 204,
-                                       module="lightning.fabric.plugins.environments.slurm")
+                warnings.warn_explicit(
+                    srun,
+                    PossibleUserWarning,
+                    "lightning/fabric/plugins/environments/slurm.py",
+                    204,
+                    module="lightning.fabric.plugins.environments.slurm",
+                )
         assert bool(seen) is shown, job_id

@@ -17,7 +17,15 @@ from genolong.config import Recipe, _RecipeLoader, load_recipe
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 SHIPPED = sorted(RECIPES.glob("*.yaml"))
-_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "null": type(None), "array": list, "object": dict}
+_TYPES = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "null": type(None),
+    "array": list,
+    "object": dict,
+}
 
 
 def violations(value: Any, node: dict[str, Any], defs: dict[str, Any], where: str = "") -> list[str]:
@@ -26,7 +34,11 @@ def violations(value: Any, node: dict[str, Any], defs: dict[str, Any], where: st
     if "$ref" in node:
         node = {**defs[node["$ref"].rsplit("/", 1)[-1]], **{k: v for k, v in node.items() if k != "$ref"}}
     if "anyOf" in node:
-        return [] if any(not violations(value, n, defs, where) for n in node["anyOf"]) else [f"{where}: {value!r} matches no option"]
+        return (
+            []
+            if any(not violations(value, n, defs, where) for n in node["anyOf"])
+            else [f"{where}: {value!r} matches no option"]
+        )
     if "enum" in node and value not in node["enum"]:
         return [f"{where}: {value!r} not in {node['enum']}"]
     kind = _TYPES.get(node.get("type", ""), object)
@@ -37,7 +49,9 @@ def violations(value: Any, node: dict[str, Any], defs: dict[str, Any], where: st
     out: list[str] = []
     if isinstance(value, dict):
         props = node.get("properties", {})
-        out += [f"{where}.{k}: unknown key" for k in value if k not in props and node.get("additionalProperties") is False]
+        out += [
+            f"{where}.{k}: unknown key" for k in value if k not in props and node.get("additionalProperties") is False
+        ]
         out += [f"{where}.{k}: missing" for k in node.get("required", ()) if k not in value]
         for k, v in value.items():
             if k in props:
@@ -69,7 +83,11 @@ def test_schema_has_every_section_key_type_and_description(schema: dict[str, Any
             assert list(section["properties"]) == [g.name for g in dataclasses.fields(hints[name])]
             assert section["additionalProperties"] is False and section["description"]
             assert all(p.get("description") for p in section["properties"].values()), name
-    train, memory, data = defs["TrainSection"]["properties"], defs["MemorySection"]["properties"], defs["DataSection"]["properties"]
+    train, memory, data = (
+        defs["TrainSection"]["properties"],
+        defs["MemorySection"]["properties"],
+        defs["DataSection"]["properties"],
+    )
     assert train["precision"]["enum"] == ["32-true", "bf16-mixed"]
     assert memory["recompute"]["enum"] == ["none", "selective", "full", "chunked"]
     assert train["max_steps"] == {**train["max_steps"], "type": "integer", "minimum": 1}
@@ -91,11 +109,17 @@ def test_schema_rejects_a_typo_and_a_wrong_type(schema: dict[str, Any]) -> None:
     raw["model"]["vocab_map"] = "identiti"
     raw["memory"]["ce_chunk_tokens"] = 0
     assert sorted(violations(raw, schema, schema["$defs"])) == [
-        "data.context: '8192' is not integer", "memory.ce_chunk_tokens: 0 < 1", "model.vocab_map: 'identiti' matches no option",
-        "train.max_step: unknown key", "train.max_steps: missing"]
+        "data.context: '8192' is not integer",
+        "memory.ce_chunk_tokens: 0 < 1",
+        "model.vocab_map: 'identiti' matches no option",
+        "train.max_step: unknown key",
+        "train.max_steps: missing",
+    ]
 
 
-def test_show_prints_the_resolved_recipe_which_loads_back_equal(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_show_prints_the_resolved_recipe_which_loads_back_equal(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     sets = ["train.lr=3e-4", "model.freeze=[embed_tokens.*]"]
     assert main(["recipe", "show", str(RECIPES / "quickstart.yaml"), *sum((["--set", s] for s in sets), [])]) == 0
     text = capsys.readouterr().out
@@ -109,7 +133,10 @@ def test_show_prints_the_resolved_recipe_which_loads_back_equal(capsys: pytest.C
 def test_recipe_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["recipe", "show", str(RECIPES / "quickstart.yaml"), "--set", "train.max_step=5"]) == 2
     err = capsys.readouterr().err
-    assert err == "genolong recipe: error: --set 'train.max_step=5': unknown key train.max_step; did you mean train.max_steps?\n"
+    assert (
+        err
+        == "genolong recipe: error: --set 'train.max_step=5': unknown key train.max_step; did you mean train.max_steps?\n"
+    )
     out = tmp_path / "s.json"
     out.write_text("{}")
     assert main(["recipe", "schema", "--out", str(out)]) == 2

@@ -74,17 +74,20 @@ def _write_vcf(path: Path, seq: str) -> dict[str, int]:
     records = [
         ("snv", 1_201, up[1_200], other(up[1_200])),
         ("multi", 2_502, up[2_501], f"{other(up[2_501])},T" if up[2_501] != "T" else "C,G"),
-        ("del_left", h, up[h - 1:h + 1], up[h - 1]),  # anchor before the run + one run base (left-aligned)
-        ("del_right", h + n - 1, up[h + n - 2:h + n], up[h + n - 2]),  # the same deletion, at the run's end
-        ("del_padded", h, up[h - 1:h + 2], up[h - 1] + up[h + 1]),  # the same deletion with a padding base
+        ("del_left", h, up[h - 1 : h + 1], up[h - 1]),  # anchor before the run + one run base (left-aligned)
+        ("del_right", h + n - 1, up[h + n - 2 : h + n], up[h + n - 2]),  # the same deletion, at the run's end
+        ("del_padded", h, up[h - 1 : h + 2], up[h - 1] + up[h + 1]),  # the same deletion with a padding base
         ("ins", 9_001, up[9_000], up[9_000] + "TTG"),
         ("mnv", 12_001, up[12_000:12_002], other(up[12_000]) + other(up[12_001])),
         ("same", 15_001, up[15_000], up[15_000]),
         ("symbolic", 16_001, up[16_000], "<DEL>"),
         ("mismatch", 17_001, other(up[17_000]), up[17_000]),
     ]
-    lines = ["##fileformat=VCFv4.2", f"##contig=<ID=chr16,length={len(seq)}>",
-             "#CHROM\tPOS\tID\tREF\tALT\tQUAL\tFILTER\tINFO"]
+    lines = [
+        "##fileformat=VCFv4.2",
+        f"##contig=<ID=chr16,length={len(seq)}>",
+        "#CHROM\tPOS\tID\tREF\tALT\tQUAL\tFILTER\tINFO",
+    ]
     order = sorted(range(len(records)), key=lambda i: records[i][1])
     index = {}
     for k, i in enumerate(order):
@@ -97,9 +100,23 @@ def _write_vcf(path: Path, seq: str) -> dict[str, int]:
 
 def _args(root: Path) -> list[str]:
     """The ``variants`` arguments of the module's run (all but ``--out``)."""
-    return ["variants", str(root / "model"), "--vcf", str(root / "calls.vcf.gz"), "--fasta", str(root / "chr16.fa.gz"),
-            "--contexts", ",".join(map(str, CONTEXTS)), "--window", str(WINDOW), "--segment-tokens", "64", "--quiet",
-            "--max-ref-mismatch", "0.2"]  # its one mismatch of 10 compared alleles: 10%, past the default 5%
+    return [
+        "variants",
+        str(root / "model"),
+        "--vcf",
+        str(root / "calls.vcf.gz"),
+        "--fasta",
+        str(root / "chr16.fa.gz"),
+        "--contexts",
+        ",".join(map(str, CONTEXTS)),
+        "--window",
+        str(WINDOW),
+        "--segment-tokens",
+        "64",
+        "--quiet",
+        "--max-ref-mismatch",
+        "0.2",
+    ]  # its one mismatch of 10 compared alleles: 10%, past the default 5%
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +129,7 @@ def run(one_thread: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pat
     GenoLM(PRESETS["tiny"]).save_pretrained(root / "model")
     seq = _sequence()[:20_000]
     with gzip.open(root / "chr16.fa.gz", "wt") as handle:  # plain gzip, as UCSC's downloads
-        handle.write(">chr16\n" + "\n".join(seq[i:i + 60] for i in range(0, len(seq), 60)) + "\n")
+        handle.write(">chr16\n" + "\n".join(seq[i : i + 60] for i in range(0, len(seq), 60)) + "\n")
     index = _write_vcf(root / "calls.vcf", seq)
     pysam.tabix_compress(str(root / "calls.vcf"), str(root / "calls.vcf.gz"))
     status = main([*_args(root), "--out", str(root / "out")])
@@ -175,16 +192,19 @@ def test_scores_equal_the_brute_force(run: tuple[Path, dict[str, int]]) -> None:
     assert worst <= TOL, worst
 
 
-def test_an_existing_out_and_a_vcf_of_nothing_scorable_are_one_line(run: tuple[Path, dict[str, int]], tmp_path: Path,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_existing_out_and_a_vcf_of_nothing_scorable_are_one_line(
+    run: tuple[Path, dict[str, int]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     root, _ = run
     common = [str(root / "model"), "--fasta", str(root / "chr16.fa.gz"), "--context", "64", "--quiet"]
     assert main(["variants", *common, "--vcf", str(root / "calls.vcf.gz"), "--out", str(root / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "already exists" in err[0] and "--force" in err[0]
     only = tmp_path / "symbolic.vcf"
-    only.write_text("##fileformat=VCFv4.2\n##contig=<ID=chr16>\n#CHROM\tPOS\tID\tREF\tALT\tQUAL\tFILTER\tINFO\n"
-                    "chr16\t100\t.\tA\t<DEL>\t.\t.\t.\n")
+    only.write_text(
+        "##fileformat=VCFv4.2\n##contig=<ID=chr16>\n#CHROM\tPOS\tID\tREF\tALT\tQUAL\tFILTER\tINFO\n"
+        "chr16\t100\t.\tA\t<DEL>\t.\t.\t.\n"
+    )
     seq = _sequence()
     only.write_text(only.read_text().replace("\tA\t<DEL>", f"\t{seq[99].upper()}\t<DEL>"))
     assert main(["variants", *common, "--vcf", str(only), "--out", str(tmp_path / "none")]) == 2
@@ -224,8 +244,9 @@ _ENV = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_TH
 
 
 @pytest.mark.slow
-def test_sigterm_stops_after_a_committed_block_and_the_same_command_finishes(run: tuple[Path, dict[str, int]],
-                                                                              tmp_path: Path) -> None:
+def test_sigterm_stops_after_a_committed_block_and_the_same_command_finishes(
+    run: tuple[Path, dict[str, int]], tmp_path: Path
+) -> None:
     root, _ = run
     args = [*_args(root), "--out", str(tmp_path / "stopped")]
     blocks = sum(json.loads((root / "out" / "meta.json").read_text())["blocks"])
@@ -233,8 +254,13 @@ def test_sigterm_stops_after_a_committed_block_and_the_same_command_finishes(run
     work = tmp_path / ".stopped.partial"
     parts = work / "parts"
     marker = tmp_path / "second-block-started"
-    proc = subprocess.Popen([sys.executable, "-c", _HELD, *args], env={**_ENV, "HELD_MARKER": str(marker)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HELD, *args],
+        env={**_ENV, "HELD_MARKER": str(marker)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None and not marker.exists():
         time.sleep(0.01)
@@ -245,8 +271,10 @@ def test_sigterm_stops_after_a_committed_block_and_the_same_command_finishes(run
     assert proc.returncode == PREEMPTED_EXIT_CODE == 75, err[-3000:]
     lines = err.strip().splitlines()
     assert "Traceback" not in err and sum("stopped" in line for line in lines) == 1, err
-    assert lines[-1] == (f"genolong variants: stopped by SIGTERM after 2 of {blocks} blocks; they are kept in {work}, "
-                         "where the same command resumes"), err
+    assert lines[-1] == (
+        f"genolong variants: stopped by SIGTERM after 2 of {blocks} blocks; they are kept in {work}, "
+        "where the same command resumes"
+    ), err
     # nothing under the result name; in the work directory its settings, timing and the 2 blocks, whole
     assert not (tmp_path / "stopped").exists()
     assert sorted(p.name for p in work.iterdir()) == ["parts", "settings.json", "timing.json"]
@@ -255,13 +283,17 @@ def test_sigterm_stops_after_a_committed_block_and_the_same_command_finishes(run
     # the reference: the same command uninterrupted in a fresh process (not the fixture's in-process
     # run, whose torch state the tests before it may have touched)
     plain = [*_args(root), "--out", str(tmp_path / "plain")]
-    reference = subprocess.run([sys.executable, "-c", _PLAIN, *plain], env=_ENV, capture_output=True, text=True, timeout=300)
+    reference = subprocess.run(
+        [sys.executable, "-c", _PLAIN, *plain], env=_ENV, capture_output=True, text=True, timeout=300
+    )
     assert reference.returncode == 0, reference.stderr[-3000:]
     whole = pd.read_parquet(tmp_path / "plain" / "scores.parquet")
     for part in committed:
         rows = pd.read_parquet(part)
         assert len(rows) > 0 and (rows["context"] == CONTEXTS[0]).all()
-        mine = whole.set_index(["context", "record", "allele"]).loc[list(zip(rows["context"], rows["record"], rows["allele"]))]
+        mine = whole.set_index(["context", "record", "allele"]).loc[
+            list(zip(rows["context"], rows["record"], rows["allele"]))
+        ]
         assert np.array_equal(mine["llr"].to_numpy(), rows["llr"].to_numpy())  # exact: one thread, the same ops
 
     again = subprocess.run([sys.executable, "-c", _PLAIN, *args], env=_ENV, capture_output=True, text=True, timeout=300)
@@ -285,7 +317,12 @@ def test_scored_vcf_carries_provenance_and_per_allele_fields(run: tuple[Path, di
     with pysam.VariantFile(str(out / "scored.vcf.gz")) as vcf:
         line = next(r for r in vcf.header.records if r.key == "genolong_variants")
         for c in CONTEXTS:
-            for name, type_ in (("LLR", "Float"), ("LOGP_REF", "Float"), ("LOGP_ALT", "Float"), ("CONTEXT_USED", "Integer")):
+            for name, type_ in (
+                ("LLR", "Float"),
+                ("LOGP_REF", "Float"),
+                ("LOGP_ALT", "Float"),
+                ("CONTEXT_USED", "Integer"),
+            ):
                 info = vcf.header.info[f"GENOLONG_{name}_L{c}"]
                 assert (info.number, info.type) == ("A", type_)
             assert "fixed grid" in vcf.header.info[f"GENOLONG_CONTEXT_USED_L{c}"].description
@@ -306,8 +343,9 @@ def test_scored_vcf_carries_provenance_and_per_allele_fields(run: tuple[Path, di
         assert row.context_used == row.pos - 1 - max(0, (row.pos - 1) // row.context * row.context - row.context)
 
 
-def test_another_build_stops_in_one_line_and_writes_nothing(run: tuple[Path, dict[str, int]], tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_another_build_stops_in_one_line_and_writes_nothing(
+    run: tuple[Path, dict[str, int]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Issue 46: SNVs whose positions are shifted (another build, or 0-based POS): past 5% of REF
     mismatches the run stops with one line naming the causes, status 2, nothing written. The
     shift by one is recognised."""
@@ -319,8 +357,16 @@ def test_another_build_stops_in_one_line_and_writes_nothing(run: tuple[Path, dic
         lines.append(f"chr16\t{pos0}\ts{k}\t{ref}\t{'C' if ref != 'C' else 'G'}\t.\t.\t.")
     shifted = tmp_path / "shifted.vcf"
     shifted.write_text("\n".join(lines) + "\n")
-    common = [str(root / "model"), "--fasta", str(root / "chr16.fa.gz"), "--context", "64", "--quiet",
-              "--vcf", str(shifted)]
+    common = [
+        str(root / "model"),
+        "--fasta",
+        str(root / "chr16.fa.gz"),
+        "--context",
+        "64",
+        "--quiet",
+        "--vcf",
+        str(shifted),
+    ]
     assert main(["variants", *common, "--out", str(tmp_path / "scored")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
@@ -329,8 +375,16 @@ def test_another_build_stops_in_one_line_and_writes_nothing(run: tuple[Path, dic
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shifted.vcf"]  # nothing written
     # every REF wrong: that is another build too, not "nothing scorable"
     wrong = tmp_path / "wrong.vcf"
-    wrong.write_text("\n".join(lines[:2] + [f"chr16\t{p + 1}\tw{k}\t{'C' if seq[p] != 'C' else 'G'}\t{seq[p]}\t.\t.\t."
-                                          for k, p in enumerate(range(1_000, 19_000, 450))]) + "\n")
+    wrong.write_text(
+        "\n".join(
+            lines[:2]
+            + [
+                f"chr16\t{p + 1}\tw{k}\t{'C' if seq[p] != 'C' else 'G'}\t{seq[p]}\t.\t.\t."
+                for k, p in enumerate(range(1_000, 19_000, 450))
+            ]
+        )
+        + "\n"
+    )
     assert main(["variants", *common[:-1], str(wrong), "--out", str(tmp_path / "scored")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "at 40 of 40 alleles (100.0%" in err[0] and "another build" in err[0], err
@@ -342,8 +396,9 @@ def test_another_build_stops_in_one_line_and_writes_nothing(run: tuple[Path, dic
     assert "% mismatched" in capsys.readouterr().err
 
 
-def test_regions_an_unsorted_input_and_htslib_quiet(run: tuple[Path, dict[str, int]], tmp_path: Path,
-                                                    capfd: pytest.CaptureFixture[str]) -> None:
+def test_regions_an_unsorted_input_and_htslib_quiet(
+    run: tuple[Path, dict[str, int]], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """Issue 46: the fixture's VCF out of order, without ##contig lines, scored in the regions of a
     BED: htslib's "Contig ... not defined" warnings do not reach stderr, the scored VCF is sorted
     and indexed (one line says so), only the records in the regions are scored, and their scores

@@ -7,7 +7,17 @@ import pytest
 
 from genolong.data import alphabet
 from genolong.data.alphabet import (
-    BASE_MASK, COMPLEMENT_LUT, ENCODE_LUT, INVALID, N, SOFTMASK, STORE_ALPHABET, decode, encode, is_n, reverse_complement,
+    BASE_MASK,
+    COMPLEMENT_LUT,
+    ENCODE_LUT,
+    INVALID,
+    SOFTMASK,
+    STORE_ALPHABET,
+    N,
+    decode,
+    encode,
+    is_n,
+    reverse_complement,
 )
 from genolong.data.names import ACCESSIONS, CHROMOSOMES, canonical_name, parse_record_name, same_chromosome
 
@@ -52,12 +62,33 @@ def test_is_n_and_softmask_flag() -> None:
 @pytest.mark.parametrize(
     ("name", "canonical"),
     [
-        ("1", "chr1"), ("chr1", "chr1"), ("CHR1", "chr1"), ("NC_000001.11", "chr1"), ("NC_000001.10", "chr1"),
-        ("CM000663.2", "chr1"), ("CM000663.1", "chr1"), ("22", "chr22"), ("NC_000022.11", "chr22"),
-        ("CM000684.2", "chr22"), ("X", "chrX"), ("chrx", "chrX"), ("NC_000023.11", "chrX"), ("23", "23"),
-        ("Y", "chrY"), ("NC_000024.10", "chrY"), ("CM000686.2", "chrY"), ("MT", "chrM"), ("M", "chrM"),
-        ("chrM", "chrM"), ("NC_012920.1", "chrM"), ("J01415.2", "chrM"), ("chr1_KI270706v1_random", "chr1_KI270706v1_random"),
-        ("chrUn_GL000220v1", "chrUn_GL000220v1"), ("NC_000025.1", "NC_000025.1"), ("0", "0"), ("MT_human", "MT_human"),
+        ("1", "chr1"),
+        ("chr1", "chr1"),
+        ("CHR1", "chr1"),
+        ("NC_000001.11", "chr1"),
+        ("NC_000001.10", "chr1"),
+        ("CM000663.2", "chr1"),
+        ("CM000663.1", "chr1"),
+        ("22", "chr22"),
+        ("NC_000022.11", "chr22"),
+        ("CM000684.2", "chr22"),
+        ("X", "chrX"),
+        ("chrx", "chrX"),
+        ("NC_000023.11", "chrX"),
+        ("23", "23"),
+        ("Y", "chrY"),
+        ("NC_000024.10", "chrY"),
+        ("CM000686.2", "chrY"),
+        ("MT", "chrM"),
+        ("M", "chrM"),
+        ("chrM", "chrM"),
+        ("NC_012920.1", "chrM"),
+        ("J01415.2", "chrM"),
+        ("chr1_KI270706v1_random", "chr1_KI270706v1_random"),
+        ("chrUn_GL000220v1", "chrUn_GL000220v1"),
+        ("NC_000025.1", "NC_000025.1"),
+        ("0", "0"),
+        ("MT_human", "MT_human"),
     ],
 )
 def test_canonical_name(name: str, canonical: str) -> None:
@@ -72,7 +103,11 @@ def test_accession_table_covers_every_nuclear_chromosome_in_both_assemblies() ->
         refseq = sorted(a for a, u in ACCESSIONS.items() if u == ucsc and a.startswith("NC_"))
         genbank = sorted(a for a, u in ACCESSIONS.items() if u == ucsc and a.startswith("CM"))
         assert len(refseq) == 2 and len(genbank) == 2, ucsc
-    assert ACCESSIONS["NC_000001.11"] == "chr1" and ACCESSIONS["NC_000005.9"] == "chr5" and ACCESSIONS["NC_000024.9"] == "chrY"
+    assert (
+        ACCESSIONS["NC_000001.11"] == "chr1"
+        and ACCESSIONS["NC_000005.9"] == "chr5"
+        and ACCESSIONS["NC_000024.9"] == "chrY"
+    )
     assert same_chromosome("chr7", "NC_000007.14") and not same_chromosome("chr7", "chr17")
 
 

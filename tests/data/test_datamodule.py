@@ -46,7 +46,7 @@ def write_fasta(path: Path, records: dict[str, str], width: int = 60) -> Path:
         for name, seq in records.items():
             handle.write(f">{name}\n")
             for i in range(0, len(seq), width):
-                handle.write(seq[i:i + width] + "\n")
+                handle.write(seq[i : i + width] + "\n")
     return path
 
 
@@ -83,15 +83,23 @@ def take_batches(loader, n: int, dm: GenomeDataModule | None = None) -> list[dic
 
 
 def batch_key(batch: dict) -> tuple:
-    return (batch["window_index"].tolist(), batch["start"].tolist(), list(batch["contig"]),
-            list(batch["strand"]), batch["tokens"].numpy().tobytes())
+    return (
+        batch["window_index"].tolist(),
+        batch["start"].tolist(),
+        list(batch["contig"]),
+        list(batch["strand"]),
+        batch["tokens"].numpy().tobytes(),
+    )
 
 
 def test_store_segments_are_what_the_fasta_says(genome):
     # guards the assumptions of the other tests about the toy store
     split = GenomeStore.open(genome.path).split("train")
     assert list(split.segments.itertuples(index=False, name=None)) == [
-        ("chr1", 10, 1510, 0), ("chr1", 1570, 2890, 1500), ("chr1", 2970, 3120, 2820), ("chr2", 0, 1100, 2970),
+        ("chr1", 10, 1510, 0),
+        ("chr1", 1570, 2890, 1500),
+        ("chr1", 2970, 3120, 2820),
+        ("chr2", 0, 1100, 2970),
     ]
 
 
@@ -105,7 +113,7 @@ def test_train_batches_match_the_fasta(genome):
         assert batch["window_index"].tolist() == list(range(4 * b, 4 * b + 4))
         for row in range(4):
             contig, start, strand = batch["contig"][row], int(batch["start"][row]), batch["strand"][row]
-            forward = genome.text[contig][start:start + 256]
+            forward = genome.text[contig][start : start + 256]
             assert "N" * MIN_GAP not in forward  # never across a segment boundary
             expected = forward if strand == "+" else reverse_complement_text(forward)
             assert alphabet.decode(batch["tokens"][row].numpy()) == expected
@@ -138,9 +146,8 @@ def test_rank_and_worker_shards_are_disjoint_and_complete(genome, monkeypatch):
         shards = [items(rank, w) for w in range(workers)]
         assert sorted(i for s in shards for i in s) == rank_stream  # disjoint, union = rank stream
         # the DataLoader takes one batch from each worker in turn: that is the rank's order
-        batches = [[s[i:i + batch_size] for i in range(0, len(s), batch_size)] for s in shards]
-        interleaved = [i for b in range(math.ceil(per_epoch / batch_size))
-                       for i in batches[b % workers][b // workers]]
+        batches = [[s[i : i + batch_size] for i in range(0, len(s), batch_size)] for s in shards]
+        interleaved = [i for b in range(math.ceil(per_epoch / batch_size)) for i in batches[b % workers][b // workers]]
         assert interleaved == rank_stream
         everything += rank_stream
     assert sorted(everything) == list(range(world * per_epoch))
@@ -255,9 +262,16 @@ class TinyLM(L.LightningModule):
 
 def fit(genome, steps: int, ckpt: Path | None = None, save: Path | None = None, **dm_kwargs) -> TinyLM:
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        val_check_interval=2, limit_val_batches=2,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        val_check_interval=2,
+        limit_val_batches=2,
     )
     model = TinyLM()
     dm = GenomeDataModule(genome.path, train_length=128, eval_length=300, batch_size=2, seed=5, **dm_kwargs)

@@ -17,13 +17,15 @@ from genolong.data import GenomeStore, decode
 from genolong.data.alphabet import SOFTMASK
 from genolong.data.prepare import prepare_genome
 from genolong.quickstart import sample_fasta
-
 from tests.helpers import SOFTMASKED_CHR16, expected_text, reference_segments, write_fasta
 
 
 def _record_text(split, contig: str) -> dict[tuple[int, int], str]:
     seg = split.segments[split.segments["contig"] == contig]
-    return {(int(r.start), int(r.end)): decode(split.tokens[int(r.offset):int(r.offset) + int(r.end - r.start)]) for r in seg.itertuples()}
+    return {
+        (int(r.start), int(r.end)): decode(split.tokens[int(r.offset) : int(r.offset) + int(r.end - r.start)])
+        for r in seg.itertuples()
+    }
 
 
 def test_sample_round_trip_against_pysam(sample_store: Path) -> None:
@@ -39,8 +41,8 @@ def test_sample_round_trip_against_pysam(sample_store: Path) -> None:
             offset = contig["start"]
             covered = np.zeros(len(full), dtype=bool)
             for (start, end), text in _record_text(split, contig["name"]).items():
-                assert text == full[start - offset:end - offset]
-                covered[start - offset:end - offset] = True
+                assert text == full[start - offset : end - offset]
+                covered[start - offset : end - offset] = True
                 checked += end - start
             dropped = "".join(c for c, keep in zip(full, covered) if not keep)
             assert set(dropped) <= {"N"} and len(dropped) == contig["dropped"]
@@ -58,8 +60,9 @@ def test_sample_genomic_coordinates(sample_store: Path) -> None:
     # the documented promise: tokens[offset + i] is the base at contig:start + i
     fasta = pysam.FastaFile(str(sample_fasta()))
     i = 123_456
-    assert decode(store.split("train").tokens[int(chr3.offset) + i:int(chr3.offset) + i + 1]) == fasta.fetch(
-        "chr3:42000000-44000000", i, i + 1)
+    assert decode(store.split("train").tokens[int(chr3.offset) + i : int(chr3.offset) + i + 1]) == fasta.fetch(
+        "chr3:42000000-44000000", i, i + 1
+    )
 
 
 def test_streaming_equals_indexed(sample_store: Path, tmp_path: Path) -> None:
@@ -68,7 +71,9 @@ def test_streaming_equals_indexed(sample_store: Path, tmp_path: Path) -> None:
     with gzip.open(sample_fasta(), "rb") as src, gzip.open(plain_gz, "wb") as dst:
         dst.write(src.read())
     out = tmp_path / "streamed"
-    result = prepare_genome([plain_gz], out, train="chr1,chr3,chr4,chr5", eval="chr22", progress=False, block_bytes=100_003)
+    result = prepare_genome(
+        [plain_gz], out, train="chr1,chr3,chr4,chr5", eval="chr22", progress=False, block_bytes=100_003
+    )
     assert result.manifest["sources"][0]["format"] == "fasta-gzip"
     a, b = GenomeStore.open(sample_store), GenomeStore.open(out)
     assert GenomeStore.open(sample_store).manifest["sources"][0]["format"] == "fasta-bgzip-indexed"
@@ -135,7 +140,11 @@ def test_crlf_single_line_multiple_files_and_min_gap(tmp_path: Path) -> None:
     prepare_genome([a, b], out, train="chr1", eval="chr2", min_gap=10, progress=False)
     store = GenomeStore.open(out)
     train = store.split("train")
-    assert [(r.start, r.end) for r in train.segments.itertuples()] == reference_segments(seq1, 10) == [(0, 200), (210, len(seq1))]
+    assert (
+        [(r.start, r.end) for r in train.segments.itertuples()]
+        == reference_segments(seq1, 10)
+        == [(0, 200), (210, len(seq1))]
+    )
     assert decode(train.tokens[:]) == seq1[:200] + seq1[210:]
     assert train.contigs[0]["dropped"] == 10 and train.contigs[0]["n"] == 9 and train.contigs[0]["gaps"] == 1
     assert decode(store.split("eval").tokens[:]) == "C" * 5000
@@ -149,8 +158,10 @@ def test_genbank_and_embl(tmp_path: Path) -> None:
     seq1, seq22 = "ACGTTGCA" * 40 + "RYN" + "GATTACA" * 30, "TTAGGG" * 50
     for fmt in ("genbank", "embl"):
         path = tmp_path / f"g.{fmt}"
-        records = [SeqRecord(Seq(s), id=i, name=i.split(".")[0], description="test", annotations={"molecule_type": "DNA"})
-                   for i, s in (("NC_000001.11", seq1), ("NC_000022.11", seq22))]
+        records = [
+            SeqRecord(Seq(s), id=i, name=i.split(".")[0], description="test", annotations={"molecule_type": "DNA"})
+            for i, s in (("NC_000001.11", seq1), ("NC_000022.11", seq22))
+        ]
         SeqIO.write(records, path, fmt)
         out = tmp_path / fmt
         result = prepare_genome([path], out, train="chr1", eval="chr22", progress=False)
@@ -197,7 +208,10 @@ def _genome(draw: st.DrawFn) -> tuple[list[tuple[str, str]], int, int, int, str]
         parts = []
         for _ in range(draw(st.integers(1, 8))):
             if draw(st.booleans()):
-                parts.append(draw(st.sampled_from("Nn")) * draw(st.sampled_from([1, min_gap - 1, min_gap, min_gap + 1, 3 * min_gap])))
+                parts.append(
+                    draw(st.sampled_from("Nn"))
+                    * draw(st.sampled_from([1, min_gap - 1, min_gap, min_gap + 1, 3 * min_gap]))
+                )
             else:
                 parts.append("".join(draw(st.lists(_BASES, min_size=1, max_size=40))))
         seq = "".join(parts) or "A"
@@ -217,8 +231,13 @@ def test_property_round_trip(tmp_path_factory: pytest.TempPathFactory, genome, c
     path = tmp / "g.fa"
     if compress.startswith("bgzip") or compress == "plain-indexed":
         newline = "\n"  # samtools faidx indexes LF files only
-        write_fasta(path, records, width=width, compress=None if compress == "plain-indexed" else "bgzip",
-                    index=compress.endswith("indexed"))
+        write_fasta(
+            path,
+            records,
+            width=width,
+            compress=None if compress == "plain-indexed" else "bgzip",
+            index=compress.endswith("indexed"),
+        )
     else:
         write_fasta(path, records, width=width, compress=None if compress == "plain" else "gzip", newline=newline)
     expected = {canon: seq for canon, seq in records}
@@ -246,7 +265,10 @@ def test_plain_indexed_round_trip_against_pyfaidx(tmp_path: Path) -> None:
 
     rng = np.random.default_rng(7)
     letters = np.array(list("ACGTacgtN"))
-    records = [(name, "".join(rng.choice(letters, size))) for name, size in (("chr1", 50_001), ("chr2", 777), ("chr22", 12_345))]
+    records = [
+        (name, "".join(rng.choice(letters, size)))
+        for name, size in (("chr1", 50_001), ("chr2", 777), ("chr22", 12_345))
+    ]
     path = write_fasta(tmp_path / "g.fa", records, width=70, index=True)
     out = tmp_path / "o"
     result = prepare_genome([path], out, min_gap=3, progress=False, block_bytes=4096)

@@ -17,7 +17,6 @@ import pytest
 from genolong.cli import main
 from genolong.data import GenomeStore
 from genolong.errors import InputError, StoreError
-
 from tests.helpers import write_fasta
 
 GOOD = [("chr1", "ACGT" * 40), ("chr2", "GGCCA" * 20), ("chr22", "TTGCA" * 30)]
@@ -29,7 +28,9 @@ def _run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     return code, err
 
 
-def _assert_fails(capsys: pytest.CaptureFixture[str], tmp_path: Path, inputs: list[Path], *needles: str, extra: tuple[str, ...] = ()) -> str:
+def _assert_fails(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, inputs: list[Path], *needles: str, extra: tuple[str, ...] = ()
+) -> str:
     out = tmp_path / "genome"
     before = sorted(p.name for p in tmp_path.iterdir())
     code, err = _run_cli(capsys, *map(str, inputs), "--out", str(out), *extra)
@@ -90,7 +91,9 @@ def test_duplicate_across_files(capsys, tmp_path: Path) -> None:
 
 def test_requested_chromosome_absent_lists_records(capsys, tmp_path: Path) -> None:
     path = write_fasta(tmp_path / "g.fa", GOOD)
-    _assert_fails(capsys, tmp_path, [path], "chrX not found", "the input has: chr1, chr2, chr22", extra=("--eval", "chrX"))
+    _assert_fails(
+        capsys, tmp_path, [path], "chrX not found", "the input has: chr1, chr2, chr22", extra=("--eval", "chrX")
+    )
 
 
 def test_chromosome_in_both_splits(capsys, tmp_path: Path) -> None:
@@ -109,7 +112,9 @@ def test_invalid_character_gzip_and_indexed(capsys, tmp_path: Path) -> None:
     gz = write_fasta(tmp_path / "g.fa.gz", records, compress="gzip")
     _assert_fails(capsys, tmp_path, [gz], "record 'chr1'", "line 4", "invalid character 'E'")
     bgz = write_fasta(tmp_path / "h.fa.gz", records, compress="bgzip", index=True)
-    _assert_fails(capsys, tmp_path, [bgz], "record 'chr1' (lines counted from its header)", "line 4", "invalid character 'E'")
+    _assert_fails(
+        capsys, tmp_path, [bgz], "record 'chr1' (lines counted from its header)", "line 4", "invalid character 'E'"
+    )
 
 
 def test_truncated_gzip(capsys, tmp_path: Path) -> None:
@@ -124,7 +129,9 @@ def test_truncated_gzip(capsys, tmp_path: Path) -> None:
 
 def test_fai_that_does_not_match(capsys, tmp_path: Path) -> None:
     path = write_fasta(tmp_path / "g.fa", GOOD, index=True)
-    other = write_fasta(tmp_path / "other.fa", [("chr1", "A" * 1000), ("chr2", "C" * 10), ("chr22", "G" * 10)], index=True)
+    other = write_fasta(
+        tmp_path / "other.fa", [("chr1", "A" * 1000), ("chr2", "C" * 10), ("chr22", "G" * 10)], index=True
+    )
     shutil.copy(Path(f"{other}.fai"), Path(f"{path}.fai"))
     _assert_fails(capsys, tmp_path, [path], "g.fa.fai", "does not match", "samtools faidx")
 
@@ -210,7 +217,9 @@ def _damage(store: Path, how: str) -> None:
         (store / "manifest.json").write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("how", ["manifest-json", "manifest-missing", "schema", "shard-byte", "shard-missing", "segments"])
+@pytest.mark.parametrize(
+    "how", ["manifest-json", "manifest-missing", "schema", "shard-byte", "shard-missing", "segments"]
+)
 def test_damaged_store_is_refused(tmp_path: Path, how: str) -> None:
     path = write_fasta(tmp_path / "g.fa", GOOD)
     out = tmp_path / "genome"

@@ -17,8 +17,10 @@ from genolong.errors import InputError
 def test_bed_regions_merge_and_match_a_per_base_mask(tmp_path: Path) -> None:
     bed = tmp_path / "r.bed"
     lines = [("20", 10, 20), ("chr20", 15, 30), ("NC_000020.10", 30, 31), ("20", 50, 60), ("chrX", 0, 5)]
-    bed.write_text("browser position chr20\ntrack name=x\n# comment\n\n"
-                   + "".join(f"{c}\t{s}\t{e}\tname\t0\t+\n" for c, s, e in lines))
+    bed.write_text(
+        "browser position chr20\ntrack name=x\n# comment\n\n"
+        + "".join(f"{c}\t{s}\t{e}\tname\t0\t+\n" for c, s, e in lines)
+    )
     sizes = {"20": 100, "X": 10}
     regions = read_bed(bed, sizes)
     # merged per chromosome, keyed by the names of `sizes`: 10-31 (overlapping and touching), 50-60
@@ -45,13 +47,16 @@ def test_bed_regions_merge_and_match_a_per_base_mask(tmp_path: Path) -> None:
     assert read_bed(other, sizes).digest == regions.digest
 
 
-@pytest.mark.parametrize(("text", "words"), [
-    ("chr1\t0\t10\n", ("line 1", "chr1", "not in")),
-    ("20\t90\t101\n", ("past the end",)),
-    ("20\t10\t10\n", ("not below",)),
-    ("20\t-1\t10\n", ("line 1",)),
-    ("# nothing\n", ("no region",)),
-])
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("chr1\t0\t10\n", ("line 1", "chr1", "not in")),
+        ("20\t90\t101\n", ("past the end",)),
+        ("20\t10\t10\n", ("not below",)),
+        ("20\t-1\t10\n", ("line 1",)),
+        ("# nothing\n", ("no region",)),
+    ],
+)
 def test_bad_bed_lines_are_one_clear_error(tmp_path: Path, text: str, words: tuple[str, ...]) -> None:
     bed = tmp_path / "r.bed"
     bed.write_text(text)

@@ -12,7 +12,6 @@ from genolong.data import alphabet
 from genolong.data.repeats import PLANT_STREAM, RepeatPlanting, plant_repeats
 from genolong.data.windows import TrainWindows
 from genolong.errors import InputError
-
 from tests.data.test_windows import make_split
 
 BASES = np.array([1, 2, 3, 4, 9, 10, 11, 12], dtype=np.uint8)  # A C G T, upper and lower case
@@ -33,10 +32,12 @@ def test_an_unedited_copy_equals_its_source_d_bases_back() -> None:
         (c,) = copies
         assert settings.min_length <= c.length <= settings.max_length
         assert max(settings.min_distance, c.length + 1) <= c.distance <= 2048 - c.length
-        np.testing.assert_array_equal(out[c.start:c.start + c.length], tokens[c.start - c.distance:c.start - c.distance + c.length])  # exact: uint8 tokens
+        np.testing.assert_array_equal(
+            out[c.start : c.start + c.length], tokens[c.start - c.distance : c.start - c.distance + c.length]
+        )  # exact: uint8 tokens
         # everything outside the copy is the window as it was
         outside = np.ones(2048, bool)
-        outside[c.start:c.start + c.length] = False
+        outside[c.start : c.start + c.length] = False
         np.testing.assert_array_equal(out[outside], tokens[outside])  # exact: uint8 tokens
         seen += 1
     assert seen == 200
@@ -49,8 +50,10 @@ def test_an_inverted_copy_is_the_reverse_complement_of_its_source_case_kept() ->
         tokens = random_window(rng, 1024)
         out, (c,) = plant_repeats(tokens, np.random.default_rng([1, i, PLANT_STREAM]), settings)
         assert c.inverted
-        source = tokens[c.start - c.distance:c.start - c.distance + c.length]
-        np.testing.assert_array_equal(out[c.start:c.start + c.length], alphabet.reverse_complement(source))  # exact: uint8 tokens
+        source = tokens[c.start - c.distance : c.start - c.distance + c.length]
+        np.testing.assert_array_equal(
+            out[c.start : c.start + c.length], alphabet.reverse_complement(source)
+        )  # exact: uint8 tokens
 
 
 def test_substitutions_change_the_drawn_share_of_bases_and_keep_case() -> None:
@@ -63,8 +66,8 @@ def test_substitutions_change_the_drawn_share_of_bases_and_keep_case() -> None:
     for i in range(400):
         tokens = random_window(rng, 1024)
         out, (c,) = plant_repeats(tokens, np.random.default_rng([2, i, PLANT_STREAM]), settings)
-        copy = out[c.start:c.start + c.length]
-        source = tokens[c.start - c.distance:c.start - c.distance + c.length]
+        copy = out[c.start : c.start + c.length]
+        source = tokens[c.start - c.distance : c.start - c.distance + c.length]
         np.testing.assert_array_equal(copy & alphabet.SOFTMASK, source & alphabet.SOFTMASK)  # exact: uint8 tokens
         mismatch.append(float(np.mean(copy != source)))
         drawn.append(c.divergence)
@@ -77,24 +80,28 @@ def test_indels_shift_the_copy_against_its_source() -> None:
     """With indels only, a copy matches its source up to its first edit and then, after a shift
     of 1-3 bases, again: its best shifted alignment matches better than the unshifted one."""
     rng = np.random.default_rng(3)
-    settings = RepeatPlanting(share=1.0, copies=1, min_length=200, max_length=200, max_divergence=0.02,
-                              indel_share=1.0, inverted=0.0)
+    settings = RepeatPlanting(
+        share=1.0, copies=1, min_length=200, max_length=200, max_divergence=0.02, indel_share=1.0, inverted=0.0
+    )
     shifted_better = 0
     edited = 0
     for i in range(100):
         tokens = random_window(rng, 1024)
         out, (c,) = plant_repeats(tokens, np.random.default_rng([3, i, PLANT_STREAM]), settings)
-        copy = out[c.start:c.start + c.length].astype(int)
-        source = tokens[c.start - c.distance:c.start - c.distance + c.length + 3].astype(int)
+        copy = out[c.start : c.start + c.length].astype(int)
+        source = tokens[c.start - c.distance : c.start - c.distance + c.length + 3].astype(int)
         differ = np.flatnonzero(copy != source[:200])
         if differ.size == 0 or differ[0] > 130:
             continue  # no edit, or too near the end to compare 50 bases after it
         edited += 1
         first = int(differ[0])
-        tail = copy[first + 10:first + 60]
-        same = float(np.mean(tail == source[first + 10:first + 60]))
-        best = max(float(np.mean(tail == np.concatenate([source, np.zeros(8, int)])[first + 10 + s:first + 60 + s]))
-                   for s in range(-3, 4) if s)
+        tail = copy[first + 10 : first + 60]
+        same = float(np.mean(tail == source[first + 10 : first + 60]))
+        best = max(
+            float(np.mean(tail == np.concatenate([source, np.zeros(8, int)])[first + 10 + s : first + 60 + s]))
+            for s in range(-3, 4)
+            if s
+        )
         shifted_better += best > same
     assert edited > 30
     assert shifted_better / edited > 0.7
@@ -119,15 +126,20 @@ def test_distances_are_log_uniform_and_the_share_of_windows_holds() -> None:
 
 def test_a_window_too_short_for_a_copy_is_left_as_it_is() -> None:
     tokens = random_window(np.random.default_rng(5), 300)
-    out, copies = plant_repeats(tokens, np.random.default_rng(0), RepeatPlanting(share=1.0, min_length=200, max_length=200))
+    out, copies = plant_repeats(
+        tokens, np.random.default_rng(0), RepeatPlanting(share=1.0, min_length=200, max_length=200)
+    )
     assert copies == [] and np.array_equal(out, tokens)  # exact: uint8 tokens
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"share": 1.5}, r"data\.plant_repeats\.share must be in \[0, 1\], got 1\.5"),
-    ({"min_length": 400, "max_length": 50}, r"min_length <= max_length"),
-    ({"min_distance": 500, "max_distance": 100}, r"min_distance <= max_distance"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"share": 1.5}, r"data\.plant_repeats\.share must be in \[0, 1\], got 1\.5"),
+        ({"min_length": 400, "max_length": 50}, r"min_length <= max_length"),
+        ({"min_distance": 500, "max_distance": 100}, r"min_distance <= max_distance"),
+    ],
+)
 def test_bad_settings_are_one_line_errors(kwargs: dict, message: str) -> None:
     with pytest.raises(InputError, match=message):
         RepeatPlanting(**kwargs)
@@ -154,13 +166,17 @@ def test_train_windows_keep_place_strand_and_order_and_resume_with_the_same_copi
 
 
 def test_the_recipe_key_reaches_the_windows(tmp_path) -> None:
-    text = (tmp_path / "r.yaml")
-    text.write_text("name: r\nmodel:\n  preset: tiny\ndata:\n  store: genome\n  context: 1024\n  plant_repeats:\n    share: 0.25\n    inverted: 0.0\n"
-                    "train:\n  max_steps: 1\n")
+    text = tmp_path / "r.yaml"
+    text.write_text(
+        "name: r\nmodel:\n  preset: tiny\ndata:\n  store: genome\n  context: 1024\n  plant_repeats:\n    share: 0.25\n    inverted: 0.0\n"
+        "train:\n  max_steps: 1\n"
+    )
     recipe = load_recipe(text)
     p = recipe.data.plant_repeats
     assert (p.share, p.copies, p.min_length, p.max_length, p.inverted) == (0.25, 2, 50, 400, 0.0)
-    text.write_text("name: r\nmodel:\n  preset: tiny\ndata:\n  store: genome\n  context: 1024\n  plant_repeats:\n    share: 2.0\ntrain:\n  max_steps: 1\n")
+    text.write_text(
+        "name: r\nmodel:\n  preset: tiny\ndata:\n  store: genome\n  context: 1024\n  plant_repeats:\n    share: 2.0\ntrain:\n  max_steps: 1\n"
+    )
     with pytest.raises(InputError, match=r"data\.plant_repeats\.share = 2\.0: must be <= 1$"):
         load_recipe(text)
 

@@ -71,7 +71,7 @@ def test_windows_lie_in_one_segment_and_match_the_tokens():
         assert row["start"] <= w.start and w.end == w.start + L <= row["end"]
         assert w.offset == row["offset"] + w.start - row["start"]
         assert w.tokens.dtype == np.uint8 and w.tokens.shape == (L,)
-        forward = text[w.offset:w.offset + L]
+        forward = text[w.offset : w.offset + L]
         expected = forward if w.strand == "+" else reverse_complement_text(forward)
         assert alphabet.decode(w.tokens) == expected
         strands.add(w.strand)
@@ -214,7 +214,7 @@ def check_tiles(split: FakeSplit, L: int) -> EvalTiles:
     frame = tiles.tiles
     cover = np.zeros(len(split.tokens), dtype=np.int64)
     for offset, length in zip(frame["offset"], frame["length"]):
-        cover[offset:offset + length] += 1
+        cover[offset : offset + length] += 1
     assert (cover == 1).all()  # every base exactly once
     seg = split.segments
     for i, tile in enumerate(tiles):
@@ -225,7 +225,9 @@ def check_tiles(split: FakeSplit, L: int) -> EvalTiles:
         assert 1 <= tile.length <= L
         # only a segment's last tile may be short
         assert tile.length == L or tile.start + tile.length == row["end"]
-        np.testing.assert_array_equal(tile.tokens, split.tokens[tile.offset:tile.offset + tile.length])  # exact: tokens
+        np.testing.assert_array_equal(
+            tile.tokens, split.tokens[tile.offset : tile.offset + tile.length]
+        )  # exact: tokens
     return tiles
 
 

@@ -20,7 +20,6 @@ from genolong.evaluation.plots import (
     relative_change_figure,
 )
 from genolong.evaluation.stats import compare
-
 from tests.evaluation.test_eval_stats import result_from_tokens, synthetic_tokens
 
 N_BOOT = 200
@@ -34,8 +33,9 @@ def runs() -> list:
     tuned_table = table.copy()
     tuned_table["nll"] = table["nll"] * (1.0 - 0.03 * (table["offset"] >= 64))
     tuned = result_from_tokens(tuned_table, 256, label="tuned")
-    other = result_from_tokens(synthetic_tokens(n_tiles=16, context=256, seed=12), 256, label="other",
-                               fingerprint="0" * 64)
+    other = result_from_tokens(
+        synthetic_tokens(n_tiles=16, context=256, seed=12), 256, label="other", fingerprint="0" * 64
+    )
     return [base, tuned, other]
 
 
@@ -85,8 +85,7 @@ def test_bucket_figure_error_bars_are_the_bucket_table_cis(runs) -> None:
         _drawn(seg[:, 0, 0], line.get_xdata())
         _drawn(line.get_ydata(), table["nats"].to_numpy())
         part = series[series["run"] == run.label]
-        _drawn(part[["nats", "ci_lo", "ci_hi"]].to_numpy(),
-               table[["nats", "ci_lo", "ci_hi"]].to_numpy())
+        _drawn(part[["nats", "ci_lo", "ci_hi"]].to_numpy(), table[["nats", "ci_lo", "ci_hi"]].to_numpy())
     # runs side by side: the same bucket at two distinct x positions, within its category
     xs = [line.get_xdata() for line in lines]
     assert (xs[0] < xs[1]).all() and (np.abs(xs[1] - np.arange(len(xs[1]))) < 0.5).all()
@@ -116,8 +115,9 @@ def test_relative_change_figure_is_the_compare_table(runs) -> None:
         relative_change_figure(runs[:1])
 
 
-def test_plot_results_writes_valid_files_equal_to_the_tables(runs, tmp_path: Path,
-                                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_plot_results_writes_valid_files_equal_to_the_tables(
+    runs, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     before = plt.get_fignums()
     out = tmp_path / "figs"
     with caplog.at_level(logging.WARNING, logger="genolong.evaluation.plots"):
@@ -141,16 +141,22 @@ def test_plot_results_writes_valid_files_equal_to_the_tables(runs, tmp_path: Pat
     pos = pd.read_csv(out / "position_loss.csv")
     assert sorted(set(pos["run"])) == ["base", "other", "tuned"]
     _, series = position_figure(runs)
-    np.testing.assert_allclose(pos[["offset_mid", "nats"]].to_numpy(), series[["offset_mid", "nats"]].to_numpy(),
-                               rtol=1e-15)
+    np.testing.assert_allclose(
+        pos[["offset_mid", "nats"]].to_numpy(), series[["offset_mid", "nats"]].to_numpy(), rtol=1e-15
+    )
     buckets = pd.read_csv(out / "buckets.csv")
-    np.testing.assert_allclose(buckets[buckets["run"] == "tuned"][["nats", "ci_lo", "ci_hi"]].to_numpy(),
-                               runs[1].bucket_table(n_boot=N_BOOT, seed=0)[["nats", "ci_lo", "ci_hi"]].to_numpy(),
-                               rtol=1e-15)
+    np.testing.assert_allclose(
+        buckets[buckets["run"] == "tuned"][["nats", "ci_lo", "ci_hi"]].to_numpy(),
+        runs[1].bucket_table(n_boot=N_BOOT, seed=0)[["nats", "ci_lo", "ci_hi"]].to_numpy(),
+        rtol=1e-15,
+    )
     rel = pd.read_csv(out / "relative_change.csv")
     assert set(rel["run"]) == {"tuned"}
-    np.testing.assert_allclose(rel["rel_ci_lo"].to_numpy(),
-                               compare(runs[0], runs[1], n_boot=N_BOOT, seed=0)["rel_ci_lo"].to_numpy(), rtol=1e-15)
+    np.testing.assert_allclose(
+        rel["rel_ci_lo"].to_numpy(),
+        compare(runs[0], runs[1], n_boot=N_BOOT, seed=0)["rel_ci_lo"].to_numpy(),
+        rtol=1e-15,
+    )
 
 
 def test_plot_results_single_run_and_bad_format(runs, tmp_path: Path) -> None:

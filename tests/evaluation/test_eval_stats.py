@@ -28,13 +28,14 @@ from genolong.evaluation.stats import (
     resample_indices,
 )
 
-
 # --------------------------------------------------------------------------------------------------
 # synthetic per-token tables -> EvalResult (shared with test_eval_plots.py)
 # --------------------------------------------------------------------------------------------------
 
-def synthetic_tokens(n_tiles: int = 24, context: int = 64, seed: int = 0, drop: float = 0.1,
-                     masked: float = 0.0) -> pd.DataFrame:
+
+def synthetic_tokens(
+    n_tiles: int = 24, context: int = 64, seed: int = 0, drop: float = 0.1, masked: float = 0.0
+) -> pd.DataFrame:
     """Per-token rows (tile, offset, nll) of ``n_tiles`` tiles of ``context`` tokens.
 
     Tiles have a random difficulty (so tiles are real blocks), the last tile is short (as a
@@ -62,8 +63,9 @@ def synthetic_tokens(n_tiles: int = 24, context: int = 64, seed: int = 0, drop: 
     return table
 
 
-def result_from_tokens(table: pd.DataFrame, context: int, edges: np.ndarray | None = None, label: str = "A",
-                       fingerprint: str = "f" * 64) -> EvalResult:
+def result_from_tokens(
+    table: pd.DataFrame, context: int, edges: np.ndarray | None = None, label: str = "A", fingerprint: str = "f" * 64
+) -> EvalResult:
     """Aggregate a per-token table into an :class:`EvalResult` (what ``genolong evaluate`` stores)."""
     edges = bucket_edges(context, first=8) if edges is None else np.asarray(edges)
     lengths = table.attrs["lengths"]
@@ -84,21 +86,43 @@ def result_from_tokens(table: pd.DataFrame, context: int, edges: np.ndarray | No
         np.add.at(split["softmask_nll"], (tile, bucket, cls), nll)
         tile_nll = split["softmask_nll"][..., 0] + split["softmask_nll"][..., 1]
     meta = {
-        "format": FORMAT, "label": label, "checkpoint": f"{label}.ckpt", "store": "genome", "split": "eval",
-        "context": context, "context_cut": None, "bucket_edges": [int(e) for e in edges], "tiles": w,
-        "tokens": int(len(table)), "nll_sum": float(tile_nll.sum()), "fingerprint": fingerprint,
+        "format": FORMAT,
+        "label": label,
+        "checkpoint": f"{label}.ckpt",
+        "store": "genome",
+        "split": "eval",
+        "context": context,
+        "context_cut": None,
+        "bucket_edges": [int(e) for e in edges],
+        "tiles": w,
+        "tokens": int(len(table)),
+        "nll_sum": float(tile_nll.sum()),
+        "fingerprint": fingerprint,
         "dtype": "float32",
     }
-    tiles = pd.DataFrame({"tile": np.arange(w), "contig": ["chr22"] * (w - 3) + ["chrX"] * 3,
-                          "start": np.cumsum(np.r_[0, lengths[:-1]]) + 5000, "length": lengths})
-    return EvalResult(meta=meta, tiles=tiles, tile_tokens=tile_tokens, tile_nll=tile_nll,
-                      position_tokens=np.bincount(offset, minlength=context),
-                      position_nll=np.bincount(offset, weights=nll, minlength=context), **split)
+    tiles = pd.DataFrame(
+        {
+            "tile": np.arange(w),
+            "contig": ["chr22"] * (w - 3) + ["chrX"] * 3,
+            "start": np.cumsum(np.r_[0, lengths[:-1]]) + 5000,
+            "length": lengths,
+        }
+    )
+    return EvalResult(
+        meta=meta,
+        tiles=tiles,
+        tile_tokens=tile_tokens,
+        tile_nll=tile_nll,
+        position_tokens=np.bincount(offset, minlength=context),
+        position_nll=np.bincount(offset, weights=nll, minlength=context),
+        **split,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # buckets
 # --------------------------------------------------------------------------------------------------
+
 
 def test_bucket_edges_and_labels() -> None:
     assert bucket_edges(8192).tolist() == [1, 1024, 2048, 4096, 8192]
@@ -119,6 +143,7 @@ def test_bucket_edges_and_labels() -> None:
 # --------------------------------------------------------------------------------------------------
 # block bootstrap
 # --------------------------------------------------------------------------------------------------
+
 
 def test_resample_counts_are_the_bincount_of_the_indices(monkeypatch: pytest.MonkeyPatch) -> None:
     # small blocks so that several blocks of replicates are drawn
@@ -206,6 +231,7 @@ def test_empty_bucket_and_bad_arguments() -> None:
 # bucket table
 # --------------------------------------------------------------------------------------------------
 
+
 def test_bucket_table_matches_per_token_groupby() -> None:
     table = synthetic_tokens(n_tiles=24, context=64, seed=2)
     result = result_from_tokens(table, 64)
@@ -261,6 +287,7 @@ def test_position_curve_matches_brute_force() -> None:
 # --------------------------------------------------------------------------------------------------
 # compare
 # --------------------------------------------------------------------------------------------------
+
 
 def _pair(noise: float, shift: float = 0.0, seed: int = 4) -> tuple[pd.DataFrame, EvalResult, EvalResult]:
     table = synthetic_tokens(n_tiles=30, context=64, seed=seed)
@@ -358,12 +385,18 @@ def test_compare_refuses_other_token_sets(tmp_path: Path) -> None:
 # EvalResult files
 # --------------------------------------------------------------------------------------------------
 
+
 def test_save_load_round_trip(tmp_path: Path) -> None:
     result = result_from_tokens(synthetic_tokens(n_tiles=9, context=64, seed=7), 64)
     result.meta["tokens_per_second"] = np.float64(1234.5)  # numpy scalars are written as JSON numbers
     result.save(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "buckets.csv", "meta.json", "positions.parquet", "tile_buckets.parquet", "tiles.parquet"]
+        "buckets.csv",
+        "meta.json",
+        "positions.parquet",
+        "tile_buckets.parquet",
+        "tiles.parquet",
+    ]
     back = EvalResult.load(tmp_path)
     assert back.meta == json.loads(json.dumps(result.meta, default=float)) and back.source == tmp_path
     pd.testing.assert_frame_equal(back.tiles, result.tiles)
@@ -373,13 +406,26 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     assert (back.label, back.context, back.fingerprint, back.tokens) == ("A", 64, "f" * 64, result.tokens)
     assert back.mean_nll == result.mean_nll and back.context_cut is None
 
-    schema = {name: pq.read_schema(tmp_path / name) for name in ("tiles.parquet", "tile_buckets.parquet", "positions.parquet")}
+    schema = {
+        name: pq.read_schema(tmp_path / name) for name in ("tiles.parquet", "tile_buckets.parquet", "positions.parquet")
+    }
     assert [(f.name, str(f.type)) for f in schema["tiles.parquet"]] == [
-        ("tile", "int64"), ("contig", "string"), ("start", "int64"), ("length", "int64")]
+        ("tile", "int64"),
+        ("contig", "string"),
+        ("start", "int64"),
+        ("length", "int64"),
+    ]
     assert [(f.name, str(f.type)) for f in schema["tile_buckets.parquet"]] == [
-        ("tile", "int64"), ("bucket", "int64"), ("tokens", "int64"), ("nll_sum", "double")]
+        ("tile", "int64"),
+        ("bucket", "int64"),
+        ("tokens", "int64"),
+        ("nll_sum", "double"),
+    ]
     assert [(f.name, str(f.type)) for f in schema["positions.parquet"]] == [
-        ("offset", "int64"), ("tokens", "int64"), ("nll_sum", "double")]
+        ("offset", "int64"),
+        ("tokens", "int64"),
+        ("nll_sum", "double"),
+    ]
     cells = pq.read_table(tmp_path / "tile_buckets.parquet").to_pandas()
     assert cells["tile"].tolist() == list(np.repeat(np.arange(9), 4))  # dense, tile-major
     csv = pd.read_csv(tmp_path / "buckets.csv")
@@ -427,7 +473,13 @@ def test_load_errors(tmp_path: Path) -> None:
         EvalResult.load(d)
 
     with pytest.raises(InputError, match="expected \\(6, 4\\)"):
-        EvalResult(good.meta, good.tiles, good.tile_tokens[:, :3], good.tile_nll[:, :3],
-                   good.position_tokens, good.position_nll)
+        EvalResult(
+            good.meta,
+            good.tiles,
+            good.tile_tokens[:, :3],
+            good.tile_nll[:, :3],
+            good.position_tokens,
+            good.position_nll,
+        )
     with pytest.raises(InputError, match="not an existing directory"):
         good.save(tmp_path / "nowhere")

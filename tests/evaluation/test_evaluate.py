@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from genolong.cli import main
-from genolong.data.alphabet import BASE_MASK, N, SOFTMASK
+from genolong.data.alphabet import BASE_MASK, SOFTMASK, N
 from genolong.data.windows import EvalTiles, context_cut_spans
 from genolong.errors import InputError
 from genolong.evaluation.results import EvalResult
@@ -31,8 +31,6 @@ from genolong.evaluation.stats import bucket_edges, compare
 from genolong.model import PRESETS, GenoLM
 from genolong.model.moe import record_routing
 from genolong.train.module import cut_windows
-
-
 from tests.helpers import assert_bitwise_equal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -54,7 +52,7 @@ def make_split(lengths: list[int], seed: int, n_run: tuple[int, int] | None = No
     tokens = rng.integers(1, 5, size=total).astype(np.uint8)
     tokens[rng.random(total) < 0.33] |= SOFTMASK
     if n_run is not None:
-        tokens[n_run[0]:n_run[1]] = N
+        tokens[n_run[0] : n_run[1]] = N
     offsets = np.cumsum([0, *lengths[:-1]])
     starts = offsets * 2 + 1000  # segments separated by gaps on the contig
     segments = pd.DataFrame({"contig": "chrT", "start": starts, "end": starts + np.asarray(lengths), "offset": offsets})
@@ -93,7 +91,7 @@ def test_score_tile_cut_equals_each_span_run_alone(tiny: GenoLM) -> None:
     expected = []
     for target in range(1, tokens.size):
         visible = (target - 1) % cut + 1
-        nll = tiny.token_nll(ids[:, target - visible:target + 1])[0, -1]
+        nll = tiny.token_nll(ids[:, target - visible : target + 1])[0, -1]
         if not torch.isnan(nll):
             expected.append((target, visible, float(nll)))
     assert scores.offset.tolist() == [e[0] for e in expected]
@@ -224,9 +222,23 @@ def test_full_context_beats_the_cut_on_planted_long_range_structure(tmp_path: Pa
     model.eval()
     windows = planted(np.random.default_rng(1), 24, 256)
     offsets = np.arange(24) * 256
-    split = ArraySplit(windows.reshape(-1), pd.DataFrame({"contig": "chrP", "start": offsets, "end": offsets + 256, "offset": offsets}))
-    full = evaluate(model, split, tmp_path / "full", 256, first_bucket=16, label="full", progress=False, write_tokens=False)
-    cut = evaluate(model, split, tmp_path / "cut", 256, context_cut=8, first_bucket=16, label="cut 8", progress=False, write_tokens=False)
+    split = ArraySplit(
+        windows.reshape(-1), pd.DataFrame({"contig": "chrP", "start": offsets, "end": offsets + 256, "offset": offsets})
+    )
+    full = evaluate(
+        model, split, tmp_path / "full", 256, first_bucket=16, label="full", progress=False, write_tokens=False
+    )
+    cut = evaluate(
+        model,
+        split,
+        tmp_path / "cut",
+        256,
+        context_cut=8,
+        first_bucket=16,
+        label="cut 8",
+        progress=False,
+        write_tokens=False,
+    )
     table = compare(cut, full).set_index("bucket")
     beyond = table.drop(index=["<16", "all"])
     assert len(beyond) == 4  # 16-32, 32-64, 64-128, 128-256
@@ -243,10 +255,25 @@ def test_full_context_beats_the_cut_on_planted_long_range_structure(tmp_path: Pa
 def test_evaluate_killed_and_restarted_gives_identical_tables(sample_store: Path, tmp_path: Path) -> None:
     torch.manual_seed(0)
     GenoLM(PRESETS["tiny"]).save_pretrained(tmp_path / "model")
-    args = ["evaluate", str(tmp_path / "model"), "--store", str(sample_store), "--context", "2048", "--max-tiles", "8",
-            "--first-bucket", "256", "--quiet"]
+    args = [
+        "evaluate",
+        str(tmp_path / "model"),
+        "--store",
+        str(sample_store),
+        "--context",
+        "2048",
+        "--max-tiles",
+        "8",
+        "--first-bucket",
+        "256",
+        "--quiet",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    command = [sys.executable, "-c", "import sys, torch; torch.set_num_threads(1); from genolong.cli import main; sys.exit(main(sys.argv[1:]))"]
+    command = [
+        sys.executable,
+        "-c",
+        "import sys, torch; torch.set_num_threads(1); from genolong.cli import main; sys.exit(main(sys.argv[1:]))",
+    ]
     state = tmp_path / ".killed.partial" / "state.npz"
     proc = subprocess.Popen([*command, *args, "--out", str(tmp_path / "killed")], env=env)
     deadline = time.monotonic() + 120
@@ -268,7 +295,13 @@ def test_evaluate_killed_and_restarted_gives_identical_tables(sample_store: Path
     assert 3 <= done < 8
     subprocess.run([*command, *args, "--out", str(tmp_path / "killed")], env=env, check=True)
     subprocess.run([*command, *args, "--out", str(tmp_path / "whole")], env=env, check=True)
-    for name in ("tiles.parquet", "tile_buckets.parquet", "tile_buckets_softmask.parquet", "positions.parquet", "buckets.csv"):
+    for name in (
+        "tiles.parquet",
+        "tile_buckets.parquet",
+        "tile_buckets_softmask.parquet",
+        "positions.parquet",
+        "buckets.csv",
+    ):
         a, b = tmp_path / "killed" / name, tmp_path / "whole" / name
         if name.endswith(".parquet"):
             assert pq.read_table(a).equals(pq.read_table(b)), name
@@ -292,18 +325,52 @@ def test_evaluate_cli_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "give --context" in capsys.readouterr().err
 
 
-def test_compare_plot_and_check_logprobs_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str], sample_store: Path) -> None:
+def test_compare_plot_and_check_logprobs_commands(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], sample_store: Path
+) -> None:
     torch.manual_seed(0)
     GenoLM(PRESETS["tiny"]).save_pretrained(tmp_path / "model")
     common = ["--store", str(sample_store), "--max-tiles", "3", "--first-bucket", "64", "--quiet"]
-    assert main(["evaluate", str(tmp_path / "model"), "--context", "256", "--out", str(tmp_path / "full"), *common]) == 0
-    assert main(["evaluate", str(tmp_path / "model"), "--context", "256", "--context-cut", "32",
-                 "--out", str(tmp_path / "cut"), *common]) == 0
-    assert main(["evaluate", str(tmp_path / "model"), "--context", "128", "--out", str(tmp_path / "short"),
-                 "--kernel-backend", "torch", *common]) == 0
+    assert (
+        main(["evaluate", str(tmp_path / "model"), "--context", "256", "--out", str(tmp_path / "full"), *common]) == 0
+    )
+    assert (
+        main(
+            [
+                "evaluate",
+                str(tmp_path / "model"),
+                "--context",
+                "256",
+                "--context-cut",
+                "32",
+                "--out",
+                str(tmp_path / "cut"),
+                *common,
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "evaluate",
+                str(tmp_path / "model"),
+                "--context",
+                "128",
+                "--out",
+                str(tmp_path / "short"),
+                "--kernel-backend",
+                "torch",
+                *common,
+            ]
+        )
+        == 0
+    )
     # the kernels are chosen as finetune chooses them (auto: the torch reference on a CPU) and recorded
     assert {k: EvalResult.load(tmp_path / "full").meta[k] for k in ("kernel_backend", "kernel_backend_resolved")} == {
-        "kernel_backend": "auto", "kernel_backend_resolved": "torch"}
+        "kernel_backend": "auto",
+        "kernel_backend_resolved": "torch",
+    }
     assert EvalResult.load(tmp_path / "short").meta["kernel_backend"] == "torch"
     capsys.readouterr()
     assert main(["compare", str(tmp_path / "cut"), str(tmp_path / "full"), "--out", str(tmp_path / "cmp")]) == 0
@@ -321,14 +388,43 @@ def test_compare_plot_and_check_logprobs_commands(tmp_path: Path, capsys: pytest
         assert (tmp_path / "fig" / f"{stem}.png").read_bytes().startswith(b"\x89PNG")
         assert (tmp_path / "fig" / f"{stem}.pdf").read_bytes().startswith(b"%PDF")
     capsys.readouterr()
-    assert main(["check-logprobs", str(tmp_path / "model"), "--store", str(sample_store), "--context", "192",
-                 "--first-bucket", "64", "--out", str(tmp_path / "gap"), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "check-logprobs",
+                str(tmp_path / "model"),
+                "--store",
+                str(sample_store),
+                "--context",
+                "192",
+                "--first-bucket",
+                "64",
+                "--out",
+                str(tmp_path / "gap"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     gap = pd.read_csv(tmp_path / "gap" / "logprob_gap.csv").set_index("bucket")
     assert gap.loc["all", "tokens"] > 150 and gap.loc["all", "mean_abs_diff"] <= 1e-5
     assert (tmp_path / "gap" / "logprob_gap.png").is_file()
     assert json.loads((tmp_path / "gap" / "logprob_gap.json").read_text())["meta"]["kernel_backend_resolved"] == "torch"
-    assert main(["check-logprobs", str(tmp_path / "model"), "--store", str(sample_store), "--context", "192",
-                 "--out", str(tmp_path / "gap")]) == 2
+    assert (
+        main(
+            [
+                "check-logprobs",
+                str(tmp_path / "model"),
+                "--store",
+                str(sample_store),
+                "--context",
+                "192",
+                "--out",
+                str(tmp_path / "gap"),
+            ]
+        )
+        == 2
+    )
     assert "already exists" in capsys.readouterr().err
 
 
@@ -346,8 +442,9 @@ def test_scoring_kernel_backend_is_the_flag_then_the_run_recipe_then_auto(tmp_pa
     assert load_eval_model(run / "export", kernel_backend="auto")[0].config.kernel_backend == "auto"
 
 
-def test_an_interrupted_evaluation_resumes_only_for_the_same_weights(tiny: GenoLM, tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_interrupted_evaluation_resumes_only_for_the_same_weights(
+    tiny: GenoLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     split = make_split([1000], seed=6)
     whole = evaluate(tiny, split, tmp_path / "whole", context=128, progress=False)
     calls = {"n": 0}
@@ -363,7 +460,9 @@ def test_an_interrupted_evaluation_resumes_only_for_the_same_weights(tiny: GenoL
     with pytest.raises(RuntimeError, match="simulated crash"):
         evaluate(tiny, split, tmp_path / "r", context=128, progress=False)
     assert not (tmp_path / "r").exists() and sorted(p.name for p in (tmp_path / ".r.partial" / "tokens").iterdir()) == [
-        "part-00000.parquet", "part-00001.parquet"]
+        "part-00000.parquet",
+        "part-00001.parquet",
+    ]
     monkeypatch.setattr(GenoLM, "token_nll", real)
     # other weights: the partial work is discarded, the result is that model's own
     torch.manual_seed(1)

@@ -55,7 +55,10 @@ def test_one_region_is_the_tile_bootstrap_in_distribution() -> None:
 
 def test_same_seed_same_interval_and_bad_input() -> None:
     groups = [_group(5, 0.95, 1), _group(9, 1.02, 2)]
-    a, b = hierarchical_paired_bootstrap(groups, n_boot=300, seed=7), hierarchical_paired_bootstrap(groups, n_boot=300, seed=7)
+    a, b = (
+        hierarchical_paired_bootstrap(groups, n_boot=300, seed=7),
+        hierarchical_paired_bootstrap(groups, n_boot=300, seed=7),
+    )
     np.testing.assert_array_equal(a.rel_lo, b.rel_lo)  # exact: the same numpy computation, the same seed (no torch)
     with pytest.raises(InputError, match="at least one group"):
         hierarchical_paired_bootstrap([])
@@ -91,11 +94,23 @@ def test_pooled_figure_and_range_from_per_tile_arrays() -> None:
     regions = {}
     for name, factor, n in (("x", 0.98, 6), ("y", 1.01, 4), ("z", 0.95, 2)):
         t, a, _, b = _group(n, factor, seed=n, k=2)
-        regions[name] = {"buckets": ["<1k", "1k-2k"], "runs": {"cut": {"tokens": t, "nll": a}, "full": {"tokens": t, "nll": b}}}
+        regions[name] = {
+            "buckets": ["<1k", "1k-2k"],
+            "runs": {"cut": {"tokens": t, "nll": a}, "full": {"tokens": t, "nll": b}},
+        }
     out = script.pooled(regions, "cut", "full", n_boot=500)
-    groups = [tuple(np.concatenate([c, c.sum(axis=1, keepdims=True)], axis=1)
-                    for c in (r["runs"]["cut"]["tokens"], r["runs"]["cut"]["nll"], r["runs"]["full"]["tokens"], r["runs"]["full"]["nll"]))
-              for r in regions.values()]
+    groups = [
+        tuple(
+            np.concatenate([c, c.sum(axis=1, keepdims=True)], axis=1)
+            for c in (
+                r["runs"]["cut"]["tokens"],
+                r["runs"]["cut"]["nll"],
+                r["runs"]["full"]["tokens"],
+                r["runs"]["full"]["nll"],
+            )
+        )
+        for r in regions.values()
+    ]
     want = hierarchical_paired_bootstrap(groups, n_boot=500)
     assert out["buckets"]["all"]["change_pct"] == pytest.approx(100 * want.rel[-1])
     assert out["buckets"]["1k-2k"]["ci"] == pytest.approx([100 * want.rel_lo[1], 100 * want.rel_hi[1]])
@@ -110,18 +125,29 @@ def test_quickstart_report_cites_the_spread_under_full_vs_cut(tmp_path) -> None:
 
     from genolong.evaluation.stats import compare
     from genolong.quickstart import _spread_context, _Stages, _Story, _write_report
-
     from tests.evaluation.test_eval_stats import result_from_tokens, synthetic_tokens
 
     table = synthetic_tokens(n_tiles=4, seed=1)
     cut = result_from_tokens(table, 64, label="cut")
     full = result_from_tokens(table.assign(nll=table["nll"] * 0.98), 64, label="full")
-    recipe = SimpleNamespace(train=SimpleNamespace(max_steps=6, lr=3e-4), data=SimpleNamespace(batch_size=1, context=8192),
-                             model=SimpleNamespace(freeze=[]))
-    story = _Story(context=8192, cut=1024, tiles=4, recipe=recipe, base=tmp_path, reading={},
-                   results={"tuned-cut": cut, "tuned": full},
-                   comparisons=[("tuned-cut", "tuned", "full vs cut", compare(cut, full)),
-                                ("tuned", "tuned-cut", "the other way", compare(full, cut))])
+    recipe = SimpleNamespace(
+        train=SimpleNamespace(max_steps=6, lr=3e-4),
+        data=SimpleNamespace(batch_size=1, context=8192),
+        model=SimpleNamespace(freeze=[]),
+    )
+    story = _Story(
+        context=8192,
+        cut=1024,
+        tiles=4,
+        recipe=recipe,
+        base=tmp_path,
+        reading={},
+        results={"tuned-cut": cut, "tuned": full},
+        comparisons=[
+            ("tuned-cut", "tuned", "full vs cut", compare(cut, full)),
+            ("tuned", "tuned-cut", "the other way", compare(full, cut)),
+        ],
+    )
     _write_report(tmp_path / "REPORT.md", story, _Stages(1))
     report = (tmp_path / "REPORT.md").read_text()
     assert report.count(_spread_context()) == 1

@@ -18,7 +18,14 @@ import torch
 
 from genolong.errors import InputError
 from genolong.evaluation import logprobs as lpmod
-from genolong.evaluation.logprobs import FP32_MEAN_BOUND, TABLE_COLUMNS, LogprobGap, check_logprobs, decode_target_logprobs, gap_figure
+from genolong.evaluation.logprobs import (
+    FP32_MEAN_BOUND,
+    TABLE_COLUMNS,
+    LogprobGap,
+    check_logprobs,
+    decode_target_logprobs,
+    gap_figure,
+)
 from genolong.model import GenoLM, ModelConfig
 from genolong.model.decode import sequence_log_probs
 from genolong.model.loss import model_inputs
@@ -55,7 +62,6 @@ def make_split(lengths: tuple[int, ...] = (700, 500), seed: int = 0) -> Split:
     return Split("eval", tokens, pd.DataFrame(rows, columns=["contig", "start", "end", "offset"]))
 
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -83,7 +89,7 @@ def expected_targets(split: Split, context: int) -> list[tuple[int, int]]:
     for _, seg in split.segments.iterrows():
         n = int(seg["end"] - seg["start"])
         for start in range(0, n, context):
-            toks = split.tokens[int(seg["offset"]) + start: int(seg["offset"]) + min(start + context, n)]
+            toks = split.tokens[int(seg["offset"]) + start : int(seg["offset"]) + min(start + context, n)]
             out.extend((tile, t) for t in range(1, len(toks)) if 1 <= (int(toks[t]) & 7) <= 4)
             tile += 1
     return out
@@ -151,8 +157,9 @@ def test_stepwise_gather_equals_sequence_log_probs(model: GenoLM) -> None:
     assert_bitwise_equal(decode_target_logprobs(model, ids), sequence_log_probs(model, ids), "gathered log-probs")
 
 
-def test_save_writes_valid_files_and_the_figure_draws_the_table(gap: LogprobGap, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_save_writes_valid_files_and_the_figure_draws_the_table(
+    gap: LogprobGap, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "gap"
     paths = gap.save(out)
     assert set(paths) == {"csv", "json", "tokens", "png", "pdf"}

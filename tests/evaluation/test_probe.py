@@ -19,14 +19,21 @@ from genolong.cli import main
 from genolong.data.alphabet import N
 from genolong.errors import InputError
 from genolong.evaluation import probe as probe_module
-from genolong.evaluation.probe import (ProbeResult, ProbeSettings, cut_view_span, plant_repeat, probe, probe_distances,
-                                       probe_tile, probe_views)
+from genolong.evaluation.probe import (
+    ProbeResult,
+    ProbeSettings,
+    cut_view_span,
+    plant_repeat,
+    probe,
+    probe_distances,
+    probe_tile,
+    probe_views,
+)
 from genolong.evaluation.score import score_tile
 from genolong.evaluation.stats import paired_bootstrap
 from genolong.model import PRESETS, GenoLM
-
-from tests.helpers import assert_bitwise_equal
 from tests.evaluation.test_evaluate import make_split
+from tests.helpers import assert_bitwise_equal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,7 +65,9 @@ def test_distances_and_planting() -> None:
 
 
 @pytest.mark.parametrize("segment_tokens", [None, 48])
-def test_views_equal_a_forward_of_each_planted_tile_and_the_context_cut_run(tiny: GenoLM, segment_tokens: int | None) -> None:
+def test_views_equal_a_forward_of_each_planted_tile_and_the_context_cut_run(
+    tiny: GenoLM, segment_tokens: int | None
+) -> None:
     length, m = 200, 12
     rng = np.random.default_rng(1)
     tokens = rng.integers(1, 5, size=length).astype(np.uint8)
@@ -69,7 +78,7 @@ def test_views_equal_a_forward_of_each_planted_tile_and_the_context_cut_run(tiny
     for i, d in enumerate(settings.distances):
         planted = plant_repeat(tokens, d, m)
         ids = torch.from_numpy(planted).long()[None]
-        reference = tiny.token_nll(ids)[0, s - 1:]  # targets s .. L-1 with the whole tile in view
+        reference = tiny.token_nll(ids)[0, s - 1 :]  # targets s .. L-1 with the whole tile in view
         counted = ~np.isnan(reference.numpy())
         # the cut view is the --context-cut run whose span grid ends at the tile's end
         off = (length - 1) % (d - 1)
@@ -95,12 +104,22 @@ def test_probe_result_tables_figure_and_resume(tiny: GenoLM, tmp_path: Path, mon
     whole = _run(tiny, split, tmp_path / "whole")
     assert whole.meta["eval_tiles"] == [0, 1, 2] and whole.meta["distances"] == [32, 64, 128]
     assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == [
-        "meta.json", "probe.csv", "probe.json", "probe.pdf", "probe.png", "probe_series.csv", "probe_tiles.parquet",
-        "tiles.parquet"]
+        "meta.json",
+        "probe.csv",
+        "probe.json",
+        "probe.pdf",
+        "probe.png",
+        "probe_series.csv",
+        "probe_tiles.parquet",
+        "tiles.parquet",
+    ]
     table = whole.table()
     ci = paired_bootstrap(whole.tile_tokens, whole.tile_full, whole.tile_tokens, whole.tile_cut)
-    np.testing.assert_allclose(table["drop"], whole.tile_cut.sum(0) / whole.tile_tokens.sum(0)
-                               - whole.tile_full.sum(0) / whole.tile_tokens.sum(0), rtol=1e-12)
+    np.testing.assert_allclose(
+        table["drop"],
+        whole.tile_cut.sum(0) / whole.tile_tokens.sum(0) - whole.tile_full.sum(0) / whole.tile_tokens.sum(0),
+        rtol=1e-12,
+    )
     np.testing.assert_allclose(table["drop_ci_lo"], ci.diff_lo, rtol=1e-12)
     assert list(table["cut_context_hi"]) == [31, 63, 127] and list(table["tokens"]) == [48, 48, 48]  # exact: ints
     json_rows = json.loads((tmp_path / "whole" / "probe.json").read_text())["rows"]
@@ -139,8 +158,21 @@ def test_probe_result_tables_figure_and_resume(tiny: GenoLM, tmp_path: Path, mon
 def test_probe_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], sample_store: Path) -> None:
     torch.manual_seed(0)
     GenoLM(PRESETS["tiny"]).save_pretrained(tmp_path / "model")
-    args = ["probe", str(tmp_path / "model"), "--store", str(sample_store), "--context", "512", "--repeat-bases", "20",
-            "--max-tiles", "2", "--quiet", "--out", str(tmp_path / "p")]
+    args = [
+        "probe",
+        str(tmp_path / "model"),
+        "--store",
+        str(sample_store),
+        "--context",
+        "512",
+        "--repeat-bases",
+        "20",
+        "--max-tiles",
+        "2",
+        "--quiet",
+        "--out",
+        str(tmp_path / "p"),
+    ]
     assert main([*args, "--distances", "32,256"]) == 0
     out = capsys.readouterr().out
     assert "drop = cut - full" in out and "| 256 |" in out
@@ -159,10 +191,23 @@ def test_quickstart_report_probe_section(tiny: GenoLM, tmp_path: Path) -> None:
     from genolong.quickstart import _probe_section, _Story
 
     split = make_split([256], seed=4)
-    probes = {name: probe(tiny, split, tmp_path / name, 256, repeat_bases=16, distances=[32, 128], label=label,
-                          progress=False, figure=False)
-              for name, label in (("base", "base"), ("tuned", "fine-tuned"))}
-    story = _Story(context=256, cut=64, tiles=1, recipe=SimpleNamespace(data=SimpleNamespace(context=256)), probes=probes)
+    probes = {
+        name: probe(
+            tiny,
+            split,
+            tmp_path / name,
+            256,
+            repeat_bases=16,
+            distances=[32, 128],
+            label=label,
+            progress=False,
+            figure=False,
+        )
+        for name, label in (("base", "base"), ("tuned", "fine-tuned"))
+    }
+    story = _Story(
+        context=256, cut=64, tiles=1, recipe=SimpleNamespace(data=SimpleNamespace(context=256)), probes=probes
+    )
     text = "\n".join(_probe_section(story))
     t = probes["tuned"].table()
     assert "## Long-range recall: planted repeats" in text and "| 128 |" in text
@@ -181,7 +226,9 @@ def test_quickstart_report_probe_section(tiny: GenoLM, tmp_path: Path) -> None:
         else:  # the largest drop as a share of the copy's cost without its source, at its distance
             share = recalled["drop"] / recalled.cut_nats
             best = recalled.loc[share.idxmax()]
-            assert (f"at most {share.max():.0%} (d = {int(best.distance):,}) of the {best.cut_nats:.2f} nats/base") in text
+            assert (
+                f"at most {share.max():.0%} (d = {int(best.distance):,}) of the {best.cut_nats:.2f} nats/base"
+            ) in text
 
 
 def test_probe_sees_recall_at_trained_distances_and_none_beyond(tmp_path: Path) -> None:

@@ -17,17 +17,23 @@ import torch
 
 from genolong.cli import main
 from genolong.errors import InputError
-from genolong.evaluation.plots import bucket_figure, plot_results, relative_change_figure
+from genolong.evaluation.plots import bucket_figure, relative_change_figure
 from genolong.evaluation.results import EvalResult
 from genolong.evaluation.score import evaluate, read_tokens
-from genolong.evaluation.stats import (BUCKET_COLUMNS, COMPARE_COLUMNS, GAP_COLUMNS, bucket_edges, compare,
-                                       compare_softmask, resample_indices)
+from genolong.evaluation.stats import (
+    BUCKET_COLUMNS,
+    COMPARE_COLUMNS,
+    GAP_COLUMNS,
+    bucket_edges,
+    compare,
+    compare_softmask,
+    resample_indices,
+)
 from genolong.model import PRESETS, GenoLM
 from genolong.quickstart import _softmask_reading, _softmask_section, _Story
-
-from tests.helpers import SOFTMASKED_CHR16, write_fasta
 from tests.evaluation.test_eval_stats import result_from_tokens, synthetic_tokens
 from tests.evaluation.test_evaluate import make_split
+from tests.helpers import SOFTMASKED_CHR16, write_fasta
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,7 +60,11 @@ def _pair(seed: int = 21, masked_gain: float = 0.04, unmasked_gain: float = 0.0,
     tuned = table.copy()
     gain = np.where(table["softmask"], masked_gain, unmasked_gain)
     tuned["nll"] = table["nll"] * (1.0 - gain) + rng.normal(0.0, noise, size=len(table))
-    return table.assign(nll_b=tuned["nll"]), result_from_tokens(table, 64, label="base"), result_from_tokens(tuned, 64, label="tuned")
+    return (
+        table.assign(nll_b=tuned["nll"]),
+        result_from_tokens(table, 64, label="base"),
+        result_from_tokens(tuned, 64, label="tuned"),
+    )
 
 
 def _with_overall(t: np.ndarray) -> np.ndarray:
@@ -73,12 +83,16 @@ def test_split_bucket_table_is_the_per_token_groupby_with_the_same_resamples() -
         sub = table[table["softmask"] == m]
         by = sub.groupby("bucket")["nll"].agg(["size", "mean"])
         np.testing.assert_array_equal(rows["tokens"], np.r_[by["size"], len(sub)])  # exact: counts
-        np.testing.assert_allclose(rows["nats"], np.r_[by["mean"], sub["nll"].mean()], rtol=1e-12)  # float sums in another order
+        np.testing.assert_allclose(
+            rows["nats"], np.r_[by["mean"], sub["nll"].mean()], rtol=1e-12
+        )  # float sums in another order
         # the block bootstrap over tiles, by hand: the same tile indices for both classes
         k = a.tile_tokens.shape[1]
         t = _with_overall(a.softmask_tokens[..., int(m)])
         n = _with_overall(a.softmask_nll[..., int(m)])
-        reps = [n[idx].sum(0) / t[idx].sum(0) for idx in np.concatenate(list(resample_indices(a.n_tiles, N_BOOT, seed=3)))]
+        reps = [
+            n[idx].sum(0) / t[idx].sum(0) for idx in np.concatenate(list(resample_indices(a.n_tiles, N_BOOT, seed=3)))
+        ]
         q = np.quantile(reps, [0.025, 0.975], axis=0)
         np.testing.assert_allclose(rows["ci_lo"], q[0], rtol=1e-12)  # the same sums, another summation order
         np.testing.assert_allclose(rows["ci_hi"], q[1], rtol=1e-12)
@@ -130,8 +144,9 @@ def test_compare_softmask_is_paired_over_tiles_and_the_gap_uses_the_same_resampl
     assert pooled["tokens"].tolist() == list(split["tokens"].to_numpy().reshape(2, -1).sum(0))
 
 
-def test_an_older_result_without_the_split_loads_and_refuses_only_by_softmask(tmp_path: Path,
-                                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_older_result_without_the_split_loads_and_refuses_only_by_softmask(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _, a, b = _pair()
     dirs = {}
     for r in (a, b):
@@ -152,7 +167,9 @@ def test_an_older_result_without_the_split_loads_and_refuses_only_by_softmask(tm
     assert str(dirs["base"]) in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(InputError, match="re-run `genolong evaluate`"):
         compare_softmask(old, b, 50)
-    assert main(["compare", str(dirs["base"]), str(dirs["tuned"]), "--by", "softmask", "--out", str(tmp_path / "c")]) == 2
+    assert (
+        main(["compare", str(dirs["base"]), str(dirs["tuned"]), "--by", "softmask", "--out", str(tmp_path / "c")]) == 2
+    )
     err_text = capsys.readouterr().err.strip()
     assert "\n" not in err_text and "re-run `genolong evaluate`" in err_text and not (tmp_path / "c").exists()
     assert main(["plot", str(dirs["tuned"]), str(dirs["base"]), "--by", "softmask", "--out", str(tmp_path / "f")]) == 2
@@ -169,8 +186,16 @@ def test_an_older_result_without_the_split_loads_and_refuses_only_by_softmask(tm
     with pytest.raises(InputError, match="tile_buckets_softmask.parquet is not the dense"):
         EvalResult.load(d)
     with pytest.raises(InputError, match="do not add up"):
-        EvalResult(a.meta, a.tiles, a.tile_tokens, a.tile_nll, a.position_tokens, a.position_nll,
-                   softmask_tokens=a.softmask_tokens[..., ::-1] * 2, softmask_nll=a.softmask_nll)
+        EvalResult(
+            a.meta,
+            a.tiles,
+            a.tile_tokens,
+            a.tile_nll,
+            a.position_tokens,
+            a.position_nll,
+            softmask_tokens=a.softmask_tokens[..., ::-1] * 2,
+            softmask_nll=a.softmask_nll,
+        )
 
 
 def test_comparable_checks_the_split_counts() -> None:
@@ -189,15 +214,45 @@ def test_cli_compare_and_plot_by_softmask(tmp_path: Path, capsys: pytest.Capture
     for r in (a, b):
         (tmp_path / r.label).mkdir()
         r.save(tmp_path / r.label)
-    assert main(["compare", str(tmp_path / "base"), str(tmp_path / "tuned"), "--by", "softmask", "--n-boot", "200",
-                 "--out", str(tmp_path / "cmp")]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                str(tmp_path / "base"),
+                str(tmp_path / "tuned"),
+                "--by",
+                "softmask",
+                "--n-boot",
+                "200",
+                "--out",
+                str(tmp_path / "cmp"),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     split, gap = compare_softmask(a, b, 200)
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "cmp" / "compare_softmask.csv"), split, check_dtype=False)
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "cmp" / "softmask_gap.csv"), gap, check_dtype=False)
     assert "| soft-masked | all |" in printed and f"{gap['gap_pct'].iloc[-1]:.2f}" in printed
-    assert main(["plot", str(tmp_path / "base"), str(tmp_path / "tuned"), "--by", "softmask", "--n-boot", "100",
-                 "--format", "png", "--out", str(tmp_path / "fig")]) == 0
+    assert (
+        main(
+            [
+                "plot",
+                str(tmp_path / "base"),
+                str(tmp_path / "tuned"),
+                "--by",
+                "softmask",
+                "--n-boot",
+                "100",
+                "--format",
+                "png",
+                "--out",
+                str(tmp_path / "fig"),
+            ]
+        )
+        == 0
+    )
     for stem in ("position_loss", "buckets", "relative_change", "buckets_softmask", "relative_change_softmask"):
         assert (tmp_path / "fig" / f"{stem}.png").read_bytes().startswith(b"\x89PNG"), stem
     series = pd.read_csv(tmp_path / "fig" / "relative_change_softmask.csv")
@@ -211,7 +266,10 @@ def test_cli_compare_and_plot_by_softmask(tmp_path: Path, capsys: pytest.Capture
 def test_split_figures_draw_the_split_tables() -> None:
     _, a, b = _pair()
     fig, series = bucket_figure([a, b], 100, by="softmask")
-    assert len(fig.axes) == 2 and [ax.get_title() for ax in fig.axes] == ["unmasked bases", "soft-masked bases (lower case: repeats)"]
+    assert len(fig.axes) == 2 and [ax.get_title() for ax in fig.axes] == [
+        "unmasked bases",
+        "soft-masked bases (lower case: repeats)",
+    ]
     for m, ax in zip((False, True), fig.axes):
         for run, line in zip((a, b), [ln for ln in ax.get_lines() if not ln.get_label().startswith("_")]):
             want = run.bucket_table(100, by="softmask")
@@ -230,7 +288,9 @@ def test_evaluate_split_is_the_per_token_table_and_adds_up_exactly(tmp_path: Pat
     split = make_split([700, 333], seed=9, n_run=(40, 90))
     result = evaluate(model, split, tmp_path / "r", context=256, first_bucket=32, progress=False)
     assert np.array_equal(result.softmask_tokens.sum(axis=2), result.tile_tokens)  # exact: counts
-    assert np.array_equal(result.softmask_nll[..., 0] + result.softmask_nll[..., 1], result.tile_nll)  # exact by construction
+    assert np.array_equal(
+        result.softmask_nll[..., 0] + result.softmask_nll[..., 1], result.tile_nll
+    )  # exact by construction
     tokens = read_tokens(tmp_path / "r")
     tokens["nll"] = tokens["nll"].astype(np.float64)  # evaluate sums the float32 NLL in float64
     edges = bucket_edges(256, 32)
@@ -248,11 +308,33 @@ def test_evaluate_split_is_the_per_token_table_and_adds_up_exactly(tmp_path: Pat
     np.testing.assert_array_equal(loaded.softmask_nll, result.softmask_nll)  # exact: saved and read back
 
 
-def test_evaluate_cli_prints_the_split_table(tmp_path: Path, capsys: pytest.CaptureFixture[str], chr16_store: Path) -> None:
+def test_evaluate_cli_prints_the_split_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], chr16_store: Path
+) -> None:
     torch.manual_seed(0)
     GenoLM(PRESETS["tiny"]).save_pretrained(tmp_path / "model")
-    assert main(["evaluate", str(tmp_path / "model"), "--store", str(chr16_store), "--context", "1024", "--max-tiles", "4",
-                 "--first-bucket", "256", "--quiet", "--by", "softmask", "--out", str(tmp_path / "r")]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                str(tmp_path / "model"),
+                "--store",
+                str(chr16_store),
+                "--context",
+                "1024",
+                "--max-tiles",
+                "4",
+                "--first-bucket",
+                "256",
+                "--quiet",
+                "--by",
+                "softmask",
+                "--out",
+                str(tmp_path / "r"),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     table = EvalResult.load(tmp_path / "r").bucket_table(by="softmask")
     assert "split by softmask" in printed and (table.loc[table["bucket"] == "all", "tokens"] > 0).all()
@@ -261,30 +343,55 @@ def test_evaluate_cli_prints_the_split_table(tmp_path: Path, capsys: pytest.Capt
         assert f"| {name} | all | {int(r.tokens):,} | {r.nats:.4f} |" in printed
 
 
-def _gap(unmasked: tuple[float, float, float], masked: tuple[float, float, float], gap: tuple[float, float, float]) -> pd.DataFrame:
+def _gap(
+    unmasked: tuple[float, float, float], masked: tuple[float, float, float], gap: tuple[float, float, float]
+) -> pd.DataFrame:
     """A one-row ("all") gap table with the given (change, lo, hi) in percent."""
-    return pd.DataFrame([{
-        "bucket": "all", "lo": 1, "hi": 64, "unmasked_tokens": 600, "masked_tokens": 400,
-        "unmasked_rel_pct": unmasked[0], "unmasked_rel_ci_lo": unmasked[1], "unmasked_rel_ci_hi": unmasked[2],
-        "masked_rel_pct": masked[0], "masked_rel_ci_lo": masked[1], "masked_rel_ci_hi": masked[2],
-        "gap_pct": gap[0], "gap_ci_lo": gap[1], "gap_ci_hi": gap[2], "supported": gap[1] > 0 or gap[2] < 0,
-    }])[GAP_COLUMNS]
+    return pd.DataFrame(
+        [
+            {
+                "bucket": "all",
+                "lo": 1,
+                "hi": 64,
+                "unmasked_tokens": 600,
+                "masked_tokens": 400,
+                "unmasked_rel_pct": unmasked[0],
+                "unmasked_rel_ci_lo": unmasked[1],
+                "unmasked_rel_ci_hi": unmasked[2],
+                "masked_rel_pct": masked[0],
+                "masked_rel_ci_lo": masked[1],
+                "masked_rel_ci_hi": masked[2],
+                "gap_pct": gap[0],
+                "gap_ci_lo": gap[1],
+                "gap_ci_hi": gap[2],
+                "supported": gap[1] > 0 or gap[2] < 0,
+            }
+        ]
+    )[GAP_COLUMNS]
 
 
 def test_report_wording_follows_the_intervals() -> None:
     # supported: repeats carry more of the gain
-    text = " ".join(_softmask_reading(_gap((-0.20, -0.30, -0.10), (-0.90, -1.10, -0.70), (-0.70, -0.90, -0.50)), "cut", "full"))
+    text = " ".join(
+        _softmask_reading(_gap((-0.20, -0.30, -0.10), (-0.90, -1.10, -0.70), (-0.70, -0.90, -0.50)), "cut", "full")
+    )
     assert "the gain on soft-masked bases (repeats), 0.90% [0.70, 1.10], is larger than on unmasked bases" in text
     assert "+0.20% [+0.10, +0.30]" in text and "repeats carry more of the gain" in text and "excludes 0" in text
     # supported the other way: unique sequence
-    text = " ".join(_softmask_reading(_gap((-0.90, -1.10, -0.70), (-0.20, -0.30, -0.10), (0.70, 0.50, 0.90)), "cut", "full"))
+    text = " ".join(
+        _softmask_reading(_gap((-0.90, -1.10, -0.70), (-0.20, -0.30, -0.10), (0.70, 0.50, 0.90)), "cut", "full")
+    )
     assert "unique sequence carries more of the gain" in text and "gain on unmasked bases" in text
     # both classes gain but the intervals overlap: no claim of which carries it
-    text = " ".join(_softmask_reading(_gap((-0.30, -0.50, -0.10), (-0.50, -0.90, -0.10), (-0.20, -0.60, 0.20)), "cut", "full"))
+    text = " ".join(
+        _softmask_reading(_gap((-0.30, -0.50, -0.10), (-0.50, -0.90, -0.10), (-0.20, -0.60, 0.20)), "cut", "full")
+    )
     assert "includes 0" in text and "do not separate the two" in text and "carry more of the gain" not in text
     assert "Only the change" not in text  # both classes are supported on their own
     # only one class excludes 0 on its own: said, with what it does not show
-    text = " ".join(_softmask_reading(_gap((-0.10, -0.30, 0.10), (-0.50, -0.90, -0.10), (-0.40, -0.90, 0.05)), "cut", "full"))
+    text = " ".join(
+        _softmask_reading(_gap((-0.10, -0.30, 0.10), (-0.50, -0.90, -0.10), (-0.40, -0.90, 0.05)), "cut", "full")
+    )
     assert "do not separate" in text and "Only the change on soft-masked bases (repeats) excludes 0 on its own" in text
     # a supported gap between two increases is no gain
     text = " ".join(_softmask_reading(_gap((0.90, 0.70, 1.10), (0.20, 0.05, 0.35), (-0.70, -0.90, -0.50)), "a", "b"))
@@ -301,12 +408,29 @@ def test_quickstart_report_section_on_a_real_evaluation(tmp_path: Path, chr16_st
     torch.manual_seed(0)
     model = GenoLM(PRESETS["tiny"]).eval()
     split = GenomeStore.open(chr16_store).split("eval")
-    full = evaluate(model, split, tmp_path / "full", context=256, max_tiles=4, first_bucket=64, label="full", progress=False)
-    cut = evaluate(model, split, tmp_path / "cut", context=256, context_cut=32, max_tiles=4, first_bucket=64, label="cut",
-                   progress=False)
+    full = evaluate(
+        model, split, tmp_path / "full", context=256, max_tiles=4, first_bucket=64, label="full", progress=False
+    )
+    cut = evaluate(
+        model,
+        split,
+        tmp_path / "cut",
+        context=256,
+        context_cut=32,
+        max_tiles=4,
+        first_bucket=64,
+        label="cut",
+        progress=False,
+    )
     gap = compare_softmask(cut, full)[1]
-    story = _Story(context=256, cut=32, tiles=4, recipe=None, results={"cut": cut, "full": full},
-                   softmask=[("cut", "full", "What does context beyond 32 buy?", gap)])
+    story = _Story(
+        context=256,
+        cut=32,
+        tiles=4,
+        recipe=None,
+        results={"cut": cut, "full": full},
+        softmask=[("cut", "full", "What does context beyond 32 buy?", gap)],
+    )
     text = "\n".join(_softmask_section(story))
     masked = int(full.softmask_tokens[..., 1].sum())
     assert "## Repeats or unique sequence" in text and f"marks {masked:,} of the {full.tokens:,} scored bases" in text

@@ -22,7 +22,6 @@ from genolong.errors import InputError
 from genolong.evaluation.score import evaluate, read_tokens, score_tile
 from genolong.model import PRESETS, GenoLM
 from genolong.model.stream import PrefillStream, StreamDSA, stream_token_nll
-
 from tests.evaluation.test_evaluate import make_split
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,7 +91,8 @@ def test_extend_with_irregular_segments_gives_the_forward_rows(tiny: GenoLM) -> 
         def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
             rows = args[0].shape[1]  # the segment plus the incomplete pool's rows run again
             chosen.setdefault(layer, torch.full((b, t, out.shape[-1]), -2, dtype=out.dtype))
-            chosen[layer][:, seg_end[0] - rows:seg_end[0]] = out
+            chosen[layer][:, seg_end[0] - rows : seg_end[0]] = out
+
         return hook
 
     hooks = [tiny.layers[i].self_attn.indexer.register_forward_hook(record(i)) for i in layers]
@@ -112,6 +112,7 @@ def test_extend_with_irregular_segments_gives_the_forward_rows(tiny: GenoLM) -> 
         def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
             own[layer] = out
             return chosen[layer]
+
         return hook
 
     hooks = [tiny.layers[i].self_attn.indexer.register_forward_hook(force(i)) for i in layers]
@@ -150,7 +151,9 @@ def test_a_lost_cache_breaks_the_match(tiny: GenoLM) -> None:
         assert max_diff(rest, ref[:, 300:]) > 1e-3, kind
 
 
-def test_segments_at_or_beyond_the_length_are_the_one_shot_forward(tiny: GenoLM, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_segments_at_or_beyond_the_length_are_the_one_shot_forward(
+    tiny: GenoLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tokens = dna(1, 300, seed=5)
     called = {"n": 0}
 
@@ -187,8 +190,9 @@ def test_evaluate_records_segment_tokens_and_matches_one_shot(tiny: GenoLM, tmp_
     assert np.abs(a["nll"].to_numpy() - b["nll"].to_numpy()).max() <= TOL
 
 
-def test_a_resumed_evaluation_must_have_the_same_segment_tokens(tiny: GenoLM, tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_resumed_evaluation_must_have_the_same_segment_tokens(
+    tiny: GenoLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     split = make_split([600], seed=8)
     real = GenoLM.token_nll
     calls = {"n": 0}

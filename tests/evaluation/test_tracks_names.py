@@ -43,7 +43,9 @@ def b37(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("b37")
     seq22 = _sequence("GRCh37_chr22_20000001-21000000.fa.gz", 120_000)
     assert seq22.count("N") < len(seq22) // 2
-    fasta = write_fasta(root / "ref.fa", [("22", seq22), ("1 dna:chromosome", _sequence("GRCh37_chr1_truncated_240kb.fa.gz", 50_000))])
+    fasta = write_fasta(
+        root / "ref.fa", [("22", seq22), ("1 dna:chromosome", _sequence("GRCh37_chr1_truncated_240kb.fa.gz", 50_000))]
+    )
     pysam.faidx(str(fasta))
     torch.manual_seed(0)
     GenoLM(PRESETS["tiny"]).save_pretrained(root / "model")
@@ -54,8 +56,22 @@ def test_b37_names_round_trip(b37: Path, tmp_path: Path) -> None:
     fasta = b37 / "ref.fa"
     assert (b37 / "ref.fa.fai").read_text().splitlines()[0].split("\t")[:2] == ["22", "120000"]
     # prepare looks 22 up as chr22 (an alias) and records 22 as the name outputs use
-    assert main(["prepare", str(fasta), "--out", str(tmp_path / "store"), "--train", "chr1", "--eval", "NC_000022.10",
-                 "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                str(fasta),
+                "--out",
+                str(tmp_path / "store"),
+                "--train",
+                "chr1",
+                "--eval",
+                "NC_000022.10",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
     assert manifest["names"] == "source"
     (contig,) = manifest["splits"]["eval"]["contigs"]
@@ -63,8 +79,21 @@ def test_b37_names_round_trip(b37: Path, tmp_path: Path) -> None:
     assert [c["output_name"] for c in manifest["splits"]["train"]["contigs"]] == ["1"]
     # evaluate --tracks: the files say 22, as the user's FASTA does
     out = tmp_path / "eval"
-    assert main(["evaluate", str(b37 / "model"), "--store", str(tmp_path / "store"), *_COMMON, "--tracks",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                str(b37 / "model"),
+                "--store",
+                str(tmp_path / "store"),
+                *_COMMON,
+                "--tracks",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     tracks = out / "tracks"
     assert (tracks / "chrom.sizes").read_text() == "22\t120000\n"
     name = next(p.stem for p in tracks.glob("*.bw"))
@@ -87,12 +116,41 @@ def test_b37_names_round_trip(b37: Path, tmp_path: Path) -> None:
 
 
 def test_prepare_names_ucsc(b37: Path, tmp_path: Path) -> None:
-    assert main(["prepare", str(b37 / "ref.fa"), "--out", str(tmp_path / "store"), "--train", "1", "--eval", "22",
-                 "--names", "ucsc", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                str(b37 / "ref.fa"),
+                "--out",
+                str(tmp_path / "store"),
+                "--train",
+                "1",
+                "--eval",
+                "22",
+                "--names",
+                "ucsc",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
     assert manifest["names"] == "ucsc"
     assert [(c["name"], c["output_name"]) for c in manifest["splits"]["eval"]["contigs"]] == [("chr22", "chr22")]
     out = tmp_path / "eval"
-    assert main(["evaluate", str(b37 / "model"), "--store", str(tmp_path / "store"), *_COMMON, "--tracks",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                str(b37 / "model"),
+                "--store",
+                str(tmp_path / "store"),
+                *_COMMON,
+                "--tracks",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert (out / "tracks" / "chrom.sizes").read_text() == "chr22\t120000\n"

@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pyBigWig
 import pybigtools
+import pyBigWig
 import pytest
 
 from genolong.evaluation.tracks import Track, bin_track, write_tracks
@@ -75,7 +75,9 @@ def _check_zooms(path: Path, track: Track, sizes: dict[str, int], rng: np.random
             np.testing.assert_array_equal(np.asarray(reader.values(contig, 0, size, fillna=np.nan)), dense)
             for k, level in enumerate(levels):
                 records = list(reader.zoom_records(level, contig))
-                assert records and records[-1][1] == int(np.flatnonzero(have)[-1]) + 1  # the last bin reaches the last base
+                assert (
+                    records and records[-1][1] == int(np.flatnonzero(have)[-1]) + 1
+                )  # the last bin reaches the last base
                 # every zoom record, the last one included: numpy over its bases (reduceat over the
                 # record bounds; the even results are the records, the odd ones the gaps between)
                 bounds = np.array([[r[0], r[1]] for r in records]).ravel()
@@ -110,7 +112,9 @@ def _check_zooms(path: Path, track: Track, sizes: dict[str, int], rng: np.random
                         continue
                     want = dense[lo:hi][have[lo:hi]]
                     for exact in (False, True):
-                        mean, low, high = (bw.stats(contig, lo, hi, type=t, exact=exact)[0] for t in ("mean", "min", "max"))
+                        mean, low, high = (
+                            bw.stats(contig, lo, hi, type=t, exact=exact)[0] for t in ("mean", "min", "max")
+                        )
                         assert mean == pytest.approx(want.mean(), rel=_RTOL), (contig, level, lo, hi, exact)
                         assert np.float32(low) == np.float32(want.min()) and np.float32(high) == np.float32(want.max())
                     done += 1
@@ -135,7 +139,9 @@ def _libbigwig_write(path: Path, track: Track, sizes: dict[str, int]) -> None:
 
 def _pybigtools_write(path: Path, track: Track, sizes: dict[str, int]) -> None:
     """The same intervals written by pybigtools 0.3.0."""
-    rows = zip(track.contig.tolist(), track.position.tolist(), track.ends.tolist(), track.value.astype(np.float64).tolist())
+    rows = zip(
+        track.contig.tolist(), track.position.tolist(), track.ends.tolist(), track.value.astype(np.float64).tolist()
+    )
     pybigtools.open(str(path), "w").write(dict(sizes), rows)
 
 

@@ -21,8 +21,10 @@ def _variant(contig: str, input_pos: int, record: int) -> Variant:
 def test_regions_keep_records_by_their_pos(tmp_path: Path) -> None:
     bed = tmp_path / "r.bed"
     bed.write_text("20\t99\t100\n")  # the 1-based POS 100
-    found = VariantSet(variants=[_variant("20", 99, 0), _variant("20", 100, 1), _variant("20", 101, 2),
-                                 _variant("21", 100, 3)], records=4)
+    found = VariantSet(
+        variants=[_variant("20", 99, 0), _variant("20", 100, 1), _variant("20", 101, 2), _variant("21", 100, 3)],
+        records=4,
+    )
     sizes = {"20": 5000, "21": 5000}
     kept, summary = in_regions(found, bed, sizes)
     assert [v.record for v in kept.variants] == [1] and summary["alleles_outside"] == 3
@@ -49,8 +51,11 @@ def test_the_mismatch_share_counts_the_alleles_compared(tmp_path: Path, capsys: 
     assert got == {"mismatched": 5, "compared": 100, "share": 0.05, "max_share": 0.05}
     assert "95 of 100 alleles (5.00% mismatched" in capsys.readouterr().err
     found.rejects["ref_mismatch"] = 6  # 6 of 101: past it
-    with pytest.raises(InputError, match=r"calls.vcf: REF differs from the reference ref.fa at 6 of 101 alleles "
-                                         r"\(5\.9%, more than --max-ref-mismatch 0\.05\).*another build"):
+    with pytest.raises(
+        InputError,
+        match=r"calls.vcf: REF differs from the reference ref.fa at 6 of 101 alleles "
+        r"\(5\.9%, more than --max-ref-mismatch 0\.05\).*another build",
+    ):
         check_ref_mismatch(Path("calls.vcf"), reference, found, rejects, 0.05)
     with pytest.raises(InputError, match="between 0 and 1"):
         check_ref_mismatch(Path("calls.vcf"), reference, found, rejects, 5)

@@ -85,7 +85,9 @@ def reference() -> SampleReference:
     return SampleReference([CHR22, CHR1])
 
 
-def variant(ref: SampleReference, contig: str, pos: int, n_ref: int, alt: str | None = None, record: int = 0) -> Variant:
+def variant(
+    ref: SampleReference, contig: str, pos: int, n_ref: int, alt: str | None = None, record: int = 0
+) -> Variant:
     """A variant of ``n_ref`` reference bases at ``pos``; ``alt`` None: every base changed (an SNV/MNV);
     ``"+XYZ"``: an insertion after the first base; ``"-"``: a deletion keeping the first base."""
     r = ref.fetch(contig, pos, pos + n_ref).upper()
@@ -103,18 +105,37 @@ def cases(ref: SampleReference) -> list[Variant]:
     end22, n0, n1 = ref.length(CHR22), *N22
     spec = [
         # the contig start: context 0 (the first base has no prediction) and < L, one block
-        (CHR22, 0, 1, None), (CHR22, 3, 3, None), (CHR22, 7, 3, "-"), (CHR22, 8, 1, "+GAT"),
+        (CHR22, 0, 1, None),
+        (CHR22, 3, 3, None),
+        (CHR22, 7, 3, "-"),
+        (CHR22, 8, 1, "+GAT"),
         # a block at 5000 (stream start 4800): segment ends (4800 + 64 k), pool edges (multiples of 8),
         # several variants in one block, the block's last (pos - first = L) and the next block's first
-        (CHR22, 5000, 1, None), (CHR22, 5055, 1, None), (CHR22, 5056, 2, None), (CHR22, 5057, 4, "-"),
-        (CHR22, 5063, 1, "+TTAGGG"), (CHR22, 5064, 1, None), (CHR22, 5120, 1, None), (CHR22, 5127, 5, None),
-        (CHR22, 5200, 1, None), (CHR22, 5201, 2, "-"), (CHR22, 5203, 1, "+C"),
+        (CHR22, 5000, 1, None),
+        (CHR22, 5055, 1, None),
+        (CHR22, 5056, 2, None),
+        (CHR22, 5057, 4, "-"),
+        (CHR22, 5063, 1, "+TTAGGG"),
+        (CHR22, 5064, 1, None),
+        (CHR22, 5120, 1, None),
+        (CHR22, 5127, 5, None),
+        (CHR22, 5200, 1, None),
+        (CHR22, 5201, 2, "-"),
+        (CHR22, 5203, 1, "+C"),
         # next to the N run: the window runs into it, a deletion ends at it, the first bases after it
-        (CHR22, n0 - 50, 1, None), (CHR22, n0 - 3, 3, "-"), (CHR22, n1, 1, None), (CHR22, n1 + 1, 1, "+AC"),
+        (CHR22, n0 - 50, 1, None),
+        (CHR22, n0 - 3, 3, "-"),
+        (CHR22, n1, 1, None),
+        (CHR22, n1 + 1, 1, "+AC"),
         # the contig end: a truncated window, none at all
-        (CHR22, end22 - 60, 4, "-"), (CHR22, end22 - 5, 1, "+GG"), (CHR22, end22 - 2, 2, None), (CHR22, end22 - 1, 1, None),
+        (CHR22, end22 - 60, 4, "-"),
+        (CHR22, end22 - 5, 1, "+GG"),
+        (CHR22, end22 - 2, 2, None),
+        (CHR22, end22 - 1, 1, None),
         # chr1 starts with 10 kb of N: the first base after it, inside the first L bases of context
-        (CHR1, 10000, 1, None), (CHR1, 10001, 3, None), (CHR1, 10010, 1, "+T"),
+        (CHR1, 10000, 1, None),
+        (CHR1, 10001, 3, None),
+        (CHR1, 10010, 1, "+T"),
     ]
     return [variant(ref, c, p, n, a, record=i) for i, (c, p, n, a) in enumerate(spec)]
 
@@ -135,21 +156,36 @@ def test_streamed_scores_equal_the_brute_force(tiny: GenoLM, reference: SampleRe
     assert len(got) == 3 * len(variants) and max(got) <= TOL
 
 
-def test_reverse_strand_equals_the_brute_force_on_the_reverse_complement(tiny: GenoLM, reference: SampleReference) -> None:
+def test_reverse_strand_equals_the_brute_force_on_the_reverse_complement(
+    tiny: GenoLM, reference: SampleReference
+) -> None:
     variants = cases(reference)
     got = diffs(tiny, reference, variants, "reverse")
     assert len(got) == 3 * len(variants) and max(got) <= TOL
 
 
 def test_streamed_scores_equal_the_brute_force_bitwise_away_from_n_runs(
-        tiny: GenoLM, reference: SampleReference) -> None:
+    tiny: GenoLM, reference: SampleReference
+) -> None:
     """Variants at odd positions (off the 64-token KDA chunks and the DSA pools of 8: the stream
     stops on the grid and each branch runs the bases up to the variant) with prefix segments of
     64, 100 (rounded down to 64) and 1000 tokens: away from N runs every row is computed as the
     one-shot forward computes it, so the scores are the brute force's, bitwise. SNV, MNV,
     deletion and insertion, at the contig start (a first base nothing predicts) and inside chr22."""
-    spec = [(0, 1, None), (3, 3, None), (7, 3, "-"), (8, 1, "+GAT"), (64, 3, "-"), (128, 1, "+GAT"),
-            (5000, 1, None), (5055, 1, None), (5057, 4, "-"), (5063, 1, "+TTAGGG"), (5127, 5, None), (5203, 1, "+C")]
+    spec = [
+        (0, 1, None),
+        (3, 3, None),
+        (7, 3, "-"),
+        (8, 1, "+GAT"),
+        (64, 3, "-"),
+        (128, 1, "+GAT"),
+        (5000, 1, None),
+        (5055, 1, None),
+        (5057, 4, "-"),
+        (5063, 1, "+TTAGGG"),
+        (5127, 5, None),
+        (5203, 1, "+C"),
+    ]
     variants = [variant(reference, CHR22, p, n, a, record=i) for i, (p, n, a) in enumerate(spec)]
     for segment in (64, 100, 1000):
         seen = 0
@@ -180,11 +216,13 @@ def test_the_engine_scores_what_the_window_says(tiny: GenoLM, reference: SampleR
     assert last.window == 0 and seen[0].context_used == 0
 
 
-def _by_record(tiny: GenoLM, reference: SampleReference, variants: list[Variant], strand: str,
-               span: int | None = None) -> dict[int, tuple[float, float, int]]:
+def _by_record(
+    tiny: GenoLM, reference: SampleReference, variants: list[Variant], strand: str, span: int | None = None
+) -> dict[int, tuple[float, float, int]]:
     out = {}
-    for block, scores in score_variants_streamed(tiny, reference, variants, L, WINDOW, strand, span=span,
-                                                 segment_tokens=SEGMENT):
+    for block, scores in score_variants_streamed(
+        tiny, reference, variants, L, WINDOW, strand, span=span, segment_tokens=SEGMENT
+    ):
         for i, s in zip(block.indices, scores):
             out[variants[i].record] = (s.logp_ref, s.logp_alt, s.context_used)
     return out
@@ -192,7 +230,8 @@ def _by_record(tiny: GenoLM, reference: SampleReference, variants: list[Variant]
 
 @pytest.mark.parametrize("strand", ["forward", "reverse"])
 def test_a_variant_scores_the_same_alone_in_the_whole_list_and_in_a_shard(
-        tiny: GenoLM, reference: SampleReference, strand: str) -> None:
+    tiny: GenoLM, reference: SampleReference, strand: str
+) -> None:
     """Issue 46: the block layout is a fixed grid of the genome, so a variant's stream start, and its
     scores, depend on its own position only. The cases (contig starts and ends, N runs, several
     variants per grid cell) scored in the whole list, in two shards and (a quarter of them) alone:
@@ -218,7 +257,9 @@ def test_a_variant_scores_the_same_alone_in_the_whole_list_and_in_a_shard(
 
 
 def test_ref_equal_alt_scores_exactly_zero(tiny: GenoLM, reference: SampleReference) -> None:
-    same = [Variant(v.contig, v.pos, v.ref, v.ref, v.record, 1, v.id, v.input_pos, v.ref, v.ref) for v in cases(reference)]
+    same = [
+        Variant(v.contig, v.pos, v.ref, v.ref, v.record, 1, v.id, v.input_pos, v.ref, v.ref) for v in cases(reference)
+    ]
     for strand in ("forward", "reverse"):
         for _, scores in score_variants_streamed(tiny, reference, same, L, WINDOW, strand, segment_tokens=SEGMENT):
             assert all(s.llr == 0.0 and s.logp_ref == s.logp_alt < 0 for s in scores)
@@ -227,8 +268,9 @@ def test_ref_equal_alt_scores_exactly_zero(tiny: GenoLM, reference: SampleRefere
 def test_reverse_complement_view_and_mirror(reference: SampleReference) -> None:
     rc = ReverseComplement(reference)
     n = reference.length(CHR1)
-    assert decode(rc.tokens(CHR1, 0, 5)) == "".join({"A": "T", "C": "G", "G": "C", "T": "A"}[b]
-                                                      for b in reversed(reference.fetch(CHR1, n - 5, n)))
+    assert decode(rc.tokens(CHR1, 0, 5)) == "".join(
+        {"A": "T", "C": "G", "G": "C", "T": "A"}[b] for b in reversed(reference.fetch(CHR1, n - 5, n))
+    )
     v = variant(reference, CHR1, 10001, 3, "-")
     m = ReverseComplement.mirror(v, n)
     assert (m.pos, m.end) == (n - v.end, n - v.pos)
@@ -274,9 +316,18 @@ def runner_variants(ref: SampleReference) -> list[Variant]:
 def test_runner_writes_the_tables(tiny: GenoLM, reference: SampleReference, tmp_path: Path) -> None:
     variants = runner_variants(reference)
     seen: list[Path] = []
-    table = score_variants(tiny, reference, variants, tmp_path / "out", [100, 200], WINDOW, "both",
-                           segment_tokens=SEGMENT, meta={"checkpoint": "tiny"},
-                           finish=lambda work, t: seen.append(work))
+    table = score_variants(
+        tiny,
+        reference,
+        variants,
+        tmp_path / "out",
+        [100, 200],
+        WINDOW,
+        "both",
+        segment_tokens=SEGMENT,
+        meta={"checkpoint": "tiny"},
+        finish=lambda work, t: seen.append(work),
+    )
     out = tmp_path / "out"
     assert seen == [tmp_path / ".out.partial"] and not seen[0].exists()
     assert len(table) == 2 * len(variants) and list(table["context"].unique()) == [100, 200]
@@ -300,8 +351,9 @@ def test_runner_writes_the_tables(tiny: GenoLM, reference: SampleReference, tmp_
         score_variants(tiny, reference, variants, out, [100])
 
 
-def test_a_killed_run_resumes_at_the_next_block_with_the_same_tables(tiny: GenoLM, reference: SampleReference,
-                                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_killed_run_resumes_at_the_next_block_with_the_same_tables(
+    tiny: GenoLM, reference: SampleReference, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     variants = runner_variants(reference)
     whole = score_variants(tiny, reference, variants, tmp_path / "whole", [100, 150], WINDOW, segment_tokens=SEGMENT)
     real = variants_module.score_block

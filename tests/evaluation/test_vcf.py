@@ -38,8 +38,12 @@ def _records() -> list[tuple[str, str]]:
     chr16 = _chr16()
     poly_a = chr16.index("a" * 24, 100_000)
     after_n = pysam.FastaFile(str(sample_fasta())).fetch(CHR22, N_RUN_END - 20, N_RUN_END + 3_000)
-    return [("chr22s", chr22), ("chr16s", chr16[100_000:130_000]), ("edge", chr16[poly_a + 5:poly_a + 3_005]),
-            ("afterN", after_n)]
+    return [
+        ("chr22s", chr22),
+        ("chr16s", chr16[100_000:130_000]),
+        ("edge", chr16[poly_a + 5 : poly_a + 3_005]),
+        ("afterN", after_n),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +69,10 @@ def vcf_text(rows: list[tuple], seqs: dict[str, str] | None = None, extra_header
     """VCF text of rows (chrom, pos, id, ref, alt[, qual, filter, info[, format, sample...]])."""
     contigs = "".join(f"##contig=<ID={name},length={len(seq)}>\n" for name, seq in (seqs or {}).items())
     columns = COLUMNS.rstrip("\n") + (f"\tFORMAT\t{samples}" if samples else "") + "\n"
-    body = "".join("\t".join(str(c) for c in (row + (".", ".", ".")[len(row) - 5:] if len(row) < 8 else row)) + "\n"
-                   for row in rows)
+    body = "".join(
+        "\t".join(str(c) for c in (row + (".", ".", ".")[len(row) - 5 :] if len(row) < 8 else row)) + "\n"
+        for row in rows
+    )
     return HEADER + extra_header + contigs + columns + body
 
 
@@ -88,7 +94,8 @@ def write_vcf(path: Path, text: str, bgzip: bool = False, index: bool = False) -
 
 
 def test_reference_every_layout_reads_the_same_and_writes_nothing_beside_the_file(
-        genome: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
+    genome: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
     path, seqs = genome
     for folder in ("b", "p", "g"):
         (tmp_path / folder).mkdir()
@@ -110,7 +117,9 @@ def test_reference_every_layout_reads_the_same_and_writes_nothing_beside_the_fil
                     assert other.length(name) == len(seq)
                     for start, end in ((0, 50), (len(seq) - 77, len(seq)), (1234, 2345), (5, 5)):
                         assert other.fetch(name, start, end) == seq[start:end] == indexed.fetch(name, start, end)
-                        np.testing.assert_array_equal(other.tokens(name, start, end), encode(seq[start:end]))  # exact: uint8 token ids
+                        np.testing.assert_array_equal(
+                            other.tokens(name, start, end), encode(seq[start:end])
+                        )  # exact: uint8 token ids
             assert sorted(p.name for p in file.parent.iterdir()) == before, layout
     assert any(c.islower() for c in seqs["chr16s"])  # the soft-masking came through
 
@@ -142,7 +151,9 @@ def _repeat_runs(seq: str) -> list[tuple[int, int, int]]:
     """(start, end, unit length) of homopolymers (>= 4) and dinucleotide repeats (>= 3 units)."""
     upper = seq.upper()
     runs = [(m.start(), m.end(), 1) for m in re.finditer(r"([ACGT])\1{3,}", upper)]
-    runs += [(m.start(), m.end(), 2) for m in re.finditer(r"([ACGT]{2})\1{2,}", upper) if m.group(1)[0] != m.group(1)[1]]
+    runs += [
+        (m.start(), m.end(), 2) for m in re.finditer(r"([ACGT]{2})\1{2,}", upper) if m.group(1)[0] != m.group(1)[1]
+    ]
     return runs
 
 
@@ -167,29 +178,29 @@ def _generated_variants(seqs: dict[str, str], rng: random.Random) -> list[tuple[
             p = rng.randrange(max(start, 1), max(start, 1) + max(1, end - start - k * n + 1))  # first deleted base
             if p + k * n + 3 > len(seq):
                 continue
-            deleted = seq[p:p + k * n]
-            add(contig, p - 1, seq[p - 1:p + k * n], [seq[p - 1]])  # deletion, anchored before
+            deleted = seq[p : p + k * n]
+            add(contig, p - 1, seq[p - 1 : p + k * n], [seq[p - 1]])  # deletion, anchored before
             pad = rng.randint(1, 3)
-            add(contig, p - 1, seq[p - 1:p + k * n + pad], [seq[p - 1] + seq[p + k * n:p + k * n + pad]])  # padded
-            add(contig, p, seq[p:p + k * n + 1], [seq[p + k * n]])  # anchored after: right-shifted written
+            add(contig, p - 1, seq[p - 1 : p + k * n + pad], [seq[p - 1] + seq[p + k * n : p + k * n + pad]])  # padded
+            add(contig, p, seq[p : p + k * n + 1], [seq[p + k * n]])  # anchored after: right-shifted written
             q = rng.randrange(max(start, 1), end + 1)
             add(contig, q - 1, seq[q - 1], [seq[q - 1] + deleted])  # insertion of units anywhere in the run
-            add(contig, q - 1, seq[q - 1:q + 1], [seq[q - 1] + deleted + seq[q], seq[q - 1]])  # multi-allelic
+            add(contig, q - 1, seq[q - 1 : q + 1], [seq[q - 1] + deleted + seq[q], seq[q - 1]])  # multi-allelic
             m = rng.randrange(1, len(seq) - 8)
-            ref = seq[m:m + 5]
+            ref = seq[m : m + 5]
             alt = ref[:1] + "".join(rng.choice("ACGT") for _ in range(3)) + ref[4:]
             add(contig, m, ref, [alt, ref[:2] + rng.choice("ACGT") + ref[3:]])  # MNV and SNV with shared flanks
             add(contig, m, ref[:1], [rng.choice("ACGT")])  # SNV
             add(contig, m, ref[:4], ["".join(rng.choice("ACGT") for _ in range(rng.randint(1, 3))) + ref[3]])  # delins
         if contig == "edge":  # the contig starts inside a poly-A: nothing to the left to pad with
             for p in range(0, 4):
-                add(contig, p, seq[p:p + 2], [seq[p]])
+                add(contig, p, seq[p : p + 2], [seq[p]])
                 add(contig, p, seq[p], [seq[p] + "A", seq[p] + "AA"])
-                add(contig, p, seq[p:p + 3], [seq[p]])
+                add(contig, p, seq[p : p + 3], [seq[p]])
         if contig == "afterN":  # deletions of the first bases after the N run shift into it
             for p in range(20, 24):
-                add(contig, p, seq[p:p + 2], [seq[p + 1]])
-                add(contig, p, seq[p:p + 3], [seq[p + 2]])
+                add(contig, p, seq[p : p + 2], [seq[p + 1]])
+                add(contig, p, seq[p : p + 3], [seq[p + 2]])
     return rows
 
 
@@ -205,14 +216,17 @@ def _bcftools_norm(fasta: Path, vcf: Path) -> dict[str, set[tuple[int, str, str]
     return out
 
 
-def test_normalize_matches_bcftools_norm_on_real_repeats(genome: tuple[Path, dict[str, str]], reference: Reference,
-                                                        tmp_path: Path) -> None:
+def test_normalize_matches_bcftools_norm_on_real_repeats(
+    genome: tuple[Path, dict[str, str]], reference: Reference, tmp_path: Path
+) -> None:
     path, seqs = genome
     rows = _generated_variants(seqs, random.Random(28))
     order = {name: i for i, name in enumerate(seqs)}
     rows.sort(key=lambda r: (order[r[0]], r[1]))
-    vcf = write_vcf(tmp_path / "gen.vcf", vcf_text(
-        [(c, p, f"v{i}", ref, ",".join(alts)) for i, (c, p, [(ref, alts)]) in enumerate(rows)], seqs))
+    vcf = write_vcf(
+        tmp_path / "gen.vcf",
+        vcf_text([(c, p, f"v{i}", ref, ",".join(alts)) for i, (c, p, [(ref, alts)]) in enumerate(rows)], seqs),
+    )
     expected = _bcftools_norm(path, vcf)
     got = read_variants(vcf, reference, tmp_path / "rejects.tsv")
     assert got.records == len(rows) == len(expected)
@@ -254,9 +268,9 @@ def test_normalize_hand_worked(reference: Reference, genome: tuple[Path, dict[st
     seqs = genome[1]
     seq = seqs["chr16s"]
     start, end, k = next(r for r in _repeat_runs(seq) if r[2] == 2 and r[1] - r[0] >= 8 and r[0] > 0)
-    unit = seq[start:start + 2].upper()
+    unit = seq[start : start + 2].upper()
     # deleting the last unit of a dinucleotide repeat, written at the right end, moves to its left end
-    pos, ref, alt = normalize(reference, "chr16s", end - 3, seq[end - 3:end], seq[end - 3])
+    pos, ref, alt = normalize(reference, "chr16s", end - 3, seq[end - 3 : end], seq[end - 3])
     assert (pos, ref, alt) == (start - 1, (seq[start - 1] + unit).upper(), seq[start - 1].upper())
     # an MNV with shared flanks is trimmed to the differing bases; REF == ALT is left as it is
     assert normalize(reference, "chr16s", 10, "ACGTA", "ACCTA") == (12, "G", "C")
@@ -271,32 +285,40 @@ def _key(v: Variant) -> tuple:
     return (v.contig, v.pos, v.ref, v.alt)
 
 
-def test_equivalent_representations_give_equal_variants(genome: tuple[Path, dict[str, str]], reference: Reference,
-                                                        tmp_path: Path) -> None:
+def test_equivalent_representations_give_equal_variants(
+    genome: tuple[Path, dict[str, str]], reference: Reference, tmp_path: Path
+) -> None:
     seqs = genome[1]
     seq = seqs["chr22s"]
     start, end, _ = next(r for r in _repeat_runs(seq) if r[2] == 1 and r[1] - r[0] >= 6)
     b = seq[start]
     rows_a = [  # the deletion of one base of the homopolymer, and the insertion of one, written left
-        ("chr22s", start, "del", seq[start - 1:start + 1], seq[start - 1]),
+        ("chr22s", start, "del", seq[start - 1 : start + 1], seq[start - 1]),
         ("chr22s", start, "ins", seq[start - 1], seq[start - 1] + b),
     ]
     rows_b = [  # the same written at the right end of the run, padded with two more bases
-        ("chr22s", end - 1, "del", seq[end - 2:end + 2], seq[end - 2] + seq[end:end + 2]),
-        ("chr22s", end, "ins", seq[end - 1:end + 1], seq[end - 1] + b + seq[end]),
+        ("chr22s", end - 1, "del", seq[end - 2 : end + 2], seq[end - 2] + seq[end : end + 2]),
+        ("chr22s", end, "ins", seq[end - 1 : end + 1], seq[end - 1] + b + seq[end]),
     ]
-    rows_c = [("chr22s", start, "both", seq[start - 1:start + 1], f"{seq[start - 1]},{seq[start - 1:start + 1] + b}")]
+    rows_c = [
+        ("chr22s", start, "both", seq[start - 1 : start + 1], f"{seq[start - 1]},{seq[start - 1 : start + 1] + b}")
+    ]
     sets = []
     for name, rows in (("a", rows_a), ("b", rows_b), ("c", rows_c)):
         got = read_variants(write_vcf(tmp_path / f"{name}.vcf", vcf_text(rows, seqs)), reference)
         sets.append(sorted(_key(v) for v in got.variants))
     assert sets[0] == sets[1] == sets[2]
-    assert sets[0] == sorted([("chr22s", start - 1, (seq[start - 1] + b).upper(), seq[start - 1].upper()),
-                              ("chr22s", start - 1, seq[start - 1].upper(), (seq[start - 1] + b).upper())])
+    assert sets[0] == sorted(
+        [
+            ("chr22s", start - 1, (seq[start - 1] + b).upper(), seq[start - 1].upper()),
+            ("chr22s", start - 1, seq[start - 1].upper(), (seq[start - 1] + b).upper()),
+        ]
+    )
     multi = read_variants(tmp_path / "c.vcf", reference).variants
     assert [(v.record, v.allele, v.input_alt) for v in multi] in (
-        [(0, 1, seq[start - 1]), (0, 2, seq[start - 1:start + 1] + b)],
-        [(0, 2, seq[start - 1:start + 1] + b), (0, 1, seq[start - 1])])
+        [(0, 1, seq[start - 1]), (0, 2, seq[start - 1 : start + 1] + b)],
+        [(0, 2, seq[start - 1 : start + 1] + b), (0, 1, seq[start - 1])],
+    )
 
 
 def _mixed_rows(seqs: dict[str, str]) -> list[tuple]:
@@ -306,19 +328,22 @@ def _mixed_rows(seqs: dict[str, str]) -> list[tuple]:
         seq = seqs[contig]
         for _ in range(40):
             p = rng.randrange(10, len(seq) - 10)
-            rows.append((contig, p + 1, f"{contig}_{p}", seq[p:p + 3], seq[p] + "," + seq[p:p + 3] + "T"))
+            rows.append((contig, p + 1, f"{contig}_{p}", seq[p : p + 3], seq[p] + "," + seq[p : p + 3] + "T"))
     return rows
 
 
-def test_unsorted_input_gives_the_same_variants(genome: tuple[Path, dict[str, str]], reference: Reference,
-                                               tmp_path: Path) -> None:
+def test_unsorted_input_gives_the_same_variants(
+    genome: tuple[Path, dict[str, str]], reference: Reference, tmp_path: Path
+) -> None:
     seqs = genome[1]
     rows = _mixed_rows(seqs)
     order = {name: i for i, name in enumerate(seqs)}
     sorted_rows = sorted(rows, key=lambda r: (order[r[0]], r[1]))
     shuffled = list(rows)
     random.Random(1).shuffle(shuffled)
-    a = read_variants(write_vcf(tmp_path / "sorted.vcf.gz", vcf_text(sorted_rows, seqs), bgzip=True, index=True), reference)
+    a = read_variants(
+        write_vcf(tmp_path / "sorted.vcf.gz", vcf_text(sorted_rows, seqs), bgzip=True, index=True), reference
+    )
     b = read_variants(write_vcf(tmp_path / "shuffled.vcf", vcf_text(shuffled, seqs)), reference)
     assert shuffled != sorted_rows and a.records == b.records == len(rows)
 
@@ -331,8 +356,9 @@ def test_unsorted_input_gives_the_same_variants(genome: tuple[Path, dict[str, st
     assert all(shuffled[v.record][2] == v.id for v in b.variants)
 
 
-def test_plain_gzip_and_bcf_and_memory_reference_read_the_same(genome: tuple[Path, dict[str, str]],
-                                                              reference: Reference, tmp_path: Path) -> None:
+def test_plain_gzip_and_bcf_and_memory_reference_read_the_same(
+    genome: tuple[Path, dict[str, str]], reference: Reference, tmp_path: Path
+) -> None:
     seqs = genome[1]
     text = vcf_text(_mixed_rows(seqs), seqs)
     plain = write_vcf(tmp_path / "in.vcf", text)
@@ -352,7 +378,9 @@ def test_plain_gzip_and_bcf_and_memory_reference_read_the_same(genome: tuple[Pat
         assert set(in_memory._loaded) == {"chr22s", "chr16s"}  # only the contigs the VCF names
 
 
-def test_rejects_are_counted_and_listed(genome: tuple[Path, dict[str, str]], reference: Reference, tmp_path: Path) -> None:
+def test_rejects_are_counted_and_listed(
+    genome: tuple[Path, dict[str, str]], reference: Reference, tmp_path: Path
+) -> None:
     seqs = genome[1]
     s = seqs["chr22s"]
     m = seqs["chr16s"]
@@ -368,21 +396,27 @@ def test_rejects_are_counted_and_listed(genome: tuple[Path, dict[str, str]], ref
         ("chr22s", 201, "mismatch", wrong, s[200]),
         ("chr22s", 211, "same", s[210:212], s[210:212]),
         ("chr22s", 221, "gvcf", s[220], "<*>"),
-        ("chr16s", low + 1, "softmasked", m[low:low + 2].upper(), m[low].upper()),
+        ("chr16s", low + 1, "softmasked", m[low : low + 2].upper(), m[low].upper()),
         ("chr22s", 231, "lower_ref", s[230:232].lower(), s[230]),
         ("afterN", 21, "into_n", seqs["afterN"][20:22], seqs["afterN"][21]),
     ]
     rejects = tmp_path / "rejects.tsv"
     got = read_variants(write_vcf(tmp_path / "r.vcf", vcf_text(rows, seqs)), reference, rejects)
     assert got.records == len(rows)
-    assert got.rejects == {"missing_alt": 1, "symbolic": 3, "breakend": 2, "not_acgt": 3, "ref_mismatch": 1,
-                           "reference_n": 1}
+    assert got.rejects == {
+        "missing_alt": 1,
+        "symbolic": 3,
+        "breakend": 2,
+        "not_acgt": 3,
+        "ref_mismatch": 1,
+        "reference_n": 1,
+    }
     assert set(got.rejects) <= set(REJECT_REASONS) and got.rejected == 11
     kept = {v.id: v for v in got.variants}
     assert set(kept) == {"r0", "same", "softmasked", "lower_ref"}
     assert kept["same"].ref == kept["same"].alt == s[210:212].upper() and kept["same"].pos == 210
     # REF is compared with the reference whatever the case of either (a deletion that cannot shift)
-    assert _key(kept["softmasked"]) == ("chr16s", low, m[low:low + 2].upper(), m[low].upper())
+    assert _key(kept["softmasked"]) == ("chr16s", low, m[low : low + 2].upper(), m[low].upper())
     assert kept["lower_ref"].input_ref == s[230:232].lower() and kept["lower_ref"].ref[0] == s[230]
     lines = rejects.read_text().splitlines()
     assert lines[0] == "record\tchrom\tpos\tid\tref\talt\treason"
@@ -402,37 +436,66 @@ def test_rejects_are_counted_and_listed(genome: tuple[Path, dict[str, str]], ref
 
 
 def _truncated_bgzip(path: Path, seqs: dict[str, str]) -> Path:
-    rows = [("chr22s", p + 1, ".", seqs["chr22s"][p], "A" if seqs["chr22s"][p] != "A" else "C")
-            for p in range(10, 29_000, 7)]
+    rows = [
+        ("chr22s", p + 1, ".", seqs["chr22s"][p], "A" if seqs["chr22s"][p] != "A" else "C")
+        for p in range(10, 29_000, 7)
+    ]
     write_vcf(path, vcf_text(rows, seqs), bgzip=True)
     data = path.read_bytes()
-    path.write_bytes(data[:len(data) * 2 // 3])  # cut inside a bgzip block, the end-of-file block gone
+    path.write_bytes(data[: len(data) * 2 // 3])  # cut inside a bgzip block, the end-of-file block gone
     return path
 
 
-@pytest.mark.parametrize("case", ["truncated", "corrupt", "corrupt_first", "headerless", "empty", "missing", "no_ref", "absent_contig",
-                                  "chr_prefix", "beyond_end", "header_length", "bad_pos"])
-def test_bad_vcf_is_one_line_error_and_nothing_written(case: str, genome: tuple[Path, dict[str, str]],
-                                                       reference: Reference, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "case",
+    [
+        "truncated",
+        "corrupt",
+        "corrupt_first",
+        "headerless",
+        "empty",
+        "missing",
+        "no_ref",
+        "absent_contig",
+        "chr_prefix",
+        "beyond_end",
+        "header_length",
+        "bad_pos",
+    ],
+)
+def test_bad_vcf_is_one_line_error_and_nothing_written(
+    case: str, genome: tuple[Path, dict[str, str]], reference: Reference, tmp_path: Path
+) -> None:
     seqs = genome[1]
     s = seqs["chr22s"]
     good = [("chr22s", 11, ".", s[10], "A" if s[10] != "A" else "C")]
     path = tmp_path / "in.vcf"
     expected = {
-        "truncated": "truncated", "corrupt": "truncated or malformed", "corrupt_first": "damaged", "headerless": "not a VCF/BCF file with a header",
-        "empty": "empty", "missing": "no such file", "no_ref": "has no REF", "absent_contig": "contig 'chr99' is not in",
-        "chr_prefix": "it has 'chr22s'", "beyond_end": "beyond the end of 'chr22s'", "header_length": "another build",
+        "truncated": "truncated",
+        "corrupt": "truncated or malformed",
+        "corrupt_first": "damaged",
+        "headerless": "not a VCF/BCF file with a header",
+        "empty": "empty",
+        "missing": "no such file",
+        "no_ref": "has no REF",
+        "absent_contig": "contig 'chr99' is not in",
+        "chr_prefix": "it has 'chr22s'",
+        "beyond_end": "beyond the end of 'chr22s'",
+        "header_length": "another build",
         "bad_pos": "cannot read record 2 (line 8)",  # 6 header lines
     }[case]
     if case == "truncated":
         path = _truncated_bgzip(tmp_path / "in.vcf.gz", seqs)
     elif case in ("corrupt", "corrupt_first"):
-        path = write_vcf(tmp_path / "in.vcf.gz", vcf_text(
-            [("chr22s", p + 1, ".", s[p], "A" if s[p] != "A" else "C") for p in range(10, 29_000, 3)], seqs), bgzip=True)
+        path = write_vcf(
+            tmp_path / "in.vcf.gz",
+            vcf_text([("chr22s", p + 1, ".", s[p], "A" if s[p] != "A" else "C") for p in range(10, 29_000, 3)], seqs),
+            bgzip=True,
+        )
         data = bytearray(path.read_bytes())
         first_block = int.from_bytes(data[16:18], "little") + 1  # BSIZE - 1 of the first bgzip block
         at = 100 if case == "corrupt_first" else first_block + 100
-        data[at:at + 16] = bytes(16)  # a damaged block: its CRC fails
+        data[at : at + 16] = bytes(16)  # a damaged block: its CRC fails
         path.write_bytes(bytes(data))
     elif case == "headerless":
         path.write_text("".join(line + "\n" for line in vcf_text(good, seqs).splitlines() if not line.startswith("#")))
@@ -467,32 +530,57 @@ def test_bad_vcf_is_one_line_error_and_nothing_written(case: str, genome: tuple[
 def _annotated_input(seqs: dict[str, str]) -> tuple[str, list[tuple]]:
     s, m = seqs["chr22s"], seqs["chr16s"]
     rows = [
-        ("chr22s", 101, "a", s[100], "A,C" if s[100] not in "AC" else "G,T", "50", "PASS", "DP=7;AF=0.25,0.5", "GT", "0/1"),
+        (
+            "chr22s",
+            101,
+            "a",
+            s[100],
+            "A,C" if s[100] not in "AC" else "G,T",
+            "50",
+            "PASS",
+            "DP=7;AF=0.25,0.5",
+            "GT",
+            "0/1",
+        ),
         ("chr22s", 301, ".", s[300:302], s[300], ".", "q10", ".", "GT", "1|1"),
         ("chr22s", 501, "x", s[500], ".", ".", ".", "DP=3", "GT", "0/0"),
         ("chr16s", 41, "low", m[40], "<DEL>", "3.5", ".", "SVTYPE=DEL;END=50", "GT", "./."),
         ("chr16s", 71, "c", m[70], "A" if m[70].upper() != "A" else "T", ".", ".", "FLAG", "GT", "0/1"),
     ]
-    extra = ('##INFO=<ID=DP,Number=1,Type=Integer,Description="depth">\n'
-             '##INFO=<ID=AF,Number=A,Type=Float,Description="frequency">\n'
-             '##INFO=<ID=SVTYPE,Number=1,Type=String,Description="type">\n'
-             '##INFO=<ID=END,Number=1,Type=Integer,Description="end">\n'
-             '##INFO=<ID=FLAG,Number=0,Type=Flag,Description="a flag">\n'
-             '##FILTER=<ID=q10,Description="low quality">\n'
-             '##FORMAT=<ID=GT,Number=1,Type=String,Description="Genotype">\n')
+    extra = (
+        '##INFO=<ID=DP,Number=1,Type=Integer,Description="depth">\n'
+        '##INFO=<ID=AF,Number=A,Type=Float,Description="frequency">\n'
+        '##INFO=<ID=SVTYPE,Number=1,Type=String,Description="type">\n'
+        '##INFO=<ID=END,Number=1,Type=Integer,Description="end">\n'
+        '##INFO=<ID=FLAG,Number=0,Type=Flag,Description="a flag">\n'
+        '##FILTER=<ID=q10,Description="low quality">\n'
+        '##FORMAT=<ID=GT,Number=1,Type=String,Description="Genotype">\n'
+    )
     return vcf_text(rows, seqs, extra_header=extra, samples="s1"), rows
 
 
 def _records_of(path: Path) -> list[tuple]:
     with pysam.VariantFile(str(path)) as vcf:
-        return [(r.chrom, r.pos, r.id, r.ref, r.alts, r.qual, tuple(r.filter), tuple(sorted(
-            (k, v) for k, v in r.info.items() if k not in ("LLR", "LLR_RC", "USED"))), tuple(s["GT"] for s in r.samples.values()))
-            for r in vcf]
+        return [
+            (
+                r.chrom,
+                r.pos,
+                r.id,
+                r.ref,
+                r.alts,
+                r.qual,
+                tuple(r.filter),
+                tuple(sorted((k, v) for k, v in r.info.items() if k not in ("LLR", "LLR_RC", "USED"))),
+                tuple(s["GT"] for s in r.samples.values()),
+            )
+            for r in vcf
+        ]
 
 
 @pytest.mark.parametrize("layout", ["bgzip", "plain-out", "bcf-in", "unsorted"])
-def test_write_annotated_vcf(layout: str, genome: tuple[Path, dict[str, str]], reference: Reference,
-                             tmp_path: Path) -> None:
+def test_write_annotated_vcf(
+    layout: str, genome: tuple[Path, dict[str, str]], reference: Reference, tmp_path: Path
+) -> None:
     seqs = genome[1]
     text, rows = _annotated_input(seqs)
     if layout == "unsorted":
@@ -508,21 +596,31 @@ def test_write_annotated_vcf(layout: str, genome: tuple[Path, dict[str, str]], r
     out = tmp_path / ("out.vcf" if layout == "plain-out" else "out.vcf.gz")
     Path(f"{out}.tbi").write_text("stale")  # an old index beside the output must not survive unchanged
     variants = read_variants(source, reference).variants
-    values = {(v.record, v.allele): {"LLR": -0.1234567891 * (v.record + 1) + v.allele, "LLR_RC": 1e-7 * v.allele}
-              for v in variants}
+    values = {
+        (v.record, v.allele): {"LLR": -0.1234567891 * (v.record + 1) + v.allele, "LLR_RC": 1e-7 * v.allele}
+        for v in variants
+    }
     first = next(v for v in variants if v.id == "a" and v.allele == 2)
     values[(first.record, first.allele)] = {"LLR": float("nan")}  # NaN and an absent field: missing
     for v in variants:
         values[(v.record, v.allele)]["USED"] = 1000.0 + v.record
-    written = write_annotated_vcf(source, out, values, {"LLR": 'log p(alt) - log p(ref) "nats"', "LLR_RC": "the same, both strands",
-                                                        "USED": "an integer"}, types={"USED": "Integer"},
-                                  header=['##genolong_test=<Model="m",Command="genolong variants x">'])
+    written = write_annotated_vcf(
+        source,
+        out,
+        values,
+        {"LLR": 'log p(alt) - log p(ref) "nats"', "LLR_RC": "the same, both strands", "USED": "an integer"},
+        types={"USED": "Integer"},
+        header=['##genolong_test=<Model="m",Command="genolong variants x">'],
+    )
     src = _records_of(source)
     # issue 46: an unsorted input is sorted for the bgzip copy (the header's ##contig order, then POS), then indexed
     with pysam.VariantFile(str(source)) as vcf:
         declared = {c: k for k, c in enumerate(vcf.header.contigs)}
-    perm = (sorted(range(len(src)), key=lambda i: (declared[src[i][0]], src[i][1])) if layout == "unsorted"
-            else list(range(len(src))))
+    perm = (
+        sorted(range(len(src)), key=lambda i: (declared[src[i][0]], src[i][1]))
+        if layout == "unsorted"
+        else list(range(len(src)))
+    )
     assert layout != "unsorted" or perm != list(range(len(src)))
     assert written.sorted == (layout == "unsorted") and written.path == out
     assert _records_of(out) == [src[i] for i in perm]
@@ -575,15 +673,18 @@ def test_write_annotated_vcf_refuses(genome: tuple[Path, dict[str, str]], tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.vcf"]  # nothing half-written
 
 
-def test_htslib_messages_become_genolong_lines(genome: tuple[Path, dict[str, str]], reference: Reference,
-                                               tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_htslib_messages_become_genolong_lines(
+    genome: tuple[Path, dict[str, str]], reference: Reference, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """Issue 46: htslib writes to file descriptor 2 while records are read. Without ##contig lines it
     says "Contig '...' is not defined in the header. (Quick workaround: index the file with tabix.)",
     moot here (the contigs are checked against the FASTA): nothing reaches stderr. An INFO key the
     header lacks is a real defect of the file: one genolong line, once, naming the file."""
     seqs = genome[1]
-    rows = [("chr16s", p + 1, f"v{p}", seqs["chr16s"][p], "A" if seqs["chr16s"][p] != "A" else "C", ".", ".", "XX=1")
-            for p in (100, 200, 300)]
+    rows = [
+        ("chr16s", p + 1, f"v{p}", seqs["chr16s"][p], "A" if seqs["chr16s"][p] != "A" else "C", ".", ".", "XX=1")
+        for p in (100, 200, 300)
+    ]
     path = write_vcf(tmp_path / "bare.vcf", vcf_text(rows))  # no ##contig, no ##INFO lines
     capfd.readouterr()
     found = read_variants(path, reference)
@@ -591,4 +692,6 @@ def test_htslib_messages_become_genolong_lines(genome: tuple[Path, dict[str, str
     assert len(found.variants) == 3
     assert "Contig" not in err and "Quick workaround" not in err and "Missing headers" not in err, err
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"genolong variants: htslib, reading {path}: ") and "'XX'" in lines[0], err
+    assert (
+        len(lines) == 1 and lines[0].startswith(f"genolong variants: htslib, reading {path}: ") and "'XX'" in lines[0]
+    ), err

@@ -26,7 +26,6 @@ import torch
 from genolong.integrity import check_weights
 from genolong.quickstart import SAMPLE_EVAL, SAMPLE_TRAIN, sample_fasta
 from genolong.train import read_step_log
-
 from tests.train.test_finetune import _recipe as _finetune_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,7 +52,9 @@ sys.exit(main(sys.argv[4:]))
 """
 
 
-def _genolong(*args: str, cwd: Path, limit: int | None = None, at: tuple[str, int] | None = None) -> subprocess.CompletedProcess:
+def _genolong(
+    *args: str, cwd: Path, limit: int | None = None, at: tuple[str, int] | None = None
+) -> subprocess.CompletedProcess:
     """``genolong ARGS`` in a subprocess; ``limit``: its file-size limit in bytes, from the start
     or (``at``) from the given call of a function on."""
     env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
@@ -89,7 +90,11 @@ def _leftovers(root: Path) -> list[str]:
 
 def _digests(root: Path) -> dict[str, str]:
     """sha256 of every file under ``root`` (what "intact" compares)."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _recipe(tmp_path: Path, store: Path, name: str, **sections: dict) -> Path:
@@ -115,7 +120,9 @@ def test_disk_full_cause_and_writing(tmp_path: Path) -> None:
     except OSError as exc:
         rank = CheckpointException("save failed", {1: _wrap_exception(exc)})
     assert disk_full_cause(rank).errno == errno.ENOSPC
-    assert disk_full_cause(OSError(errno.EACCES, "Permission denied")) is None and disk_full_cause(ValueError("x")) is None
+    assert (
+        disk_full_cause(OSError(errno.EACCES, "Permission denied")) is None and disk_full_cause(ValueError("x")) is None
+    )
     out, work = tmp_path / "export", tmp_path / ".export.tmp"
     work.mkdir()
     (work / "config.json").write_text("{}")
@@ -123,7 +130,9 @@ def test_disk_full_cause_and_writing(tmp_path: Path) -> None:
         with writing(work / "model.safetensors", work=work / "model.safetensors"):
             raise text
     assert caught.value.filename == str(out) and caught.value.needed == 1234 and caught.value.errno == errno.EFBIG
-    assert str(caught.value).startswith(f"cannot write {out}: File too large") and "it needed about 1,234 bytes" in str(caught.value)
+    assert str(caught.value).startswith(f"cannot write {out}: File too large") and "it needed about 1,234 bytes" in str(
+        caught.value
+    )
     with pytest.raises(PermissionError), writing(out, work=work):  # other errors pass unchanged
         raise PermissionError(errno.EACCES, "Permission denied")
 
@@ -145,11 +154,19 @@ def test_checkpoint_then_export(sample_store: Path, tmp_path: Path) -> None:
     assert first["global_step"] == 2
     step2 = _digests(checkpoints)
 
-    run = _genolong("finetune", str(recipe), "--resume", cwd=tmp_path, limit=1_000_000,
-                    at=("genolong.model.lm:GenoLM.save_pretrained", 1))
+    run = _genolong(
+        "finetune",
+        str(recipe),
+        "--resume",
+        cwd=tmp_path,
+        limit=1_000_000,
+        at=("genolong.model.lm:GenoLM.save_pretrained", 1),
+    )
     _the_line(run, "finetune", run_dir / "export", "File too large")
     assert sorted(read_step_log(run_dir / "logs" / "steps.jsonl")) == [1, 2, 3, 4]  # resumed: steps 3 and 4 trained
-    assert {name: digest for name, digest in _digests(checkpoints).items() if name in step2} == step2  # step 2 unchanged
+    assert {
+        name: digest for name, digest in _digests(checkpoints).items() if name in step2
+    } == step2  # step 2 unchanged
     check_weights(checkpoints / "step0000004.ckpt")
     assert torch.load(checkpoints / "step0000004.ckpt", weights_only=True)["global_step"] == 4
     assert not (run_dir / "export").exists() and _leftovers(tmp_path) == []
@@ -157,8 +174,14 @@ def test_checkpoint_then_export(sample_store: Path, tmp_path: Path) -> None:
 
 def test_adapter(sample_store: Path, tmp_path: Path) -> None:
     """A LoRA run whose adapter meets a 10 kB file-size limit: one line; its checkpoint intact."""
-    recipe = _recipe(tmp_path, sample_store, "lora", train={"max_steps": 1}, checkpoint={"every_n_steps": 1},
-                     model={"lora": {"targets": ["layers.*.self_attn.*"], "rank": 4, "alpha": 8.0}})
+    recipe = _recipe(
+        tmp_path,
+        sample_store,
+        "lora",
+        train={"max_steps": 1},
+        checkpoint={"every_n_steps": 1},
+        model={"lora": {"targets": ["layers.*.self_attn.*"], "rank": 4, "alpha": 8.0}},
+    )
     run_dir = tmp_path / "runs" / "lora"
     run = _genolong("finetune", str(recipe), cwd=tmp_path, limit=10_000, at=("genolong.model.lora:save_adapter", 1))
     _the_line(run, "finetune", run_dir / "adapter", "File too large")
@@ -179,8 +202,22 @@ def test_evaluate_result(sample_store: Path, tmp_path: Path) -> None:
     out = tmp_path / "eval"
     evaluate(model, GenomeStore.open(sample_store).split("eval"), out, 256, max_tiles=2, progress=False)
     before = _digests(out)
-    run = _genolong("evaluate", "model", "--store", str(sample_store), "--out", "eval", "--force", "--context", "256",
-                    "--max-tiles", "2", "--quiet", cwd=tmp_path, limit=4096)
+    run = _genolong(
+        "evaluate",
+        "model",
+        "--store",
+        str(sample_store),
+        "--out",
+        "eval",
+        "--force",
+        "--context",
+        "256",
+        "--max-tiles",
+        "2",
+        "--quiet",
+        cwd=tmp_path,
+        limit=4096,
+    )
     _the_line(run, "evaluate", Path("eval"), "File too large")
     assert _digests(out) == before and _leftovers(tmp_path) == []
 
@@ -191,10 +228,26 @@ def test_prepare_store(sample_store: Path, tmp_path: Path) -> None:
     out = tmp_path / "genome"
     shutil.copytree(sample_store, out)
     before = _digests(out)
-    run = _genolong("prepare", str(sample_fasta()), "--out", str(out), "--force", "--quiet", "--train", ",".join(SAMPLE_TRAIN),
-                    "--eval", ",".join(SAMPLE_EVAL), cwd=tmp_path, limit=1_000_000)
+    run = _genolong(
+        "prepare",
+        str(sample_fasta()),
+        "--out",
+        str(out),
+        "--force",
+        "--quiet",
+        "--train",
+        ",".join(SAMPLE_TRAIN),
+        "--eval",
+        ",".join(SAMPLE_EVAL),
+        cwd=tmp_path,
+        limit=1_000_000,
+    )
     _the_line(run, "prepare", out, "File too large")
-    assert _digests(out) == before and _leftovers(tmp_path) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["genome"]
+    assert (
+        _digests(out) == before
+        and _leftovers(tmp_path) == []
+        and sorted(p.name for p in tmp_path.iterdir()) == ["genome"]
+    )
 
 
 def test_prepare_on_a_full_filesystem(sample_store: Path, tmp_path: Path) -> None:
@@ -204,15 +257,28 @@ def test_prepare_on_a_full_filesystem(sample_store: Path, tmp_path: Path) -> Non
         pytest.skip("mounting a size-limited tmpfs needs root")
     disk = tmp_path / "disk"
     disk.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "genolong-test", str(disk)], capture_output=True, text=True)
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "genolong-test", str(disk)], capture_output=True, text=True
+    )
     if mount.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
     try:
         out = disk / "genome"
         shutil.copytree(sample_store, out)
         before = _digests(out)
-        run = _genolong("prepare", str(sample_fasta()), "--out", str(out), "--force", "--quiet", "--train",
-                        ",".join(SAMPLE_TRAIN), "--eval", ",".join(SAMPLE_EVAL), cwd=tmp_path)
+        run = _genolong(
+            "prepare",
+            str(sample_fasta()),
+            "--out",
+            str(out),
+            "--force",
+            "--quiet",
+            "--train",
+            ",".join(SAMPLE_TRAIN),
+            "--eval",
+            ",".join(SAMPLE_EVAL),
+            cwd=tmp_path,
+        )
         line = _the_line(run, "prepare", out, "No space left on device")
         free = int(re.search(r"([\d,]+) bytes free", line).group(1).replace(",", ""))
         # measured before the temporary store was removed; a write can fill the filesystem to its

@@ -46,7 +46,11 @@ def _model(tmp_path: Path) -> Path:
 
 
 def _command(args: list[str], torchrun: int = 0) -> list[str]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"] if torchrun else [sys.executable]
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
+        if torchrun
+        else [sys.executable]
+    )
     return [*launcher, "-m", "genolong.cli", *args]
 
 
@@ -69,7 +73,9 @@ def _assert_tables_close(a: Path, b: Path, rel: float = 1e-5) -> None:
             if "nll" in column:
                 np.testing.assert_allclose(y[column], x[column], rtol=rel, atol=0, err_msg=f"{name} {column}")
             else:
-                assert (x[column].to_numpy() == y[column].to_numpy()).all(), f"{name} {column}"  # exact: counts, indices
+                assert (x[column].to_numpy() == y[column].to_numpy()).all(), (
+                    f"{name} {column}"
+                )  # exact: counts, indices
     x, y = read_tokens(a), read_tokens(b)
     pd.testing.assert_frame_equal(x.drop(columns="nll"), y.drop(columns="nll"))
     np.testing.assert_allclose(y["nll"], x["nll"], rtol=rel, atol=0)
@@ -84,8 +90,10 @@ def _dcp_checkpoint(model_dir: Path, store: Path, out: Path) -> Path:
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.save({"state_dict": {f"model.{k}": v for k, v in weights.items()}}, checkpoint_id=out, no_dist=True)
-    recipe = parse_recipe({"model": {"preset": "tiny"}, "data": {"store": str(store), "context": 256}, "train": {"max_steps": 1}},
-                          name="dcp")
+    recipe = parse_recipe(
+        {"model": {"preset": "tiny"}, "data": {"store": str(store), "context": 256}, "train": {"max_steps": 1}},
+        name="dcp",
+    )
     torch.save({"genolong": {"recipe": recipe.to_dict()}}, out / "meta.pt")
     return out
 
@@ -108,10 +116,23 @@ def test_context_parallel_evaluations_equal_one_process(sample_store: Path, tmp_
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_data_parallel_evaluation_equals_one_process_and_resumes_after_a_kill(sample_store: Path, tmp_path: Path) -> None:
+def test_data_parallel_evaluation_equals_one_process_and_resumes_after_a_kill(
+    sample_store: Path, tmp_path: Path
+) -> None:
     model = _model(tmp_path)
-    common = ["evaluate", str(model), "--store", str(sample_store), "--context", "1024", "--max-tiles", "6",
-              "--first-bucket", "256", "--quiet"]
+    common = [
+        "evaluate",
+        str(model),
+        "--store",
+        str(sample_store),
+        "--context",
+        "1024",
+        "--max-tiles",
+        "6",
+        "--first-bucket",
+        "256",
+        "--quiet",
+    ]
     assert main([*common, "--out", str(tmp_path / "one")]) == 0
     _run([*common, "--out", str(tmp_path / "whole"), *_parallel(2)], torchrun=2)
     _assert_tables_close(tmp_path / "one", tmp_path / "whole")
@@ -120,8 +141,13 @@ def test_data_parallel_evaluation_equals_one_process_and_resumes_after_a_kill(sa
     # ranks in the session of the first, so one killpg reaches them all; torchrun's workers would
     # outlive a kill of torchrun alone), resumed by the same launch
     state = tmp_path / ".killed.partial" / "state.npz"
-    proc = subprocess.Popen(_command([*common, "--out", str(tmp_path / "killed"), *_parallel(2)]), env=_ENV,
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _command([*common, "--out", str(tmp_path / "killed"), *_parallel(2)]),
+        env=_ENV,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 200
     while time.monotonic() < deadline and proc.poll() is None:
         if state.is_file():
@@ -147,19 +173,33 @@ def test_data_parallel_evaluation_equals_one_process_and_resumes_after_a_kill(sa
             assert pq.read_table(a).equals(pq.read_table(b)), name  # exact: as above
         else:
             assert a.read_text() == b.read_text(), name  # exact: as above
-    pd.testing.assert_frame_equal(read_tokens(tmp_path / "killed"), read_tokens(tmp_path / "whole"), check_exact=True)  # exact: as above
+    pd.testing.assert_frame_equal(
+        read_tokens(tmp_path / "killed"), read_tokens(tmp_path / "whole"), check_exact=True
+    )  # exact: as above
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_check_logprobs_with_context_parallelism_equals_one_process(sample_store: Path, tmp_path: Path) -> None:
     model = _model(tmp_path)
-    common = ["check-logprobs", str(model), "--store", str(sample_store), "--context", "192", "--max-tiles", "1", "--quiet"]
+    common = [
+        "check-logprobs",
+        str(model),
+        "--store",
+        str(sample_store),
+        "--context",
+        "192",
+        "--max-tiles",
+        "1",
+        "--quiet",
+    ]
     assert main([*common, "--out", str(tmp_path / "one")]) == 0
     _run([*common, "--out", str(tmp_path / "cp2"), *_parallel(2, cp=2)])
     one, two = (pd.read_parquet(tmp_path / d / "tokens.parquet") for d in ("one", "cp2"))
     assert len(one) == len(two) > 0
-    assert (one["tile"].to_numpy() == two["tile"].to_numpy()).all() and (one["offset"].to_numpy() == two["offset"].to_numpy()).all()  # exact: indices
+    assert (one["tile"].to_numpy() == two["tile"].to_numpy()).all() and (
+        one["offset"].to_numpy() == two["offset"].to_numpy()
+    ).all()  # exact: indices
     np.testing.assert_allclose(two["train_logprob"], one["train_logprob"], rtol=1e-5, atol=0)
     np.testing.assert_allclose(two["decode_logprob"], one["decode_logprob"], rtol=1e-5, atol=0)
 
@@ -172,14 +212,23 @@ def test_tiles_are_dealt_in_rounds_of_dp() -> None:
     assert list(tile_rounds(0, 3, 1)) == [[0], [1], [2]]
 
 
-def test_the_parallel_layout_errors_are_one_line(sample_store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_parallel_layout_errors_are_one_line(
+    sample_store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     model = _model(tmp_path)
     args = ["evaluate", str(model), "--store", str(sample_store), "--context", "256", "--out", str(tmp_path / "x")]
     cases = {
         ("--set", "train.lr=1"): "without --recipe only the parallel section can be set",
         ("--set", "parallel.cp=two"): "parallel.cp must be an integer",
         ("--set", "parallel.cp=2"): "does not divide the world size 1",  # one process cannot hold two CP ranks
-        ("--set", "parallel.devices=2", "--set", "parallel.cp=2", "--set", "parallel.ep=3"): "parallel.ep = 3 does not divide",
+        (
+            "--set",
+            "parallel.devices=2",
+            "--set",
+            "parallel.cp=2",
+            "--set",
+            "parallel.ep=3",
+        ): "parallel.ep = 3 does not divide",
     }
     for extra, message in cases.items():
         assert main([*args, *extra]) == 2

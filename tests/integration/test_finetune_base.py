@@ -33,27 +33,44 @@ from genolong.model import GenoLM
 from genolong.plan import plan
 from genolong.quickstart import bundled_base
 from genolong.train import read_step_log
-
 from tests.helpers import run_ranks
 from tests.integration.test_finetune_distributed import _finetune
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 #: recipes/1m-node.yaml's frozen parts: everything but the attention layers trains nothing
-_FREEZE = ["embed_tokens.*", "lm_head.*", "norm.*", "layers.*.mlp.*", "layers.*.attn_hc.*", "layers.*.ffn_hc.*",
-           "layers.*.input_layernorm.*", "layers.*.post_attention_layernorm.*"]
+_FREEZE = [
+    "embed_tokens.*",
+    "lm_head.*",
+    "norm.*",
+    "layers.*.mlp.*",
+    "layers.*.attn_hc.*",
+    "layers.*.ffn_hc.*",
+    "layers.*.input_layernorm.*",
+    "layers.*.post_attention_layernorm.*",
+]
 
 
 def _recipe(tmp_path: Path, store: Path, name: str, base: Path) -> Path:
     recipe = {
-        "name": name, "seed": 3,
+        "name": name,
+        "seed": 3,
         "model": {"checkpoint": str(base), "freeze": _FREEZE},
         "data": {"store": str(store), "context": 128},
         "train": {"max_steps": 4, "lr": 1.0e-3, "warmup_steps": 0, "precision": "bf16-mixed"},
         "eval": {"every_n_steps": 0},
-        "checkpoint": {"dir": str(tmp_path / "runs" / name / "checkpoints"), "every_n_steps": 2, "keep_last": 2,
-                       "export_safetensors": False},
-        "logging": {"dir": str(tmp_path / "runs" / name / "logs"), "progress_bar": False, "tensorboard": False, "csv": False},
+        "checkpoint": {
+            "dir": str(tmp_path / "runs" / name / "checkpoints"),
+            "every_n_steps": 2,
+            "keep_last": 2,
+            "export_safetensors": False,
+        },
+        "logging": {
+            "dir": str(tmp_path / "runs" / name / "logs"),
+            "progress_bar": False,
+            "tensorboard": False,
+            "csv": False,
+        },
         "parallel": {"accelerator": "cpu", "devices": 2, "dp_shard": 2, "ep": 2},
     }
     path = tmp_path / f"{name}.yaml"
@@ -66,7 +83,8 @@ def _reports(directory: Path) -> list[dict[str, int]]:
 
 
 def test_a_run_from_a_base_loads_its_share_saves_what_trains_and_resumes_exactly(
-        sample_store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sample_store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     base = bundled_base()
     recipe = _recipe(tmp_path, sample_store, "attn", base)
     monkeypatch.setenv("GENOLONG_LOAD_REPORT", str(tmp_path / "fresh"))
@@ -110,7 +128,11 @@ def test_a_run_from_a_base_loads_its_share_saves_what_trains_and_resumes_exactly
     listed = FileSystemReader(step).read_metadata().state_dict_metadata.values()
     tensors = sum(m.size.numel() * m.properties.dtype.itemsize for m in listed if isinstance(m, TensorStorageMetadata))
     planned = plan(parsed, gpus=2).checkpoint_bytes
-    assert tensors <= saved and abs(planned - tensors) <= 0.001 * tensors, (planned, tensors, saved)  # AdamW's step counters aside
+    assert tensors <= saved and abs(planned - tensors) <= 0.001 * tensors, (
+        planned,
+        tensors,
+        saved,
+    )  # AdamW's step counters aside
     meta = torch.load(step / "meta.pt", weights_only=True)["genolong"]
     assert meta["base"]["path"] == str(base) and meta["base"]["digest"].startswith("manifest:")
 
@@ -126,8 +148,12 @@ def test_a_run_from_a_base_loads_its_share_saves_what_trains_and_resumes_exactly
     whole = GenoLM.from_pretrained(base).state_dict()
     state = scored.state_dict()
     names = dict(model.named_parameters())
-    assert all(torch.equal(state[n], whole[n]) for n, p in names.items() if not p.requires_grad)  # exact: bf16 base values
-    assert any(not torch.equal(state[n], whole[n]) for n, p in names.items() if p.requires_grad)  # exact: a change either way
+    assert all(
+        torch.equal(state[n], whole[n]) for n, p in names.items() if not p.requires_grad
+    )  # exact: bf16 base values
+    assert any(
+        not torch.equal(state[n], whole[n]) for n, p in names.items() if p.requires_grad
+    )  # exact: a change either way
     run_ranks(_score_on_two_ranks, 2, tmp_path, str(step), timeout=300.0)  # and on two ranks, sharded
 
 
@@ -156,6 +182,8 @@ def test_resume_against_another_base_is_one_line(sample_store: Path, tmp_path: P
     step.mkdir()
     torch.save({"genolong": {"base": {"path": "/a/base", "digest": "manifest:1234"}}}, step / "meta.pt")
     _check_same_base(step, {"path": "/a/base", "digest": "manifest:1234"})
-    with pytest.raises(InputError, match=r"--resume: step0000002.ckpt holds only what training changed on the base /a/base") as error:
+    with pytest.raises(
+        InputError, match=r"--resume: step0000002.ckpt holds only what training changed on the base /a/base"
+    ) as error:
         _check_same_base(step, {"path": "/b/base", "digest": "manifest:9999"})
     assert "\n" not in str(error.value)

@@ -36,11 +36,25 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 _STEPS = 4
 _WRITE_AUDIT = Path(__file__).resolve().parents[1] / "write_audit"
 # what a run writes (run directory paths): each must be seen by the write audit
-_OUTPUTS = {"recipe.yaml", "logs/steps.jsonl", "logs/csv/metrics.csv", "logs/tensorboard/", "checkpoints/step", "export"}
+_OUTPUTS = {
+    "recipe.yaml",
+    "logs/steps.jsonl",
+    "logs/csv/metrics.csv",
+    "logs/tensorboard/",
+    "checkpoints/step",
+    "export",
+}
 
 
-def _recipe(tmp_path: Path, store: Path, name: str, parallel: dict, batch_size: int = 1, tensorboard: bool = False,
-            keep_last: int = 2) -> Path:
+def _recipe(
+    tmp_path: Path,
+    store: Path,
+    name: str,
+    parallel: dict,
+    batch_size: int = 1,
+    tensorboard: bool = False,
+    keep_last: int = 2,
+) -> Path:
     recipe = {
         "name": name,
         "seed": 3,
@@ -48,7 +62,11 @@ def _recipe(tmp_path: Path, store: Path, name: str, parallel: dict, batch_size: 
         "data": {"store": str(store), "context": 256, "batch_size": batch_size},
         "train": {"max_steps": _STEPS, "lr": 2.0e-3, "warmup_steps": 2},
         "eval": {"every_n_steps": 2, "max_tiles": 3},
-        "checkpoint": {"dir": str(tmp_path / "runs" / name / "checkpoints"), "every_n_steps": 2, "keep_last": keep_last},
+        "checkpoint": {
+            "dir": str(tmp_path / "runs" / name / "checkpoints"),
+            "every_n_steps": 2,
+            "keep_last": keep_last,
+        },
         "logging": {"dir": str(tmp_path / "runs" / name / "logs"), "progress_bar": False, "tensorboard": tensorboard},
         "parallel": {"accelerator": "cpu", **parallel},
     }
@@ -65,18 +83,33 @@ def _finetune(recipe: Path, *args: str, torchrun: int = 0, audit: Path | None = 
     env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
     if audit is not None:
         name = yaml.safe_load(recipe.read_text())["name"]
-        env.update(GENOLONG_WRITE_AUDIT=str(audit), GENOLONG_WRITE_AUDIT_ROOT=str(recipe.parent / "runs" / name),
-                   GENOLONG_WRITE_AUDIT_WORLD="2",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(_WRITE_AUDIT), env.get("PYTHONPATH")])))
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"] if torchrun else [sys.executable]
-    run = subprocess.run([*launcher, "-m", "genolong.cli", "finetune", str(recipe), *args], cwd=recipe.parent,
-                         env=env, capture_output=True, text=True, timeout=300)
+        env.update(
+            GENOLONG_WRITE_AUDIT=str(audit),
+            GENOLONG_WRITE_AUDIT_ROOT=str(recipe.parent / "runs" / name),
+            GENOLONG_WRITE_AUDIT_WORLD="2",
+            PYTHONPATH=os.pathsep.join(filter(None, [str(_WRITE_AUDIT), env.get("PYTHONPATH")])),
+        )
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
+        if torchrun
+        else [sys.executable]
+    )
+    run = subprocess.run(
+        [*launcher, "-m", "genolong.cli", "finetune", str(recipe), *args],
+        cwd=recipe.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     # rank 0 alone prints, and none of Lightning's banners (genolong.console)
     name = yaml.safe_load(recipe.read_text())["name"]
     assert run.stdout.count(f"genolong finetune: {name}:") == 1, run.stdout
     printed = run.stdout + run.stderr
-    assert not [s for s in ("Initializing distributed", "distributed_backend", "GPU available", "Tip:") if s in printed], printed
+    assert not [
+        s for s in ("Initializing distributed", "distributed_backend", "GPU available", "Tip:") if s in printed
+    ], printed
     return run.stdout
 
 
@@ -125,10 +158,13 @@ def _moves_agree(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rel: fl
         return float(x.double().pow(2).mean().sqrt())
 
     return a.keys() == b.keys() == start.keys() and all(
-        rms(a[k].double() - b[k].double()) <= rel * rms(a[k].double() - start[k].double()) for k in a)
+        rms(a[k].double() - b[k].double()) <= rel * rms(a[k].double() - start[k].double()) for k in a
+    )
 
 
-def test_two_process_context_and_expert_parallel_run_equals_one_process_and_resumes(sample_store: Path, tmp_path: Path) -> None:
+def test_two_process_context_and_expert_parallel_run_equals_one_process_and_resumes(
+    sample_store: Path, tmp_path: Path
+) -> None:
     _finetune(_recipe(tmp_path, sample_store, "one", {"devices": 1}))
     cp = _recipe(tmp_path, sample_store, "cp2", {"devices": 2, "cp": 2}, tensorboard=True)
     out = _finetune(cp, "--set", "parallel.ep=2", audit=tmp_path / "audit-first")
@@ -141,14 +177,19 @@ def test_two_process_context_and_expert_parallel_run_equals_one_process_and_resu
     k, moe_layers = PRESETS["tiny"].num_experts_per_tok, 7
     for record in steps.values():
         # every (token, slot) row of a step went to one of the two ranks: 256 tokens x k x 7 layers
-        assert record["train/ep_rows/rank0"] + record["train/ep_rows/rank1"] == 256 * k * moe_layers  # exact: row counts
+        assert (
+            record["train/ep_rows/rank0"] + record["train/ep_rows/rank1"] == 256 * k * moe_layers
+        )  # exact: row counts
         assert 1.0 <= record["train/ep_load_max_over_mean"] <= 2.0
         assert record["perf/ep_alltoall_bytes_forward"] > 0 and record["perf/ep_alltoall_bytes_backward"] > 0
     assert _moves_agree(_export(tmp_path, "one"), _export(tmp_path, "cp2"))
     checkpoints = tmp_path / "runs" / "cp2" / "checkpoints"
     # sharded checkpoints: one DCP directory per step, a shard file per rank
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step0000002.ckpt", "step0000004.ckpt"]
-    assert sorted(p.name for p in (checkpoints / "step0000002.ckpt").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in (checkpoints / "step0000002.ckpt").glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
 
     # resume from step 2: the two processes load their shards, the optimiser, schedule and window stream
     first_export = _export(tmp_path, "cp2")

@@ -42,11 +42,10 @@ from genolong.parallel import parallelize
 from genolong.parallel.mesh import build_mesh, cp_rank, cp_size, dp_rank, ep_size
 from genolong.train import read_step_log
 from genolong.train.finetune import _full_model
-
 from tests.helpers import assert_bitwise_equal, run_ranks
 from tests.integration.test_finetune_distributed import _finetune
-from tests.train.test_export_sharded import _cli, _same_files
 from tests.integration.test_finetune_distributed import _recipe as _finetune_recipe
+from tests.train.test_export_sharded import _cli, _same_files
 
 # bitwise comparisons (the frozen weights, the written adapter): one torch thread
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.distributed]
@@ -55,8 +54,9 @@ _TOL = 1e-5
 _LR = 0.5
 # tiny's geometry cut to three layers (KDA + dense, DSA + MoE, DSA + MoE); 16 index heads keep
 # exact top-k ties out of the pooled scores (see tests/model/test_model_dsa.py)
-_CONFIG = PRESETS["tiny"].replace(num_hidden_layers=3, pattern="KDD", mlp_layer_types=("dense", "sparse", "sparse"),
-                                  index_n_heads=16)
+_CONFIG = PRESETS["tiny"].replace(
+    num_hidden_layers=3, pattern="KDD", mlp_layer_types=("dense", "sparse", "sparse"), index_n_heads=16
+)
 _LORA = LoraSection(targets=("layers.*.self_attn.*",), rank=4, alpha=8.0, routed_experts=True)
 _TOKENS = 144  # per window: CP slices of 72, a multiple of the key pool (8), not of the KDA chunk (64)
 
@@ -115,9 +115,9 @@ def _layout_step(rank: int, world: int, folder: Path, layout: str) -> None:
     trained = adapter_parameters(model)
     frozen = {n: p.full_tensor() for n, p in params.items() if n not in trained}
     placements = {n: p.placements for n, p in trained.items() if ".experts." in n}
-    tokens = case["tokens"][dp_rank(mesh):dp_rank(mesh) + 1]
+    tokens = case["tokens"][dp_rank(mesh) : dp_rank(mesh) + 1]
     lo, hi = context_parallel_bounds(tokens.shape[1], cp_rank(mesh), cp_size(mesh))
-    nll, weight = model.loss(tokens[:, lo:hi], next_tokens=tokens[:, hi:hi + 1] if hi < tokens.shape[1] else None)
+    nll, weight = model.loss(tokens[:, lo:hi], next_tokens=tokens[:, hi : hi + 1] if hi < tokens.shape[1] else None)
     total = torch.stack([nll.detach(), weight.detach()])
     dist.all_reduce(total)
     (nll / total[1]).backward()
@@ -126,13 +126,23 @@ def _layout_step(rank: int, world: int, folder: Path, layout: str) -> None:
     torch.optim.SGD(trained.values(), lr=_LR).step()
     after = {n: p.full_tensor() for n, p in trained.items()}
     # every rank: the frozen base weights as they were (gathered whole from their shards)
-    unchanged = no_base_grads and all(torch.equal(p.full_tensor(), frozen[n]) for n, p in params.items() if n not in trained)
+    unchanged = no_base_grads and all(
+        torch.equal(p.full_tensor(), frozen[n]) for n, p in params.items() if n not in trained
+    )
     full = _full_model(model, _LORA)  # the export's gather: a collective, the copy on rank 0
     if rank == 0:
         assert full is not None
         save_adapter(full, folder / "adapter")
-    torch.save({"loss": float(total[0] / total[1]), "grads": grads, "after": after, "unchanged": unchanged,
-                "placements": placements}, folder / f"rank{rank}.pt")
+    torch.save(
+        {
+            "loss": float(total[0] / total[1]),
+            "grads": grads,
+            "after": after,
+            "unchanged": unchanged,
+            "placements": placements,
+        },
+        folder / f"rank{rank}.pt",
+    )
 
 
 def _worker(rank: int, world: int, folder: str) -> None:
@@ -160,19 +170,28 @@ def _check_layout(folder: Path, case: dict, layout: str) -> None:
         # the adapters after the step (those without a gradient exactly as they were)
         moved = {n: rms_ratio(ref["after"][n], out["after"][n]) for n in ref["grads"]}
         assert max(moved.values()) < _TOL, (layout, moved)
-        assert all(torch.equal(out["after"][n], case["state"][n]) for n in ref["after"] if n not in ref["grads"]), layout
-        worst[r] = f"gradient {max(errors.values()):.1e}, adapter {max(moved.values()):.1e}, " \
-                   f"loss {abs(out['loss'] - ref['loss']) / abs(ref['loss']):.1e}"
+        assert all(torch.equal(out["after"][n], case["state"][n]) for n in ref["after"] if n not in ref["grads"]), (
+            layout
+        )
+        worst[r] = (
+            f"gradient {max(errors.values()):.1e}, adapter {max(moved.values()):.1e}, "
+            f"loss {abs(out['loss'] - ref['loss']) / abs(ref['loss']):.1e}"
+        )
         if layout == "ep2":
             # the routed experts' adapters are sharded with their experts: Shard(0) over "ep"
-            assert len(out["placements"]) == 8 and all(p[-1] == Shard(0) for p in out["placements"].values()), out["placements"]
+            assert len(out["placements"]) == 8 and all(p[-1] == Shard(0) for p in out["placements"].values()), out[
+                "placements"
+            ]
     print(f"{layout}: worst relative errors per rank: {worst}")
     # the written adapter: PEFT's keys and shapes as one process writes them, holding exactly the
     # gathered adapters
     after = torch.load(folder / "rank0.pt", weights_only=False)["after"]
     one = _adapted(case["state"])
     save_adapter(one, folder / "one-adapter")
-    written, expected = load_file(folder / "adapter" / ADAPTER_WEIGHTS), load_file(folder / "one-adapter" / ADAPTER_WEIGHTS)
+    written, expected = (
+        load_file(folder / "adapter" / ADAPTER_WEIGHTS),
+        load_file(folder / "one-adapter" / ADAPTER_WEIGHTS),
+    )
     assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in expected.items()}, layout
     torch.manual_seed(0)
     fresh = GenoLM(_CONFIG)
@@ -193,7 +212,9 @@ def test_lora_step_under_ep_cp_fsdp_equals_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_lora_finetune_on_two_ranks_with_cp_and_ep_writes_the_one_process_adapter(sample_store: Path, tmp_path: Path) -> None:
+def test_lora_finetune_on_two_ranks_with_cp_and_ep_writes_the_one_process_adapter(
+    sample_store: Path, tmp_path: Path
+) -> None:
     """``genolong finetune`` of a LoRA recipe (attention and routed experts) as one process and as
     two (cp 2, ep 2, FSDP2; Lightning starts the second): the same step losses (1e-5: another
     summation order), runs/NAME/adapter/ from the two ranks holds the adapters of the one-process
@@ -231,8 +252,10 @@ def test_lora_finetune_on_two_ranks_with_cp_and_ep_writes_the_one_process_adapte
     assert one.keys() == two.keys() == start.keys()
     moves = {n: rms_ratio(one[n] - start[n], two[n] - start[n]) for n in start if not torch.equal(one[n], start[n])}
     assert any(".experts." in n for n in moves) and max(moves.values()) < 1e-3, moves
-    print(f"finetune cp 2 x ep 2: worst adapter move {max(moves.values()):.1e}, losses "
-          f"{[(logs['one'][s]['train/loss'], logs['cp2ep2'][s]['train/loss']) for s in (1, 2)]}")
+    print(
+        f"finetune cp 2 x ep 2: worst adapter move {max(moves.values()):.1e}, losses "
+        f"{[(logs['one'][s]['train/loss'], logs['cp2ep2'][s]['train/loss']) for s in (1, 2)]}"
+    )
     merged = GenoLM.from_pretrained(tmp_path / "runs" / "cp2ep2" / "export")
     tokens = torch.randint(1, 5, (1, 96), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():

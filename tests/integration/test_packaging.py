@@ -30,10 +30,13 @@ def test_namespace_mapping_in_this_install(tmp_path: Path) -> None:
     # (a PyPI package called kernels exists, and transformers from 5.25 requires it). The virtualenv
     # may lie inside the checkout (CI's .venv), so the check is on the two folders themselves.
     probe = "import importlib.util as u; print([s and s.origin for s in map(u.find_spec, ('kernels', 'evaluation'))])"
-    found = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    found = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout
     assert str(ROOT / "kernels") not in found and str(ROOT / "evaluation") not in found, found
-    assert sample_fasta().is_file() and Path(f"{sample_fasta()}.fai").is_file() and Path(f"{sample_fasta()}.gzi").is_file()
-
+    assert (
+        sample_fasta().is_file() and Path(f"{sample_fasta()}.fai").is_file() and Path(f"{sample_fasta()}.gzi").is_file()
+    )
 
 
 def test_top_level_kernels_from_the_checkout_root_is_the_installed_distribution(tmp_path: Path) -> None:
@@ -59,16 +62,18 @@ def test_top_level_kernels_from_the_checkout_root_without_the_distribution_is_an
     make it skip a path entry), no metadata names a version, so it imports the module and calls it
     "not available" when it has neither ``__version__`` nor ``__file__``; a ModuleNotFoundError
     there (as before) made every transformers model import fail from the root."""
-    probe = ("import sys; sys.path[:] = [p for p in sys.path if 'site-packages' not in p]\n"
-             "import importlib, importlib.metadata, importlib.util\n"
-             "spec = importlib.util.find_spec('kernels')\n"
-             "try:\n    importlib.metadata.version('kernels'); dist = 'dist'\n"
-             "except importlib.metadata.PackageNotFoundError:\n    dist = 'no-dist'\n"
-             "module = importlib.import_module('kernels')\n"  # transformers 5.17 does this here
-             "print(spec is not None, dist, getattr(module, '__version__', 'N/A'), getattr(module, '__file__', None),\n"
-             "      list(module.__path__), [n for n in vars(module) if not n.startswith('__')])\n"
-             "try:\n    import kernels.backends\nexcept ModuleNotFoundError as e:\n    print(e.name)\n"
-             "try:\n    from kernels import get_kernel\nexcept ImportError:\n    print('ImportError')\n")
+    probe = (
+        "import sys; sys.path[:] = [p for p in sys.path if 'site-packages' not in p]\n"
+        "import importlib, importlib.metadata, importlib.util\n"
+        "spec = importlib.util.find_spec('kernels')\n"
+        "try:\n    importlib.metadata.version('kernels'); dist = 'dist'\n"
+        "except importlib.metadata.PackageNotFoundError:\n    dist = 'no-dist'\n"
+        "module = importlib.import_module('kernels')\n"  # transformers 5.17 does this here
+        "print(spec is not None, dist, getattr(module, '__version__', 'N/A'), getattr(module, '__file__', None),\n"
+        "      list(module.__path__), [n for n in vars(module) if not n.startswith('__')])\n"
+        "try:\n    import kernels.backends\nexcept ModuleNotFoundError as e:\n    print(e.name)\n"
+        "try:\n    from kernels import get_kernel\nexcept ImportError:\n    print('ImportError')\n"
+    )
     run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split("\n")[:3] == ["True no-dist N/A None [] []", "kernels.backends", "ImportError"], run.stdout
@@ -83,9 +88,25 @@ def test_wheel_contents(tmp_path: Path) -> None:
     builds, so two test runs at once (tests/run_twice.sh, two checkouts' CI) building the
     repository itself would overwrite each other's files."""
     source = tmp_path / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "runs", "genome",
-        "genolong-quickstart*", "evaluations", "lightning_logs"))
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(
+            ".git",
+            ".venv",
+            "venv",
+            "build",
+            "dist",
+            "*.egg-info",
+            "__pycache__",
+            ".pytest_cache",
+            "runs",
+            "genome",
+            "genolong-quickstart*",
+            "evaluations",
+            "lightning_logs",
+        ),
+    )
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(source)],
         check=True,
@@ -138,10 +159,33 @@ def test_quickstart_command(sample_store: Path, tmp_path: Path) -> None:
         path.write_text("an earlier run's")
     (qs / "REPORT.md").write_text("an earlier run's report")
     run = subprocess.run(
-        [sys.executable, "-m", "genolong.cli", "quickstart", "--out", str(qs), "--quiet", "--set", "data.context=2048",
-         "--control", "--eval-tiles", "2", "--probe-tiles", "1", "--set", "train.max_steps=2",
-         "--set", "train.warmup_steps=1", "--set", "eval.every_n_steps=2", "--set", "checkpoint.every_n_steps=2"],
-        capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "genolong.cli",
+            "quickstart",
+            "--out",
+            str(qs),
+            "--quiet",
+            "--set",
+            "data.context=2048",
+            "--control",
+            "--eval-tiles",
+            "2",
+            "--probe-tiles",
+            "1",
+            "--set",
+            "train.max_steps=2",
+            "--set",
+            "train.warmup_steps=1",
+            "--set",
+            "eval.every_n_steps=2",
+            "--set",
+            "checkpoint.every_n_steps=2",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "train: 6,179,943 tokens in 5 segments" in run.stdout
     assert "eval: 900,000 tokens in 2 segments" in run.stdout
@@ -152,26 +196,46 @@ def test_quickstart_command(sample_store: Path, tmp_path: Path) -> None:
     assert (qs / "genome" / "manifest.json").is_file()
     for name in ("quickstart", "control"):
         assert (qs / "runs" / name / "export" / "model.safetensors").is_file()
-        assert sorted(p.name for p in (qs / "runs" / name / "checkpoints").iterdir()) == ["step0000002.ckpt", "step0000002.ckpt.checksums.json"]
+        assert sorted(p.name for p in (qs / "runs" / name / "checkpoints").iterdir()) == [
+            "step0000002.ckpt",
+            "step0000002.ckpt.checksums.json",
+        ]
     assert sorted(p.name for p in (qs / "eval").iterdir()) == ["base", "base-read", "control", "tuned", "tuned-cut"]
-    results = {name: EvalResult.load(qs / "eval" / name) for name in ("base", "base-read", "tuned", "tuned-cut", "control")}
+    results = {
+        name: EvalResult.load(qs / "eval" / name) for name in ("base", "base-read", "tuned", "tuned-cut", "control")
+    }
     # the base scored (and read the other way) is the checkpoint the fine-tune started from: the bundled one
-    assert Path(results["base"].meta["checkpoint"]) == Path(results["base-read"].meta["checkpoint"]) == bundled_base().resolve()
-    assert results["base-read"].label == "base, 2,048 DSA keys" and results["base-read"].mean_nll != results["base"].mean_nll
+    assert (
+        Path(results["base"].meta["checkpoint"])
+        == Path(results["base-read"].meta["checkpoint"])
+        == bundled_base().resolve()
+    )
+    assert (
+        results["base-read"].label == "base, 2,048 DSA keys"
+        and results["base-read"].mean_nll != results["base"].mean_nll
+    )
     assert len({r.fingerprint for r in results.values()}) == 1  # the same tokens everywhere
     assert results["tuned-cut"].context_cut == 1024 and results["tuned"].context_cut is None
     assert results["tuned"].tokens == results["base"].tokens > 4000
     # the control was trained on the same windows with the context cut: it differs from the tuned model
     assert results["control"].mean_nll != results["tuned"].mean_nll
     report = (qs / "REPORT.md").read_text()
-    for what in ("## Held-out loss by preceding context", "fine-tuned vs base", "full vs cut at 1,024",
-                 "fine-tuned vs short-context control", "figures/position_loss.png", "figures/relative_change.png",
-                 "training the DSA attention layers only (610.0K of 9.3M parameters", "How much held-out DNA the intervals rest on: 2 tiles",
-                 "## MoE routing on the held-out tiles", "## Long-range recall: planted repeats (genolong probe)",
-                 "figures/probe.png",
-                 "Read with 2,048 keys per DSA query (index_topk; the base's config.json: 512)",
-                 "(the base read with 2,048 DSA keys vs base, no training)",
-                 "What did the 2 training steps change? (fine-tuned vs base, both read with 2,048 DSA keys)"):
+    for what in (
+        "## Held-out loss by preceding context",
+        "fine-tuned vs base",
+        "full vs cut at 1,024",
+        "fine-tuned vs short-context control",
+        "figures/position_loss.png",
+        "figures/relative_change.png",
+        "training the DSA attention layers only (610.0K of 9.3M parameters",
+        "How much held-out DNA the intervals rest on: 2 tiles",
+        "## MoE routing on the held-out tiles",
+        "## Long-range recall: planted repeats (genolong probe)",
+        "figures/probe.png",
+        "Read with 2,048 keys per DSA query (index_topk; the base's config.json: 512)",
+        "(the base read with 2,048 DSA keys vs base, no training)",
+        "What did the 2 training steps change? (fine-tuned vs base, both read with 2,048 DSA keys)",
+    ):
         assert what in report, what
     # the routing table: the base's layers as its evaluation measured them
     for r in results["base"].meta["routing"]:
@@ -193,7 +257,8 @@ class _Trained(Exception):
 
 @pytest.mark.parametrize("own_base", [False, True], ids=["bundled-base", "own-base-with-2048-keys"])
 def test_quickstart_scores_the_base_it_starts_from_read_as_the_fine_tune_reads_it(
-        own_base: bool, sample_store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    own_base: bool, sample_store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The quickstart's stages up to the fine-tune, with the scoring and the training stood in for
     (what they record is what is checked): without ``--set model.checkpoint`` the bundled base is
     scored, then scored again read with the recipe's 2,048 DSA keys (its config.json has 512), and
@@ -240,5 +305,7 @@ def test_quickstart_scores_the_base_it_starts_from_read_as_the_fine_tune_reads_i
         assert loaded == [(base, {})]
     else:
         assert [(n, lab, Path(c).resolve()) for n, lab, c in scored] == [
-            ("base", "base", base), ("base-read", "base, 2,048 DSA keys", base)]
+            ("base", "base", base),
+            ("base-read", "base, 2,048 DSA keys", base),
+        ]
         assert loaded == [(base, {}), (base, {"index_topk": 2048})]

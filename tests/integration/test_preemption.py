@@ -29,7 +29,6 @@ from genolong.signals import SignalFlag
 from genolong.train import read_step_log
 from genolong.train.finetune import latest_checkpoint
 from genolong.train.preemption import MARKER, auto_resume_reason, requeue_slurm_job, requeue_wanted
-
 from tests.helpers import assert_bitwise_equal, genolong_frames
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,7 +56,10 @@ sys.exit(main(sys.argv[1:]))
 
 def _recipe(tmp_path: Path, store: Path, name: str) -> Path:
     recipe = {
-        "name": name, "seed": 3, "model": {"preset": "tiny"}, "data": {"store": str(store), "context": 256},
+        "name": name,
+        "seed": 3,
+        "model": {"preset": "tiny"},
+        "data": {"store": str(store), "context": 256},
         "train": {"max_steps": _STEPS, "lr": 2.0e-3, "warmup_steps": 2},
         "eval": {"every_n_steps": 4, "max_tiles": 1},
         "checkpoint": {"dir": str(tmp_path / "runs" / name / "checkpoints"), "every_n_steps": 4, "keep_last": 2},
@@ -78,8 +80,14 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _finetune(recipe: Path, *args: str, code: str | None = None, **env: str) -> subprocess.Popen:
     command = [sys.executable, "-c", code] if code else [sys.executable, "-m", "genolong.cli"]
-    return subprocess.Popen([*command, "finetune", str(recipe), *args], cwd=recipe.parent, env=_env(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [*command, "finetune", str(recipe), *args],
+        cwd=recipe.parent,
+        env=_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_until(proc: subprocess.Popen, ready, what: str, timeout: float = 240) -> None:
@@ -105,7 +113,9 @@ def _assert_same_run(straight: Path, run: Path, what: str) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_rerun_resumes_exactly(sample_store: Path, tmp_path: Path) -> None:
+def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_rerun_resumes_exactly(
+    sample_store: Path, tmp_path: Path
+) -> None:
     """SIGTERM once step 1 is logged: the step in progress finishes, its checkpoint is written
     (a second SIGTERM arrives during that write and changes nothing), one line on stderr, status 75.
     The same command again (no --resume: the marker) resumes; every step's loss and the export equal
@@ -134,8 +144,10 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_rerun_resumes_exactly
     # the run's usual start lines (the windows, the kernel backend), then one line for the stop
     lines = err.strip().splitlines()
     assert "Traceback" not in err and sum("stopped" in line for line in lines) == 1, err
-    assert lines[-1] == (f"genolong finetune: stopped by SIGTERM after step {reached}; checkpoint "
-                                            f"{checkpoint}; running the same command again resumes from it"), err
+    assert lines[-1] == (
+        f"genolong finetune: stopped by SIGTERM after step {reached}; checkpoint "
+        f"{checkpoint}; running the same command again resumes from it"
+    ), err
     assert json.loads((run / MARKER).read_text())["step"] == reached
     assert not (run / "export").exists()
 
@@ -187,19 +199,30 @@ def test_requeue_decision_and_scontrol_call(tmp_path: Path) -> None:
     scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     assert requeue_slurm_job({**env, **job}) == "SLURM job 4242 requeued"
-    assert requeue_slurm_job({**env, "SLURM_JOB_ID": "9", "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3"}) == \
-        "SLURM job 77_3 requeued"
-    assert requeue_slurm_job({**env, **job, "SCONTROL_STATUS": "1"}) == \
-        "SLURM job 4242 not requeued (scontrol requeue exited 1)"
+    assert (
+        requeue_slurm_job({**env, "SLURM_JOB_ID": "9", "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3"})
+        == "SLURM job 77_3 requeued"
+    )
+    assert (
+        requeue_slurm_job({**env, **job, "SCONTROL_STATUS": "1"})
+        == "SLURM job 4242 not requeued (scontrol requeue exited 1)"
+    )
     assert (tmp_path / "calls").read_text().splitlines() == ["requeue 4242", "requeue 77_3", "requeue 4242"]
-    assert requeue_slurm_job({"PATH": str(tmp_path / "nothing"), **job}).startswith("SLURM job 4242 not requeued (scontrol")
+    assert requeue_slurm_job({"PATH": str(tmp_path / "nothing"), **job}).startswith(
+        "SLURM job 4242 not requeued (scontrol"
+    )
 
 
 def test_stop_signals_recipe_key(tmp_path: Path) -> None:
     from genolong.config import load_recipe
     from genolong.errors import InputError
 
-    base = {"name": "x", "model": {"preset": "tiny"}, "data": {"store": str(tmp_path), "context": 256}, "train": {"max_steps": 2}}
+    base = {
+        "name": "x",
+        "model": {"preset": "tiny"},
+        "data": {"store": str(tmp_path), "context": 256},
+        "train": {"max_steps": 2},
+    }
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump({**base, "train": {"max_steps": 2, "stop_signals": ["SIGUSR2"]}}))
     assert load_recipe(path).train.stop_signals == ("SIGUSR2",)
@@ -214,11 +237,28 @@ def test_stop_signals_recipe_key(tmp_path: Path) -> None:
 def test_evaluate_stops_at_a_tile_boundary_and_resumes(sample_store: Path, tmp_path: Path) -> None:
     torch.manual_seed(0)
     GenoLM(PRESETS["tiny"]).save_pretrained(tmp_path / "model")
-    args = ["evaluate", str(tmp_path / "model"), "--store", str(sample_store), "--context", "2048", "--max-tiles", "8",
-            "--first-bucket", "256", "--quiet"]
-    command = [sys.executable, "-c", "import sys, torch; torch.set_num_threads(1); from genolong.cli import main; sys.exit(main(sys.argv[1:]))"]
+    args = [
+        "evaluate",
+        str(tmp_path / "model"),
+        "--store",
+        str(sample_store),
+        "--context",
+        "2048",
+        "--max-tiles",
+        "8",
+        "--first-bucket",
+        "256",
+        "--quiet",
+    ]
+    command = [
+        sys.executable,
+        "-c",
+        "import sys, torch; torch.set_num_threads(1); from genolong.cli import main; sys.exit(main(sys.argv[1:]))",
+    ]
     state = tmp_path / ".stopped.partial" / "state.npz"
-    proc = subprocess.Popen([*command, *args, "--out", str(tmp_path / "stopped")], env=_env(), stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*command, *args, "--out", str(tmp_path / "stopped")], env=_env(), stderr=subprocess.PIPE, text=True
+    )
     _wait_until(proc, state.is_file, "the first committed tile", timeout=120)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -228,8 +268,10 @@ def test_evaluate_stops_at_a_tile_boundary_and_resumes(sample_store: Path, tmp_p
     assert 1 <= done < 8 and not (tmp_path / "stopped").exists()
     lines = err.strip().splitlines()
     assert "Traceback" not in err and sum("stopped" in line for line in lines) == 1, err
-    assert lines[-1] == (f"genolong evaluate: stopped by SIGTERM after {done} of 8 tiles; they are kept in "
-                                            f"{state.parent}, where the same command resumes"), err
+    assert lines[-1] == (
+        f"genolong evaluate: stopped by SIGTERM after {done} of 8 tiles; they are kept in "
+        f"{state.parent}, where the same command resumes"
+    ), err
     subprocess.run([*command, *args, "--out", str(tmp_path / "stopped")], env=_env(), check=True)
     subprocess.run([*command, *args, "--out", str(tmp_path / "whole")], env=_env(), check=True)
     meta = [json.loads((tmp_path / d / "meta.json").read_text()) for d in ("stopped", "whole")]
@@ -284,9 +326,21 @@ def test_two_ranks_stop_at_the_same_step_when_one_got_the_signal(sample_store: P
 def _torchrun(recipe: Path) -> subprocess.Popen:
     """``torchrun --standalone --nproc-per-node 2 -m genolong.cli finetune RECIPE`` (``torchrun`` is
     ``python -m torch.distributed.run``); its pid is the agent's, the parent of the two workers."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "genolong.cli", "finetune", str(recipe)]
-    return subprocess.Popen(command, cwd=recipe.parent, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "genolong.cli",
+        "finetune",
+        str(recipe),
+    ]
+    return subprocess.Popen(
+        command, cwd=recipe.parent, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 # torchrun's own status when its agent was signalled: the agent forwards the signal to the workers,
@@ -298,7 +352,8 @@ _TORCHRUN_SIGNALLED_EXIT_CODE = 1
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_torchrun_dp2_agent_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes_exactly(
-        sample_store: Path, tmp_path: Path) -> None:
+    sample_store: Path, tmp_path: Path
+) -> None:
     """torchrun dp 2 as a cluster stops it: SIGTERM to the torchrun agent (SLURM's and Kubernetes'
     target) once step 1 is logged. The agent forwards it to both workers; they finish the same step,
     write its sharded checkpoint (intact), rank 0 prints one line, and torchrun exits 1 (its own
@@ -329,10 +384,14 @@ def test_torchrun_dp2_agent_sigterm_stops_with_a_checkpoint_and_the_same_command
     check_weights(checkpoint)  # complete: every rank's shard matches the checksum manifest
     lines = err.splitlines()
     assert sum("stopped by SIGTERM" in line for line in lines) == 1, err
-    assert (f"genolong finetune: stopped by SIGTERM after step {reached}; checkpoint {checkpoint}; "
-            "running the same command again resumes from it") in lines, err
+    assert (
+        f"genolong finetune: stopped by SIGTERM after step {reached}; checkpoint {checkpoint}; "
+        "running the same command again resumes from it"
+    ) in lines, err
     # the only traceback is torchrun's agent re-raising the signal (no genolong frame, no worker's)
-    assert err.count("Traceback") == 1 and lines[-1].startswith("torch.distributed.elastic.multiprocessing.api.SignalException"), err
+    assert err.count("Traceback") == 1 and lines[-1].startswith(
+        "torch.distributed.elastic.multiprocessing.api.SignalException"
+    ), err
     assert genolong_frames(err) == [], err
     assert json.loads((run / MARKER).read_text())["step"] == reached
     assert not (run / "export").exists()
@@ -357,8 +416,10 @@ def test_requeue_after_the_checkpoint_and_scontrol_message_in_the_line(tmp_path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     scontrol = bin_dir / "scontrol"
-    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\n'
-                        'echo "scontrol: error: Requested operation is presently disabled for job $2" >&2\nexit 1\n')
+    scontrol.write_text(
+        f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\n'
+        'echo "scontrol: error: Requested operation is presently disabled for job $2" >&2\nexit 1\n'
+    )
     scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
     stop = Preemption(step=3, checkpoint=Path("c/step0000003.ckpt"), signals=(signal.SIGUSR1,), requeue_wanted=True)
@@ -367,16 +428,21 @@ def test_requeue_after_the_checkpoint_and_scontrol_message_in_the_line(tmp_path:
     assert not (tmp_path / "calls").exists()
     done = finish_stop(stop, is_global_zero=True, environ=env)
     assert (tmp_path / "calls").read_text() == "requeue 4242\n"
-    assert done.message() == ("stopped by SIGUSR1 after step 3; checkpoint c/step0000003.ckpt; running the same "
-                              "command again resumes from it; SLURM job 4242 not requeued (scontrol requeue exited 1: "
-                              "Requested operation is presently disabled for job 4242)")
+    assert done.message() == (
+        "stopped by SIGUSR1 after step 3; checkpoint c/step0000003.ckpt; running the same "
+        "command again resumes from it; SLURM job 4242 not requeued (scontrol requeue exited 1: "
+        "Requested operation is presently disabled for job 4242)"
+    )
     # a stop during start-up, with and without a checkpoint to resume from
     start = Preemption(step=4, checkpoint=Path("c/step0000004.ckpt"), signals=(signal.SIGTERM,), starting=True)
-    assert start.message() == ("stopped by SIGTERM during start-up, before step 5; nothing new to save, checkpoint "
-                               "c/step0000004.ckpt; running the same command again resumes from it")
+    assert start.message() == (
+        "stopped by SIGTERM during start-up, before step 5; nothing new to save, checkpoint "
+        "c/step0000004.ckpt; running the same command again resumes from it"
+    )
     assert dataclasses.replace(start, checkpoint=None, step=0, requeue="SLURM job 9 requeued").message() == (
         "stopped by SIGTERM during start-up, before the first step; nothing to save yet; running the same command "
-        "again starts the run; SLURM job 9 requeued")
+        "again starts the run; SLURM job 9 requeued"
+    )
 
 
 _FROM_START = """
@@ -399,7 +465,8 @@ def test_stop_signals_caught_from_start_then_ignored_at_the_end() -> None:
     assert (done.returncode, done.stdout) == (3, "ok\n"), done.stderr
     # a signal the recipe does not stop on, received before the recipe was read, takes its default action
     kill = _FROM_START.replace("signal.SIGUSR1)\nassert", "signal.SIGTERM)\nassert").replace(
-        "received_at_start() == (signal.SIGUSR1,)", "received_at_start() == (signal.SIGTERM,)")
+        "received_at_start() == (signal.SIGUSR1,)", "received_at_start() == (signal.SIGTERM,)"
+    )
     done = subprocess.run([sys.executable, "-c", kill], capture_output=True, text=True, timeout=60)
     assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr)
 
@@ -412,16 +479,20 @@ def test_task_layout_against_the_recipe() -> None:
     job = {"SLURM_JOB_ID": "5", "SLURM_JOB_NAME": "genolong", "SLURM_NNODES": "1", "SLURM_STEP_ID": "0"}
     check_task_layout(two, {})  # outside SLURM: nothing checked
     check_task_layout(two, {**job, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2"})
-    check_task_layout(ParallelSection(devices=2, num_nodes=3),
-                      {**job, "SLURM_NTASKS": "6", "SLURM_NTASKS_PER_NODE": "2(x3)", "SLURM_NNODES": "3"})
+    check_task_layout(
+        ParallelSection(devices=2, num_nodes=3),
+        {**job, "SLURM_NTASKS": "6", "SLURM_NTASKS_PER_NODE": "2(x3)", "SLURM_NNODES": "3"},
+    )
     check_task_layout(two, {**job, "SLURM_NTASKS": "2", "SLURM_JOB_NAME": "interactive"})  # Lightning ignores it too
     check_task_layout(two, {**job, "SLURM_NTASKS": "2", "TORCHELASTIC_RUN_ID": "x"})  # torchrun inside sbatch
     cases = [
         ({"SLURM_NTASKS": "2"}, "--ntasks=2 without --ntasks-per-node"),
         ({"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1"}, "--ntasks-per-node=1"),
         ({"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2(x2)", "SLURM_NNODES": "2"}, "--nodes=2"),
-        ({"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_STEP_ID": None},
-         "2 tasks, but this process is the batch script's, not one of srun's tasks"),
+        (
+            {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_STEP_ID": None},
+            "2 tasks, but this process is the batch script's, not one of srun's tasks",
+        ),
     ]
     for extra, layout in cases:
         env = {k: v for k, v in {**job, **extra}.items() if v is not None}
@@ -433,7 +504,8 @@ def test_task_layout_against_the_recipe() -> None:
                 f"the SLURM job's tasks ({layout}) do not match the recipe: the recipe runs parallel.devices=2 x "
                 "parallel.num_nodes=1 processes; put `#SBATCH --nodes=1 --ntasks-per-node=2` in the job script and "
                 "start genolong with `srun` (docs/slurm/finetune.sbatch), or set parallel.devices / "
-                "parallel.num_nodes to the job's layout")
+                "parallel.num_nodes to the job's layout"
+            )
 
 
 @pytest.mark.slow
@@ -441,13 +513,21 @@ def test_signal_during_start_up_without_slurm(sample_store: Path, tmp_path: Path
     """SIGUSR1 half a second after ``genolong finetune`` starts (torch not yet imported): the run stops
     before its first step with one line, status 75 (before: killed, 138)."""
     recipe = _recipe(tmp_path, sample_store, "early")
-    proc = subprocess.Popen([sys.executable, "-m", "genolong.cli", "finetune", str(recipe)], cwd=tmp_path, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "genolong.cli", "finetune", str(recipe)],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(0.5)
     proc.send_signal(signal.SIGUSR1)
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 75, err[-3000:]
-    assert err.strip().splitlines()[-1] == ("genolong finetune: stopped by SIGUSR1 during start-up, before the first "
-                                            "step; nothing to save yet; running the same command again starts the run")
+    assert err.strip().splitlines()[-1] == (
+        "genolong finetune: stopped by SIGUSR1 during start-up, before the first "
+        "step; nothing to save yet; running the same command again starts the run"
+    )
     steps_log = tmp_path / "runs" / "early" / "logs" / "steps.jsonl"
     assert not steps_log.exists() or read_step_log(steps_log) == {}  # no step trained

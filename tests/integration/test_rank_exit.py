@@ -36,8 +36,9 @@ sys.stdout.write("partial line")
 
 
 def _child(tmp_path: Path, code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", _PRELUDE + code, str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", _PRELUDE + code, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_exit_process_runs_the_exit_handlers_flushes_and_skips_finalization(tmp_path: Path) -> None:
@@ -51,9 +52,11 @@ def test_exit_process_runs_the_exit_handlers_flushes_and_skips_finalization(tmp_
 @pytest.mark.parametrize("group", [True, False])
 def test_the_console_script_skips_finalization_only_in_a_process_group(tmp_path: Path, group: bool) -> None:
     # genolong.cli.entry around a stand-in main that returns 5 (after joining a group, or not)
-    code = ("import genolong.cli as cli\n"
-            f"def main():\n    {'join_group()' if group else 'pass'}\n    return 5\n"
-            "cli.main = main\ncli.entry()\n")
+    code = (
+        "import genolong.cli as cli\n"
+        f"def main():\n    {'join_group()' if group else 'pass'}\n    return 5\n"
+        "cli.main = main\ncli.entry()\n"
+    )
     run = _child(tmp_path, code)
     assert run.returncode == 5, run.stderr
     assert run.stdout == "partial line"
@@ -62,7 +65,9 @@ def test_the_console_script_skips_finalization_only_in_a_process_group(tmp_path:
 
 
 def test_in_process_group_does_not_import_torch() -> None:
-    code = ("import sys\nfrom genolong.parallel.shutdown import in_process_group\n"
-            "assert not in_process_group()\nassert 'torch' not in sys.modules, 'torch imported'\n")
+    code = (
+        "import sys\nfrom genolong.parallel.shutdown import in_process_group\n"
+        "assert not in_process_group()\nassert 'torch' not in sys.modules, 'torch imported'\n"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

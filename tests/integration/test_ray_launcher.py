@@ -18,7 +18,6 @@ import pytest
 
 from genolong.cli import main
 from genolong.train import read_step_log
-
 from tests.integration.test_finetune_distributed import _close, _finetune, _recipe
 
 _STEPS = 8
@@ -46,7 +45,11 @@ def _losses(tmp_path: Path, name: str) -> tuple[list[float], list[float]]:
     records = read_step_log(log)
     import json
 
-    evals = {json.loads(line)["step"]: json.loads(line)["eval/loss"] for line in log.read_text().splitlines() if "eval/loss" in line}
+    evals = {
+        json.loads(line)["step"]: json.loads(line)["eval/loss"]
+        for line in log.read_text().splitlines()
+        if "eval/loss" in line
+    }
     return [records[s]["train/loss"] for s in range(1, _STEPS + 1)], [evals[s] for s in sorted(evals)]
 
 
@@ -82,7 +85,9 @@ def _train_workers(pid: int) -> list[int]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_ray_train_job_equals_torchrun_job_and_resumes_after_a_killed_worker(sample_store: Path, tmp_path: Path) -> None:
+def test_ray_train_job_equals_torchrun_job_and_resumes_after_a_killed_worker(
+    sample_store: Path, tmp_path: Path
+) -> None:
     pytest.importorskip("ray.train.torch")
     reference = _ray_recipe(tmp_path, sample_store, "torchrun")
     started = time.perf_counter()
@@ -92,8 +97,14 @@ def test_ray_train_job_equals_torchrun_job_and_resumes_after_a_killed_worker(sam
 
     ray_recipe = _ray_recipe(tmp_path, sample_store, "ray")
     started = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "genolong.cli", "finetune", str(ray_recipe), "--launcher", "ray"],
-                         cwd=tmp_path, env=_ray_env(), capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "genolong.cli", "finetune", str(ray_recipe), "--launcher", "ray"],
+        cwd=tmp_path,
+        env=_ray_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     seconds = time.perf_counter() - started
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert run.stdout.count("genolong finetune: ray: 8 steps") == 1, run.stdout  # rank 0 alone
@@ -106,9 +117,14 @@ def test_ray_train_job_equals_torchrun_job_and_resumes_after_a_killed_worker(sam
     # again, they resume from step 2 and finish with the uninterrupted job's losses
     killed = _ray_recipe(tmp_path, sample_store, "killed")
     log = tmp_path / "runs" / "killed" / "logs" / "steps.jsonl"
-    driver = subprocess.Popen([sys.executable, "-m", "genolong.cli", "finetune", str(killed), "--launcher", "ray",
-                               "--max-failures", "1"], cwd=tmp_path, env=_ray_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "genolong.cli", "finetune", str(killed), "--launcher", "ray", "--max-failures", "1"],
+        cwd=tmp_path,
+        env=_ray_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     victim = None
     started = time.perf_counter()
     try:
@@ -133,8 +149,9 @@ def test_ray_train_job_equals_torchrun_job_and_resumes_after_a_killed_worker(sam
     assert _close(expected[0], resumed[0]) and _close(expected[1], resumed[1]), (expected, resumed)
 
 
-def test_ray_launcher_without_ray_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_ray_launcher_without_ray_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     # Ray hidden: an import of `ray` fails as where it is not installed
     for name in [m for m in sys.modules if m == "ray" or m.startswith("ray.")]:
         monkeypatch.delitem(sys.modules, name)
@@ -162,7 +179,9 @@ def test_the_error_of_a_failed_ray_job_is_the_workers_own() -> None:
     died = RuntimeError("actor died")
     bad = InputError("--resume: no intact checkpoint")
     assert _worker_error(GroupError({1: TaskError(bad), 0: TaskError(died)})) is bad  # a genolong error first
-    assert _worker_error(GroupError({1: TaskError(KeyError("x")), 0: TaskError(died)})) is died  # else the lowest rank's
+    assert (
+        _worker_error(GroupError({1: TaskError(KeyError("x")), 0: TaskError(died)})) is died
+    )  # else the lowest rank's
     other = ValueError("controller")
     assert _worker_error(other) is other
 
@@ -174,16 +193,20 @@ def test_a_cluster_that_cannot_be_joined_is_one_line_with_the_fix(monkeypatch: p
 
     try:
         try:
-            raise RuntimeError("Failed to connect to GCS. Last connection error: Traceback (most recent call last):\n"
-                               "ray.exceptions.AuthenticationError: RPC error: InvalidAuthToken: Authentication token is missing")
+            raise RuntimeError(
+                "Failed to connect to GCS. Last connection error: Traceback (most recent call last):\n"
+                "ray.exceptions.AuthenticationError: RPC error: InvalidAuthToken: Authentication token is missing"
+            )
         except RuntimeError as cause:
             raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.5:6379") from cause
     except ConnectionError as error:
         auth = _connect_error("10.0.0.5:6379", error)
-    assert auth == ("--ray-address 10.0.0.5:6379: cannot join the Ray cluster (Failed to connect to Ray cluster at "
-                    "10.0.0.5:6379); the cluster uses Ray's token authentication: set RAY_AUTH_MODE=token for this "
-                    "command (the token from RAY_AUTH_TOKEN or ~/.ray/auth_token, the cluster's), or use --ray-address "
-                    "auto on a node of the cluster")
+    assert auth == (
+        "--ray-address 10.0.0.5:6379: cannot join the Ray cluster (Failed to connect to Ray cluster at "
+        "10.0.0.5:6379); the cluster uses Ray's token authentication: set RAY_AUTH_MODE=token for this "
+        "command (the token from RAY_AUTH_TOKEN or ~/.ray/auth_token, the cluster's), or use --ray-address "
+        "auto on a node of the cluster"
+    )
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     other = _connect_error(None, ConnectionError("Failed to connect to Ray cluster at head:6379"))
     assert other.startswith("RAY_ADDRESS=ray://head:10001: cannot join the Ray cluster (Failed to connect")

@@ -26,7 +26,6 @@ from genolong.integrity import check_weights
 from genolong.model import GenoLM
 from genolong.train import read_step_log
 from genolong.train.finetune import latest_checkpoint
-
 from tests.helpers import ROOT, assert_bitwise_equal
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -38,7 +37,10 @@ HOOKS = Path(__file__).resolve().parents[1] / "slurm_hooks"
 
 def _recipe(tmp_path: Path, store: Path, name: str, steps: int, devices: int = 1, every: int = 2) -> Path:
     recipe = {
-        "name": name, "seed": 3, "model": {"preset": "tiny"}, "data": {"store": str(store), "context": 256},
+        "name": name,
+        "seed": 3,
+        "model": {"preset": "tiny"},
+        "data": {"store": str(store), "context": 256},
         "train": {"max_steps": steps, "lr": 2.0e-3, "warmup_steps": 2},
         "eval": {"every_n_steps": 0},
         "checkpoint": {"dir": str(tmp_path / "runs" / name / "checkpoints"), "every_n_steps": every, "keep_last": 2},
@@ -53,8 +55,13 @@ def _recipe(tmp_path: Path, store: Path, name: str, steps: int, devices: int = 1
 def _env(**extra: str) -> dict[str, str]:
     """The job's environment on top of the cluster's: this Python's ``genolong`` first on PATH, one
     thread per process (bitwise comparisons), the test hooks."""
-    return {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
-            "PYTHONHASHSEED": "0", "PYTHONPATH": str(HOOKS), **extra}
+    return {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONHASHSEED": "0",
+        "PYTHONPATH": str(HOOKS),
+        **extra,
+    }
 
 
 def _submit(cluster: Any, recipe: Path, *options: str, script: Path = SCRIPT, **env: str) -> tuple[str, Path]:
@@ -84,8 +91,11 @@ def _assert_same_run(straight: Path, run: Path, steps: int, what: str) -> None:
     assert sorted(a) == sorted(b) == list(range(1, steps + 1))
     for step in range(1, steps + 1):
         assert b[step]["train/loss"] == a[step]["train/loss"], (step, a[step]["train/loss"], b[step]["train/loss"])
-    assert_bitwise_equal(GenoLM.from_pretrained(run / "export").state_dict(),
-                         GenoLM.from_pretrained(straight / "export").state_dict(), what)
+    assert_bitwise_equal(
+        GenoLM.from_pretrained(run / "export").state_dict(),
+        GenoLM.from_pretrained(straight / "export").state_dict(),
+        what,
+    )
 
 
 def _seconds(runtime: str) -> int:
@@ -100,7 +110,8 @@ def _stop_lines(text: str) -> list[str]:
 
 
 def test_two_task_job_requeued_by_its_time_limit_signal_ends_equal_to_an_uninterrupted_run(
-        slurm_cluster: Any, sample_store: Path, tmp_path: Path) -> None:
+    slurm_cluster: Any, sample_store: Path, tmp_path: Path
+) -> None:
     """``--nodes=1 --ntasks-per-node=2 --signal=USR1@100 --requeue``: SLURM's SIGUSR1 stops both
     ranks at one step with a complete sharded checkpoint, one line naming the requeue, exit 75; the
     job is requeued, resumes by itself, and every step's loss and the export equal an uninterrupted
@@ -115,16 +126,29 @@ def test_two_task_job_requeued_by_its_time_limit_signal_ends_equal_to_an_uninter
     steps = 16
     recipe = _recipe(tmp_path, sample_store, "job", steps, devices=2)
     run = tmp_path / "runs" / "job"
-    job, out = _submit(slurm_cluster, recipe, "--nodes=1", "--ntasks-per-node=2", "--time=10", "--signal=USR1@100",
-                       GENOLONG_TEST_STEP_SLEEP="2.5")
+    job, out = _submit(
+        slurm_cluster,
+        recipe,
+        "--nodes=1",
+        "--ntasks-per-node=2",
+        "--time=10",
+        "--signal=USR1@100",
+        GENOLONG_TEST_STEP_SLEEP="2.5",
+    )
     _until(lambda: _steps(run) >= 1, "the job's step 1", slurm_cluster)
     elapsed = _seconds(slurm_cluster.job(job).fields["RunTime"])
     slurm_cluster.run("scontrol", "update", f"jobid={job}", f"TimeLimit={(elapsed + 100) // 60}")
     # the uninterrupted run, meanwhile (the job sleeps)
     straight_recipe = _recipe(tmp_path, sample_store, "straight", steps, devices=2)
     env = {k: v for k, v in {**os.environ, **_env()}.items() if not k.startswith("SLURM_") and k != "PYTHONPATH"}
-    straight = subprocess.Popen([sys.executable, "-m", "genolong.cli", "finetune", str(straight_recipe)],
-                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    straight = subprocess.Popen(
+        [sys.executable, "-m", "genolong.cli", "finetune", str(straight_recipe)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _until(lambda: _stop_lines(out.read_text()), "the stop line of the first run", slurm_cluster)
     slurm_cluster.run("scontrol", "update", f"jobid={job}", "TimeLimit=10")
     info = slurm_cluster.wait(job, "COMPLETED", timeout=240)
@@ -134,25 +158,37 @@ def test_two_task_job_requeued_by_its_time_limit_signal_ends_equal_to_an_uninter
     assert info.restarts == 1 and info.exit_code == "0:0", (info.fields, text)
     stops = _stop_lines(text)
     assert len(stops) == 1 and "Traceback" not in text and "Terminated" not in text, text
-    match = re.fullmatch(rf"genolong finetune: stopped by SIGUSR1 after step (\d+); checkpoint (\S+); running the "
-                         rf"same command again resumes from it; SLURM job {job} requeued", stops[0])
+    match = re.fullmatch(
+        rf"genolong finetune: stopped by SIGUSR1 after step (\d+); checkpoint (\S+); running the "
+        rf"same command again resumes from it; SLURM job {job} requeued",
+        stops[0],
+    )
     assert match, stops[0]
     reached = int(match[1])
     assert 1 <= reached < steps, text
     assert f"genolong: resuming from step{reached:07d}.ckpt: stopped by a signal after step {reached}" in text, text
-    _assert_same_run(tmp_path / "runs" / "straight", tmp_path / "runs" / "job", steps, "the requeued SLURM job's export")
+    _assert_same_run(
+        tmp_path / "runs" / "straight", tmp_path / "runs" / "job", steps, "the requeued SLURM job's export"
+    )
 
 
 def test_signal_during_start_up_stops_with_one_line_exit_75_and_the_requeue(
-        slurm_cluster: Any, sample_store: Path, tmp_path: Path) -> None:
+    slurm_cluster: Any, sample_store: Path, tmp_path: Path
+) -> None:
     """SIGUSR1 to the job's task (``scancel --signal=USR1``) while genolong starts (torch imported,
     the model built; no step yet): one line, the task's status 75 and the requeue; the requeued
     job runs the whole recipe. (Before: ``User defined signal 1``, exit 138, no requeue.)"""
     recipe = _recipe(tmp_path, sample_store, "startup", 4)
     job, out = _submit(slurm_cluster, recipe, "--time=10")
     # the srun step exists (its task started), then 1 s: genolong is importing torch by then
-    _until(lambda: f"{job}.0" in slurm_cluster.run("squeue", "--steps", "--noheader", "--format=%i", f"--jobs={job}",
-                                                   check=False).stdout, "the srun step", slurm_cluster)
+    _until(
+        lambda: (
+            f"{job}.0"
+            in slurm_cluster.run("squeue", "--steps", "--noheader", "--format=%i", f"--jobs={job}", check=False).stdout
+        ),
+        "the srun step",
+        slurm_cluster,
+    )
     time.sleep(1.0)
     assert _steps(tmp_path / "runs" / "startup") == 0
     slurm_cluster.run("scancel", "--signal=USR1", job)
@@ -161,7 +197,8 @@ def test_signal_during_start_up_stops_with_one_line_exit_75_and_the_requeue(
     assert info.restarts == 1 and info.exit_code == "0:0", (info.fields, text)
     assert _stop_lines(text) == [
         "genolong finetune: stopped by SIGUSR1 during start-up, before the first step; nothing to save yet; running "
-        f"the same command again starts the run; SLURM job {job} requeued"], text
+        f"the same command again starts the run; SLURM job {job} requeued"
+    ], text
     assert "srun: error: localhost: task 0: Exited with exit code 75" in text, text
     assert "Traceback" not in text and "User defined signal" not in text, text
     assert _steps(tmp_path / "runs" / "startup") == 4 and (tmp_path / "runs" / "startup" / "export").is_dir()
@@ -182,8 +219,10 @@ def test_scancel_signal_term_checkpoints_and_full_kills(slurm_cluster: Any, samp
     assert (info.state, info.exit_code, info.restarts) == ("FAILED", "75:0", 0), (info.fields, text)
     reached = _steps(run)
     checkpoint = run / "checkpoints" / f"step{reached:07d}.ckpt"
-    assert _stop_lines(text) == [f"genolong finetune: stopped by SIGTERM after step {reached}; checkpoint {checkpoint}; "
-                                 "running the same command again resumes from it"], text
+    assert _stop_lines(text) == [
+        f"genolong finetune: stopped by SIGTERM after step {reached}; checkpoint {checkpoint}; "
+        "running the same command again resumes from it"
+    ], text
     assert latest_checkpoint(run / "checkpoints") == checkpoint
     check_weights(checkpoint)
 
@@ -200,7 +239,8 @@ def test_scancel_signal_term_checkpoints_and_full_kills(slurm_cluster: Any, samp
 
 
 def test_save_outlasting_killwait_leaves_a_partial_file_the_requeued_run_ignores_and_names(
-        slurm_cluster: Any, sample_store: Path, tmp_path: Path) -> None:
+    slurm_cluster: Any, sample_store: Path, tmp_path: Path
+) -> None:
     """``scontrol requeue`` during training sends SIGTERM; genolong's stop save takes longer than
     KillWait (the test's hook holds it 60 s before its manifest) and SLURM SIGKILLs it: no line, no
     marker, a ``step*.ckpt.tmp`` left. The requeued job resumes from the last complete checkpoint
@@ -208,7 +248,9 @@ def test_save_outlasting_killwait_leaves_a_partial_file_the_requeued_run_ignores
     recipe = _recipe(tmp_path, sample_store, "killwait", 6)
     run = tmp_path / "runs" / "killwait"
     flag = tmp_path / "slow-save"
-    job, out = _submit(slurm_cluster, recipe, "--time=10", GENOLONG_TEST_STEP_SLEEP="1", GENOLONG_TEST_SLOW_SAVE=str(flag))
+    job, out = _submit(
+        slurm_cluster, recipe, "--time=10", GENOLONG_TEST_STEP_SLEEP="1", GENOLONG_TEST_SLOW_SAVE=str(flag)
+    )
     _until(lambda: _steps(run) >= 3 and latest_checkpoint(run / "checkpoints") is not None, "step 3", slurm_cluster)
     flag.touch()
     slurm_cluster.run("scontrol", "requeue", job)
@@ -223,21 +265,27 @@ def test_save_outlasting_killwait_leaves_a_partial_file_the_requeued_run_ignores
     assert _stop_lines(text) == [], text  # the first run was killed during its save
     # SLURM's only word of the kill, in either of the wordings srun uses (which one depends on when
     # its own step timer fires against slurmd's KillWait: both were seen with the same test)
-    assert ("srun: error: Timed out waiting for job step to complete" in text
-            or "srun: forcing job termination" in text), text
+    assert (
+        "srun: error: Timed out waiting for job step to complete" in text or "srun: forcing job termination" in text
+    ), text
     resumed = [line for line in text.splitlines() if line.startswith("genolong: resuming from")]
-    assert len(resumed) == 1 and resumed[0].startswith("genolong: resuming from step0000002.ckpt: SLURM job requeued, "
-                                                       "restart 1; "), text
+    assert len(resumed) == 1 and resumed[0].startswith(
+        "genolong: resuming from step0000002.ckpt: SLURM job requeued, restart 1; "
+    ), text
     assert resumed[0].endswith(f"; {partial.name} (a save cut short) ignored"), (resumed, partial)
     assert _steps(run) == 6 and (run / "export").is_dir()
 
 
-@pytest.mark.parametrize(("devices", "layout", "job_layout"), [
-    (2, "--ntasks=2", "--ntasks=2 without --ntasks-per-node"),
-    (1, "--ntasks-per-node=2", "--ntasks-per-node=2"),
-])
+@pytest.mark.parametrize(
+    ("devices", "layout", "job_layout"),
+    [
+        (2, "--ntasks=2", "--ntasks=2 without --ntasks-per-node"),
+        (1, "--ntasks-per-node=2", "--ntasks-per-node=2"),
+    ],
+)
 def test_task_layout_that_disagrees_with_the_recipe_is_one_line_exit_2(
-        slurm_cluster: Any, sample_store: Path, tmp_path: Path, devices: int, layout: str, job_layout: str) -> None:
+    slurm_cluster: Any, sample_store: Path, tmp_path: Path, devices: int, layout: str, job_layout: str
+) -> None:
     """A job whose tasks are not the recipe's devices x num_nodes: one line from one rank (before the
     model loads) naming both and the ``#SBATCH`` fix, each task exits 2 (before: Lightning's
     traceback from every rank). The documented script with its ``--ntasks-per-node`` line written
@@ -255,7 +303,8 @@ def test_task_layout_that_disagrees_with_the_recipe_is_one_line_exit_2(
         f"genolong finetune: error: the SLURM job's tasks ({job_layout}) do not match the recipe: the recipe runs "
         f"parallel.devices={devices} x parallel.num_nodes=1 processes; put `#SBATCH --nodes=1 "
         f"--ntasks-per-node={devices}` in the job script and start genolong with `srun` "
-        "(docs/slurm/finetune.sbatch), or set parallel.devices / parallel.num_nodes to the job's layout"], text
+        "(docs/slurm/finetune.sbatch), or set parallel.devices / parallel.num_nodes to the job's layout"
+    ], text
     assert "Traceback" not in text and not (tmp_path / "runs" / "layout" / "logs").exists(), text
 
 
@@ -276,6 +325,7 @@ def test_a_refused_requeue_is_named_in_the_stop_line(slurm_cluster: Any, sample_
     stops = _stop_lines(text)
     assert len(stops) == 1 and stops[0].startswith(
         f"genolong finetune: stopped by SIGUSR1 after step {reached}; checkpoint {checkpoint}; running the same command "
-        f"again resumes from it; SLURM job {job} not requeued (scontrol requeue exited 1: "), text
+        f"again resumes from it; SLURM job {job} not requeued (scontrol requeue exited 1: "
+    ), text
     assert stops[0].endswith(")") and "scontrol:" not in text and "Traceback" not in text, text
     check_weights(checkpoint)

@@ -28,8 +28,12 @@ def _recipe(tmp_path: Path, store: Path, name: str, parallel: dict, max_steps: i
         "model": {"preset": "tiny"},
         "data": {"store": str(store), "context": 256},
         "train": {"max_steps": max_steps, "lr": 2.0e-3},
-        "checkpoint": {"dir": str(tmp_path / "runs" / name / "checkpoints"), "every_n_steps": 2, "keep_last": 2,
-                       "export_safetensors": False},
+        "checkpoint": {
+            "dir": str(tmp_path / "runs" / name / "checkpoints"),
+            "every_n_steps": 2,
+            "keep_last": 2,
+            "export_safetensors": False,
+        },
         "logging": {"dir": str(tmp_path / "runs" / name / "logs"), "progress_bar": False, "tensorboard": False},
         "parallel": {"accelerator": "cpu", **parallel},
     }
@@ -40,7 +44,8 @@ def _recipe(tmp_path: Path, store: Path, name: str, parallel: dict, max_steps: i
 
 @pytest.mark.parametrize("value", ["0", "-5", "'10'"])
 def test_a_timeout_that_is_not_a_positive_number_is_a_one_line_recipe_error(
-        value: str, sample_store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    value: str, sample_store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     recipe = _recipe(tmp_path, sample_store, "bad", {"devices": 1})
     assert main(["finetune", str(recipe), "--set", f"parallel.timeout_s={value}"]) == 2
     err = capsys.readouterr().err
@@ -70,8 +75,9 @@ print(timeouts())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PORT": str(port)}, capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "PORT": str(port)}, capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == "[12.5]", run.stdout
 
@@ -109,8 +115,13 @@ def test_a_stopped_rank_ends_the_job_with_one_line_naming_it(sample_store: Path,
     # files, not pipes: the stopped rank holds its copy of them open until it is killed
     stderr = tmp_path / "stderr.txt"
     with stderr.open("w") as err_file:
-        job = subprocess.Popen([sys.executable, "-m", "genolong.cli", "finetune", str(recipe)], cwd=tmp_path, env=env,
-                               stdout=subprocess.DEVNULL, stderr=err_file)
+        job = subprocess.Popen(
+            [sys.executable, "-m", "genolong.cli", "finetune", str(recipe)],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+        )
     rank1 = None
     try:
         deadline = time.monotonic() + 120

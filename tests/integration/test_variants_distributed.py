@@ -34,7 +34,6 @@ import torch
 
 from genolong.cli import main
 from genolong.model import PRESETS, GenoLM
-
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,16 +57,33 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     with gzip.open(FASTA, "rt") as handle:
         seq = "".join(line.strip() for line in handle if not line.startswith(">"))[:20_000]
     with gzip.open(root / "chr16.fa.gz", "wt") as handle:
-        handle.write(">chr16\n" + "\n".join(seq[i:i + 60] for i in range(0, len(seq), 60)) + "\n")
+        handle.write(">chr16\n" + "\n".join(seq[i : i + 60] for i in range(0, len(seq), 60)) + "\n")
     up = seq.upper()
     records = [(p, up[p - 1], "C" if up[p - 1] != "C" else "G") for p in _SNVS]
     ins, dele = _CLOSE
-    records += [(ins, up[ins - 1], up[ins - 1] + "GA"), (dele, up[dele - 1:dele + 2], up[dele - 1])]
-    lines = ["##fileformat=VCFv4.2", f"##contig=<ID=chr16,length={len(seq)}>", "#CHROM\tPOS\tID\tREF\tALT\tQUAL\tFILTER\tINFO"]
+    records += [(ins, up[ins - 1], up[ins - 1] + "GA"), (dele, up[dele - 1 : dele + 2], up[dele - 1])]
+    lines = [
+        "##fileformat=VCFv4.2",
+        f"##contig=<ID=chr16,length={len(seq)}>",
+        "#CHROM\tPOS\tID\tREF\tALT\tQUAL\tFILTER\tINFO",
+    ]
     lines += [f"chr16\t{p}\tv{p}\t{ref}\t{alt}\t.\tPASS\t." for p, ref, alt in sorted(records)]
     (root / "calls.vcf").write_text("\n".join(lines) + "\n")
-    args = ["variants", str(root / "model"), "--vcf", str(root / "calls.vcf"), "--fasta", str(root / "chr16.fa.gz"),
-            "--contexts", "96,256", "--window", "16", "--segment-tokens", "64", "--quiet"]
+    args = [
+        "variants",
+        str(root / "model"),
+        "--vcf",
+        str(root / "calls.vcf"),
+        "--fasta",
+        str(root / "chr16.fa.gz"),
+        "--contexts",
+        "96,256",
+        "--window",
+        "16",
+        "--segment-tokens",
+        "64",
+        "--quiet",
+    ]
     return root, args
 
 
@@ -90,8 +106,13 @@ def test_two_processes_score_as_one_and_resume_after_a_kill(inputs: tuple[Path, 
     # of the first, so one killpg reaches them all
     out = tmp_path / "two"
     parts = tmp_path / ".two.partial" / "parts"
-    proc = subprocess.Popen(_command([*args, "--out", str(out), *_TWO]), env=_ENV, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _command([*args, "--out", str(out), *_TWO]),
+        env=_ENV,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 200
     while time.monotonic() < deadline and proc.poll() is None:
         if parts.is_dir() and len(list(parts.glob("part-*.parquet"))) >= 2:
@@ -105,15 +126,19 @@ def test_two_processes_score_as_one_and_resume_after_a_kill(inputs: tuple[Path, 
     assert 2 <= len(committed) < 28
     if (28 - len(committed)) % 2 == 0:  # leave an odd number: one rank idle in the resumed run's last round
         committed[-1].unlink()
-    run = subprocess.run(_command([*args, "--out", str(out), *_TWO]), env=_ENV, capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        _command([*args, "--out", str(out), *_TWO]), env=_ENV, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout.count("genolong variants:") == 1  # rank 0 alone prints
 
     for name in ("scores.parquet", "scores.tsv", "context_effect.tsv", "rejects.tsv"):
         # exact: the same blocks through the same weights by the same ops, one thread per process
         assert (out / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
-    with pysam.VariantFile(str(out / "scored.vcf.gz")) as a, pysam.VariantFile(str(tmp_path / "one" / "scored.vcf.gz")) as b:
+    with (
+        pysam.VariantFile(str(out / "scored.vcf.gz")) as a,
+        pysam.VariantFile(str(tmp_path / "one" / "scored.vcf.gz")) as b,
+    ):
         assert [str(r) for r in a] == [str(r) for r in b]
     two = json.loads((out / "meta.json").read_text())
     assert two["parallel"] == {"world": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "ep": 1}
@@ -121,14 +146,21 @@ def test_two_processes_score_as_one_and_resume_after_a_kill(inputs: tuple[Path, 
 
 
 def test_refused_layouts_and_a_missing_fasta_are_one_line_before_any_process_starts(
-        inputs: tuple[Path, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    inputs: tuple[Path, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     root, args = inputs
     cases = {
         ("--set", "parallel.devices=2", "--set", "parallel.ep=2"): "run it with parallel.ep: 1 (got 2)",
         ("--set", "parallel.cp=x"): "parallel.cp must be an integer",
         # the FASTA is read before Lightning starts the second process: one line, not one per rank
-        ("--fasta", str(root / "missing.fa.gz"), "--set", "parallel.accelerator=cpu", "--set", "parallel.devices=2"):
-            "missing.fa.gz: no such file",
+        (
+            "--fasta",
+            str(root / "missing.fa.gz"),
+            "--set",
+            "parallel.accelerator=cpu",
+            "--set",
+            "parallel.devices=2",
+        ): "missing.fa.gz: no such file",
     }
     for extra, message in cases.items():
         started = time.monotonic()
@@ -153,8 +185,18 @@ def _score_with_context_parallelism(rank: int, world: int, root: Path, out: Path
     model = shard_for_scoring(GenoLM.from_pretrained(root / "model").eval(), group)
     with Reference.open(root / "chr16.fa.gz") as reference:
         variants = read_variants(root / "calls.vcf", reference).variants
-        score_variants(model, reference, variants, out, [256], window=16, strands="both", segment_tokens=64,
-                       progress=False, group=group)
+        score_variants(
+            model,
+            reference,
+            variants,
+            out,
+            [256],
+            window=16,
+            strands="both",
+            segment_tokens=64,
+            progress=False,
+            group=group,
+        )
     assert all(m.self_attn.cp_group is not None for m in model.layers)  # the model's own CP forms are back
 
     # a failure inside the loop (a REF that is not the reference's, found by both ranks while the
@@ -168,16 +210,35 @@ def _score_with_context_parallelism(rank: int, world: int, root: Path, out: Path
     bad = [*variants[:4], wrong, *variants[5:]]
     with Reference.open(root / "chr16.fa.gz") as reference:
         with pytest.raises(InputError, match="differs from the reference"):
-            score_variants(model, reference, bad, out.parent / "bad", [256], window=16, segment_tokens=64,
-                           progress=False, group=group)
+            score_variants(
+                model,
+                reference,
+                bad,
+                out.parent / "bad",
+                [256],
+                window=16,
+                segment_tokens=64,
+                progress=False,
+                group=group,
+            )
         with pytest.raises(InputError, match="other settings .*window"):
-            score_variants(model, reference, bad, out.parent / "bad", [256], window=8, segment_tokens=64,
-                           progress=False, group=group)
+            score_variants(
+                model,
+                reference,
+                bad,
+                out.parent / "bad",
+                [256],
+                window=8,
+                segment_tokens=64,
+                progress=False,
+                group=group,
+            )
 
 
 @pytest.mark.distributed
-def test_a_context_parallel_group_splits_each_prefix_and_scores_as_one_process(inputs: tuple[Path, list[str]],
-                                                                               tmp_path: Path) -> None:
+def test_a_context_parallel_group_splits_each_prefix_and_scores_as_one_process(
+    inputs: tuple[Path, list[str]], tmp_path: Path
+) -> None:
     # cp 2: the reference before a block's first variant, cut to whole multiples of 128 tokens
     # (kernel_multiple(tiny, 2): 2 x 64-token KDA chunks), runs split over the two ranks in
     # stretches of 2 x 64 (--segment-tokens 64; cp_prefill twice per block: the second from the
@@ -189,8 +250,17 @@ def test_a_context_parallel_group_splits_each_prefix_and_scores_as_one_process(i
     run_ranks(_score_with_context_parallelism, 2, tmp_path, root, tmp_path / "cp2", timeout=240)
     with Reference.open(root / "chr16.fa.gz") as reference:
         variants = read_variants(root / "calls.vcf", reference).variants
-        one = score_variants(GenoLM.from_pretrained(root / "model").eval(), reference, variants, tmp_path / "one",
-                             [256], window=16, strands="both", segment_tokens=64, progress=False)
+        one = score_variants(
+            GenoLM.from_pretrained(root / "model").eval(),
+            reference,
+            variants,
+            tmp_path / "one",
+            [256],
+            window=16,
+            strands="both",
+            segment_tokens=64,
+            progress=False,
+        )
     two = pd.read_parquet(tmp_path / "cp2" / "scores.parquet")
     scores = ["logp_ref", "logp_alt", "llr", "llr_forward", "llr_reverse"]
     pd.testing.assert_frame_equal(two.drop(columns=scores), one.drop(columns=scores))  # exact: what was scored

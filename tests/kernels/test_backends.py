@@ -17,18 +17,16 @@ import types
 from pathlib import Path
 from typing import Any
 
+import fla.ops.kda as fla_kda  # a test dependency (pyproject [test]); imports Triton, runs on CPU
 import pytest
 import torch
-
-import fla.ops.kda as fla_kda  # a test dependency (pyproject [test]); imports Triton, runs on CPU
 from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
 from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 
 from genolong.errors import InputError
 from genolong.kernels import backends
 from genolong.kernels.backends import available_backends, get_backend, resolve_auto
-from genolong.kernels.kda import chunk_kda
-from genolong.kernels.kda import fla_backend
+from genolong.kernels.kda import chunk_kda, fla_backend
 from genolong.kernels.kda.fla_backend import (
     check_fla_version,
     kda_gate,
@@ -38,7 +36,6 @@ from genolong.kernels.kda.fla_backend import (
     reference_chunk_kda_gated,
 )
 from genolong.kernels.testing import rms_ratio
-
 from tests.helpers import assert_bitwise_equal
 
 # same ops on the same values compared bit for bit (the gate, the CPU fall-through of the GPU
@@ -85,7 +82,9 @@ class _Shim:
         return self.naive(**kw)
 
 
-def _inputs(B: int, T: int, H: int, K: int, V: int, seed: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+def _inputs(
+    B: int, T: int, H: int, K: int, V: int, seed: int, dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
@@ -124,7 +123,7 @@ def test_fla_adapter_matches_torch_chunk_kda(T: int, V: int, chunk_size: int, sc
     assert max(ratios.values()) < 1e-5, ratios
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
     (call,) = shim.calls
-    assert call["scale"] == (K ** -0.5 if scale is None else scale)
+    assert call["scale"] == (K**-0.5 if scale is None else scale)
     assert call["chunk_size"] == 64 and call["output_final_state"] is True
     # the adapter does not ask fla for in-kernel gate / beta / l2norm: the layer applied them
     assert not any(call.get(n) for n in ("use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "use_qk_l2norm_in_kernel"))
@@ -156,15 +155,36 @@ def test_fla_adapter_dtypes_and_edges() -> None:
     q, k, v, g, beta, h0 = _inputs(B, T, H, K, V, seed=5)
     shim = _Shim(naive_recurrent_kda, takes_chunk_size=False)
     adapter = make_fla_chunk_kda(kernel=shim)
-    o, ht = adapter(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), initial_state=h0.bfloat16(),
-                    output_final_state=True)
+    o, ht = adapter(
+        q.bfloat16(),
+        k.bfloat16(),
+        v.bfloat16(),
+        g,
+        beta.bfloat16(),
+        initial_state=h0.bfloat16(),
+        output_final_state=True,
+    )
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
-    assert shim.calls[-1]["q"] == shim.calls[-1]["v"] == torch.bfloat16 and shim.calls[-1]["initial_state"] == torch.float32
-    ref, ref_ht = chunk_kda(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(),
-                            initial_state=h0.bfloat16(), output_final_state=True)
+    assert (
+        shim.calls[-1]["q"] == shim.calls[-1]["v"] == torch.bfloat16
+        and shim.calls[-1]["initial_state"] == torch.float32
+    )
+    ref, ref_ht = chunk_kda(
+        q.bfloat16(),
+        k.bfloat16(),
+        v.bfloat16(),
+        g,
+        beta.bfloat16(),
+        initial_state=h0.bfloat16(),
+        output_final_state=True,
+    )
     assert rms_ratio(ref, o) < 1e-2 and rms_ratio(ref_ht, ht) < 1e-5
     o16, _ = make_fla_chunk_kda(kernel=shim, kernel_dtype=torch.bfloat16)(q, k, v, g, beta)
-    assert shim.calls[-1]["q"] == torch.bfloat16 and shim.calls[-1]["beta"] == torch.bfloat16 and o16.dtype == torch.float32
+    assert (
+        shim.calls[-1]["q"] == torch.bfloat16
+        and shim.calls[-1]["beta"] == torch.bfloat16
+        and o16.dtype == torch.float32
+    )
     n_calls = len(shim.calls)
     o0, ht0 = adapter(q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0], initial_state=h0, output_final_state=True)
     assert len(shim.calls) == n_calls and o0.shape == (B, 0, H, V) and torch.equal(ht0, h0)  # exact: 0 + h0
@@ -251,8 +271,11 @@ def test_kda_gate_is_the_layer_gate() -> None:
         gate = ForgetGate(config)
         x = torch.randn(2, 9, config.hidden_size)
         raw = gate.f_b_proj(gate.f_a_proj(x)).view(2, 9, gate.num_heads, gate.head_dim)
-        assert_bitwise_equal(kda_gate(raw, gate.A_log, gate.dt_bias, lower_bound), gate(x),
-                             f"kda_gate against ForgetGate (lower bound {lower_bound})")  # same ops, same bits
+        assert_bitwise_equal(
+            kda_gate(raw, gate.A_log, gate.dt_bias, lower_bound),
+            gate(x),
+            f"kda_gate against ForgetGate (lower bound {lower_bound})",
+        )  # same ops, same bits
 
 
 def test_adapters_pass_fla_argument_checks() -> None:
@@ -263,10 +286,12 @@ def test_adapters_pass_fla_argument_checks() -> None:
 
     q, k, v, g, beta, h0 = _inputs(1, 70, 2, 16, 16, seed=0)
     calls = [
-        lambda: make_fla_chunk_kda(kernel=fla_kda.chunk_kda)(q, k, v, g, beta.bfloat16(), initial_state=h0.bfloat16(),
-                                                             output_final_state=True, chunk_size=16),
-        lambda: make_fla_chunk_kda_gated(kernel=fla_kda.chunk_kda)(q, k, v, g, beta, torch.zeros(2), torch.zeros(32),
-                                                                   lower_bound=-5.0, initial_state=h0),
+        lambda: make_fla_chunk_kda(kernel=fla_kda.chunk_kda)(
+            q, k, v, g, beta.bfloat16(), initial_state=h0.bfloat16(), output_final_state=True, chunk_size=16
+        ),
+        lambda: make_fla_chunk_kda_gated(kernel=fla_kda.chunk_kda)(
+            q, k, v, g, beta, torch.zeros(2), torch.zeros(32), lower_bound=-5.0, initial_state=h0
+        ),
         lambda: make_fla_chunk_kda_gated(kernel=fla_kda.chunk_kda)(q, k, v, g, beta, torch.zeros(2), torch.zeros(32)),
     ]
     for call in calls:
@@ -299,6 +324,7 @@ def test_fla_version_rule(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # the registry
+
 
 @pytest.fixture
 def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -346,8 +372,9 @@ def test_registry_names_and_auto_on_cpu(fresh_registry: None, caplog: pytest.Log
         get_backend("cuda-magic")
 
 
-def test_auto_resolves_to_gpu_backends(fresh_registry: None, monkeypatch: pytest.MonkeyPatch,
-                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_resolves_to_gpu_backends(
+    fresh_registry: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """With CUDA reported and the packages importable, auto picks triton (DSA from the Triton
     module, KDA from fla); without the Triton module it refuses in one line naming the fix (fla
     still loads when asked for by name). CPU tensors still run the torch reference ops in the GPU
@@ -365,7 +392,10 @@ def test_auto_resolves_to_gpu_backends(fresh_registry: None, monkeypatch: pytest
     assert "fla-core Triton chunk_kda" in auto.description and "Triton DSA kernels" in auto.description
     torch_ops = get_backend("torch")
     assert auto.recurrent_kda is torch_ops.recurrent_kda and auto.kpool_topk is not torch_ops.kpool_topk
-    assert auto.kpool_keys is not torch_ops.kpool_keys and auto.kpool_indexer_kl_loss is not torch_ops.kpool_indexer_kl_loss
+    assert (
+        auto.kpool_keys is not torch_ops.kpool_keys
+        and auto.kpool_indexer_kl_loss is not torch_ops.kpool_indexer_kl_loss
+    )
     k_idx = torch.randn(1, 10, 4)
     ape = torch.zeros(4, 4)
     assert_bitwise_equal(auto.kpool_keys(k_idx, k_idx, ape), torch_ops.kpool_keys(k_idx, k_idx, ape), "kpool_keys")
@@ -376,8 +406,9 @@ def test_auto_resolves_to_gpu_backends(fresh_registry: None, monkeypatch: pytest
     assert_bitwise_equal(auto.chunk_kda(q, k, v, g, beta)[0], chunk_kda(q, k, v, g, beta)[0], "chunk_kda")
     qa, ka = torch.randn(1, 6, 2, 4), torch.randn(1, 6, 1, 4)
     idx = torch.arange(6).view(1, 6, 1).expand(1, 6, 2).contiguous()
-    assert_bitwise_equal(auto.sparse_attention(qa, ka, ka, idx), torch_ops.sparse_attention(qa, ka, ka, idx),
-                         "sparse_attention")
+    assert_bitwise_equal(
+        auto.sparse_attention(qa, ka, ka, idx), torch_ops.sparse_attention(qa, ka, ka, idx), "sparse_attention"
+    )
     assert calls == []
 
     monkeypatch.setattr(backends, "_LOADED", {})
@@ -447,6 +478,7 @@ def test_on_cuda_dispatch() -> None:
 # ------------------------------------------------------------------------------------------------
 # the GPU check script, at tiny sizes on CPU
 
+
 def _fake_wheel(folder: Path, dist: str, version: str, module: str) -> Path:
     """A minimal pure-Python wheel (a zip file: one module and its dist-info)."""
     import zipfile
@@ -473,12 +505,24 @@ def test_gpu_check_small_runs_on_cpu(tmp_path: Path) -> None:
     scratch.mkdir()
     _fake_wheel(wheels, "einops", "0.0.1", "einops_fake")  # installed here: skipped
     _fake_wheel(wheels, "genolong_probe_dist", "1.0", "genolong_probe_mod")  # not installed: unzipped
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable,
-           "GPU_WHEELS": str(wheels), "TMPDIR": str(scratch)}
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out_dir)],
-                          # a hang guard, not a speed check: the run took over 120 s on a 2-core machine
-                          # busy with two other test suites (2026-12-03), so the guard leaves room
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHON": sys.executable,
+        "GPU_WHEELS": str(wheels),
+        "TMPDIR": str(scratch),
+    }
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out_dir)],
+        # a hang guard, not a speed check: the run took over 120 s on a 2-core machine
+        # busy with two other test suites (2026-12-03), so the guard leaves room
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     log = proc.stdout
     assert f"python: {sys.executable} ($PYTHON; torch sees CPU)" in log and "CPU mode, --small" in log
@@ -490,8 +534,14 @@ def test_gpu_check_small_runs_on_cpu(tmp_path: Path) -> None:
     assert "/src/genolong ; top-level kernels: " in where and str(ROOT / "kernels") not in where, where
     assert list(scratch.iterdir()) == []  # the temporary folder is gone
     out = out_dir / "gpu_check.json"
-    assert {p.name for p in out_dir.iterdir()} >= {"gpu_check.json", "gpu_check.log", "nvidia-smi.txt",
-                                                   "gpu_check.dsa_correctness.json", "gpu_check.kda.json"}
+    assert {p.name for p in out_dir.iterdir()} >= {
+        "gpu_check.json",
+        "gpu_check.log",
+        "nvidia-smi.txt",
+        "gpu_check.dsa_correctness.json",
+        "gpu_check.kda.json",
+    }
+
     def no_constant(name: str) -> None:
         raise ValueError(f"{name} is not JSON")
 
@@ -504,7 +554,11 @@ def test_gpu_check_small_runs_on_cpu(tmp_path: Path) -> None:
     import importlib.metadata as md
 
     assert (meta["torch"], meta["triton"], meta["fla_core"], meta["numpy"]) == (
-        torch.__version__, md.version("triton"), md.version("fla-core"), md.version("numpy"))
+        torch.__version__,
+        md.version("triton"),
+        md.version("fla-core"),
+        md.version("numpy"),
+    )
     # one process per part, in order, the fla-core part last; what ran each op is recorded
     assert list(doc["parts"]) == ["dsa_correctness", "dsa", "model", "kda"]
     assert all(part["status"] == "ok" and part["exit"] == 0 for part in doc["parts"].values()), doc["parts"]
@@ -513,7 +567,10 @@ def test_gpu_check_small_runs_on_cpu(tmp_path: Path) -> None:
     kda = doc["correctness"]["kda_fla"]
     # the DSA part runs the Triton op (in the interpreter: this session sets TRITON_INTERPRET=1)
     # in the model's absorbed form, the latent passed as both k and v (its gradient is dK + dV)
-    assert dsa["impl"].startswith("genolong.kernels.dsa.triton_attention.sparse_attention_triton") and "interpreter" in dsa["impl"]
+    assert (
+        dsa["impl"].startswith("genolong.kernels.dsa.triton_attention.sparse_attention_triton")
+        and "interpreter" in dsa["impl"]
+    )
     assert set(dsa["rms_ratio"]) == set(dsa["mixed_rms_ratio"]) == {"o", "dq", "dkv"}
     assert all(0 <= r < 0.02 for r in dsa["mixed_rms_ratio"].values()) and dsa["mixed_rms_ratio"]["o"] > 0
     assert set(kda["rms_ratio"]) == {"o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"}
@@ -550,14 +607,38 @@ def test_gpu_check_guards_and_budget(tmp_path: Path, monkeypatch: pytest.MonkeyP
     threads = torch.get_num_threads()
     try:
         out = tmp_path / "guard.json"
-        gpu_check.main(["--small", "--in-process", "--parts", "model,dsa", "--model-preset", "no-such-preset",
-                        "--dsa-lengths", "64", "--out", str(out)])
+        gpu_check.main(
+            [
+                "--small",
+                "--in-process",
+                "--parts",
+                "model,dsa",
+                "--model-preset",
+                "no-such-preset",
+                "--dsa-lengths",
+                "64",
+                "--out",
+                str(out),
+            ]
+        )
         doc = json.loads(out.read_text())
         assert doc["done"] is True and list(doc["errors"]) == ["model"] and "no-such-preset" in doc["errors"]["model"]
         assert [r["T"] for r in doc["dsa_vs_sdpa"]["rows"]] == [64] and doc["dsa_vs_sdpa"]["rows"][0]["dsa"]["ms"] > 0
         out2 = tmp_path / "budget.json"
-        gpu_check.main(["--small", "--in-process", "--parts", "dsa", "--dsa-lengths", "64,128", "--budget-s", "0",
-                        "--out", str(out2)])
+        gpu_check.main(
+            [
+                "--small",
+                "--in-process",
+                "--parts",
+                "dsa",
+                "--dsa-lengths",
+                "64,128",
+                "--budget-s",
+                "0",
+                "--out",
+                str(out2),
+            ]
+        )
         doc2 = json.loads(out2.read_text())
         assert doc2["errors"] == {} and doc2["dsa_vs_sdpa"]["rows"] == []
         assert doc2["skipped"] == ["dsa_vs_sdpa T=64: time budget 0 s spent"]
@@ -566,7 +647,10 @@ def test_gpu_check_guards_and_budget(tmp_path: Path, monkeypatch: pytest.MonkeyP
         out3 = tmp_path / "no-fla.json"
         gpu_check.main(["--small", "--in-process", "--parts", "kda", "--out", str(out3)])
         doc3 = json.loads(out3.read_text())
-        assert list(doc3["errors"]) == ["correctness.kda"] and "fla-core is not importable" in doc3["errors"]["correctness.kda"]
+        assert (
+            list(doc3["errors"]) == ["correctness.kda"]
+            and "fla-core is not importable" in doc3["errors"]["correctness.kda"]
+        )
         assert "rms_ratio" not in doc3["correctness"]["kda_fla"] and doc3["correctness"]["kda_fla"]["fla_core"] is None
     finally:
         torch.set_num_threads(threads)
@@ -591,20 +675,22 @@ def test_gpu_check_part_processes_crash_and_timeout(tmp_path: Path, monkeypatch:
     behaviour = {
         # writes a first figure, then dies as a kernel crash would
         "dsa_correctness": "write({'correctness': {'dsa_sparse_attention': {'T': 7}}}, done=False)\n"
-                           "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)",
+        "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)",
         "dsa": "print('compiling...', flush=True); import time; time.sleep(60)",  # past its 2 s budget
         "model": "write({'model': {'rows': [{'T': 128}]}, 'meta': {'device': 'cpu', 'device_name': 'fake',"
-                 " 'backend': 'torch', 'backend_impls': {'chunk_kda': 'torch'}, 'dispatch': {}}})",
+        " 'backend': 'torch', 'backend_impls': {'chunk_kda': 'torch'}, 'dispatch': {}}})",
         "kda": "print('fla-core: CUDA error: an illegal memory access'); raise SystemExit(1)",
     }
     started: list[str] = []
 
     def fake_command(a: Any, part: str, out: Path, soft_budget_s: float) -> list[str]:
         started.append(part)
-        prelude = ("import json, sys\n"
-                   "def write(doc, done=True):\n"
-                   "    doc = {'errors': {}, 'skipped': [], **doc, **({'done': True} if done else {})}\n"
-                   "    open(sys.argv[1], 'w').write(json.dumps(doc))\n")
+        prelude = (
+            "import json, sys\n"
+            "def write(doc, done=True):\n"
+            "    doc = {'errors': {}, 'skipped': [], **doc, **({'done': True} if done else {})}\n"
+            "    open(sys.argv[1], 'w').write(json.dumps(doc))\n"
+        )
         return [sys.executable, "-c", prelude + behaviour[part], str(out)]
 
     monkeypatch.setattr(gpu_check, "_child_command", fake_command)
@@ -617,8 +703,14 @@ def test_gpu_check_part_processes_crash_and_timeout(tmp_path: Path, monkeypatch:
     errors = doc["errors"]
     assert set(errors) == {"correctness.dsa", "dsa_vs_sdpa", "correctness.kda"}
     assert errors["correctness.dsa"].startswith("part process killed by SIGSEGV")
-    assert errors["dsa_vs_sdpa"].startswith("part process killed at its 2 s budget") and "compiling..." in errors["dsa_vs_sdpa"]
-    assert errors["correctness.kda"].startswith("part process exit code 1") and "illegal memory access" in errors["correctness.kda"]
+    assert (
+        errors["dsa_vs_sdpa"].startswith("part process killed at its 2 s budget")
+        and "compiling..." in errors["dsa_vs_sdpa"]
+    )
+    assert (
+        errors["correctness.kda"].startswith("part process exit code 1")
+        and "illegal memory access" in errors["correctness.kda"]
+    )
     assert doc["correctness"]["dsa_sparse_attention"] == {"T": 7}  # what the dead part had written
     assert doc["model"]["rows"] == [{"T": 128}] and parts["model"]["backend_impls"] == {"chunk_kda": "torch"}
     assert parts["dsa"]["budget_s"] == 2 and parts["dsa"]["seconds"] < 30 and doc["done"] is True
@@ -637,7 +729,12 @@ def test_gpu_check_parts_and_interpreter_rule(monkeypatch: pytest.MonkeyPatch) -
         gpu_check.parse(["--parts", "dsa,nope"])
     assert gpu_check.parse(["--part-budgets", "model=200"]).part_budget_s["model"] == 200
     assert sum(gpu_check.PART_BUDGET_S.values()) == gpu_check.parse([]).budget_s == 420  # under 8 minutes
-    for versions, broken in ((("3.6.0", "2.5.5"), True), (("3.6.0", "2.3.5"), False), (("3.7.1", "2.5.5"), False),
-                             (("3.6.0", "2.4.0rc1"), True)):
-        monkeypatch.setattr(importlib.metadata, "version", lambda name, v=dict(zip(("triton", "numpy"), versions)): v[name])  # noqa: B008 - binds this pair
+    for versions, broken in (
+        (("3.6.0", "2.5.5"), True),
+        (("3.6.0", "2.3.5"), False),
+        (("3.7.1", "2.5.5"), False),
+        (("3.6.0", "2.4.0rc1"), True),
+    ):
+        pair = dict(zip(("triton", "numpy"), versions))
+        monkeypatch.setattr(importlib.metadata, "version", lambda name, v=pair: v[name])
         assert (gpu_check._interpreter_problem() is not None) == broken, versions

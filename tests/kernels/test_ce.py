@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from genolong.kernels.testing import rms_ratio
 from genolong.kernels.ce import chunked_cross_entropy, reference_cross_entropy
+from genolong.kernels.testing import rms_ratio
 
 
 @pytest.mark.parametrize(("n", "vocab", "chunk"), [(63, 8, 16), (500, 8, 64), (1000, 1543, 333), (37, 50, 1000)])
@@ -28,7 +28,9 @@ def test_matches_reference(n: int, vocab: int, chunk: int, masked: bool) -> None
     want, want_w = reference_cross_entropy(hidden, weight, safe, token_weights)
     (want * 1.7).backward()
     # the weights' sum is the same w.sum() of the same tensor on both sides: exact
-    assert abs(float(got.detach() - want.detach())) <= 1e-6 * abs(float(want.detach())) and float(got_w) == float(want_w)
+    assert abs(float(got.detach() - want.detach())) <= 1e-6 * abs(float(want.detach())) and float(got_w) == float(
+        want_w
+    )
     # fp32 logits and log-sum-exp in both; gradients agree to fp32 precision
     assert rms_ratio(hidden.grad, g_hidden) < 1e-6
     assert rms_ratio(weight.grad, g_weight) < 1e-6
@@ -53,7 +55,7 @@ def test_next_token_loss_masks_n_specials_and_weights_softmask() -> None:
     head = torch.randn(8, 16)
     total, count = next_token_loss(hidden, head, tokens, softmask_weight=0.1)
     logp = torch.log_softmax(hidden[0, :-1] @ head.t(), dim=-1)
-    targets = (tokens[0, 1:] & 7)
+    targets = tokens[0, 1:] & 7
     want = -(logp[torch.arange(7), targets] * weights[0, 1:]).sum()
     assert torch.allclose(total, want, rtol=1e-6) and float(count) == pytest.approx(2.2)
     assert bits_per_base(2 * 0.6931471805599453) == pytest.approx(2.0)
@@ -72,7 +74,7 @@ def test_next_token_loss_split_at_any_point_sums_to_the_whole() -> None:
     head = torch.randn(8, 16)
     whole = next_token_loss(hidden, head, tokens, softmask_weight=0.3)
     for cut in (1, 4, 5, 9, 14):
-        first = next_token_loss(hidden[:, :cut], head, tokens[:, :cut], 0.3, next_tokens=tokens[:, cut:cut + 1])
+        first = next_token_loss(hidden[:, :cut], head, tokens[:, :cut], 0.3, next_tokens=tokens[:, cut : cut + 1])
         second = next_token_loss(hidden[:, cut:], head, tokens[:, cut:], 0.3)
         assert torch.allclose(first[0] + second[0], whole[0], rtol=1e-6)
         assert float(first[1] + second[1]) == pytest.approx(float(whole[1]))

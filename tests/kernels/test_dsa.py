@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from genolong.kernels.testing import rms_ratio
 from genolong.kernels.dsa import (
     indexer_kl_loss_dense,
     indexer_kl_loss_sparse,
@@ -23,6 +22,7 @@ from genolong.kernels.dsa import (
     kpool_topk,
     sparse_attention,
 )
+from genolong.kernels.testing import rms_ratio
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -153,7 +153,9 @@ def test_sparse_attention_full_topk_is_dense_causal(H, HK, D, DV):
     idx = indexer_topk(torch.randn(B, T, 2, 8), torch.randn(B, T, 8), None, topk=T + 5)
     o = sparse_attention(q, k, v, idx, query_block=16)
     kr, vr = (x.repeat_interleave(H // HK, dim=2) for x in (k, v))
-    ref = F.scaled_dot_product_attention(q.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2), is_causal=True).transpose(1, 2)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2), is_causal=True
+    ).transpose(1, 2)
     _assert_forward_backward_close(ref, o, (q, k, v))
 
 
@@ -241,7 +243,7 @@ def test_kpool_topk_matches_glm5_next_selection():
     k_pool = kpool_keys(k_idx, torch.randn(B, T, DI), torch.randn(P, DI))
     got = kpool_topk(q_idx, k_pool, w_idx, topk, P, block_size=3, query_block=50)
     assert got.shape == (B, T, topk + P - 1)
-    ref_pools = _glm5_next_kpool_reference(q_idx, k_pool, w_idx, topk, P, DI ** -0.5)
+    ref_pools = _glm5_next_kpool_reference(q_idx, k_pool, w_idx, topk, P, DI**-0.5)
     ref = kpool_expand(F.pad(ref_pools, (0, topk // P - ref_pools.shape[-1]), value=-1), P)
     ok = (got.sort(-1).values == ref.sort(-1).values).all(-1)
     assert ok.float().mean() > 0.97  # rows that differ are ReLU-zero ties
@@ -249,7 +251,7 @@ def test_kpool_topk_matches_glm5_next_selection():
         row = got[0, t][got[0, t] >= 0]
         assert row.max() <= t and row.unique().numel() == row.numel()  # causal, distinct
         r = (t + 1) % P
-        assert got[0, t, topk:topk + r].tolist() == list(range(t + 1 - r, t + 1))  # tail always in
+        assert got[0, t, topk : topk + r].tolist() == list(range(t + 1 - r, t + 1))  # tail always in
         n_pools = min((t + 1) // P, topk // P)
         assert (got[0, t, :topk] >= 0).sum() == n_pools * P
 
@@ -267,7 +269,7 @@ def _direct_kl(q, k, q_idx, k_idx, w_idx, select=None, activation="relu"):
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     mask = causal[None] if select is None else causal[None] & select
     kr = k.detach().repeat_interleave(H // k.shape[2], dim=2)
-    s = torch.einsum("bthd,bshd->bhts", q.detach(), kr) * D ** -0.5
+    s = torch.einsum("bthd,bshd->bhts", q.detach(), kr) * D**-0.5
     p = s.masked_fill(~mask[:, None], float("-inf")).softmax(-1).mean(1)
     i = indexer_scores(q_idx, k_idx, w_idx, q_idx.shape[-1] ** -0.5, activation)
     logq = i.masked_fill(~mask, float("-inf")).log_softmax(-1)

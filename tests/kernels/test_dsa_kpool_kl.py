@@ -18,7 +18,6 @@ from genolong.kernels.dsa.kpool_loss import (
 )
 from genolong.kernels.testing import rms_ratio
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -41,8 +41,14 @@ def test_every_kernel_compiles_for_sm90_and_sm100_within_limits(tmp_path: Path) 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
     jobs = str(max(1, min(4, os.cpu_count() or 1)))
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--json", str(out), "--jobs", jobs, "--timeout", "150"],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--json", str(out), "--jobs", jobs, "--timeout", "150"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=1800,
+    )
     assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
     doc = json.loads(out.read_text(), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
     rows = doc["rows"]
@@ -61,8 +67,12 @@ def test_every_kernel_compiles_for_sm90_and_sm100_within_limits(tmp_path: Path) 
     attn = [r for r in rows if r["kernel"] == "_sparse_attn_fwd_kernel" and r["shape"] == "glm-5.3-flash"]
     assert attn and all("stride_qb" in r["i64_args"] for r in attn if "1048576" in r["lengths"])
     assert all("stride_qb" not in r["i64_args"] for r in attn if "1024" in r["lengths"])
-    failures = [f"{r['kernel']} [{r['phase']}] {r['shape']} {r['dtype']} {r['arch']} ({','.join(r['lengths'])}): "
-                + "; ".join(r["problems"]) for r in rows if r["problems"]]
+    failures = [
+        f"{r['kernel']} [{r['phase']}] {r['shape']} {r['dtype']} {r['arch']} ({','.join(r['lengths'])}): "
+        + "; ".join(r["problems"])
+        for r in rows
+        if r["problems"]
+    ]
     assert not failures, f"{len(failures)} of {len(rows)} kernel builds fail:\n" + "\n".join(failures)
 
 
@@ -109,8 +119,14 @@ def test_one_launch_is_captured_and_compiled_on_the_installed_triton(tmp_path: P
     none, so both come from the harness's command)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    proc = subprocess.run([sys.executable, "-c", _ONE_KERNEL, str(SCRIPT.parent)], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _ONE_KERNEL, str(SCRIPT.parent)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
     assert doc["restored"], doc
@@ -121,15 +137,27 @@ def test_one_launch_is_captured_and_compiled_on_the_installed_triton(tmp_path: P
     assert row["status"] == "ok", row
     assert isinstance(row["registers"], int) and row["registers"] > 0, row
     assert (ours["registers"], ours["spill_stores"], ours["spill_loads"]) == (
-        row["registers"], row["spill_stores"], row["spill_loads"]), (doc["triton"], ours, row)
+        row["registers"],
+        row["spill_stores"],
+        row["spill_loads"],
+    ), (doc["triton"], ours, row)
 
 
 def test_the_checks_catch_each_kind_of_failure() -> None:
     """``problems`` flags a compile error, shared memory over the limit, spills over the budget and
     fp32 IEEE dots (or no tensor-core instruction) with 16-bit inputs; a clean row passes."""
     gc = _load_script()
-    ok = {"status": "ok", "error": None, "shared": 100_000, "spill_stores": 0, "spill_budget": 0, "dtype": "bf16",
-          "dots": 2, "dots_fp32_ieee": 0, "tensor_core_ops": {"wgmma": 4}}
+    ok = {
+        "status": "ok",
+        "error": None,
+        "shared": 100_000,
+        "spill_stores": 0,
+        "spill_budget": 0,
+        "dtype": "bf16",
+        "dots": 2,
+        "dots_fp32_ieee": 0,
+        "tensor_core_ops": {"wgmma": 4},
+    }
     assert gc.problems(ok) == []
     assert gc.problems({**ok, "dtype": "fp32", "dots_fp32_ieee": 2, "tensor_core_ops": {}}) == []  # fp32 meant
     assert "does not compile" in gc.problems({**ok, "status": "error", "error": "CompilationError: x"})[0]

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from genolong.kernels.testing import rms_ratio
 from genolong.kernels.kda import chunk_kda, recurrent_kda
+from genolong.kernels.testing import rms_ratio
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # fla warns that Triton has no GPU here
@@ -25,8 +25,9 @@ with warnings.catch_warnings():
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def make_inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, seed: int = 0,
-                g_low: float = -1.0, with_h0: bool = True) -> dict[str, torch.Tensor | None]:
+def make_inputs(
+    B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, seed: int = 0, g_low: float = -1.0, with_h0: bool = True
+) -> dict[str, torch.Tensor | None]:
     """KDA inputs as the layer produces them: L2-normalised q, k; g in [g_low, 0]; beta in (0, 1)."""
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
@@ -60,8 +61,16 @@ def fla_chunk_padded(q, k, v, g, beta, initial_state=None, output_final_state=Fa
     T = q.shape[1]
     pad = (-T) % chunk_size
     p = lambda t: F.pad(t, (0, 0, 0, 0, 0, pad))  # noqa: E731
-    o, s = fla_naive.naive_chunk_kda(p(q), p(k), p(v), p(g), F.pad(beta, (0, 0, 0, pad)), initial_state=initial_state,
-                                     output_final_state=output_final_state, chunk_size=chunk_size)
+    o, s = fla_naive.naive_chunk_kda(
+        p(q),
+        p(k),
+        p(v),
+        p(g),
+        F.pad(beta, (0, 0, 0, pad)),
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        chunk_size=chunk_size,
+    )
     return o[:, :T], s
 
 
@@ -76,6 +85,7 @@ def assert_close(ref: tuple, got: tuple, tol: float, what: str) -> None:
 
 # --- recurrent reference vs fla ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("T", [63, 500, 1000])
 def test_recurrent_matches_fla_naive_recurrent(T: int) -> None:
     # fla's naive op always computes in float32, so the comparison is in float32
@@ -86,6 +96,7 @@ def test_recurrent_matches_fla_naive_recurrent(T: int) -> None:
 
 
 # --- chunked vs recurrent (float64: exact up to rounding) ------------------------------------------
+
 
 @pytest.mark.parametrize("T,with_h0,chunk", [(63, True, 64), (500, False, 64), (500, True, 16), (1000, True, 64)])
 def test_chunk_matches_recurrent_float64(T: int, with_h0: bool, chunk: int) -> None:
@@ -99,6 +110,7 @@ def test_chunk_matches_recurrent_float64(T: int, with_h0: bool, chunk: int) -> N
 def test_chunk_hierarchy_path_matches_recurrent(T: int, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # the general path (no factorised sub-blocks), taken when a sub-block's decay spread is too large
     import genolong.kernels.kda.chunk as chunk_mod
+
     monkeypatch.setattr(chunk_mod, "_SUB_BLOCK", 1)
     x = make_inputs(1, T, 2, 16, 24, torch.float64, seed=T + 1)
     assert_close(run(recurrent_kda, x), run(chunk_kda, x, chunk_size=chunk), 1e-10, f"hierarchy path, T={T}")
@@ -119,6 +131,7 @@ def test_chunk_matches_fla_naive_chunk(T: int, with_h0: bool) -> None:
 
 
 # --- strong decay (lower-bound gate: g down to -5 per step, -320 per 64-token chunk) ---------------
+
 
 # float32 bound: cumulative log decay reaches -320 in a chunk, where one float32 ulp is 3e-5, so the
 # decay ratios exp(G_t - G_s) carry ~3e-5 relative error (dg is hit most; the rest stays < 2e-6)
@@ -155,6 +168,7 @@ def test_fla_naive_chunk_overflows_where_ours_does_not() -> None:
 
 
 # --- dtypes --------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fn", [recurrent_kda, chunk_kda], ids=["recurrent", "chunk"])
 def test_bf16_accumulates_in_fp32(fn) -> None:
@@ -219,19 +233,29 @@ def test_chunk_without_final_state_leaves_nothing_saved_after_backward(T: int) -
 
 # --- input checks --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fn", [recurrent_kda, chunk_kda], ids=["recurrent", "chunk"])
-@pytest.mark.parametrize("bad,match", [
-    ("k", "k must have the shape of q"),
-    ("g", "g .*must have the shape of q"),
-    ("v", "v must have shape"),
-    ("beta", "beta must have shape"),
-    ("h0", "initial_state must have shape"),
-    ("q3d", "q must have shape"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ("k", "k must have the shape of q"),
+        ("g", "g .*must have the shape of q"),
+        ("v", "v must have shape"),
+        ("beta", "beta must have shape"),
+        ("h0", "initial_state must have shape"),
+        ("q3d", "q must have shape"),
+    ],
+)
 def test_shape_errors(fn, bad: str, match: str) -> None:
     B, T, H, K, V = 1, 8, 2, 4, 6
-    t = {"q": torch.randn(B, T, H, K), "k": torch.randn(B, T, H, K), "v": torch.randn(B, T, H, V),
-         "g": -torch.rand(B, T, H, K), "beta": torch.rand(B, T, H), "h0": torch.zeros(B, H, K, V)}
+    t = {
+        "q": torch.randn(B, T, H, K),
+        "k": torch.randn(B, T, H, K),
+        "v": torch.randn(B, T, H, V),
+        "g": -torch.rand(B, T, H, K),
+        "beta": torch.rand(B, T, H),
+        "h0": torch.zeros(B, H, K, V),
+    }
     if bad == "q3d":
         t["q"] = t["q"][0]
     elif bad == "h0":

@@ -22,11 +22,13 @@ from genolong.errors import InputError
 from genolong.kernels import backends, probe
 from genolong.kernels.backends import get_backend
 from genolong.plan import format_plan, plan
-
 from tests.plan_helpers import plan_recipe
 
-_MODULES = {"triton_attention": "sparse_attention_triton", "triton_topk": "kpool_topk_triton",
-            "triton_kpool": ("kpool_keys_triton", "kpool_indexer_kl_loss_triton")}
+_MODULES = {
+    "triton_attention": "sparse_attention_triton",
+    "triton_topk": "kpool_topk_triton",
+    "triton_kpool": ("kpool_keys_triton", "kpool_indexer_kl_loss_triton"),
+}
 _INSTALLED = probe.package_version  # this machine's answer, for the packages a test leaves alone
 
 
@@ -48,13 +50,17 @@ def _machine(monkeypatch: pytest.MonkeyPatch, cuda: bool, versions: dict[str, st
         monkeypatch.setitem(sys.modules, f"genolong.kernels.dsa.{module}", fake)
 
 
-@pytest.mark.parametrize("versions, cause", [
-    ({"fla-core": None}, "fla-core is not installed"),
-    ({"triton": "3.3.0"}, "Triton 3.3.0 is older than 3.6.0"),
-    ({"fla-core": "0.5.0"}, "fla-core 0.5.0 is older than 0.5.2"),
-])
-def test_auto_on_cuda_without_the_gpu_kernels_refuses(monkeypatch: pytest.MonkeyPatch, versions: dict[str, str | None],
-                                                      cause: str) -> None:
+@pytest.mark.parametrize(
+    "versions, cause",
+    [
+        ({"fla-core": None}, "fla-core is not installed"),
+        ({"triton": "3.3.0"}, "Triton 3.3.0 is older than 3.6.0"),
+        ({"fla-core": "0.5.0"}, "fla-core 0.5.0 is older than 0.5.2"),
+    ],
+)
+def test_auto_on_cuda_without_the_gpu_kernels_refuses(
+    monkeypatch: pytest.MonkeyPatch, versions: dict[str, str | None], cause: str
+) -> None:
     _machine(monkeypatch, cuda=True, versions=versions)
     with pytest.raises(InputError) as err:
         get_backend("auto")
@@ -70,8 +76,11 @@ def test_auto_on_cuda_without_the_gpu_kernels_refuses(monkeypatch: pytest.Monkey
 def test_old_triton_refuses_the_triton_backend_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Triton DSA kernels import with an old Triton and fail to compile mid-run: refused at load."""
     _machine(monkeypatch, cuda=True, versions={"triton": "3.4.1"})
-    with pytest.raises(InputError, match=r"'triton' cannot load here \(Triton 3.4.1 is older than 3.6.0; "
-                                         r"pip install 'genolong\[gpu\]'\)") as err:
+    with pytest.raises(
+        InputError,
+        match=r"'triton' cannot load here \(Triton 3.4.1 is older than 3.6.0; "
+        r"pip install 'genolong\[gpu\]'\)",
+    ) as err:
         get_backend("triton")
     assert "\n" not in str(err.value)
     assert probe.kernels_here("triton")[2] is not None
@@ -90,8 +99,9 @@ def test_auto_on_cuda_with_the_gpu_kernels(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_plan_prints_the_kernels_of_this_machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    recipe = plan_recipe(tmp_path, model={"preset": "tiny", "overrides": {"kernel_backend": "auto"}},
-                         parallel={"accelerator": "gpu"})
+    recipe = plan_recipe(
+        tmp_path, model={"preset": "tiny", "overrides": {"kernel_backend": "auto"}}, parallel={"accelerator": "gpu"}
+    )
     _machine(monkeypatch, cuda=False, versions={})
     text = format_plan(plan(recipe, gpus=1))
     assert "kernels counted: backend 'auto' -> KDA fla-core, DSA genolong-triton (on a CUDA machine" in text
@@ -104,8 +114,9 @@ def test_plan_prints_the_kernels_of_this_machine(monkeypatch: pytest.MonkeyPatch
     assert plan(recipe, gpus=1).kernels_here == "backend 'auto' -> 'triton': KDA fla-core, DSA genolong-triton"
 
 
-def test_finetune_stops_in_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sample_store: Path,
-                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_finetune_stops_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sample_store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`genolong finetune` with auto on CUDA without fla-core: exit 2, one line, nothing written;
     the same recipe with kernel_backend torch passes that point (logs its kernels line)."""
     from genolong.cli import main
@@ -113,8 +124,10 @@ def test_finetune_stops_in_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 
     monkeypatch.setenv("GENOLONG_MALLOC", "system")
     recipe: dict[str, Any] = {
-        "name": "gpu-run", "model": {"preset": "tiny", "overrides": {"kernel_backend": "auto"}},
-        "data": {"store": str(sample_store), "context": 256}, "train": {"max_steps": 1},
+        "name": "gpu-run",
+        "model": {"preset": "tiny", "overrides": {"kernel_backend": "auto"}},
+        "data": {"store": str(sample_store), "context": 256},
+        "train": {"max_steps": 1},
         "checkpoint": {"dir": str(tmp_path / "runs" / "checkpoints")},
         "logging": {"dir": str(tmp_path / "runs" / "logs"), "progress_bar": False, "tensorboard": False},
         "parallel": {"accelerator": "cpu"},

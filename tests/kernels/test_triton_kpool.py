@@ -16,12 +16,10 @@ import torch
 import triton  # noqa: F401  (a missing triton must fail here, not skip; tests/conftest.py sets TRITON_INTERPRET=1)
 
 from genolong.errors import InputError
-from genolong.kernels.dsa import kpool_indexer_kl_loss, kpool_keys, kpool_select_pools
-from genolong.kernels.dsa import triton_kpool
+from genolong.kernels.dsa import kpool_indexer_kl_loss, kpool_keys, kpool_select_pools, triton_kpool
 from genolong.kernels.dsa.kpool_loss import reference_kpool_indexer_kl_loss, reference_kpool_indexer_kl_rows
 from genolong.kernels.dsa.triton_kpool import kpool_indexer_kl_loss_triton, kpool_keys_triton
 from genolong.kernels.testing import rms_ratio
-
 from tests.helpers import spy_on_launches
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -200,7 +198,7 @@ def _kl_run(case, dtype, seed):
     B, T, H, HK, D, HI, DI, P, topk, with_w, tail, act = case
     q, k, q_idx, k_pool, w_idx, pools = _kl_inputs(B, T, H, HK, D, HI, DI, P, topk, dtype, seed, with_w)
     leaves = (q_idx, k_pool) if w_idx is None else (q_idx, k_pool, w_idx)
-    kw = dict(attn_scale=0.8 * D ** -0.5, idx_scale=1.3 * DI ** -0.5, tail=tail, activation=act)
+    kw = dict(attn_scale=0.8 * D**-0.5, idx_scale=1.3 * DI**-0.5, tail=tail, activation=act)
     loss = kpool_indexer_kl_loss_triton(q, k, q_idx, k_pool, w_idx, pools, P, **kw)
     got = (loss.detach(), *torch.autograd.grad(loss, leaves))
     ref_loss = kpool_indexer_kl_loss(q, k, q_idx, k_pool, w_idx, pools, P, query_block=7, **kw)
@@ -257,7 +255,7 @@ def test_kl_loss_at_a_query_offset_matches_the_reference(name: str) -> None:
     B, T, H, HK, D, HI, DI, P, topk, with_w, tail, act = KL_CASES[case_name]
     q, k, q_idx, k_pool, w_idx, pools = _kl_inputs(B, T, H, HK, D, HI, DI, P, topk, torch.float32, seed=len(name))
     leaves = (q_idx, k_pool) if w_idx is None else (q_idx, k_pool, w_idx)
-    kw = dict(attn_scale=0.8 * D ** -0.5, idx_scale=1.3 * DI ** -0.5, tail=tail, activation=act)
+    kw = dict(attn_scale=0.8 * D**-0.5, idx_scale=1.3 * DI**-0.5, tail=tail, activation=act)
     rows = slice(q0, T)
 
     def offset_loss(fn, **extra):
@@ -353,7 +351,7 @@ def test_kl_loss_mixed_16bit_and_fp32_inputs_dot_in_16bit(monkeypatch: pytest.Mo
     q, k, q_idx, k_pool, w_idx, pools = _kl_inputs(B, T, H, HK, D, HI, DI, P, topk, torch.float32, 23, with_w)
     q, q_idx = q.half(), q_idx.detach().half().requires_grad_(True)
     w_idx = w_idx.detach().float().requires_grad_(True)  # DSAIndexer.project makes the weights fp32
-    kw = dict(attn_scale=0.8 * D ** -0.5, idx_scale=1.3 * DI ** -0.5, tail=tail, activation=act)
+    kw = dict(attn_scale=0.8 * D**-0.5, idx_scale=1.3 * DI**-0.5, tail=tail, activation=act)
     target_seen = spy_on_launches(monkeypatch, triton_kpool._kl_target_kernel)
     rows_seen = spy_on_launches(monkeypatch, triton_kpool._kl_rows_kernel)
     loss = kpool_indexer_kl_loss_triton(q, k, q_idx, k_pool, w_idx, pools, P, **kw)

@@ -17,12 +17,9 @@ import torch
 import triton  # noqa: F401  (a missing triton must fail here, not skip; tests/conftest.py sets TRITON_INTERPRET=1)
 
 from genolong.errors import InputError
-from genolong.kernels.dsa import kpool_expand, kpool_topk
-from genolong.kernels.dsa import triton_topk
+from genolong.kernels.dsa import kpool_expand, kpool_topk, triton_topk
 from genolong.kernels.dsa.triton_topk import kpool_topk_triton
-
 from tests.helpers import spy_on_launches
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -102,7 +99,7 @@ def test_grid_inputs_select_exactly_the_reference_pools(name: str) -> None:
     got = kpool_topk_triton(q, k, w, topk, P, tail=tail, block_size=bs, query_block=qb, scale=scale, activation=act)
     ref = kpool_topk(q, k, w, topk, P, tail=tail, block_size=7, query_block=9, scale=scale, activation=act)
     ksel = topk // P
-    oracle_pools = _dense_oracle(q, k, w, ksel, P, DI ** -0.5 if scale is None else scale, act)
+    oracle_pools = _dense_oracle(q, k, w, ksel, P, DI**-0.5 if scale is None else scale, act)
     oracle = kpool_expand(oracle_pools, P, tail)
     assert got.dtype == torch.int64 and got.shape == ref.shape == (B, T, topk + (P - 1 if tail else 0))
     assert torch.equal(got, ref)
@@ -111,7 +108,7 @@ def test_grid_inputs_select_exactly_the_reference_pools(name: str) -> None:
     # the case really covers -1 padding (queries with fewer than ksel visible pools) ...
     assert bool((oracle_pools[:, ksel * P - 2] == -1).any()) and bool((oracle_pools[:, -1] >= 0).all())
     # ... and rows whose selection boundary is an exact tie (broken by the lowest pool)
-    assert _boundary_ties(q, k, w, oracle_pools, P, DI ** -0.5 if scale is None else scale, act) > 0
+    assert _boundary_ties(q, k, w, oracle_pools, P, DI**-0.5 if scale is None else scale, act) > 0
 
 
 def test_planted_ties_lowest_pool_wins_across_tiles() -> None:
@@ -208,7 +205,7 @@ def test_mixed_16bit_queries_and_fp32_keys_dot_in_16bit(monkeypatch: pytest.Monk
     assert seen and seen[0][:2] == [torch.float16, torch.float16]  # q_idx and k_pool as dot operands
     ref = kpool_topk(q, k.half(), w, topk, P)
     assert torch.equal(got, ref)
-    assert torch.equal(got, kpool_expand(_dense_oracle(q, k16, w, topk // P, P, DI ** -0.5, "relu"), P, True))
+    assert torch.equal(got, kpool_expand(_dense_oracle(q, k16, w, topk // P, P, DI**-0.5, "relu"), P, True))
     # the fp32 keys themselves select differently on this instance (ties on the grid are broken
     # by the offsets), so equality above is not an accident of rounding-insensitive inputs
     assert not torch.equal(got, kpool_topk(q.float(), k, w, topk, P))
@@ -242,7 +239,7 @@ def test_query_offset_and_key_range_select_the_whole_sequence_rows(name: str) ->
     exact_range = kpool_topk_triton(qs, k[:, : q1 // P], ws, topk, P, block_size=bs, query_block=qb, q_offset=q0, **kw)
     ref = kpool_topk(qs, k, ws, topk, P, block_size=7, query_block=9, q_offset=q0, **kw)
     whole = kpool_topk(q, k, w, topk, P, **kw)
-    oracle = kpool_expand(_dense_oracle(q, k, w, topk // P, P, DI ** -0.5 if scale is None else scale, act), P, tail)
+    oracle = kpool_expand(_dense_oracle(q, k, w, topk // P, P, DI**-0.5 if scale is None else scale, act), P, tail)
     assert k.shape[1] > q1 // P  # the key range is longer than the queries' reach
     assert got.shape == (B, q1 - q0, topk + (P - 1 if tail else 0))
     assert torch.equal(got, ref)
@@ -255,11 +252,15 @@ def test_query_offset_and_key_range_select_the_whole_sequence_rows(name: str) ->
 def test_query_offset_validation_matches_the_reference() -> None:
     """Too few pools for the range's reach and a negative offset: the same ValueError as the reference."""
     q, k, w = torch.randn(1, 16, 2, 8), torch.randn(1, 8, 8), torch.randn(1, 16, 2)
-    for args, kwargs in [((q, k[:, :5], w, 8, 4), {"q_offset": 8}),  # queries 8..23 see 6 pools
-                         ((q, k, w, 8, 4), {"q_offset": -4})]:
+    for args, kwargs in [
+        ((q, k[:, :5], w, 8, 4), {"q_offset": 8}),  # queries 8..23 see 6 pools
+        ((q, k, w, 8, 4), {"q_offset": -4}),
+    ]:
         with pytest.raises(ValueError) as ref_err:
             kpool_topk(*args, **kwargs)
         with pytest.raises(ValueError) as got_err:
             kpool_topk_triton(*args, **kwargs)
         assert str(got_err.value) == str(ref_err.value)
-    assert torch.equal(kpool_topk_triton(q, k[:, :6], w, 8, 4, q_offset=8), kpool_topk(q, k[:, :6], w, 8, 4, q_offset=8))
+    assert torch.equal(
+        kpool_topk_triton(q, k[:, :6], w, 8, 4, q_offset=8), kpool_topk(q, k[:, :6], w, 8, 4, q_offset=8)
+    )

@@ -15,8 +15,7 @@ import torch
 import triton  # noqa: F401  (a missing triton must fail here, not skip; tests/conftest.py sets TRITON_INTERPRET=1)
 
 from genolong.errors import InputError
-from genolong.kernels.dsa import sparse_attention
-from genolong.kernels.dsa import triton_attention
+from genolong.kernels.dsa import sparse_attention, triton_attention
 from genolong.kernels.dsa.triton_attention import sparse_attention_triton
 from genolong.kernels.testing import rms_ratio
 
@@ -99,7 +98,7 @@ def _run(case, dtype, seed):
     leaves = (q, k) if share else (q, k, v)
     g = torch.Generator().manual_seed(seed + 1)
     do = torch.randn(B, T, H, DV, generator=g).to(dtype)
-    scale = 0.7 * D ** -0.5  # not the default: the scale must reach both kernels
+    scale = 0.7 * D**-0.5  # not the default: the scale must reach both kernels
     o = sparse_attention_triton(q, k, v, idx, scale=scale, q_offset=off)
     grads = torch.autograd.grad(o, leaves, do)
     ref = sparse_attention(q, k, v, idx, scale=scale, query_block=5, q_offset=off)
@@ -174,7 +173,7 @@ def test_saved_lse_and_the_backward_path_that_reads_it() -> None:
     q, k, v = (x.detach() for x in _inputs(B, T, TK, H, HK, D, DV, torch.float32, seed=11))
     q = q.contiguous()
     idx = _indices(B, T, TK, K, 0, torch.int64, seed=11)
-    scale = D ** -0.5
+    scale = D**-0.5
     o, lse = triton_attention._forward(q, k, v, idx, scale, 0)
     o64, lse64, _ = _dense_oracle(q, k, v, idx, scale, 0)
     assert rms_ratio(o64, o) < _FP32_TOL
@@ -264,7 +263,7 @@ def test_key_lists_are_the_inverse_of_the_indices() -> None:
     got = {}
     starts = torch.cumsum(lists.counts, 0) - lists.counts
     for g in range(B * NT):
-        ts = lists.ent_t[starts[g]: starts[g] + lists.counts[g]].tolist()
+        ts = lists.ent_t[starts[g] : starts[g] + lists.counts[g]].tolist()
         assert ts == sorted(ts) and len(set(ts)) == len(ts)
         for e in range(int(starts[g]), int(starts[g] + lists.counts[g])):
             got[(g // NT, g % NT, int(lists.ent_t[e]))] = int(lists.ent_bits[e])
@@ -315,7 +314,7 @@ def test_split_key_tiles_and_head_splits_match_the_oracle(monkeypatch: pytest.Mo
     first = torch.arange(T) % 3  # keys 0..2: one selected by every query, a long list for tile 0
     idx = torch.where(idx == first[None, :, None], -1, idx)  # indices stay distinct within a row
     idx[:, :, 0] = first
-    scale = D ** -0.5
+    scale = D**-0.5
     do = torch.randn(B, T, H, D, generator=torch.Generator().manual_seed(22))
     o, lse = triton_attention._forward(q, k, v, idx, scale, 0)
     split = triton_attention._backward(q, k, v, idx, o, do, lse, scale, 0, segment=4)
@@ -367,7 +366,7 @@ def test_mixed_dtypes_run_16bit_dots() -> None:
     assert torch.equal(o, o16) and torch.equal(dq, dq16) and torch.equal(dk.half(), dk16)
     # accuracy: against the float64 oracle on the mixed inputs themselves
     q64, l64 = q.detach().double().requires_grad_(True), lat.detach().double().requires_grad_(True)
-    o64 = _dense_oracle(q64, l64, l64, idx, C ** -0.5, 0)[0]
+    o64 = _dense_oracle(q64, l64, l64, idx, C**-0.5, 0)[0]
     exact = torch.autograd.grad(o64, (q64, l64), do.double())
     ref = sparse_attention(q, lat16, lat16, idx)
     ref_grads = torch.autograd.grad(ref, (q, lat16), do)

@@ -15,12 +15,11 @@ import torch
 from genolong.errors import InputError
 from genolong.kernels.dsa import indexer_scores
 from genolong.model import PRESETS, GenoLM
-from genolong.model.decode import DecodeState, Decoder, DSACache, KDAState, decode_log_probs, sequence_log_probs
+from genolong.model.decode import Decoder, DecodeState, DSACache, KDAState, decode_log_probs, sequence_log_probs
 from genolong.model.dsa import DSAIndexer
 from tests.helpers import assert_bitwise_equal
 
 TOL = 1e-4  # max |log-prob difference|, fp32 (issue 3)
-
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,7 +37,9 @@ def dna(batch: int, length: int, seed: int) -> torch.Tensor:
 
 
 def full_indexer_layers(model: GenoLM) -> list[int]:
-    return [i for i, block in enumerate(model.layers) if isinstance(getattr(block.self_attn, "indexer", None), DSAIndexer)]
+    return [
+        i for i, block in enumerate(model.layers) if isinstance(getattr(block.self_attn, "indexer", None), DSAIndexer)
+    ]
 
 
 def training_path(model: GenoLM, ids: torch.Tensor) -> torch.Tensor:
@@ -86,6 +87,7 @@ def assert_matches_training_path(model: GenoLM, ids: torch.Tensor, prefill: int 
         def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
             own[layer], inputs[layer] = out, args
             return torch.cat([out[:, :prefill], got_sel[layer]], dim=1)
+
         return hook
 
     hooks = [model.layers[i].self_attn.indexer.register_forward_hook(force(i)) for i in got_sel]
@@ -105,14 +107,16 @@ def assert_matches_training_path(model: GenoLM, ids: torch.Tensor, prefill: int 
         p, kp = ix.index_kpool, ix.index_topk // ix.index_kpool
         for b, row in differ.nonzero().tolist():
             t = prefill + row
-            x, q_resid = (a[b:b + 1, : t + 1] for a in inputs[layer])
+            x, q_resid = (a[b : b + 1, : t + 1] for a in inputs[layer])
             with torch.no_grad():
                 q_idx, k_pool, w = ix.project(x, q_resid)
                 scores = indexer_scores(q_idx[:, t:], k_pool, w[:, t:], ix.softmax_scale, "relu")[0, 0]
             boundary = scores.sort(descending=True).values[kp - 1]
             pools = [set((r[r >= 0] // p).tolist()) - {(t + 1) // p} for r in (want[b, row], sel[b, row])]
             gap = (scores[sorted(pools[0] ^ pools[1])] - boundary).abs().max().item()
-            assert gap <= 1e-3 * scores.abs().max().item(), f"layer {layer}, query {b}/{t}: not a near-tie (gap {gap:.3e})"
+            assert gap <= 1e-3 * scores.abs().max().item(), (
+                f"layer {layer}, query {b}/{t}: not a near-tie (gap {gap:.3e})"
+            )
         flips += int(differ.sum())
     assert flips <= max(2, differ.numel() * len(got_sel) // 1000), f"{flips} selections differ"
     return diff, flips

@@ -19,8 +19,12 @@ from genolong.kernels.backends import available_backends, get_backend
 from genolong.model import PRESETS, GenoLM
 from genolong.model.hf import FP32_TENSORS, checkpoint_layout
 
-_CONFIG = PRESETS["tiny"].replace(num_hidden_layers=4, pattern="KKDD", indexer_types=("full", "full", "full", "shared"),
-                                  mlp_layer_types=("dense", "sparse", "sparse", "sparse"))
+_CONFIG = PRESETS["tiny"].replace(
+    num_hidden_layers=4,
+    pattern="KKDD",
+    indexer_types=("full", "full", "full", "shared"),
+    mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
+)
 
 
 @pytest.fixture()
@@ -76,7 +80,9 @@ def test_expert_and_conv_slices_land_in_place(model: GenoLM, tmp_path: Path) -> 
     experts = model.layers[1].mlp.experts
     half = experts.gate_up_proj.shape[1] // 2
     # exact: a saved slice
-    assert torch.equal(tensors["model.language_model.layers.1.mlp.experts.2.up_proj.weight"], experts.gate_up_proj[2, half:])
+    assert torch.equal(
+        tensors["model.language_model.layers.1.mlp.experts.2.up_proj.weight"], experts.gate_up_proj[2, half:]
+    )
     conv = model.layers[0].self_attn.conv1d.weight
     # exact: a saved slice
     assert torch.equal(tensors["model.language_model.layers.0.self_attn.k_conv1d.weight"], conv[64:128])
@@ -86,8 +92,10 @@ def test_fused_names_load_too(model: GenoLM, tmp_path: Path) -> None:
     """transformers' save_original_format=False writes its in-memory (fused) names: also read."""
     directory = tmp_path / "fused"
     directory.mkdir()
-    state = {("lm_head.weight" if k == "lm_head.weight" else "model.language_model." + k): v.contiguous()
-             for k, v in model.state_dict().items()}
+    state = {
+        ("lm_head.weight" if k == "lm_head.weight" else "model.language_model." + k): v.contiguous()
+        for k, v in model.state_dict().items()
+    }
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     model.config.save_pretrained(directory)
     _assert_same(model, GenoLM.from_pretrained(directory))
@@ -174,18 +182,26 @@ def _rewrite(directory: Path, change) -> None:
 
 def test_shape_mismatch_names_the_tensor(sharded: Path) -> None:
     _rewrite(sharded, lambda t, name: t.__setitem__(name, torch.zeros(32, 64)))
-    with pytest.raises(InputError, match=r"layers\.1\.self_attn\.q_proj\.weight in model-\d+-of-\d+\.safetensors has shape \[32, 64\] but .* expects \[64, 64\]"):
+    with pytest.raises(
+        InputError,
+        match=r"layers\.1\.self_attn\.q_proj\.weight in model-\d+-of-\d+\.safetensors has shape \[32, 64\] but .* expects \[64, 64\]",
+    ):
         GenoLM.from_pretrained(sharded)
 
 
 def test_missing_tensor(sharded: Path) -> None:
     _rewrite(sharded, lambda t, name: t.pop(name))
-    with pytest.raises(InputError, match=r"lacks 1 tensor\(s\) the model needs, first layers\.1\.self_attn\.q_proj\.weight"):
+    with pytest.raises(
+        InputError, match=r"lacks 1 tensor\(s\) the model needs, first layers\.1\.self_attn\.q_proj\.weight"
+    ):
         GenoLM.from_pretrained(sharded)
 
 
 def test_unexpected_tensor(sharded: Path) -> None:
-    _rewrite(sharded, lambda t, name: t.__setitem__("model.language_model.layers.1.self_attn.q_proj.weight_scale_inv", torch.ones(2)))
+    _rewrite(
+        sharded,
+        lambda t, name: t.__setitem__("model.language_model.layers.1.self_attn.q_proj.weight_scale_inv", torch.ones(2)),
+    )
     with pytest.raises(InputError, match=r"q_proj\.weight_scale_inv .* has no place in GenoLM"):
         GenoLM.from_pretrained(sharded)
 
@@ -202,7 +218,9 @@ def test_config_of_another_shape(sharded: Path) -> None:
     config = json.loads((sharded / "config.json").read_text())
     config["text_config"]["moe_intermediate_size"] = 16
     (sharded / "config.json").write_text(json.dumps(config))
-    with pytest.raises(InputError, match=r"mlp\.experts\.0\.gate_proj\.weight in .* has shape \[32, 64\] but .* expects \[16, 64\]"):
+    with pytest.raises(
+        InputError, match=r"mlp\.experts\.0\.gate_proj\.weight in .* has shape \[32, 64\] but .* expects \[16, 64\]"
+    ):
         GenoLM.from_pretrained(sharded)
 
 

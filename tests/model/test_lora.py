@@ -35,8 +35,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 #: every kind of linear layer GenoLM has: KDA and MLA projections, the DSA indexer's, the shared
 #: experts, the dense MLPs, plus the routed experts and a module trained in full
-EVERYTHING = LoraSettings(rank=4, alpha=8.0, targets=("layers.*.self_attn.*", "layers.*.mlp.shared_experts.*", "layers.0.mlp.*"),
-                          routed_experts=True, modules_to_save=("norm",))
+EVERYTHING = LoraSettings(
+    rank=4,
+    alpha=8.0,
+    targets=("layers.*.self_attn.*", "layers.*.mlp.shared_experts.*", "layers.0.mlp.*"),
+    routed_experts=True,
+    modules_to_save=("norm",),
+)
 
 
 def _base() -> GenoLM:
@@ -77,7 +82,7 @@ def test_init_is_peft_s() -> None:
     model = _base()
     apply_lora(model, LoraSettings(rank=8, alpha=16.0, targets=("layers.0.self_attn.q_proj",)))
     layer = model.get_submodule("layers.0.self_attn.q_proj")
-    bound = 1 / layer.in_features ** 0.5
+    bound = 1 / layer.in_features**0.5
     assert layer.lora_A.weight.abs().max() <= bound and layer.lora_A.weight.abs().max() > 0.5 * bound
     assert torch.count_nonzero(layer.lora_B.weight) == 0
     assert layer.scaling == 2.0
@@ -134,8 +139,10 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
     config = json.loads((out / ADAPTER_CONFIG).read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8.0
     assert "model.language_model.layers.0.self_attn.forget_gate.f_a_proj" in config["target_modules"]
-    assert config["target_parameters"][:2] == ["model.language_model.layers.1.mlp.experts.gate_up_proj",
-                                               "model.language_model.layers.1.mlp.experts.down_proj"]
+    assert config["target_parameters"][:2] == [
+        "model.language_model.layers.1.mlp.experts.gate_up_proj",
+        "model.language_model.layers.1.mlp.experts.down_proj",
+    ]
     fresh = _base()
     settings = load_adapter(fresh, out)
     assert settings.rank == 4 and settings.routed_experts
@@ -152,7 +159,7 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
     key = "base_model.model.model.language_model.layers.1.mlp.experts.lora_{}.weight"  # down_proj: the outer wrapper
     e, r = a.shape[0], a.shape[1]
     for expert in range(e):
-        assert torch.equal(written[key.format("A")][expert * r:(expert + 1) * r], a[expert])  # exact: copies
+        assert torch.equal(written[key.format("A")][expert * r : (expert + 1) * r], a[expert])  # exact: copies
         assert torch.equal(written[key.format("B")][:, expert::e], b[expert])  # exact: copies
     # saving again replaces the directory whole
     save_adapter(model, out)
@@ -176,15 +183,21 @@ def test_bad_targets_and_adapters(tmp_path: Path) -> None:
         load_adapter(_base(), tmp_path)
     # an adapter for another geometry: the shapes do not fit
     other = GenoLM(PRESETS["tiny"].replace(hidden_size=96))
-    with pytest.raises(InputError, match=r"has shape \(2, 64\), this base needs \(2, 96\); the adapter was trained on another model"):
+    with pytest.raises(
+        InputError, match=r"has shape \(2, 64\), this base needs \(2, 96\); the adapter was trained on another model"
+    ):
         load_adapter(other, adapter)
     # a module this base lacks
     config = json.loads((adapter / ADAPTER_CONFIG).read_text())
     bad = tmp_path / "b"
     bad.mkdir()
     (bad / ADAPTER_WEIGHTS).write_bytes((adapter / ADAPTER_WEIGHTS).read_bytes())
-    (bad / ADAPTER_CONFIG).write_text(json.dumps({**config, "target_modules": ["model.language_model.layers.99.self_attn.q_proj"]}))
-    with pytest.raises(InputError, match=r"adapts 'layers\.99\.self_attn\.q_proj', which this base model does not have"):
+    (bad / ADAPTER_CONFIG).write_text(
+        json.dumps({**config, "target_modules": ["model.language_model.layers.99.self_attn.q_proj"]})
+    )
+    with pytest.raises(
+        InputError, match=r"adapts 'layers\.99\.self_attn\.q_proj', which this base model does not have"
+    ):
         load_adapter(_base(), bad)
     (bad / ADAPTER_CONFIG).write_text(json.dumps({**config, "peft_type": "IA3"}))
     with pytest.raises(InputError, match="a 'IA3' adapter; genolong reads LoRA adapters"):

@@ -22,14 +22,18 @@ import torch
 from genolong.model.config import PRESETS
 from genolong.model.lm import GenoLM
 from genolong.model.lora import LoraSettings, adapter_parameters, apply_lora, load_adapter, merge_lora, save_adapter
-
 from tests.helpers import run_transformers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 #: KDA, MLA and indexer projections, shared experts, routed experts, and the final norm in full
-SETTINGS = LoraSettings(rank=4, alpha=8.0, targets=("layers.*.self_attn.*", "layers.*.mlp.shared_experts.*"),
-                        routed_experts=True, modules_to_save=("norm",))
+SETTINGS = LoraSettings(
+    rank=4,
+    alpha=8.0,
+    targets=("layers.*.self_attn.*", "layers.*.mlp.shared_experts.*"),
+    routed_experts=True,
+    modules_to_save=("norm",),
+)
 
 # argv: base dir, adapter dir, merged export dir (or "-"), ids.pt, out.pt
 _PEFT_READS = """

@@ -17,12 +17,13 @@ from genolong.model import PRESETS, ModelConfig
 from genolong.model.layers import GatedRMSNorm, RMSNorm, SwiGLU
 from genolong.model.mhc import HyperConnection, collapse_streams, expand_streams, merge_streams
 from genolong.model.moe import MoE
-
 from tests.helpers import run_transformers
 
 _CONFIGS = {
     "tiny": PRESETS["tiny"].replace(n_routed_experts=8, num_experts_per_tok=3, swiglu_limit=0.05),
-    "grouped": PRESETS["tiny"].replace(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, norm_topk_prob=False),
+    "grouped": PRESETS["tiny"].replace(
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, norm_topk_prob=False
+    ),
 }
 
 _HF_SCRIPT = r"""
@@ -92,7 +93,9 @@ def _ours(key: str, config: ModelConfig, chunk_tokens: int | None) -> torch.nn.M
 
 
 @pytest.mark.parametrize("config_name", list(_CONFIGS))
-@pytest.mark.parametrize(("key", "chunk_tokens"), [("moe", None), ("moe", 10), ("mlp", None), ("hc", None), ("norm", None), ("gated", None)])
+@pytest.mark.parametrize(
+    ("key", "chunk_tokens"), [("moe", None), ("moe", 10), ("mlp", None), ("hc", None), ("norm", None), ("gated", None)]
+)
 def test_block_matches_transformers(reference: dict, config_name: str, key: str, chunk_tokens: int | None) -> None:
     ref = reference[config_name][key]
     # Everything runs in float64 except the router, which both implementations compute in fp32 by

@@ -9,7 +9,6 @@ import pytest
 
 from genolong.errors import InputError
 from genolong.model import PRESETS, ModelConfig, layer_types_from_pattern, parameter_count
-
 from tests.helpers import run_transformers
 
 # transformers routes KDA to fla's Triton kernel when fla is importable, which fails on CPU: the
@@ -76,7 +75,10 @@ def test_derived_schedules_match_transformers(hf: dict) -> None:
         n = raw["num_hidden_layers"]
         ours = [_default_layer_types(n), _default_mlp_layer_types(n), _legacy_indexer_types(raw, n)]
         assert [list(x) for x in ours] == theirs
-    assert list(ModelConfig.from_hf_dict({"model_type": "glm5_next_text", **_SCHEDULES[0]}).layer_types) == hf["schedules"][0][0]
+    assert (
+        list(ModelConfig.from_hf_dict({"model_type": "glm5_next_text", **_SCHEDULES[0]}).layer_types)
+        == hf["schedules"][0][0]
+    )
 
 
 def test_nested_checkpoint_config_round_trips(tmp_path: Path) -> None:
@@ -94,16 +96,29 @@ def test_nested_checkpoint_config_round_trips(tmp_path: Path) -> None:
     config.save_pretrained(tmp_path / "out")
     again = ModelConfig.from_pretrained(tmp_path / "out")
     assert again == config
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["Glm5NextForConditionalGeneration"]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == [
+        "Glm5NextForConditionalGeneration"
+    ]
 
 
 def test_legacy_linear_attn_config() -> None:
-    config = ModelConfig.from_hf_dict({"model_type": "glm5_next_text", "linear_attn_config": {"head_dim": 32, "num_heads": 4, "gate_lower_bound": None}})
+    config = ModelConfig.from_hf_dict(
+        {
+            "model_type": "glm5_next_text",
+            "linear_attn_config": {"head_dim": 32, "num_heads": 4, "gate_lower_bound": None},
+        }
+    )
     assert (config.linear_head_dim, config.linear_num_heads, config.linear_lower_bound) == (32, 4, -5.0)
 
 
 def test_patterns_and_replace() -> None:
-    assert layer_types_from_pattern("KKD", 5) == ("linear_attention", "linear_attention", "indexed_attention", "linear_attention", "linear_attention")
+    assert layer_types_from_pattern("KKD", 5) == (
+        "linear_attention",
+        "linear_attention",
+        "indexed_attention",
+        "linear_attention",
+        "linear_attention",
+    )
     config = PRESETS["tiny"].replace(num_hidden_layers=6, pattern="KD", indexer_types=("full",) * 6)
     assert config.pattern == "KDKDKD" and len(config.mlp_layer_types) == 6
     with pytest.raises(InputError, match="only K"):
@@ -117,9 +132,18 @@ def test_patterns_and_replace() -> None:
         ({"model_type": "glm5_next_text", "qk_rope_head_dim": 64}, "NoPE"),
         ({"model_type": "glm5_next_text", "index_topk": 100}, "multiple of index_kpool"),
         ({"model_type": "glm5_next_text", "num_key_value_heads": 8}, "must equal num_key_value_heads"),
-        ({"model_type": "glm5_next_text", "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3}, "one per layer"),
-        ({"model_type": "glm5_next_text", "num_hidden_layers": 4, "indexer_types": ["shared"] * 4}, "directly follow a full one"),
-        ({"model_type": "glm5_next_text", "num_hidden_layers": 8, "indexer_types": ["full"] * 7 + ["shared"]}, "layer 6 is not a DSA"),
+        (
+            {"model_type": "glm5_next_text", "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3},
+            "one per layer",
+        ),
+        (
+            {"model_type": "glm5_next_text", "num_hidden_layers": 4, "indexer_types": ["shared"] * 4},
+            "directly follow a full one",
+        ),
+        (
+            {"model_type": "glm5_next_text", "num_hidden_layers": 8, "indexer_types": ["full"] * 7 + ["shared"]},
+            "layer 6 is not a DSA",
+        ),
         ({"model_type": "glm5_next_text", "n_group": 0}, "n_group must be at least 1"),
     ],
 )

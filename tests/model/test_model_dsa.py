@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from genolong.kernels.testing import rms_ratio
 from genolong.model import PRESETS, ModelConfig
 from genolong.model.dsa import DSAMixer
-
 from tests.helpers import run_transformers
 
 # Layers 2 (full, followed by a shared layer) and 3 (shared) of the tiny preset's KKDDKKKD.
@@ -24,8 +22,9 @@ _CONFIGS = {
     # no tail: rows t < P - 1 select nothing. genolong outputs 0 there, as transformers' SDPA path
     # does (its eager path averages v over all T positions, future ones included), so this one is
     # compared with transformers under attn_implementation="sdpa"
-    "no-tail": PRESETS["tiny"].replace(index_n_heads=16, index_topk=16, index_kpool=4,
-                                       index_kpool_always_select_tail=False),
+    "no-tail": PRESETS["tiny"].replace(
+        index_n_heads=16, index_topk=16, index_kpool=4, index_kpool_always_select_tail=False
+    ),
 }
 _SDPA = {"no-tail"}
 _LENGTHS = (63, 130)
@@ -91,8 +90,12 @@ def _make_inputs(config: ModelConfig, seed: int = 0) -> dict:
         else:
             raise AssertionError(f"no tie-free input found for T={t}")
         xs = torch.randn(2, t, config.hidden_size)
-        runs.append({_FULL: {"x": x, "probe": torch.randn(2, t, config.hidden_size)},
-                     _SHARED: {"x": xs, "probe": torch.randn(2, t, config.hidden_size)}})
+        runs.append(
+            {
+                _FULL: {"x": x, "probe": torch.randn(2, t, config.hidden_size)},
+                _SHARED: {"x": xs, "probe": torch.randn(2, t, config.hidden_size)},
+            }
+        )
     return {"config": config.to_hf_dict(), "states": states, "runs": runs}
 
 

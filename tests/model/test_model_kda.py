@@ -10,7 +10,6 @@ import torch
 from genolong.kernels.testing import rms_ratio
 from genolong.model import PRESETS
 from genolong.model.kda import KDAMixer, ShortConv
-
 from tests.helpers import run_transformers
 
 _CONFIGS = {
@@ -94,7 +93,8 @@ def test_short_conv_equals_depthwise_conv1d() -> None:
     torch.manual_seed(3)
     conv = ShortConv(6, 4)
     x = torch.randn(2, 11, 6, dtype=torch.float64, requires_grad=True)
-    want = torch.nn.functional.silu(torch.nn.functional.conv1d(
-        x.transpose(1, 2), conv.weight.double(), padding=3, groups=6)[:, :, :11]).transpose(1, 2)
+    want = torch.nn.functional.silu(
+        torch.nn.functional.conv1d(x.transpose(1, 2), conv.weight.double(), padding=3, groups=6)[:, :, :11]
+    ).transpose(1, 2)
     got = conv(x)
     assert torch.allclose(got, want.to(got.dtype), atol=1e-6)

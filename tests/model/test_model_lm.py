@@ -11,11 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from genolong.kernels.testing import rms_ratio
 from genolong.data.alphabet import encode
+from genolong.kernels.testing import rms_ratio
 from genolong.model import PRESETS
 from genolong.model.lm import GenoLM
-
 from tests.helpers import run_transformers
 
 _CONFIGS = {

@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.scenarios import sample_windows, train_collapsed
 from genolong.model import PRESETS
 from genolong.model.layers import clamped_swiglu
 from genolong.model.moe import MoE, RoutingStats, capacity_keep
 from genolong.train.module import routing_bias_step
+from tests.scenarios import sample_windows, train_collapsed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -127,7 +127,7 @@ def test_capacity_drops_the_lightest_rows_and_they_add_nothing() -> None:
     for t in range(40):
         for j in range(k):
             if keep[t, j]:
-                want[t] += weights[t, j] * _expert_out(moe, flat[t:t + 1], int(indices[t, j]))[0]
+                want[t] += weights[t, j] * _expert_out(moe, flat[t : t + 1], int(indices[t, j]))[0]
     assert torch.allclose(out.reshape(-1, x.shape[-1]), want, rtol=1e-5, atol=1e-6)  # index_add order vs a loop
     # evaluation never drops
     moe.eval()
@@ -164,14 +164,21 @@ def test_routing_stats_summary() -> None:
 # -- a collapsed router on tiny (tests/scenarios.py; experiments/bundled-base/moe_collapse.py) ----
 
 
-def test_collapsed_router_recovers_with_the_balance_loss_not_with_the_sign_rule(caplog: pytest.LogCaptureFixture) -> None:
+def test_collapsed_router_recovers_with_the_balance_loss_not_with_the_sign_rule(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     windows = sample_windows()
     with caplog.at_level(logging.WARNING, logger="genolong"):
         old = train_collapsed(windows, moe_bias_rate=0.001, moe_bias_update="sign")
     warned = [r.getMessage() for r in caplog.records if "collapsed" in r.getMessage()]
     assert len(warned) == 1 and "MoE layer" in warned[0] and "train.moe_balance_loss_weight" in warned[0], warned
     new = train_collapsed(windows, moe_bias_rate=0.001, moe_bias_update="sign", moe_balance_loss_weight=0.1)
-    print("worst layer max/mean every 5 steps, old:", [round(x, 2) for x in old[::5]], "new:", [round(x, 2) for x in new[::5]])
+    print(
+        "worst layer max/mean every 5 steps, old:",
+        [round(x, 2) for x in old[::5]],
+        "new:",
+        [round(x, 2) for x in new[::5]],
+    )
     assert len(old) == len(new) == 50
     assert old[0] > 3.5 and new[0] > 3.5  # both start collapsed: 4.0 is every token on one expert
     assert min(old) > 3.0  # the sign rule moves each bias by at most 50 x 0.001 = 0.05

@@ -58,7 +58,7 @@ def test_loss_through_a_text_vocabulary() -> None:
     logits = model.logits(model(ids))[0, :-1]
     targets = ids[0, 1:]
     # targets C G T N a c g t n A C G T A C G T pad pad
-    weights = torch.tensor([1, 1, 1, 0, .5, .5, .5, .5, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0])
+    weights = torch.tensor([1, 1, 1, 0, 0.5, 0.5, 0.5, 0.5, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0])
     expected = (torch.nn.functional.cross_entropy(logits, targets, reduction="none") * weights).sum()
     assert float(count) == float(weights.sum())
     assert torch.allclose(total, expected, rtol=1e-5, atol=1e-5)

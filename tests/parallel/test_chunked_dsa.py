@@ -21,7 +21,6 @@ from genolong.model.mhc import merge_streams
 from genolong.parallel import apply_recompute
 from genolong.parallel.chunked_dsa import _keys_chunk, _query_segment, dsa_attention_half
 from genolong.parallel.context import apply_context_parallel, is_context_parallel
-
 from tests.helpers import assert_bitwise_equal, run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -71,8 +70,12 @@ def test_model_imports_nothing_from_parallel() -> None:
     offenders = {f.name: _parallel_imports(f.read_text()) for f in files}
     assert not any(offenders.values()), f"genolong.model modules import genolong.parallel: {offenders}"
     # the scan catches each spelling (today's dsa.py had the first, inside a method)
-    for line in ("def f():\n    from ..parallel.cp_dsa import cp_dsa_forward", "from .. import parallel",
-                 "import genolong.parallel.context", "from genolong.parallel import parallelize"):
+    for line in (
+        "def f():\n    from ..parallel.cp_dsa import cp_dsa_forward",
+        "from .. import parallel",
+        "import genolong.parallel.context",
+        "from genolong.parallel import parallelize",
+    ):
         assert _parallel_imports(line), line
     assert not _parallel_imports("from ..kernels.kda.cp import conv_halo")  # kernels are not parallel
 
@@ -117,8 +120,13 @@ def _run(model: GenoLM, streams: torch.Tensor, chunk: int | None, probe: torch.T
     loss = (out3 * probe).sum() + kl
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return {"out": out3.detach(), "indices": indices, "kl": kl.detach(), "loss": loss.detach(),
-            "grads": {"streams": streams.grad, **grads}}
+    return {
+        "out": out3.detach(),
+        "indices": indices,
+        "kl": kl.detach(),
+        "loss": loss.detach(),
+        "grads": {"streams": streams.grad, **grads},
+    }
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
@@ -126,14 +134,17 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) 
     assert err <= tol, f"{what}: max |diff| / max |ref| = {err:.2e} > {tol}"
 
 
-@pytest.mark.parametrize("name,t,chunk", [
-    ("tiny", 120, 16),  # T a multiple of the pool (8), not of the segment
-    ("tiny", 123, 32),  # odd length: an incomplete last pool, a short last segment
-    ("tiny", 64, 64),  # one segment
-    ("tiny", 40, 64),  # shorter than a segment
-    ("tiny", 72, 8),  # segments of one pool
-    ("sparse", 202, 12),  # 4-token pools, 4 of up to 50 selected; 17 segments
-])
+@pytest.mark.parametrize(
+    "name,t,chunk",
+    [
+        ("tiny", 120, 16),  # T a multiple of the pool (8), not of the segment
+        ("tiny", 123, 32),  # odd length: an incomplete last pool, a short last segment
+        ("tiny", 64, 64),  # one segment
+        ("tiny", 40, 64),  # shorter than a segment
+        ("tiny", 72, 8),  # segments of one pool
+        ("sparse", 202, 12),  # 4-token pools, 4 of up to 50 selected; 17 segments
+    ],
+)
 def test_segmented_half_equals_plain_half(name: str, t: int, chunk: int) -> None:
     config = CONFIGS[name]
     model = _blocks(config)
@@ -149,8 +160,13 @@ def test_segmented_half_equals_plain_half(name: str, t: int, chunk: int) -> None
     _assert_close(got["loss"], ref["loss"], KL_TOL, "loss")
     assert got["grads"].keys() == ref["grads"].keys()
     names = set(ref["grads"])
-    assert {"layers.2.self_attn.indexer.wk.weight", "layers.2.self_attn.indexer.wq_b.weight",
-            "layers.2.attn_hc.fn", "layers.3.self_attn.kv_a_proj_with_mqa.weight", "streams"} <= names
+    assert {
+        "layers.2.self_attn.indexer.wk.weight",
+        "layers.2.self_attn.indexer.wq_b.weight",
+        "layers.2.attn_hc.fn",
+        "layers.3.self_attn.kv_a_proj_with_mqa.weight",
+        "streams",
+    } <= names
     for key in names:
         _assert_close(got["grads"][key], ref["grads"][key], GRAD_TOL, f"gradient of {key}")
 
@@ -223,8 +239,11 @@ def test_whole_model_with_segmented_dsa_halves(offload: bool) -> None:
                 block.self_attn.indexer_kl = True
         with ActivationMeter(model) as meter:
             nll, weight = model.loss(tokens)
-            kls = [b.self_attn.last_indexer_kl for b in model.layers
-                   if b.layer_type == "indexed_attention" and b.self_attn.indexer is not None]
+            kls = [
+                b.self_attn.last_indexer_kl
+                for b in model.layers
+                if b.layer_type == "indexed_attention" and b.self_attn.indexer is not None
+            ]
             loss = nll / weight + sum(kls)
             loss.backward()
         return loss.detach(), [k.detach() for k in kls], {n: p.grad for n, p in model.named_parameters()}, meter
@@ -266,8 +285,9 @@ def test_kl_kernel_query_offset() -> None:
     k_pool = torch.randn(b, t // p, 8, generator=g, dtype=torch.float64).requires_grad_()
     w = torch.randn(b, t, 3, generator=g, dtype=torch.float64).requires_grad_()
     limit = (torch.arange(t) + 1) // p  # pools eligible for query t: 0 .. limit - 1
-    pools = torch.where(torch.rand(b, t, kp, generator=g) < 0.8,
-                        (torch.rand(b, t, kp, generator=g) * limit[None, :, None]).long(), -1)
+    pools = torch.where(
+        torch.rand(b, t, kp, generator=g) < 0.8, (torch.rand(b, t, kp, generator=g) * limit[None, :, None]).long(), -1
+    )
     pools = torch.where(limit[None, :, None] > 0, pools, -1)
 
     def counted(rows: torch.Tensor, q0: int) -> int:
@@ -281,8 +301,7 @@ def test_kl_kernel_query_offset() -> None:
     assert n0 > 0 and n1 > 0
     split = (head * n0 + tail * n1) / (n0 + n1)
     _assert_close(split, whole, 1e-12, "KL of two query ranges")
-    for gx, gw in zip(torch.autograd.grad(split, (q_idx, k_pool, w)),
-                         torch.autograd.grad(whole, (q_idx, k_pool, w))):
+    for gx, gw in zip(torch.autograd.grad(split, (q_idx, k_pool, w)), torch.autograd.grad(whole, (q_idx, k_pool, w))):
         _assert_close(gx, gw, 1e-12, "KL gradient of two query ranges")
     with pytest.raises(InputError, match="q_offset"):
         kpool_indexer_kl_loss(q[:, s:], k[:, s:], q_idx[:, s:], k_pool, w[:, s:], pools[:, s:], p, q_offset=s)
@@ -339,8 +358,17 @@ def test_rebuilt_region_bounded_by_chunk() -> None:
         latent = torch.randn(b, t, config.kv_lora_rank, requires_grad=True)
         pooled = torch.randn(b, t // config.index_kpool, config.index_head_dim, requires_grad=True)
         key_bytes = (latent.numel() + pooled.numel()) * 4
-        seg = _rebuilt_bytes(_query_segment, model, model.layers[FULL], streams.requires_grad_(True), latent, pooled,
-                             None, t - chunk, True)
+        seg = _rebuilt_bytes(
+            _query_segment,
+            model,
+            model.layers[FULL],
+            streams.requires_grad_(True),
+            latent,
+            pooled,
+            None,
+            t - chunk,
+            True,
+        )
         rebuilt[t] = seg - key_bytes - streams.numel() * 4
         keys_rebuilt[t] = _rebuilt_bytes(_keys_chunk, model, model.layers[FULL], streams, True)
     assert rebuilt[128] == rebuilt[512] > 0, rebuilt
@@ -390,7 +418,9 @@ def _cp_rank(rank: int, world: int, case: dict) -> None:
     with ActivationMeter(model) as meter:
         out, _ = dsa_attention_half(model.layers[FULL], streams, None, chunk)
         kept = meter.resident_bytes
-        expected = streams.numel() * 4 + b * end * (config.kv_lora_rank + config.index_head_dim // config.index_kpool) * 4
+        expected = (
+            streams.numel() * 4 + b * end * (config.kv_lora_rank + config.index_head_dim // config.index_kpool) * 4
+        )
         assert expected <= kept <= expected + 8 * (-(-t // chunk) + 2), (rank, kept, expected)
         (out.sum() + model.layers[FULL].self_attn.last_indexer_kl).backward()
 

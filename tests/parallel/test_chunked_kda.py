@@ -39,13 +39,12 @@ from genolong.model.config import INDEXED_ATTENTION
 from genolong.model.lm import Block
 from genolong.model.mhc import merge_streams
 from genolong.parallel.chunked_kda import kda_attention_half, segment_bounds
-
 from tests.helpers import assert_bitwise_equal, run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-_GRAD_TOL = 2e-6   # float32 rounding of the same sums in another grouping (see the module docstring)
-_CP_TOL = 1e-5     # the context-parallel fold's other product order (tests/parallel/test_cp_model.py)
+_GRAD_TOL = 2e-6  # float32 rounding of the same sums in another grouping (see the module docstring)
+_CP_TOL = 1e-5  # the context-parallel fold's other product order (tests/parallel/test_cp_model.py)
 TINY = PRESETS["tiny"]
 
 
@@ -85,14 +84,17 @@ def _segmented(chunk_tokens: int) -> Any:
     return lambda block, streams: kda_attention_half(block, streams, chunk_tokens)
 
 
-@pytest.mark.parametrize("preset,B,T,chunk", [
-    ("tiny", 1, 320, 64),     # one KDA chunk per segment
-    ("tiny", 2, 320, 128),    # a few chunks; 320 = 2 x 128 + 64 (T not a multiple)
-    ("tiny", 1, 320, 192),    # 192 + 128
-    ("tiny", 2, 320, 1024),   # larger than T: one segment
-    ("small", 1, 256, 128),
-    ("tiny-softplus", 1, 320, 128),  # the gate without a lower bound
-])
+@pytest.mark.parametrize(
+    "preset,B,T,chunk",
+    [
+        ("tiny", 1, 320, 64),  # one KDA chunk per segment
+        ("tiny", 2, 320, 128),  # a few chunks; 320 = 2 x 128 + 64 (T not a multiple)
+        ("tiny", 1, 320, 192),  # 192 + 128
+        ("tiny", 2, 320, 1024),  # larger than T: one segment
+        ("small", 1, 256, 128),
+        ("tiny-softplus", 1, 320, 128),  # the gate without a lower bound
+    ],
+)
 def test_segmented_half_equals_the_plain_half(preset: str, B: int, T: int, chunk: int) -> None:
     config = TINY.replace(linear_lower_bound=None) if preset == "tiny-softplus" else PRESETS[preset]
     block = _block(config)
@@ -144,8 +146,11 @@ def _naive_fla_kernel(**kw: Any) -> Any:
     if kw.pop("use_gate_in_kernel", False):
         A_log, dt_bias, lower_bound = kw.pop("A_log"), kw.pop("dt_bias"), kw.pop("lower_bound")
         kw.pop("safe_gate")
-        kw["g"] = (naive_kda_gate(kw["g"], A_log, dt_bias) if lower_bound is None
-                   else naive_kda_lowerbound_gate(kw["g"], A_log, dt_bias, lower_bound))
+        kw["g"] = (
+            naive_kda_gate(kw["g"], A_log, dt_bias)
+            if lower_bound is None
+            else naive_kda_lowerbound_gate(kw["g"], A_log, dt_bias, lower_bound)
+        )
     if kw.pop("use_beta_sigmoid_in_kernel", False):
         kw["beta"] = torch.sigmoid(kw["beta"])
     return naive_recurrent_kda(**kw)
@@ -160,8 +165,11 @@ def test_segmented_half_through_the_fla_backend_interface() -> None:
     block = _block()
     torch_backend = get_backend("torch")
     block.self_attn.kernels = dataclasses.replace(
-        torch_backend, name="fla-naive", chunk_kda=make_fla_chunk_kda(kernel=_naive_fla_kernel),
-        chunk_kda_gated=make_fla_chunk_kda_gated(kernel=_naive_fla_kernel))
+        torch_backend,
+        name="fla-naive",
+        chunk_kda=make_fla_chunk_kda(kernel=_naive_fla_kernel),
+        chunk_kda_gated=make_fla_chunk_kda_gated(kernel=_naive_fla_kernel),
+    )
     streams, probe = _inputs(TINY, 1, 192)
     ref = _step(block, lambda b, s: plain_half(b, s), streams, probe)
     got = _step(block, _segmented(64), streams, probe)
@@ -175,6 +183,7 @@ def test_segmented_half_through_the_fla_backend_interface() -> None:
 
 
 # -- what autograd keeps, and what backward rebuilds -------------------------------------------------
+
 
 class _RebuiltBytes:
     """Live bytes of the tensors a checkpoint's recomputation saves (per storage), and their peak.
@@ -256,9 +265,9 @@ def test_meter_keeps_segment_inputs_and_rebuilds_one_segment(monkeypatch: pytest
     rebuilt = _RebuiltBytes(monkeypatch)
     mixer = block.self_attn
     qkv = mixer.num_heads * mixer.head_dim
-    halo = (mixer.conv1d.weight.shape[-1] - 1) * 3 * qkv * 4                  # [1, 3, 192] fp32
-    state = mixer.num_heads * mixer.head_dim * mixer.head_dim * 4            # [1, 4, 16, 16] fp32
-    per_token = TINY.hc_mult * TINY.hidden_size * 4                          # the streams
+    halo = (mixer.conv1d.weight.shape[-1] - 1) * 3 * qkv * 4  # [1, 3, 192] fp32
+    state = mixer.num_heads * mixer.head_dim * mixer.head_dim * 4  # [1, 4, 16, 16] fp32
+    per_token = TINY.hc_mult * TINY.hidden_size * 4  # the streams
     peaks = {}
     for T in (256, 512):
         kept, peaks[T] = _metered(block, _segmented(64), T, rebuilt)
@@ -272,14 +281,16 @@ def test_meter_keeps_segment_inputs_and_rebuilds_one_segment(monkeypatch: pytest
     kept, peak128 = _metered(block, _segmented(128), 512, rebuilt)
     assert kept == 512 * per_token + 3 * (halo + state) and peak128 > peaks[512]
     # the whole half under one checkpoint keeps the streams only, but rebuilds all of it at once
-    whole = {T: _metered(block, lambda b, s: torch_checkpoint.checkpoint(plain_half, b, s, use_reentrant=False),
-                         T, rebuilt) for T in (256, 512)}
+    whole = {
+        T: _metered(block, lambda b, s: torch_checkpoint.checkpoint(plain_half, b, s, use_reentrant=False), T, rebuilt)
+        for T in (256, 512)
+    }
     assert whole[256][0] == 256 * per_token and whole[512][1] > 1.9 * whole[256][1] > 3 * peaks[256]
 
 
 # -- context parallelism -----------------------------------------------------------------------------
 
-_CP_T, _CP_CHUNK = 384, 128   # 192 tokens per rank on 2 ranks: segments of 128 and 64
+_CP_T, _CP_CHUNK = 384, 128  # 192 tokens per rank on 2 ranks: segments of 128 and 64
 
 
 def _cp_worker(rank: int, world: int, folder: str) -> None:
@@ -309,8 +320,8 @@ def test_segmented_half_under_context_parallelism_equals_one_process(tmp_path: P
     ref = _step(block, lambda b, s: plain_half(b, s), streams, probe)
     # what the first rank leaves (state, halo) matters on the second, far beyond the tolerance: its
     # slice alone (zero state, zero halo) is off by more than 10x the bound
-    alone = _step(block, lambda b, s: plain_half(b, s), streams[:, _CP_T // 2:], probe[:, _CP_T // 2:])
-    assert rms_ratio(ref["out"][:, _CP_T // 2:], alone["out"]) > 10 * _CP_TOL
+    alone = _step(block, lambda b, s: plain_half(b, s), streams[:, _CP_T // 2 :], probe[:, _CP_T // 2 :])
+    assert rms_ratio(ref["out"][:, _CP_T // 2 :], alone["out"]) > 10 * _CP_TOL
     run_ranks(_cp_worker, 2, tmp_path, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     assert rms_ratio(ref["out"], torch.cat([r["out"] for r in ranks], dim=1)) < _CP_TOL
@@ -327,7 +338,7 @@ def test_segmented_half_under_context_parallelism_equals_one_process(tmp_path: P
     h = mixer.conv1d.weight.shape[-1] - 1
     halo = B * h * 3 * mixer.num_heads * mixer.head_dim * 4
     state = B * mixer.num_heads * mixer.head_dim * mixer.head_dim * 4
-    affine_map = 2 * state                                                     # [B, heads, dk, dv + dk]
+    affine_map = 2 * state  # [B, heads, dk, dv + dk]
     streams_bytes = B * t * TINY.hc_mult * TINY.hidden_size * 4
     expected = streams_bytes + segments * (halo + state) + (segments - 1) * affine_map + 2 * affine_map
     assert [r["kept"] for r in ranks] == [expected, expected]

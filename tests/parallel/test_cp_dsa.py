@@ -22,9 +22,7 @@ from genolong.kernels.testing import rms_ratio
 from genolong.model import PRESETS
 from genolong.model.dsa import DSAMixer
 from genolong.parallel.cp_dsa import cp_dsa_comm_bytes, cp_dsa_forward
-
 from tests.helpers import run_ranks
-
 from tests.model.test_model_dsa import _boundary_margin
 
 # 16 indexer heads with positive weights and positive inputs keep exact (ReLU-zero) ties away from
@@ -65,12 +63,20 @@ def _run_pair(mixers: dict[int, DSAMixer], case: dict, sl: slice, forward) -> di
     out_s, nothing = forward(mixers[_SHARED], xs, indices)
     assert indices is not None and nothing is None and kl is not None
     ((out_f * case["probe"][:, sl]).sum() + (out_s * case["probe_s"][:, sl]).sum() + kl).backward()
-    return {"out": out_f.detach(), "out_s": out_s.detach(), "indices": indices, "kl": kl.detach(),
-            "x": x.grad, "xs": xs.grad}
+    return {
+        "out": out_f.detach(),
+        "out_s": out_s.detach(),
+        "indices": indices,
+        "kl": kl.detach(),
+        "x": x.grad,
+        "xs": xs.grad,
+    }
 
 
 def _param_grads(mixers: dict[int, DSAMixer]) -> dict[str, torch.Tensor]:
-    return {f"{layer}.{k}": p.grad for layer, m in mixers.items() for k, p in m.named_parameters() if p.grad is not None}
+    return {
+        f"{layer}.{k}": p.grad for layer, m in mixers.items() for k, p in m.named_parameters() if p.grad is not None
+    }
 
 
 def _make_case(total: int, seed: int) -> dict:
@@ -85,8 +91,10 @@ def _make_case(total: int, seed: int) -> dict:
         raise AssertionError(f"no tie-free input found for T={total}")
     case = {
         "states": {layer: {k: v.detach().clone() for k, v in m.state_dict().items()} for layer, m in mixers.items()},
-        "x": x, "xs": torch.randn(_B, total, _CONFIG.hidden_size),
-        "probe": torch.randn(_B, total, _CONFIG.hidden_size), "probe_s": torch.randn(_B, total, _CONFIG.hidden_size),
+        "x": x,
+        "xs": torch.randn(_B, total, _CONFIG.hidden_size),
+        "probe": torch.randn(_B, total, _CONFIG.hidden_size),
+        "probe_s": torch.randn(_B, total, _CONFIG.hidden_size),
     }
     ref = {}
     for absorb in (True, False):
@@ -185,7 +193,9 @@ def test_cp_dsa_equals_single_process(tmp_path: Path, world: int, t_local: int) 
             # the indexer KL shares sum to the single-process loss
             assert abs(float(r["kl"]) - float(ref["kl"])) < _TOL * float(ref["kl"]), (absorb, r["kl"], ref["kl"])
         # the indexer learns through the KL (its pooled keys cross ranks), the rest through the output
-        assert {"2.indexer.wk.weight", "2.indexer.index_kpool_compress_gate", "2.kv_b_proj.weight"} <= ref["grads"].keys()
+        assert {"2.indexer.wk.weight", "2.indexer.index_kpool_compress_gate", "2.kv_b_proj.weight"} <= ref[
+            "grads"
+        ].keys()
         full = cp_dsa_comm_bytes(_CONFIG, _B, t_local, world, full_indexer=True)
         shared = cp_dsa_comm_bytes(_CONFIG, _B, t_local, world, full_indexer=False)
         for r in runs:
@@ -230,9 +240,16 @@ def test_cp_dsa_rejects_bad_input_before_any_collective() -> None:
     with pytest.raises(InputError, match="shared"):
         cp_dsa_forward(shared, torch.randn(1, 16, _CONFIG.hidden_size))
     with pytest.raises(InputError, match="prev_indices"):
-        cp_dsa_forward(shared, torch.randn(1, 16, _CONFIG.hidden_size), prev_indices=torch.zeros(1, 8, 4, dtype=torch.long))
+        cp_dsa_forward(
+            shared, torch.randn(1, 16, _CONFIG.hidden_size), prev_indices=torch.zeros(1, 8, 4, dtype=torch.long)
+        )
     with pytest.raises(InputError, match="process group"):
         cp_dsa_forward(full, torch.randn(1, 16, _CONFIG.hidden_size))
     with pytest.raises(ValueError, match="cover positions"):
-        sparse_attention(torch.randn(1, 4, 2, 8), torch.randn(1, 6, 1, 8), torch.randn(1, 6, 1, 8),
-                         torch.zeros(1, 4, 3, dtype=torch.long), q_offset=3)
+        sparse_attention(
+            torch.randn(1, 4, 2, 8),
+            torch.randn(1, 6, 1, 8),
+            torch.randn(1, 6, 1, 8),
+            torch.zeros(1, 4, 3, dtype=torch.long),
+            q_offset=3,
+        )

@@ -27,7 +27,6 @@ from genolong.kernels.kda.cp import (
 )
 from genolong.kernels.testing import rms_ratio
 from genolong.parallel.mesh import build_mesh, cp_group, cp_rank, dp_rank
-
 from tests.helpers import assert_bitwise_equal, run_ranks
 
 # test_single_process_paths compares cp_chunk_kda without a group with chunk_kda bit for bit:
@@ -52,8 +51,9 @@ def _kda_inputs(T: int, dtype: torch.dtype, gate: str, gen: torch.Generator) -> 
     return {n: x.to(dtype) for n, x in zip(NAMES + ("do",), (q, k, v, g, beta, do))}
 
 
-def _make_group_case(lengths: list[int], halo_lengths: list[int], dtype: torch.dtype, gate: str,
-                     seed: int) -> dict[str, Any]:
+def _make_group_case(
+    lengths: list[int], halo_lengths: list[int], dtype: torch.dtype, gate: str, seed: int
+) -> dict[str, Any]:
     """Inputs for one CP group and the single-process reference outputs and gradients."""
     gen = torch.Generator().manual_seed(seed)
     T = sum(lengths)
@@ -70,14 +70,29 @@ def _make_group_case(lengths: list[int], halo_lengths: list[int], dtype: torch.d
     xl = x.clone().requires_grad_(True)
     padded = F.pad(xl, (0, 0, h, 0))
     starts = [sum(halo_lengths[:r]) for r in range(len(halo_lengths))]
-    halos = torch.stack([padded[:, s:s + h] for s in starts])                 # [W, B, h, C]
+    halos = torch.stack([padded[:, s : s + h] for s in starts])  # [W, B, h, C]
     (halos * dh).sum().backward()
-    return {"lengths": lengths, "inp": inp, "ref": ref, "halo_lengths": halo_lengths, "x": x, "dh": dh,
-            "halo_ref": halos.detach(), "dx_ref": xl.grad}
+    return {
+        "lengths": lengths,
+        "inp": inp,
+        "ref": ref,
+        "halo_lengths": halo_lengths,
+        "x": x,
+        "dh": dh,
+        "halo_ref": halos.detach(),
+        "dx_ref": xl.grad,
+    }
 
 
-def _recurrent_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  chunk_size: int = 64, **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _recurrent_fn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+    **kw: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The token-by-token reference as a ``kda_fn`` (it has no chunks)."""
     return recurrent_kda(q, k, v, g, beta, **kw)
 
@@ -96,7 +111,7 @@ def _run_slice(case: dict[str, Any], r: int, group: dist.ProcessGroup, out: Path
     assert kda_bytes == {"all_gather": expect["forward"], "all_reduce": expect["backward"]}, (kda_bytes, expect)
 
     lo = sum(case["halo_lengths"][:r])
-    x = case["x"][:, lo:lo + case["halo_lengths"][r]].clone().requires_grad_(True)
+    x = case["x"][:, lo : lo + case["halo_lengths"][r]].clone().requires_grad_(True)
     with comm_meter() as halo_bytes:
         halo = conv_halo(x, KERNEL, group)
         (halo * case["dh"][r]).sum().backward()
@@ -118,8 +133,9 @@ def _mesh_worker(rank: int, world: int, case_file: str) -> None:
     assert group is not None
     d, r = dp_rank(mesh), cp_rank(mesh)
     # group 0 runs its local slices through another KDA op (the recurrent reference) via kda_fn
-    _run_slice(cases[d], r, group, Path(case_file).with_name(f"out_{d}_{r}.pt"),
-               kda_fn=_recurrent_fn if d == 0 else None)
+    _run_slice(
+        cases[d], r, group, Path(case_file).with_name(f"out_{d}_{r}.pt"), kda_fn=_recurrent_fn if d == 0 else None
+    )
 
 
 def _check(case: dict[str, Any], outs: list[dict[str, torch.Tensor]], tol: float) -> None:
@@ -134,10 +150,14 @@ def _check(case: dict[str, Any], outs: list[dict[str, torch.Tensor]], tol: float
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("lengths", "halo_lengths", "gate"), [
-    ([75, 75], [75, 75], "mild"),                 # CP = 2, 150 tokens: 75 = 64 + 11 per rank
-    ([37, 37, 37, 37], [5, 1, 0, 7], "mild"),     # CP = 4: slices shorter than a chunk; halo over 2 ranks, empty slice
-], ids=["cp2", "cp4"])
+@pytest.mark.parametrize(
+    ("lengths", "halo_lengths", "gate"),
+    [
+        ([75, 75], [75, 75], "mild"),  # CP = 2, 150 tokens: 75 = 64 + 11 per rank
+        ([37, 37, 37, 37], [5, 1, 0, 7], "mild"),  # CP = 4: slices shorter than a chunk; halo over 2 ranks, empty slice
+    ],
+    ids=["cp2", "cp4"],
+)
 def test_cp_kda_matches_single_process(tmp_path: Path, lengths: list[int], halo_lengths: list[int], gate: str) -> None:
     case = _make_group_case(lengths, halo_lengths, torch.float32, gate, seed=len(lengths))
     torch.save(case, tmp_path / "case.pt")
@@ -150,8 +170,10 @@ def test_cp_kda_matches_single_process(tmp_path: Path, lengths: list[int], halo_
 def test_cp_kda_on_mesh_subgroups_float64(tmp_path: Path) -> None:
     # two CP groups of a 2 x 2 mesh run different sequences at once, with uneven slices: one of
     # 2 tokens (shorter than the halo) and one empty; group 0's local op is recurrent_kda
-    cases = [_make_group_case([70, 2], [70, 2], torch.float64, "mild", seed=10),
-             _make_group_case([0, 9], [0, 9], torch.float64, "lowerbound", seed=11)]
+    cases = [
+        _make_group_case([70, 2], [70, 2], torch.float64, "mild", seed=10),
+        _make_group_case([0, 9], [0, 9], torch.float64, "lowerbound", seed=11),
+    ]
     torch.save(cases, tmp_path / "case.pt")
     run_ranks(_mesh_worker, 4, tmp_path, str(tmp_path / "case.pt"))
     for d, case in enumerate(cases):
@@ -173,4 +195,7 @@ def test_single_process_paths() -> None:
     assert cp_kda_comm_bytes(B, H, K, V, 1) == {"forward": 0, "backward": 0}
     assert cp_kda_comm_bytes(1, 32, 128, 128, 8) == {"forward": 32 * 128 * 256 * 4, "backward": 8 * 32 * 128 * 256 * 4}
     assert cp_kda_comm_bytes(1, 1, 2, 2, 2, dtype=torch.float64)["forward"] == 2 * 4 * 8
-    assert conv_halo_comm_bytes(2, 10, 4, 4, dtype=torch.bfloat16) == {"forward": 8 + 2 * 3 * 10 * 2, "backward": 4 * 2 * 3 * 10 * 2}
+    assert conv_halo_comm_bytes(2, 10, 4, 4, dtype=torch.bfloat16) == {
+        "forward": 8 + 2 * 3 * 10 * 2,
+        "backward": 4 * 2 * 3 * 10 * 2,
+    }

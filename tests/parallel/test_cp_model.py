@@ -21,7 +21,6 @@ from genolong.kernels.testing import rms_ratio
 from genolong.model import PRESETS, GenoLM
 from genolong.model.kda import KDAMixer
 from genolong.parallel.context import apply_context_parallel
-
 from tests.helpers import run_ranks
 
 _TOL = 1e-5
@@ -74,11 +73,15 @@ def test_whole_model_under_context_parallelism_equals_one_process(tmp_path: Path
     case = _case(world * t_local, seed=world, dtype=torch.float32)
     torch.save(case, tmp_path / "case.pt")
     ref = _reference(case)
-    wide = _reference({k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in case.items()}
-                      | {"state": {k: v.double() if v.is_floating_point() else v for k, v in case["state"].items()}})
+    wide = _reference(
+        {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in case.items()}
+        | {"state": {k: v.double() if v.is_floating_point() else v for k, v in case["state"].items()}}
+    )
     other_order = _reference(case, kda_chunk=32)
-    rounding = {name: max(rms_ratio(wide["grads"][name], g.double()), rms_ratio(other_order["grads"][name], g))
-                for name, g in ref["grads"].items()}
+    rounding = {
+        name: max(rms_ratio(wide["grads"][name], g.double()), rms_ratio(other_order["grads"][name], g))
+        for name, g in ref["grads"].items()
+    }
     run_ranks(_worker, world, tmp_path, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
     hidden = torch.cat([r["hidden"] for r in ranks], dim=1)

@@ -29,7 +29,6 @@ from genolong.model import PRESETS, GenoLM
 from genolong.model.dsa import DSAIndexer
 from genolong.parallel import apply_recompute
 from genolong.parallel.context import apply_context_parallel
-
 from tests.helpers import TorchDSAEngineCalls, register_interpreted_triton, run_ranks
 
 _GRAD_TOL = 1e-5
@@ -40,8 +39,9 @@ _T_LOCAL = 40  # tokens per rank: a multiple of the pool (8), not of the segment
 _CHUNK = 24  # recompute segments of 24 and 16 tokens: rank 1's start at 40 and 64
 
 
-def _step(backend: str, case: dict, rank: int, world: int, dtype: torch.dtype = torch.float32,
-          chunk: int = _CHUNK) -> dict:
+def _step(
+    backend: str, case: dict, rank: int, world: int, dtype: torch.dtype = torch.float32, chunk: int = _CHUNK
+) -> dict:
     """One forward + backward of this rank's slice under CP and chunked recompute; the parameter
     gradients summed over the ranks, the loss, every selection the indexers made and the calls."""
     torch.manual_seed(0)
@@ -61,7 +61,7 @@ def _step(backend: str, case: dict, rank: int, world: int, dtype: torch.dtype = 
     lo, hi = rank * _T_LOCAL, (rank + 1) * _T_LOCAL
     before = dispatch_counts()
     with TorchDSAEngineCalls() as engines:
-        nll, weight = model.loss(tokens[:, lo:hi], next_tokens=tokens[:, hi:hi + 1] if rank + 1 < world else None)
+        nll, weight = model.loss(tokens[:, lo:hi], next_tokens=tokens[:, hi : hi + 1] if rank + 1 < world else None)
         total = weight.detach().clone()
         dist.all_reduce(total)
         loss = nll / total + sum(m.last_indexer_kl for m in indexers)
@@ -72,8 +72,9 @@ def _step(backend: str, case: dict, rank: int, world: int, dtype: torch.dtype = 
         dist.all_reduce(g)
     summed = loss.detach().clone()
     dist.all_reduce(summed)
-    kernels = {op: {impl: n - before.get(op, {}).get(impl, 0) for impl, n in counts.items()}
-               for op, counts in after.items()}
+    kernels = {
+        op: {impl: n - before.get(op, {}).get(impl, 0) for impl, n in counts.items()} for op, counts in after.items()
+    }
     return {"loss": summed, "grads": grads, "selections": selections, "engines": engines.calls, "kernels": kernels}
 
 
@@ -113,7 +114,9 @@ def test_cp2_chunked_step_runs_the_triton_kernels_at_every_offset(tmp_path: Path
             assert torch.equal(a, b)  # exact: int positions
         assert abs(float(got["loss"]) - float(ref["loss"])) <= _LOSS_TOL * abs(float(ref["loss"]))
         assert got["grads"].keys() == ref["grads"].keys()
-        rounding = {n: max(rms_ratio(wide["grads"][n], g), rms_ratio(other["grads"][n], g)) for n, g in ref["grads"].items()}
+        rounding = {
+            n: max(rms_ratio(wide["grads"][n], g), rms_ratio(other["grads"][n], g)) for n, g in ref["grads"].items()
+        }
         errors = {n: rms_ratio(g, got["grads"][n]) for n, g in ref["grads"].items()}
         over = {n: (e, rounding[n]) for n, e in errors.items() if e >= max(_GRAD_TOL, 2 * rounding[n])}
         assert not over, over

@@ -29,11 +29,10 @@ from genolong.model import PRESETS, GenoLM
 from genolong.model.moe import MoE
 from genolong.parallel import parallelize
 from genolong.parallel.expert import apply_expert_parallel, ep_comm_counter
-from genolong.parallel.offload import ActivationOffloader
 from genolong.parallel.mesh import build_mesh, cp_rank, cp_size, dp_rank, ep_size, expert_mesh, mesh_shape
+from genolong.parallel.offload import ActivationOffloader
 from genolong.plan import ep_comm_bytes
 from genolong.train.module import clip_grad_norm_by_mesh
-
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,8 +60,11 @@ def _reference(case: dict, dtype: torch.dtype) -> dict:
     model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in case["state"].items()})
     hidden = model(case["ids"])
     (hidden * case["probe"].to(dtype)).sum().backward()
-    return {"hidden": hidden.detach().float(), "loads": _loads(model),
-            "grads": {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}}
+    return {
+        "hidden": hidden.detach().float(),
+        "loads": _loads(model),
+        "grads": {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None},
+    }
 
 
 def _balanced_bytes(ep: int, chunks: int, c: int) -> dict[str, int]:
@@ -91,8 +93,11 @@ def _balanced_counter(rank: int, world: int) -> dict:
     apply_expert_parallel(moe, mesh)
     x = torch.randn(1, 18, config.hidden_size, requires_grad=True)  # 3 chunks of 6 tokens
     moe(x).sum().backward()
-    return {"measured": ep_comm_counter(moe).as_dict(), "received": moe.last_received,
-            "expected": _balanced_bytes(world, 3, 6)}
+    return {
+        "measured": ep_comm_counter(moe).as_dict(),
+        "received": moe.last_received,
+        "expected": _balanced_bytes(world, 3, 6),
+    }
 
 
 def _unequal_chunks(rank: int, world: int, balance: float = 0.0, capacity: float | None = None) -> dict:
@@ -117,10 +122,14 @@ def _unequal_chunks(rank: int, world: int, balance: float = 0.0, capacity: float
         (out * probe).sum().backward()
         results.append((out.detach(), xi.grad, module.gate.weight.grad, module.last_routing, module.last_balance_loss))
     (want, want_grad, want_gate, want_stats, want_bal), (got, got_grad, got_gate, got_stats, got_bal) = results
-    return {"out": rms_ratio(want, got), "grad": rms_ratio(want_grad, got_grad), "gate": rms_ratio(want_gate, got_gate),
-            "loads": torch.equal(want_stats.load, got_stats.load),  # exact: int64 counts
-            "dropped": (int(want_stats.dropped), int(got_stats.dropped)),
-            "balance": None if want_bal is None else (float(want_bal), float(got_bal))}
+    return {
+        "out": rms_ratio(want, got),
+        "grad": rms_ratio(want_grad, got_grad),
+        "gate": rms_ratio(want_gate, got_gate),
+        "loads": torch.equal(want_stats.load, got_stats.load),  # exact: int64 counts
+        "dropped": (int(want_stats.dropped), int(got_stats.dropped)),
+        "balance": None if want_bal is None else (float(want_bal), float(got_bal)),
+    }
 
 
 def _ep_worker(rank: int, world: int, folder: str) -> None:
@@ -130,7 +139,9 @@ def _ep_worker(rank: int, world: int, folder: str) -> None:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     assert apply_expert_parallel(model, mesh) == 7
     # the checkpoint format: the same keys and global shapes
-    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == {k: tuple(v.shape) for k, v in case["state"].items()}
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == {
+        k: tuple(v.shape) for k, v in case["state"].items()
+    }
     rows = slice(rank, rank + 1)
     hidden = model(case["ids"][rows])
     (hidden * case["probe"][rows]).sum().backward()
@@ -152,10 +163,19 @@ def _ep_worker(rank: int, world: int, folder: str) -> None:
             apply_expert_parallel(GenoLM(_CONFIG.replace(n_routed_experts=6, n_group=1, topk_group=1)), mesh)
         except InputError as error:
             bad_split = str(error)
-    torch.save({"hidden": hidden.detach(), "grads": grads, "loads": loads, "received": received, "bad_split": bad_split,
-                "counter": _balanced_counter(rank, world), "unequal": _unequal_chunks(rank, world),
-                "unequal_balanced": _unequal_chunks(rank, world, balance=0.5, capacity=1.0)},
-               Path(folder) / f"rank{rank}.pt")
+    torch.save(
+        {
+            "hidden": hidden.detach(),
+            "grads": grads,
+            "loads": loads,
+            "received": received,
+            "bad_split": bad_split,
+            "counter": _balanced_counter(rank, world),
+            "unequal": _unequal_chunks(rank, world),
+            "unequal_balanced": _unequal_chunks(rank, world, balance=0.5, capacity=1.0),
+        },
+        Path(folder) / f"rank{rank}.pt",
+    )
 
 
 def _compare(ref: dict, wide: dict, grads: dict[str, torch.Tensor], outright: bool = True) -> dict[str, float]:
@@ -187,12 +207,16 @@ def test_expert_parallel_model_equals_one_process(tmp_path: Path, world: int) ->
         # exact: int64 expert loads; the same routing as one process (no tie flipped)
         assert torch.equal(r["loads"], ref["loads"])
         errors = _compare(ref, wide, r["grads"])
-        print(f"EP {world}: worst {max(errors.values()):.2e}, {sum(e >= _TOL for e in errors.values())} of {len(errors)} >= 1e-5")
+        print(
+            f"EP {world}: worst {max(errors.values()):.2e}, {sum(e >= _TOL for e in errors.values())} of {len(errors)} >= 1e-5"
+        )
         assert r["unequal"]["out"] < _TOL and r["unequal"]["grad"] < _TOL and r["unequal"]["loads"], r["unequal"]
         # with the balance loss and a capacity of 1.0: the same loss, the same rows dropped, and the
         # loss's gradient reaching the router through the all-to-alls
         balanced = r["unequal_balanced"]
-        assert balanced["out"] < _TOL and balanced["grad"] < _TOL and balanced["gate"] < _TOL and balanced["loads"], balanced
+        assert balanced["out"] < _TOL and balanced["grad"] < _TOL and balanced["gate"] < _TOL and balanced["loads"], (
+            balanced
+        )
         assert balanced["dropped"][0] == balanced["dropped"][1], balanced  # exact: row counts
         assert balanced["balance"] is not None and abs(balanced["balance"][0] - balanced["balance"][1]) < 1e-6, balanced
         counter = r["counter"]
@@ -228,9 +252,9 @@ def _mesh_worker(rank: int, world: int, folder: str, sizes: dict[str, int], reco
 
     ActivationOffloader._pack = spy  # type: ignore[method-assign]  # this spawned process only
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    tokens = case["ids"][dp_rank(mesh):dp_rank(mesh) + 1]
+    tokens = case["ids"][dp_rank(mesh) : dp_rank(mesh) + 1]
     lo, hi = context_parallel_bounds(tokens.shape[1], cp_rank(mesh), cp_size(mesh))
-    nll, weight = model.loss(tokens[:, lo:hi], next_tokens=tokens[:, hi:hi + 1] if hi < tokens.shape[1] else None)
+    nll, weight = model.loss(tokens[:, lo:hi], next_tokens=tokens[:, hi : hi + 1] if hi < tokens.shape[1] else None)
     total = torch.stack([nll.detach(), weight.detach()])
     dist.all_reduce(total)
     (nll / total[1]).backward()
@@ -238,8 +262,18 @@ def _mesh_worker(rank: int, world: int, folder: str, sizes: dict[str, int], reco
     norm = clip_grad_norm_by_mesh(list(model.parameters()), 1e9)
     torch.optim.SGD(model.parameters(), lr=_LR).step()
     update = {n: p.full_tensor() - before[n] for n, p in model.named_parameters()}
-    torch.save({"update": update, "placements": placements, "shapes": shapes, "loss": total[0] / total[1], "norm": norm, "saved": saved,
-                "counter": ep_comm_counter(model).as_dict()}, Path(folder) / f"rank{rank}.pt")
+    torch.save(
+        {
+            "update": update,
+            "placements": placements,
+            "shapes": shapes,
+            "loss": total[0] / total[1],
+            "norm": norm,
+            "saved": saved,
+            "counter": ep_comm_counter(model).as_dict(),
+        },
+        Path(folder) / f"rank{rank}.pt",
+    )
 
 
 def _sgd_update(case: dict, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -258,11 +292,24 @@ _MESHES = {
     # EP groups {0, 1} and {2, 3}: each the two CP ranks of one window; experts FSDP2-sharded over
     # {0, 2} and {1, 3}
     # (full recompute: the forward exchanges run again in backward)
-    "fsdp2x_cp2": ({"cp": 2, "dp_shard": 2}, "full", ("efsdp", "ep"), (Shard(1), Shard(0)), ("dp_shard_cp",), (Shard(0),)),
+    "fsdp2x_cp2": (
+        {"cp": 2, "dp_shard": 2},
+        "full",
+        ("efsdp", "ep"),
+        (Shard(1), Shard(0)),
+        ("dp_shard_cp",),
+        (Shard(0),),
+    ),
     # HSDP: 2 replicas of 2 FSDP ranks, EP over each replica's 2 ranks (no expert sharding left);
     # no recompute, so the offloader sees everything the blocks save
-    "hsdp2x2": ({"cp": 1, "dp_shard": 2, "dp_replicate": 2}, "none", ("dp_replicate", "efsdp", "ep"),
-                (Replicate(), Shard(1), Shard(0)), ("dp_replicate", "dp_shard_cp"), (Replicate(), Shard(0))),
+    "hsdp2x2": (
+        {"cp": 1, "dp_shard": 2, "dp_replicate": 2},
+        "none",
+        ("dp_replicate", "efsdp", "ep"),
+        (Replicate(), Shard(1), Shard(0)),
+        ("dp_replicate", "dp_shard_cp"),
+        (Replicate(), Shard(0)),
+    ),
 }
 
 
@@ -289,7 +336,9 @@ def test_expert_parallel_with_cp_and_fsdp_step_equals_one_process(tmp_path: Path
         assert abs(float(out["norm"]) - norm) <= _TOL * norm
         assert out["saved"]["offloaded"] == 0 and (out["saved"]["kept"] > 0) == (recompute == "none"), out["saved"]
         errors = _compare({"grads": ref}, {"grads": wide}, out["update"], outright=False)
-        print(f"rank {r}: worst {max(errors.values()):.2e}, {sum(e >= _TOL for e in errors.values())} of {len(errors)} >= 1e-5")
+        print(
+            f"rank {r}: worst {max(errors.values()):.2e}, {sum(e >= _TOL for e in errors.values())} of {len(errors)} >= 1e-5"
+        )
         # 7 MoE layers x 3 (or 6) chunks, forward (and again in the recomputed backward)
         passes = 2 if recompute == "full" else 1
         assert out["counter"]["dispatches"] == passes * 7 * 144 // sizes["cp"] // 24
@@ -313,8 +362,14 @@ def test_clip_by_mesh_equals_torch_clip_on_plain_tensors() -> None:
 
 
 def test_impossible_expert_parallel_sizes_fail_naming_the_keys() -> None:
-    with pytest.raises(InputError, match=r"parallel.ep = 4 does not divide parallel.dp_shard x parallel.cp = 3 x 2 = 6"):
+    with pytest.raises(
+        InputError, match=r"parallel.ep = 4 does not divide parallel.dp_shard x parallel.cp = 3 x 2 = 6"
+    ):
         mesh_shape(cp=2, dp_shard=3, dp_replicate=1, world_size=6, ep=4)
     with pytest.raises(InputError, match=r"parallel.ep = 0"):
         mesh_shape(cp=1, dp_shard=2, dp_replicate=1, world_size=2, ep=0)
-    assert mesh_shape(cp=2, dp_shard=2, dp_replicate=2, world_size=8, ep=4) == {"dp_replicate": 2, "dp_shard": 2, "cp": 2}
+    assert mesh_shape(cp=2, dp_shard=2, dp_replicate=2, world_size=8, ep=4) == {
+        "dp_replicate": 2,
+        "dp_shard": 2,
+        "cp": 2,
+    }

@@ -28,7 +28,6 @@ from genolong.kernels.testing import rms_ratio
 from genolong.model import PRESETS, GenoLM
 from genolong.parallel import parallelize
 from genolong.parallel.mesh import build_mesh, cp_rank, cp_size, dp_rank
-
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -43,8 +42,8 @@ def _case(total: int, seed: int) -> dict:
     torch.manual_seed(seed)
     model = GenoLM(_CONFIG)
     tokens = torch.randint(1, 5, (2, total))
-    tokens[0, 17:23] = 5          # an N run: not a target, so the two windows count differently
-    tokens[1, total // 2] |= 8    # a soft-masked base straddling nothing in particular
+    tokens[0, 17:23] = 5  # an N run: not a target, so the two windows count differently
+    tokens[1, total // 2] |= 8  # a soft-masked base straddling nothing in particular
     return {"state": model.state_dict(), "tokens": tokens}
 
 
@@ -70,10 +69,11 @@ def _worker(rank: int, world: int, folder: str) -> None:
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     parallelize(model, recompute="full", offload=True, offload_min_bytes=0, mesh=mesh)
     placements = {n: p.placements for n, p in model.named_parameters() if isinstance(p, DTensor)}
-    tokens = case["tokens"][dp_rank(mesh):dp_rank(mesh) + 1]
+    tokens = case["tokens"][dp_rank(mesh) : dp_rank(mesh) + 1]
     lo, hi = context_parallel_bounds(tokens.shape[1], cp_rank(mesh), cp_size(mesh))
-    nll, weight = model.loss(tokens[:, lo:hi], softmask_weight=0.5,
-                             next_tokens=tokens[:, hi:hi + 1] if hi < tokens.shape[1] else None)
+    nll, weight = model.loss(
+        tokens[:, lo:hi], softmask_weight=0.5, next_tokens=tokens[:, hi : hi + 1] if hi < tokens.shape[1] else None
+    )
     total = weight.detach().clone()
     dist.all_reduce(total)
     _step(model, nll / total)
@@ -88,8 +88,10 @@ def test_fsdp_by_cp_step_equals_one_process(tmp_path: Path) -> None:
     case = _case(144, seed=3)
     torch.save(case, tmp_path / "case.pt")
     ref = _reference(case, torch.float32)
-    wide = _reference({**case, "state": {k: v.double() if v.is_floating_point() else v for k, v in case["state"].items()}},
-                      torch.float64)
+    wide = _reference(
+        {**case, "state": {k: v.double() if v.is_floating_point() else v for k, v in case["state"].items()}},
+        torch.float64,
+    )
     rounding = {n: rms_ratio(wide[n], u) for n, u in ref.items()}
     run_ranks(_worker, 4, tmp_path, str(tmp_path))
     for r in range(4):

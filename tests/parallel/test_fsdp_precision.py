@@ -42,7 +42,6 @@ from genolong.model.moe import Router
 from genolong.parallel import parallelize
 from genolong.parallel.mesh import build_mesh
 from genolong.parallel.parallelize import fp32_modules
-
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -93,8 +92,16 @@ def _spy(mixer: KDAMixer, names: dict[int, str], seen: dict[str, tuple[bool, tor
     real = mixer.kernels.chunk_kda_gated
     gate = names[id(mixer.forget_gate)]
 
-    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_raw: torch.Tensor, beta: torch.Tensor,
-           A_log: torch.Tensor, dt_bias: torch.Tensor, **kwargs: Any) -> Any:
+    def op(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g_raw: torch.Tensor,
+        beta: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        **kwargs: Any,
+    ) -> Any:
         for name, tensor in (("A_log", A_log), ("dt_bias", dt_bias)):
             seen.setdefault(f"{gate}.{name}", (isinstance(tensor, DTensor), tensor.dtype))
         return real(q, k, v, g_raw, beta, A_log, dt_bias, **kwargs)
@@ -124,7 +131,7 @@ def _worker(rank: int, world: int, folder: str) -> None:
             # (an FSDP2 forward method): record what the op receives
             module.kernels = dataclasses.replace(module.kernels, chunk_kda_gated=_spy(module, names, seen))
     model.layers[0].self_attn.q_proj.register_forward_pre_hook(record)
-    tokens = case["tokens"][rank:rank + 1]
+    tokens = case["tokens"][rank : rank + 1]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         nll, weight = model.loss(tokens, softmask_weight=0.5)
     total = weight.detach().clone()
@@ -133,8 +140,11 @@ def _worker(rank: int, world: int, folder: str) -> None:
     loss.backward()
     summed = loss.detach().clone()
     dist.all_reduce(summed)
-    grads = {n: (p.grad.dtype, p.grad.to_local().isfinite().all().item()) for n, p in model.named_parameters()
-             if p.grad is not None}
+    grads = {
+        n: (p.grad.dtype, p.grad.to_local().isfinite().all().item())
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
     torch.save({"seen": seen, "loss": float(summed), "grads": grads}, Path(folder) / f"rank{rank}.pt")
 
 
@@ -154,8 +164,14 @@ def test_bf16_mixed_keeps_fp32_parameters_and_one_process_loss(tmp_path: Path) -
         fp32 = {n: v for n, v in seen.items() if KEEP_FP32.search(n)}
         assert len(fp32) == n_keep > 0
         kinds = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1] for n in fp32}
-        assert {"gate.weight", "conv1d.weight", "forget_gate.A_log", "forget_gate.dt_bias", "attn_hc.base",
-                "ffn_hc.scale"} <= kinds
+        assert {
+            "gate.weight",
+            "conv1d.weight",
+            "forget_gate.A_log",
+            "forget_gate.dt_bias",
+            "attn_hc.base",
+            "ffn_hc.scale",
+        } <= kinds
         assert all(v == (False, torch.float32) for v in fp32.values()), fp32
         # ... while a projection matrix was gathered in bf16
         assert seen["layers.0.self_attn.q_proj.weight"] == (False, torch.bfloat16)

@@ -25,15 +25,18 @@ from genolong.model.moe import MoE, expert_counts, experts_grouped, experts_loop
 from genolong.parallel import apply_recompute
 from genolong.parallel.expert import apply_expert_parallel
 from genolong.parallel.mesh import build_mesh, ep_mesh
-
 from tests.helpers import assert_bitwise_equal, run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # KDA and MoE layers only (the torch DSA engine is the sync-heavy reference; the DSA kernels are
 # counted in tests/parallel/test_dsa_fast_paths.py): 4 layers, 3 MoE, 4 experts top-2, mHC
-_CONFIG = PRESETS["tiny"].replace(num_hidden_layers=4, layer_types=layer_types_from_pattern("KKKK", 4),
-                                  mlp_layer_types=("dense",) + ("sparse",) * 3, indexer_types=None)
+_CONFIG = PRESETS["tiny"].replace(
+    num_hidden_layers=4,
+    layer_types=layer_types_from_pattern("KKKK", 4),
+    mlp_layer_types=("dense",) + ("sparse",) * 3,
+    indexer_types=None,
+)
 
 
 def test_counter_counts_each_kind_of_read_and_restores_tensor_methods() -> None:
@@ -46,8 +49,17 @@ def test_counter_counts_each_kind_of_read_and_restores_tensor_methods() -> None:
         torch.repeat_interleave(torch.arange(3), t)
         torch.repeat_interleave(torch.arange(3), t, output_size=6)  # size given: no read
         t.sum() + 1, t.argsort(), expert_counts(t, 4)  # no read
-    assert dict(syncs.counts) == {"item": 4, "tolist": 1, "cpu": 1, "numpy": 1, "nonzero": 1, "index_bool": 1,
-                                  "unique": 1, "bincount": 1, "repeat_interleave": 1}
+    assert dict(syncs.counts) == {
+        "item": 4,
+        "tolist": 1,
+        "cpu": 1,
+        "numpy": 1,
+        "nonzero": 1,
+        "index_bool": 1,
+        "unique": 1,
+        "bincount": 1,
+        "repeat_interleave": 1,
+    }
     assert syncs.total == 12 and all(site.startswith("test_host_syncs.py") is False for _, site in syncs.by_site)
     assert (torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy) == methods
     with HostSyncCounter("cuda") as gpu:  # reads of host tensors are free on a GPU

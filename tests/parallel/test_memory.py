@@ -51,8 +51,10 @@ def _step(model: GenoLM, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, 
 
 
 TECHNIQUES: dict[str, dict[str, object]] = {
-    **{f"selective-{kind}": {"recompute": "selective", "recompute_modules": (kind,)}
-       for kind in ("kda", "dsa", "moe", "mlp", "hc")},
+    **{
+        f"selective-{kind}": {"recompute": "selective", "recompute_modules": (kind,)}
+        for kind in ("kda", "dsa", "moe", "mlp", "hc")
+    },
     "selective": {"recompute": "selective"},
     "full": {"recompute": "full"},
     "offload": {"offload": True, "offload_min_bytes": 0},
@@ -67,7 +69,6 @@ TECHNIQUES: dict[str, dict[str, object]] = {
 # phase, in another order even with one segment: tests/parallel/test_recompute_chunked.py compares the
 # framework bitwise to the same chunked arithmetic and the segmented halves to fp32 rounding)
 EXACT = {name for name in TECHNIQUES if name not in ("moe-chunks", "chunked", "chunked+offload")}
-
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -135,7 +136,9 @@ def test_meter_per_layer_attribution(runs: dict) -> None:
     k = TINY.index_topk + TINY.index_kpool - 1
     assert [layer.resident_bytes for layer in full.layers] == [streams + (T * k * 8 if i == 3 else 0) for i in range(8)]
     # chunked keeps the same; with offload all of it moves
-    assert [layer.resident_bytes for layer in _run(runs, "chunked")[2].layers] == [layer.resident_bytes for layer in full.layers]
+    assert [layer.resident_bytes for layer in _run(runs, "chunked")[2].layers] == [
+        layer.resident_bytes for layer in full.layers
+    ]
     chunked_off = _run(runs, "chunked+offload")[2]
     assert [layer.offloaded_bytes for layer in chunked_off.layers] == [layer.resident_bytes for layer in full.layers]
     assert all(layer.resident_bytes == 0 for layer in chunked_off.layers)
@@ -143,11 +146,15 @@ def test_meter_per_layer_attribution(runs: dict) -> None:
 
 def test_full_offload_device_bytes_flat_in_layers() -> None:
     """Doubling the layers doubles the saved bytes without recompute, not with full + offload."""
+
     def config(n: int) -> ModelConfig:
         return TINY.replace(
-            num_hidden_layers=n, layer_types=TINY.layer_types[:4] * (n // 4),
-            mlp_layer_types=("dense",) + ("sparse",) * (n - 1), indexer_types=TINY.indexer_types[:4] * (n // 4),
+            num_hidden_layers=n,
+            layer_types=TINY.layer_types[:4] * (n // 4),
+            mlp_layer_types=("dense",) + ("sparse",) * (n - 1),
+            indexer_types=TINY.indexer_types[:4] * (n // 4),
         )
+
     tokens = _tokens(320)
     peaks = {}
     for n in (4, 8):
@@ -207,8 +214,11 @@ def test_offload_pool_allocated_once_reused_and_released(caplog: pytest.LogCaptu
                 m.zero_grad()
                 nll, weight = m.loss(tokens)
                 (nll / weight).backward()
-            assert_bitwise_equal({n: p.grad for n, p in model.named_parameters()},
-                                 {n: p.grad for n, p in reference.named_parameters()}, f"step {step + 1}'s gradients")
+            assert_bitwise_equal(
+                {n: p.grad for n, p in model.named_parameters()},
+                {n: p.grad for n, p in reference.named_parameters()},
+                f"step {step + 1}'s gradients",
+            )
             assert offloader.pool_allocations == (0 if step == 0 else 1)
             per_step = offloader.copies_to_host // (step + 1)
             # step 1: every copy alone; from step 2 on none (the pool holds a whole step's)
@@ -223,7 +233,9 @@ def test_offload_pool_allocated_once_reused_and_released(caplog: pytest.LogCaptu
     sized = _model(config, offload=True, offload_min_bytes=0, offload_pool_bytes=64 << 20)
     nll, weight = sized.loss(tokens)
     sized_offloader = offloader_of(sized)
-    assert sized_offloader is not None and sized_offloader.pool_allocations == 1 and sized_offloader.unpooled_copies == 0
+    assert (
+        sized_offloader is not None and sized_offloader.pool_allocations == 1 and sized_offloader.unpooled_copies == 0
+    )
     assert sized_offloader.pool is not None and sized_offloader.pool.nbytes == 64 << 20
 
 
@@ -231,8 +243,12 @@ def test_offload_threshold_keeps_small_tensors_resident() -> None:
     class Toy(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh()),
-                                         nn.Sequential(nn.Linear(8, 64, bias=False), nn.Tanh())])
+            self.layers = nn.ModuleList(
+                [
+                    nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh()),
+                    nn.Sequential(nn.Linear(8, 64, bias=False), nn.Tanh()),
+                ]
+            )
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.layers[1](self.layers[0](x))
@@ -279,12 +295,12 @@ def test_meter_frees_a_graph_that_never_runs_backward() -> None:
     x = torch.randn(1000, requires_grad=True)
     with ActivationMeter() as meter:
         for _ in range(3):
-            unused = x.exp()                     # 4,000 bytes saved, never differentiated
+            unused = x.exp()  # 4,000 bytes saved, never differentiated
             assert meter.resident_bytes == 4000
             del unused
             assert meter.resident_bytes == 0
         used = x.exp()
-        used.sum().backward()                    # the saved output still serves backward
+        used.sum().backward()  # the saved output still serves backward
     assert torch.allclose(x.grad, x.detach().exp())  # d exp(x) / dx = exp(x): the saved output served backward
     assert meter.resident_bytes == 0 and meter.peak_resident_bytes == 4000
 
@@ -354,8 +370,9 @@ def _hc_weights_saved_per_token(config: ModelConfig, bf16: bool) -> int:
     rsqrt, the mixing logits, the pre/post sigmoids, the softmax and, per Sinkhorn division, its
     [m, m] numerator and [m] denominator, all fp32."""
     m, h = config.hc_mult, config.hidden_size
-    return 4 * (m * h * (2 if bf16 else 1) + 1 + (2 + m) * m + 2 * m + m * m
-                + (2 * config.hc_sinkhorn_iters - 1) * (m * m + m))
+    return 4 * (
+        m * h * (2 if bf16 else 1) + 1 + (2 + m) * m + 2 * m + m * m + (2 * config.hc_sinkhorn_iters - 1) * (m * m + m)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -377,6 +394,6 @@ def test_hc_weights_rebuilt_in_backward_bitwise(dtype: torch.dtype) -> None:
     assert_bitwise_equal(runs[True][0], runs[False][0], f"the loss with the hc weights rebuilt ({dtype})")
     assert_bitwise_equal(runs[True][1], runs[False][1], f"the gradients with the hc weights rebuilt ({dtype})")
     n_hc = 2 * TINY.num_hidden_layers
-    fn_copy = (2 + TINY.hc_mult) * TINY.hc_mult ** 2 * TINY.hidden_size * 4 if dtype == torch.bfloat16 else 0
+    fn_copy = (2 + TINY.hc_mult) * TINY.hc_mult**2 * TINY.hidden_size * 4 if dtype == torch.bfloat16 else 0
     saved = n_hc * (T * _hc_weights_saved_per_token(TINY, dtype == torch.bfloat16) + fn_copy)
     assert runs[False][2].peak_resident_bytes - runs[True][2].peak_resident_bytes == saved

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from genolong.config import ParallelSection
-
 from genolong.errors import InputError
 from genolong.parallel.mesh import (
     MESH_DIMS,
@@ -28,38 +27,43 @@ from genolong.parallel.mesh import (
     fsdp_mesh,
     mesh_shape,
 )
-
 from tests.helpers import run_ranks
 
 # ---------------------------------------------------------------------------------------------
 # pure validation
 
 
-@pytest.mark.parametrize(("sizes", "expected"), [
-    ((1, -1, 1, 1), (1, 1, 1)),
-    ((2, -1, 1, 4), (1, 2, 2)),
-    ((2, -1, 2, 8), (2, 2, 2)),
-    ((4, 1, 1, 4), (1, 1, 4)),
-    ((1, 3, 2, 6), (2, 3, 1)),
-])
+@pytest.mark.parametrize(
+    ("sizes", "expected"),
+    [
+        ((1, -1, 1, 1), (1, 1, 1)),
+        ((2, -1, 1, 4), (1, 2, 2)),
+        ((2, -1, 2, 8), (2, 2, 2)),
+        ((4, 1, 1, 4), (1, 1, 4)),
+        ((1, 3, 2, 6), (2, 3, 1)),
+    ],
+)
 def test_mesh_shape_resolves_sizes(sizes: tuple[int, int, int, int], expected: tuple[int, int, int]) -> None:
     shape = mesh_shape(*sizes)
     assert list(shape) == list(MESH_DIMS)
     assert tuple(shape.values()) == expected
 
 
-@pytest.mark.parametrize(("sizes", "words"), [
-    ((3, -1, 1, 4), ["parallel.cp (3)", "does not divide the world size 4"]),
-    ((2, -1, 3, 8), ["parallel.dp_replicate (3)", "= 6 does not divide"]),
-    ((2, 3, 1, 4), ["= 6 but the world size is 4", "parallel.dp_shard: -1"]),
-    ((0, -1, 1, 4), ["parallel.cp = 0", ">= 1"]),
-    ((1, -1, 0, 4), ["parallel.dp_replicate = 0"]),
-    ((1, 0, 1, 4), ["parallel.dp_shard = 0", "-1 for all ranks left"]),
-    ((1, -2, 1, 4), ["parallel.dp_shard = -2"]),
-    ((True, -1, 1, 4), ["parallel.cp = True"]),
-    ((1, -1, 1, 0), ["world size = 0"]),
-    ((2.0, -1, 1, 4), ["parallel.cp = 2.0"]),
-])
+@pytest.mark.parametrize(
+    ("sizes", "words"),
+    [
+        ((3, -1, 1, 4), ["parallel.cp (3)", "does not divide the world size 4"]),
+        ((2, -1, 3, 8), ["parallel.dp_replicate (3)", "= 6 does not divide"]),
+        ((2, 3, 1, 4), ["= 6 but the world size is 4", "parallel.dp_shard: -1"]),
+        ((0, -1, 1, 4), ["parallel.cp = 0", ">= 1"]),
+        ((1, -1, 0, 4), ["parallel.dp_replicate = 0"]),
+        ((1, 0, 1, 4), ["parallel.dp_shard = 0", "-1 for all ranks left"]),
+        ((1, -2, 1, 4), ["parallel.dp_shard = -2"]),
+        ((True, -1, 1, 4), ["parallel.cp = True"]),
+        ((1, -1, 1, 0), ["world size = 0"]),
+        ((2.0, -1, 1, 4), ["parallel.cp = 2.0"]),
+    ],
+)
 def test_mesh_shape_rejects_bad_sizes(sizes: tuple[Any, ...], words: list[str]) -> None:
     with pytest.raises(InputError) as info:
         mesh_shape(*sizes)

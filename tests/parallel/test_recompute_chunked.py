@@ -46,7 +46,6 @@ from genolong.model.moe import MoE
 from genolong.parallel import apply_recompute, is_recomputed, parallelize, remove_recompute
 from genolong.parallel import recompute as recompute_module
 from genolong.parallel.mesh import build_mesh, cp_rank, cp_size
-
 from tests.helpers import assert_bitwise_equal, run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -77,7 +76,9 @@ def _plain_chunked(config: ModelConfig, chunk: int, **techniques: Any) -> GenoLM
     recompute must reproduce bit for bit)."""
     model = _model(config, **techniques)
 
-    def forward(block: Block, streams: torch.Tensor, prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        block: Block, streams: torch.Tensor, prev: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         mid, indices = block.attention_half(streams, prev)
         pieces, stats = [], []
         for piece in mid.split(chunk, dim=1):
@@ -101,8 +102,13 @@ def _step(model: GenoLM, tokens: torch.Tensor) -> dict[str, Any]:
         loads = [m.last_load.clone() for m in model.modules() if isinstance(m, MoE)]
         loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return {"loss": loss.detach(), "grads": grads, "meter": meter, "loads": loads,
-            "loads_after": [m.last_load.clone() for m in model.modules() if isinstance(m, MoE)]}
+    return {
+        "loss": loss.detach(),
+        "grads": grads,
+        "meter": meter,
+        "loads": loads,
+        "loads_after": [m.last_load.clone() for m in model.modules() if isinstance(m, MoE)],
+    }
 
 
 def _assert_chunked_close(run: dict[str, Any], ref: dict[str, Any], wide: dict[str, Any], what: str) -> None:
@@ -124,8 +130,10 @@ def test_one_chunk_equals_none_and_full_bitwise() -> None:
     """T = 640 > index_topk * index_kpool (a sparse DSA selection), one chunk of 1024."""
     tokens = _tokens(640)
     none = _step(_model(TINY), tokens)
-    for name, kw in (("full", {"recompute": "full"}),
-                     ("chunked", {"recompute": "chunked", "recompute_chunk_tokens": 1024})):
+    for name, kw in (
+        ("full", {"recompute": "full"}),
+        ("chunked", {"recompute": "chunked", "recompute_chunk_tokens": 1024}),
+    ):
         run = _step(_model(TINY, **kw), tokens)
         assert_bitwise_equal(run["loss"], none["loss"], f"loss with {name}")
         assert_bitwise_equal(run["grads"], none["grads"], f"gradients with {name}")
@@ -141,8 +149,12 @@ def test_segmented_halves_equal_none(preset: str, t: int, chunk: int) -> None:
     config = PRESETS[preset]
     tokens = _tokens(t)
     run = _step(_model(config, recompute="chunked", recompute_chunk_tokens=chunk), tokens)
-    _assert_chunked_close(run, _step(_model(config), tokens), _step(_model(config).double(), tokens),
-                          f"segmented halves, chunk {chunk} on {preset}")
+    _assert_chunked_close(
+        run,
+        _step(_model(config), tokens),
+        _step(_model(config).double(), tokens),
+        f"segmented halves, chunk {chunk} on {preset}",
+    )
     assert run["meter"].resident_bytes == 0
 
 
@@ -156,8 +168,9 @@ def test_chunks_equal_none(preset: str, t: int, chunk: int) -> None:
     plain = _step(_plain_chunked(config, chunk), tokens)
     assert_bitwise_equal(run["loss"], plain["loss"], "loss against the chunked arithmetic without recompute")
     assert_bitwise_equal(run["grads"], plain["grads"], "gradients against the chunked arithmetic without recompute")
-    _assert_chunked_close(run, _step(_model(config), tokens), _step(_model(config).double(), tokens),
-                          f"chunked {chunk} on {preset}")
+    _assert_chunked_close(
+        run, _step(_model(config), tokens), _step(_model(config).double(), tokens), f"chunked {chunk} on {preset}"
+    )
     # the MoE loads are the whole forward's (the sum over the chunks), still after backward's
     # recomputation ran each chunk's MoE again
     assert all(torch.equal(a, b) for a, b in zip(run["loads_after"], run["loads"], strict=True))  # exact: counts
@@ -183,8 +196,9 @@ def test_chunked_with_offload_and_moe_chunks() -> None:
     assert_bitwise_equal(off["grads"], base["grads"], "gradients with chunked + offload")
     streams = 640 * TINY.hc_mult * TINY.hidden_size * 4
     k = TINY.index_topk + TINY.index_kpool - 1
-    assert [layer.offloaded_bytes for layer in off["meter"].layers] == [streams + (640 * k * 8 if i == 3 else 0)
-                                                                      for i in range(8)]
+    assert [layer.offloaded_bytes for layer in off["meter"].layers] == [
+        streams + (640 * k * 8 if i == 3 else 0) for i in range(8)
+    ]
     assert all(layer.resident_bytes == 0 for layer in off["meter"].layers)
     assert off["meter"].resident_bytes == 0 and off["meter"].offloaded_bytes == 0
     moe = _step(_model(TINY, **chunked, moe_chunk_tokens=100), tokens)
@@ -226,10 +240,19 @@ def _backward_slopes() -> tuple[dict, dict, tuple[float, float, float]]:
     (1024, 128), (1024, 256)), and their growth in bytes: full's and chunked's per token of T,
     chunked's per token of chunk."""
     full = {t: _backward_peak(t, recompute="full") for t in (512, 1024)}
-    chunked = {(t, c): _backward_peak(t, recompute="chunked", recompute_chunk_tokens=c)
-               for t, c in ((512, 128), (1024, 128), (1024, 256))}
-    return full, chunked, ((full[1024] - full[512]) / 512, (chunked[1024, 128] - chunked[512, 128]) / 512,
-                           (chunked[1024, 256] - chunked[1024, 128]) / 128)
+    chunked = {
+        (t, c): _backward_peak(t, recompute="chunked", recompute_chunk_tokens=c)
+        for t, c in ((512, 128), (1024, 128), (1024, 256))
+    }
+    return (
+        full,
+        chunked,
+        (
+            (full[1024] - full[512]) / 512,
+            (chunked[1024, 128] - chunked[512, 128]) / 512,
+            (chunked[1024, 256] - chunked[1024, 128]) / 128,
+        ),
+    )
 
 
 def test_rebuilt_feed_forward_region_bounded_by_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -299,8 +322,9 @@ def _cp_worker(rank: int, world: int, folder: str) -> None:
     parallelize(model, recompute="chunked", recompute_chunk_tokens=32, offload=True, offload_min_bytes=0, mesh=mesh)
     tokens = case["tokens"]
     lo, hi = context_parallel_bounds(tokens.shape[1], cp_rank(mesh), cp_size(mesh))
-    nll, weight = model.loss(tokens[:, lo:hi], softmask_weight=0.5,
-                             next_tokens=tokens[:, hi:hi + 1] if hi < tokens.shape[1] else None)
+    nll, weight = model.loss(
+        tokens[:, lo:hi], softmask_weight=0.5, next_tokens=tokens[:, hi : hi + 1] if hi < tokens.shape[1] else None
+    )
     loads = [m.last_load.clone() for m in model.modules() if isinstance(m, MoE)]
     total = weight.detach().clone()
     dist.all_reduce(total)
@@ -339,8 +363,9 @@ def test_chunked_under_fsdp_and_cp_equals_one_process(tmp_path: Path) -> None:
     tokens[0, 17:23] = 5
     torch.save({"state": state, "tokens": tokens}, tmp_path / "case.pt")
     ref, ref_loads = _reference_update(state, tokens, torch.float32)
-    wide, _ = _reference_update({k: v.double() if v.is_floating_point() else v for k, v in state.items()}, tokens,
-                                torch.float64)
+    wide, _ = _reference_update(
+        {k: v.double() if v.is_floating_point() else v for k, v in state.items()}, tokens, torch.float64
+    )
     rounding = {n: rms_ratio(wide[n], u) for n, u in ref.items()}
     run_ranks(_cp_worker, 2, tmp_path, str(tmp_path))
     outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]

@@ -34,7 +34,6 @@ from genolong.model.config import ModelConfig
 from genolong.parallel import parallelize
 from genolong.parallel.load import SafetensorsFile, fill_from_safetensors, local_box, materialize
 from genolong.parallel.mesh import build_mesh
-
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -43,9 +42,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def wide_config() -> ModelConfig:
     """64 routed experts, hidden 256, 4 layers (KDA, DSA, KDA, DSA; MoE in the last 3): 20.6M
     parameters, a 41 MB bf16 checkpoint, 92% of it routed experts."""
-    return replace(PRESETS["tiny"], hidden_size=256, moe_intermediate_size=128, n_routed_experts=64, num_hidden_layers=4,
-                   layer_types=("linear_attention", "indexed_attention", "linear_attention", "indexed_attention"),
-                   mlp_layer_types=("dense", "sparse", "sparse", "sparse"), indexer_types=("full",) * 4)
+    return replace(
+        PRESETS["tiny"],
+        hidden_size=256,
+        moe_intermediate_size=128,
+        n_routed_experts=64,
+        num_hidden_layers=4,
+        layer_types=("linear_attention", "indexed_attention", "linear_attention", "indexed_attention"),
+        mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
+        indexer_types=("full",) * 4,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +76,11 @@ def _load_rank(rank: int, world: int, checkpoint: str, ep: int, out: str) -> Non
     resident-set peak is watched; writes its figures to ``out/rank{rank}.json``."""
     directory = Path(checkpoint)
     config = ModelConfig.from_pretrained(directory)
-    mesh = build_mesh(ParallelSection(accelerator="cpu", devices=world, dp_shard=world, ep=ep), world_size=world) \
-        if world > 1 else None
+    mesh = (
+        build_mesh(ParallelSection(accelerator="cpu", devices=world, dp_shard=world, ep=ep), world_size=world)
+        if world > 1
+        else None
+    )
     with torch.device("meta"):
         model = GenoLM(config)
     for param in model.parameters():  # every weight in bf16: a frozen base's storage
@@ -97,8 +106,17 @@ def _load_rank(rank: int, world: int, checkpoint: str, ep: int, out: str) -> Non
         offset, shape = local_box(tensor)
         want = whole[name][tuple(slice(o, o + s) for o, s in zip(offset, shape))]
         assert torch.equal(local[name], want.to(local[name].dtype)), name  # exact: the same bf16 values copied
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"increase": peak - before, "share": share, "largest": largest,
-                                                         "read": counter.bytes, "replicated": counter.replicated}))
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "increase": peak - before,
+                "share": share,
+                "largest": largest,
+                "read": counter.bytes,
+                "replicated": counter.replicated,
+            }
+        )
+    )
     if world > 1:
         dist.barrier()
 
@@ -158,13 +176,17 @@ def test_one_process_load_equals_from_pretrained_and_casts_as_the_run_does(tmp_p
     assert torch.equal(got, want["layers.1.mlp.experts.gate_up_proj"].to(torch.bfloat16))  # exact: one rounding each
 
 
-@pytest.mark.parametrize("damage, named", [
-    ("shape", "model.language_model.layers.0.self_attn.q_proj.weight"),
-    ("missing", "model.language_model.layers.0.self_attn.q_proj.weight"),
-    ("extra", "model.language_model.layers.0.self_attn.surplus.weight"),
-])
-def test_a_checkpoint_that_disagrees_with_the_model_is_one_line_naming_the_tensor(tmp_path: Path, damage: str,
-                                                                                 named: str) -> None:
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        ("shape", "model.language_model.layers.0.self_attn.q_proj.weight"),
+        ("missing", "model.language_model.layers.0.self_attn.q_proj.weight"),
+        ("extra", "model.language_model.layers.0.self_attn.surplus.weight"),
+    ],
+)
+def test_a_checkpoint_that_disagrees_with_the_model_is_one_line_naming_the_tensor(
+    tmp_path: Path, damage: str, named: str
+) -> None:
     config = PRESETS["tiny"]
     base = _base(tmp_path, config)
     file = base / "model.safetensors"
@@ -212,10 +234,13 @@ def test_the_modules_meta_build_equals_todays_model_with_lora_and_bf16_frozen_we
         materialize(model, device, kept)
         fill_from_safetensors(model, base)
 
-    module = GenoLMModule(build_model=build, optim=OptimSettings(), lora=lora, frozen_dtype=torch.bfloat16,
-                          load_weights=partial(load))
+    module = GenoLMModule(
+        build_model=build, optim=OptimSettings(), lora=lora, frozen_dtype=torch.bfloat16, load_weights=partial(load)
+    )
     module.configure_model()
     got = module.model.state_dict()
     assert got.keys() == want.state_dict().keys()
     for name, tensor in want.state_dict().items():
-        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name  # exact: the same draws and copies
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), (
+            name
+        )  # exact: the same draws and copies

@@ -22,7 +22,6 @@ from genolong.model import PRESETS, GenoLM
 from genolong.model.dsa import DSAMixer
 from genolong.parallel import parallelize
 from genolong.plan import activation_estimate, layer_saved_tensors, plan
-
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,8 +29,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TOLERANCE = 0.10
 
 
-def _meter_step(preset: str, tokens: int, indexer_kl: bool = False, dtype: torch.dtype = torch.float32,
-                **techniques: object) -> ActivationMeter:
+def _meter_step(
+    preset: str, tokens: int, indexer_kl: bool = False, dtype: torch.dtype = torch.float32, **techniques: object
+) -> ActivationMeter:
     """One metered forward + backward of ``preset`` (parameters in ``dtype``) on ``tokens`` bases."""
     torch.manual_seed(0)
     model = parallelize(GenoLM(PRESETS[preset]).to(dtype), **techniques)  # type: ignore[arg-type]
@@ -91,8 +91,10 @@ def test_planner_matches_meter(case: tuple) -> None:
     local = t // cp  # a CP rank holds one contiguous slice of T / cp tokens
     meter = _meter_step(preset, local, **techniques)
     est = activation_estimate(PRESETS[preset], local, **techniques)  # type: ignore[arg-type]
-    errors = {"resident peak": _rel(est.peak_resident_bytes, meter.peak_resident_bytes),
-              "total peak": _rel(est.peak_total_bytes, meter.peak_total_bytes)}
+    errors = {
+        "resident peak": _rel(est.peak_resident_bytes, meter.peak_resident_bytes),
+        "total peak": _rel(est.peak_total_bytes, meter.peak_total_bytes),
+    }
     if techniques.get("offload"):
         errors["offloaded peak"] = _rel(est.peak_offloaded_bytes, meter.peak_offloaded_bytes)
     print(f"{_case_id(case)}: " + ", ".join(f"{k} {v:.3%}" for k, v in errors.items()))
@@ -162,11 +164,15 @@ def test_chunked_recompute_bounds_the_rebuilt_region() -> None:
     heads, d = cfg.linear_num_heads, cfg.linear_head_dim
     boundary = heads * d * d * 4 + (cfg.linear_conv_kernel_dim - 1) * 3 * heads * d * 4
     assert chunked_recompute_terms(cfg, kda, 2048, 512).layer_bytes == 3 * boundary
-    assert chunked_recompute_terms(cfg, kda, 2048, 512, cp=4).layer_bytes == 4 * boundary + (3 + 4) * heads * d * 2 * d * 4
+    assert (
+        chunked_recompute_terms(cfg, kda, 2048, 512, cp=4).layer_bytes == 4 * boundary + (3 + 4) * heads * d * 2 * d * 4
+    )
 
 
 @pytest.mark.parametrize(("preset", "tokens", "chunks"), [("tiny", 1024, (128, 256)), ("small", 1024, (128, 256))])
-def test_chunked_rebuilt_region_matches_the_measured_backward(preset: str, tokens: int, chunks: tuple[int, int]) -> None:
+def test_chunked_rebuilt_region_matches_the_measured_backward(
+    preset: str, tokens: int, chunks: tuple[int, int]
+) -> None:
     """What backward allocates grows with chunk_tokens by the largest rebuilt segment per token:
     the plan's figure (chunked_recompute_terms, the largest layer) within 10% of the measured
     growth of the backward's live-bytes peak (all storages torch creates,
@@ -188,9 +194,11 @@ def test_chunked_rebuilt_region_matches_the_measured_backward(preset: str, token
             loss.backward()
         peaks.append(live.peak)
     measured = (peaks[1] - peaks[0]) / (chunks[1] - chunks[0])
-    predicted = max(chunked_recompute_terms(cfg, i, tokens, chunks[1]).rebuilt_bytes
-                    - chunked_recompute_terms(cfg, i, tokens, chunks[0]).rebuilt_bytes
-                    for i in range(cfg.num_hidden_layers)) / (chunks[1] - chunks[0])
+    predicted = max(
+        chunked_recompute_terms(cfg, i, tokens, chunks[1]).rebuilt_bytes
+        - chunked_recompute_terms(cfg, i, tokens, chunks[0]).rebuilt_bytes
+        for i in range(cfg.num_hidden_layers)
+    ) / (chunks[1] - chunks[0])
     assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
 
 
@@ -226,8 +234,13 @@ def _triton_dsa_backend(sparse: bool = False):  # type: ignore[no-untyped-def]
     from genolong.kernels.dsa.triton_kpool import kpool_indexer_kl_loss_triton, kpool_keys_triton
 
     extra = {"sparse_attention": sparse_attention_triton} if sparse else {}
-    return dataclasses.replace(get_backend("torch"), name="triton-cpu", kpool_keys=kpool_keys_triton,
-                               kpool_indexer_kl_loss=kpool_indexer_kl_loss_triton, **extra)
+    return dataclasses.replace(
+        get_backend("torch"),
+        name="triton-cpu",
+        kpool_keys=kpool_keys_triton,
+        kpool_indexer_kl_loss=kpool_indexer_kl_loss_triton,
+        **extra,
+    )
 
 
 def test_triton_dsa_kernels_saved_tensors_against_the_meter() -> None:
@@ -257,15 +270,21 @@ def test_triton_dsa_kernels_saved_tensors_against_the_meter() -> None:
             nll, weight = model.loss(ids)
             (nll / weight + sum(m.last_indexer_kl for m in mixers)).backward()
         measured[kernel] = [meter.layers[i].resident_bytes for i in dsa_layers]
-        predicted = [sum(t.nbytes(T) for t in layer_saved_tensors(cfg, i, indexer_kl=True, tokens=T, dsa_kernel=kernel))
-                     for i in dsa_layers]
+        predicted = [
+            sum(t.nbytes(T) for t in layer_saved_tensors(cfg, i, indexer_kl=True, tokens=T, dsa_kernel=kernel))
+            for i in dsa_layers
+        ]
         for got, want in zip(measured[kernel], predicted):
             assert _rel(want, got) < TOLERANCE, (kernel, want, got)
         est = activation_estimate(cfg, T, indexer_kl=True, dsa_kernel=kernel)
         assert _rel(est.peak_resident_bytes, meter.peak_resident_bytes) < TOLERANCE
     full = [i for i in dsa_layers if cfg.indexer_types[i] == "full"]
-    plain = {k: [sum(t.nbytes(T) for t in layer_saved_tensors(cfg, i, indexer_kl=True, tokens=T, dsa_kernel=k))
-                 for i in full] for k in ("torch", "triton")}
+    plain = {
+        k: [
+            sum(t.nbytes(T) for t in layer_saved_tensors(cfg, i, indexer_kl=True, tokens=T, dsa_kernel=k)) for i in full
+        ]
+        for k in ("torch", "triton")
+    }
     for j, i in enumerate(full):
         got = measured["torch"][dsa_layers.index(i)] - measured["triton"][dsa_layers.index(i)]
         want = plain["torch"][j] - plain["triton"][j]
@@ -306,15 +325,43 @@ def test_fla_save_set_is_the_one_the_planner_counts() -> None:
     def source(name: str) -> ast.Module:
         return ast.parse((kda / name).read_text())
 
-    saved = [node for node in ast.walk(source("chunk.py"))
-             if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "save_for_backward"]
+    saved = [
+        node
+        for node in ast.walk(source("chunk.py"))
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "save_for_backward"
+    ]
     assert len(saved) == 1
     names = [arg.id for arg in saved[0].args if isinstance(arg, ast.Name)]
-    assert names == ["q", "q_rstd", "k", "k_rstd", "v", "g_cumsum", "g_input", "beta_raw", "beta", "A_log", "dt_bias",
-                     "Aqk", "Akk", "w", "u", "qg", "kg", "v_new", "h", "initial_state", "cu_seqlens", "chunk_indices",
-                     "chunk_offsets"]
-    fwd = next(node for node in ast.walk(source("chunk_fwd.py"))
-               if isinstance(node, ast.If) and "disable_recompute" in ast.unparse(node.test))
+    assert names == [
+        "q",
+        "q_rstd",
+        "k",
+        "k_rstd",
+        "v",
+        "g_cumsum",
+        "g_input",
+        "beta_raw",
+        "beta",
+        "A_log",
+        "dt_bias",
+        "Aqk",
+        "Akk",
+        "w",
+        "u",
+        "qg",
+        "kg",
+        "v_new",
+        "h",
+        "initial_state",
+        "cu_seqlens",
+        "chunk_indices",
+        "chunk_offsets",
+    ]
+    fwd = next(
+        node
+        for node in ast.walk(source("chunk_fwd.py"))
+        if isinstance(node, ast.If) and "disable_recompute" in ast.unparse(node.test)
+    )
     dropped = ast.unparse(fwd)
     # w, u, qg, kg, v_new (and h, and g with the gate in the kernel) are None when saved: backward recomputes them
     assert "w, u, qg, kg, v_new = (None, None, None, None, None)" in dropped and "h = None" in dropped
@@ -338,9 +385,13 @@ def _ep_meter_worker(rank: int, world: int, folder: str, preset: str, tokens: in
     with ActivationMeter(model) as meter:
         nll, weight = model.loss(ids)
         (nll / weight).backward()
-    torch.save({"layers": [layer.resident_bytes for layer in meter.layers],
-                "received": [m.last_received for m in model.modules() if isinstance(m, MoE)]},
-               Path(folder) / f"rank{rank}.pt")
+    torch.save(
+        {
+            "layers": [layer.resident_bytes for layer in meter.layers],
+            "received": [m.last_received for m in model.modules() if isinstance(m, MoE)],
+        },
+        Path(folder) / f"rank{rank}.pt",
+    )
 
 
 @pytest.mark.distributed

@@ -26,11 +26,17 @@ def test_1m_node_saves_what_trains_and_each_rank_reads_an_eighth() -> None:
     assert p.checkpoint_bytes + 2 * p.frozen_parameters > 9 * p.checkpoint_bytes
     assert p.load_read_per_rank == math.ceil(2 * p.parameters / 8)
     line = next(line for line in format_plan(p).splitlines() if line.startswith("checkpoints:"))
-    assert "67.7 GiB per save" in line and "135.4 GiB on disk with keep_last 2" in line and "each rank reads 73.0 GiB" in line
+    assert (
+        "67.7 GiB per save" in line
+        and "135.4 GiB on disk with keep_last 2" in line
+        and "each rank reads 73.0 GiB" in line
+    )
 
 
 def test_a_run_from_fresh_weights_saves_every_parameter(tmp_path: Path) -> None:
-    text = (RECIPES / "1m-node.yaml").read_text().replace("  checkpoint: checkpoints/GLM-5.3-Flash", "  checkpoint: null")
+    text = (
+        (RECIPES / "1m-node.yaml").read_text().replace("  checkpoint: checkpoints/GLM-5.3-Flash", "  checkpoint: null")
+    )
     text = text.replace("  vocab_map: tokenizer", "  vocab_map: identity")
     (tmp_path / "fresh.yaml").write_text(text)
     p = plan(load_recipe(tmp_path / "fresh.yaml"), gpus=8)

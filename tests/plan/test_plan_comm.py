@@ -16,7 +16,6 @@ from genolong.config import load_recipe
 from genolong.errors import InputError
 from genolong.model import PRESETS, GenoLM
 from genolong.plan import format_plan, plan
-
 from tests.helpers import ROOT
 from tests.plan_helpers import plan_recipe
 
@@ -34,8 +33,9 @@ def _cp_calls_by_hand(preset: str, t_local: int, cp: int, dtype: torch.dtype = t
     for layer_type, indexer in zip(cfg.layer_types, cfg.indexer_types):
         if layer_type == "linear_attention":
             state = cp_kda_comm_bytes(1, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_head_dim, cp)
-            halo = conv_halo_comm_bytes(1, 3 * cfg.linear_num_heads * cfg.linear_head_dim, cfg.linear_conv_kernel_dim,
-                                        cp, dtype)
+            halo = conv_halo_comm_bytes(
+                1, 3 * cfg.linear_num_heads * cfg.linear_head_dim, cfg.linear_conv_kernel_dim, cp, dtype
+            )
             out["kda_fwd"] += state["forward"] + halo["forward"]
             out["kda_bwd"] += state["backward"] + halo["backward"]
         else:
@@ -114,7 +114,9 @@ def test_comm_fsdp_rows_against_the_model_modules(tmp_path: Path) -> None:
     assert rows["FSDP parameter all-gather fwd (bf16)"].forward == sum((S - 1) * s * 2 for s in shard)
     # backward re-gathers the embedding and every block but the last (reshard_after_forward; the
     # root is not resharded)
-    assert rows["FSDP parameter all-gather bwd, resharded units (bf16)"].backward == sum((S - 1) * s * 2 for s in shard[:-2])
+    assert rows["FSDP parameter all-gather bwd, resharded units (bf16)"].backward == sum(
+        (S - 1) * s * 2 for s in shard[:-2]
+    )
     assert rows["FSDP gradient reduce-scatter (fp32)"].backward == sum((S - 1) * s * 4 for s in shard)
     assert p.comm.part_total("fsdp") == sum(r.total for r in rows.values())
     hand = _cp_calls_by_hand("tiny", 512, 2, torch.bfloat16)
@@ -138,10 +140,10 @@ def test_comm_in_the_1m_plan() -> None:
     recipe = load_recipe(ROOT / "recipes" / "1m.yaml")
     assert (recipe.parallel.ep, recipe.memory.moe_chunk_tokens, recipe.memory.recompute) == (8, 4096, "chunked")
     p = plan(recipe, gpus=64, gpu_mem_gib=180)
-    state = 64 * 128 * (128 + 128) * 4                     # B H K (K + V) fp32 = 8 MiB per KDA layer
-    halo = 3 * 3 * 64 * 128 * 2                            # kernel - 1 rows of q|k|v in bf16
+    state = 64 * 128 * (128 + 128) * 4  # B H K (K + V) fp32 = 8 MiB per KDA layer
+    halo = 3 * 3 * 64 * 128 * 2  # kernel - 1 rows of q|k|v in bf16
     kda = 34 * (2 * state + 8 * state) + 34 * (2 * (8 + halo) + 8 * halo)  # forward twice (recompute)
-    dsa = 11 * 3 * 7 * 131072 * (512 + 128 // 16) * 2      # all-gather fwd, again in recompute, reduce-scatter
+    dsa = 11 * 3 * 7 * 131072 * (512 + 128 // 16) * 2  # all-gather fwd, again in recompute, reduce-scatter
     assert p.comm.part_total("kda") == kda and p.comm.part_total("dsa") == dsa
     # EP: 42 MoE layers x 32 chunks; per chunk dispatch + combine 7/8 x 4096 x 8 x 4096 x bf16 each
     # and the row counts forward, the data pair again in backward and in recompute
@@ -157,6 +159,7 @@ def test_comm_in_the_1m_plan() -> None:
 
     def recv(n: int, S: int, b: int) -> int:
         return (S - 1) * math.ceil(n / S) * b
+
     gather = sum(recv(n, 64, 2) for n in dense) + 42 * recv(experts // 8, 8, 2)
     gather_bwd = sum(recv(n, 64, 2) for n in dense[:-2]) + 41 * recv(experts // 8, 8, 2)
     reduce = sum(recv(n, 64, 4) for n in dense) + 42 * recv(experts // 8, 8, 4)
@@ -191,7 +194,11 @@ def test_ep_comm_bytes_is_the_interface_convention() -> None:
         data = sum((ep - 1) * c * k * H * a // ep for c in sizes)
         got = ep_comm_bytes(cfg, tokens, ep, chunk, a)
         splits = len(sizes) * (ep - 1) * (cfg.n_routed_experts // ep) * 8
-        assert got == {"forward": n_moe * 2 * data, "backward": n_moe * 2 * data, "splits": n_moe * splits}  # exact: byte counts
+        assert got == {
+            "forward": n_moe * 2 * data,
+            "backward": n_moe * 2 * data,
+            "splits": n_moe * splits,
+        }  # exact: byte counts
     assert ep_comm_bytes(cfg, 1024, 1, None, 4) == {"forward": 0, "backward": 0, "splits": 0}  # exact: byte counts
     with pytest.raises(InputError, match="ep"):
         ep_comm_bytes(cfg, 1024, 0, None, 4)
@@ -210,7 +217,9 @@ def test_fsdp_units_under_ep_against_the_model() -> None:
         if cfg.mlp_layer_types[i] == "sparse":
             experts = sum(p.numel() for p in layer.mlp.experts.parameters())
             assert [(u.kind, u.params, u.group) for u in block] == [
-                ("block", sum(p.numel() for p in layer.parameters()) - experts, 8), ("experts", experts // 2, 4)]
+                ("block", sum(p.numel() for p in layer.parameters()) - experts, 8),
+                ("experts", experts // 2, 4),
+            ]
         else:
             assert [(u.kind, u.group) for u in block] == [("block", 8)]
     assert units[-1].kind == "root"

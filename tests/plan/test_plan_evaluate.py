@@ -15,7 +15,6 @@ import torch
 from genolong.config import load_recipe, parse_recipe
 from genolong.model import PRESETS, GenoLM
 from genolong.plan import GIB, eval_plan, format_eval_plan, forward_working_set, stream_cache_tensors
-
 from tests.helpers import ROOT
 from tests.plan_helpers import plan_recipe
 
@@ -60,12 +59,19 @@ def _eval_activations(p) -> int:  # type: ignore[no-untyped-def]
     return sum(v for k, v in p.device.items() if k.startswith(("forward working set", "tile ids")))
 
 
-@pytest.mark.parametrize(("preset", "tokens", "segment", "dtype"),
-                         [("tiny", 2048, None, torch.float32), ("tiny", 2048, 512, torch.float32),
-                          ("tiny", 2048, None, torch.bfloat16), ("small", 2048, None, torch.float32),
-                          ("small", 2048, 512, torch.float32)])
-def test_eval_plan_bounds_the_measured_forward_peak(tmp_path: Path, preset: str, tokens: int, segment: int | None,
-                                                    dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("preset", "tokens", "segment", "dtype"),
+    [
+        ("tiny", 2048, None, torch.float32),
+        ("tiny", 2048, 512, torch.float32),
+        ("tiny", 2048, None, torch.bfloat16),
+        ("small", 2048, None, torch.float32),
+        ("small", 2048, 512, torch.float32),
+    ],
+)
+def test_eval_plan_bounds_the_measured_forward_peak(
+    tmp_path: Path, preset: str, tokens: int, segment: int | None, dtype: torch.dtype
+) -> None:
     """The forward working set is the largest half-block's saved-tensor inventory (an upper bound:
     a no_grad forward frees as it goes): the measured peak of ``token_nll`` (one-shot and streamed,
     torch kernels, one process) lies between 0.4x and 1x the plan's activation lines. Measured
@@ -74,12 +80,18 @@ def test_eval_plan_bounds_the_measured_forward_peak(tmp_path: Path, preset: str,
     ids = torch.randint(1, 6, (1, tokens), generator=torch.Generator().manual_seed(1))
     with _ForwardLive(model) as live:
         model.token_nll(ids, segment_tokens=segment)
-    p = eval_plan(plan_recipe(tmp_path, preset=preset, context=tokens), gpus=1, segment_tokens=segment,
-                  dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+    p = eval_plan(
+        plan_recipe(tmp_path, preset=preset, context=tokens),
+        gpus=1,
+        segment_tokens=segment,
+        dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+    )
     predicted = _eval_activations(p)
     ratio = live.peak / predicted
-    print(f"{preset} T={tokens} S={segment} {dtype}: measured {live.peak / tokens:,.0f} B/token, planned "
-          f"{predicted / tokens:,.0f} ({ratio:.2f}); {p.peak_phase}")
+    print(
+        f"{preset} T={tokens} S={segment} {dtype}: measured {live.peak / tokens:,.0f} B/token, planned "
+        f"{predicted / tokens:,.0f} ({ratio:.2f}); {p.peak_phase}"
+    )
     assert 0.4 < ratio <= 1.0, ratio
     assert live.now <= 16 * tokens  # nothing but the returned NLL is left: the measurement is clean
 
@@ -106,7 +118,9 @@ def test_eval_plan_1m_on_64_gpus_of_180_gb() -> None:
     # the largest FSDP unit: one MoE layer's 36 of 288 experts (EP 8), gathered twice (computing, prefetched)
     experts = sum(t.numel() for t in model.layers[3].mlp.experts.parameters()) // 8
     others = [model.embed_tokens.weight.numel(), model.lm_head.weight.numel() + 4096]
-    others += [sum(t.numel() for n, t in layer.named_parameters() if ".experts." not in f".{n}") for layer in model.layers]
+    others += [
+        sum(t.numel() for n, t in layer.named_parameters() if ".experts." not in f".{n}") for layer in model.layers
+    ]
     assert p.device["FSDP unsharded params (2 units: computing + prefetched)"] == 2 * 2 * max(experts, *others)
     # no training state: nothing for gradients, optimizer or saved activations
     assert not any(word in name for name in p.device for word in ("gradient", "AdamW", "saved", "offload"))
@@ -117,9 +131,22 @@ def test_eval_plan_1m_on_64_gpus_of_180_gb() -> None:
     fla = {t.name: t.nbytes for t in p.working}["fla chunk_kda forward temporaries (w, u, kg, v_new, h, ...)"]
     assert fla == 131072 * 64 * (2 * 128 + 2 * 256 + 128 * 256 // 64 + 16) * 4
     # DSA under CP gathers the whole tile's kv latent (512) and pooled index keys (128 / 4) in bf16
-    dsa = [t for t in forward_working_set(PRESETS["glm-5.3-flash"], 3, "attention", 131072, dtype_bytes=2,
-                                          kda_kernel="fla", dsa_kernel="triton", cp=8, moe_chunk_tokens=4096,
-                                          expert_load=4.0) if "all-gathered" in t.name]
+    dsa = [
+        t
+        for t in forward_working_set(
+            PRESETS["glm-5.3-flash"],
+            3,
+            "attention",
+            131072,
+            dtype_bytes=2,
+            kda_kernel="fla",
+            dsa_kernel="triton",
+            cp=8,
+            moe_chunk_tokens=4096,
+            expert_load=4.0,
+        )
+        if "all-gathered" in t.name
+    ]
     pool = PRESETS["glm-5.3-flash"].index_kpool
     assert len(dsa) == 1 and dsa[0].nbytes >= 1048576 * (512 + 128 // pool) * 2
     assert p.device_total == sum(p.device.values())
@@ -163,8 +190,9 @@ def test_eval_plan_mesh_stream_and_suggestion(tmp_path: Path) -> None:
         assert not over.fits and change in over.suggestion, format_eval_plan(over)
         sets = [s for s in over.suggestion if not s.startswith("--")]
         segment = [int(s.split()[1]) for s in over.suggestion if s.startswith("--segment-tokens")]
-        applied = eval_plan(parse_recipe(recipe.to_dict(), sets), gpu_mem_gib=budget,
-                            segment_tokens=segment[0] if segment else None)
+        applied = eval_plan(
+            parse_recipe(recipe.to_dict(), sets), gpu_mem_gib=budget, segment_tokens=segment[0] if segment else None
+        )
         assert applied.fits and applied.device_total == over.suggestion_total
         assert "first change that fits" in format_eval_plan(over)
 
@@ -178,14 +206,19 @@ def test_eval_plan_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", str(recipe), "--evaluate", "--context", "1048576", "--gpus", "64", "--gpu-mem", "180"]) == 0
     table = capsys.readouterr().out
     assert table.startswith("plan --evaluate: 1m") and "verdict: FITS" in table
-    assert main(["plan", str(recipe), "--evaluate", "--context", "1048576", "--gpus", "64", "--gpu-mem", "180", "--json"]) == 0
+    assert (
+        main(["plan", str(recipe), "--evaluate", "--context", "1048576", "--gpus", "64", "--gpu-mem", "180", "--json"])
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out)
     expected = eval_plan(load_recipe(recipe), context=1048576, gpus=64, gpu_mem_gib=180.0)
     assert printed == json.loads(json.dumps(expected.to_dict()))
-    for argv, flag in ((["--context", "1048576"], "--evaluate"),
-                       (["--evaluate", "--context", "1000"], "--context"),
-                       (["--evaluate", "--segment-tokens", "65536"], "--segment-tokens"),
-                       (["--evaluate", "--context", "-8"], "--context")):
+    for argv, flag in (
+        (["--context", "1048576"], "--evaluate"),
+        (["--evaluate", "--context", "1000"], "--context"),
+        (["--evaluate", "--segment-tokens", "65536"], "--segment-tokens"),
+        (["--evaluate", "--context", "-8"], "--context"),
+    ):
         assert main(["plan", str(recipe), "--gpus", "64", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and flag in err, err

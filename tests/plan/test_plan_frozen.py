@@ -33,7 +33,6 @@ from genolong.plan import (
 )
 from genolong.plan.params import linear_shapes, lora_adapter_shapes, parameter_shapes, parameter_split
 from genolong.train.module import freeze_parameters
-
 from tests.helpers import ROOT
 from tests.plan_helpers import plan_recipe
 
@@ -50,12 +49,31 @@ def _reduced_glm() -> ModelConfig:
     shared indexer), attention biases on, at a size that builds in a second."""
     g = PRESETS["glm-5.3-flash"]
     return ModelConfig.from_preset(
-        "glm-5.3-flash", hidden_size=64, intermediate_size=96, moe_intermediate_size=16, n_routed_experts=8,
-        num_experts_per_tok=2, num_hidden_layers=5, layer_types=(*g.layer_types[:4], "indexed_attention"),
-        mlp_layer_types=g.mlp_layer_types[:5], indexer_types=("full", "full", "full", "full", "shared"),
-        vocab_size=32, pad_token_id=0, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32,
-        kv_lora_rank=16, qk_nope_head_dim=16, v_head_dim=16, linear_num_heads=2, linear_head_dim=16,
-        index_n_heads=2, index_head_dim=16, index_topk=16, attention_bias=True)
+        "glm-5.3-flash",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=5,
+        layer_types=(*g.layer_types[:4], "indexed_attention"),
+        mlp_layer_types=g.mlp_layer_types[:5],
+        indexer_types=("full", "full", "full", "full", "shared"),
+        vocab_size=32,
+        pad_token_id=0,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        linear_num_heads=2,
+        linear_head_dim=16,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=16,
+        attention_bias=True,
+    )
 
 
 GEOMETRIES = {"tiny": lambda: PRESETS["tiny"], "small": lambda: PRESETS["small"], "glm-reduced": _reduced_glm}
@@ -68,8 +86,9 @@ def test_parameter_table_is_the_model(geometry: str) -> None:
     cfg = GEOMETRIES[geometry]()
     model = GenoLM(cfg)
     assert list(parameter_shapes(cfg).items()) == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    assert list(linear_shapes(cfg).items()) == [(n, (m.in_features, m.out_features)) for n, m in model.named_modules()
-                                                if isinstance(m, torch.nn.Linear)]
+    assert list(linear_shapes(cfg).items()) == [
+        (n, (m.in_features, m.out_features)) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+    ]
     assert sum(math.prod(s) for s in parameter_shapes(cfg).values()) == parameter_count(cfg).total
     for freeze in (QUICKSTART_FREEZE, ["layers.*.mlp.experts.*"], ["embed_tokens.*"]):
         fresh = GenoLM(cfg)
@@ -81,23 +100,40 @@ def test_parameter_table_is_the_model(geometry: str) -> None:
     for ep in (1, 2):
         legacy = fsdp_unit_groups(cfg, 4, ep)
         split_units = fsdp_unit_groups(cfg, 4, ep, split=parameter_split(cfg))
-        assert [(u.kind, u.layer, u.params, u.group) for u in legacy] == \
-               [(u.kind, u.layer, u.params, u.group) for u in split_units]
+        assert [(u.kind, u.layer, u.params, u.group) for u in legacy] == [
+            (u.kind, u.layer, u.params, u.group) for u in split_units
+        ]
 
 
 def test_lora_adapter_counts() -> None:
     """r (in + out) per adapted linear, per expert on the fused experts; every base weight frozen but
     modules_to_save; bad globs are one-line errors naming the key."""
     cfg = PRESETS["tiny"]
-    recipe = parse_recipe({"name": "t", "model": {"preset": "tiny", "lora": {
-        "rank": 4, "targets": ["layers.*.self_attn.q_proj", "layers.1.mlp.shared_experts.*"],
-        "routed_experts": True, "modules_to_save": ["norm"]}},
-        "data": {"store": "s", "context": 256}, "train": {"max_steps": 1}})
+    recipe = parse_recipe(
+        {
+            "name": "t",
+            "model": {
+                "preset": "tiny",
+                "lora": {
+                    "rank": 4,
+                    "targets": ["layers.*.self_attn.q_proj", "layers.1.mlp.shared_experts.*"],
+                    "routed_experts": True,
+                    "modules_to_save": ["norm"],
+                },
+            },
+            "data": {"store": "s", "context": 256},
+            "train": {"max_steps": 1},
+        }
+    )
     lora = recipe.model.lora
     shapes = lora_adapter_shapes(cfg, lora)
     linears = linear_shapes(cfg)
-    adapted = [n for n in linears if fnmatch.fnmatchcase(n, "layers.*.self_attn.q_proj")
-               or fnmatch.fnmatchcase(n, "layers.1.mlp.shared_experts.*")]
+    adapted = [
+        n
+        for n in linears
+        if fnmatch.fnmatchcase(n, "layers.*.self_attn.q_proj")
+        or fnmatch.fnmatchcase(n, "layers.1.mlp.shared_experts.*")
+    ]
     E, inner, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     moe = sum(t == "sparse" for t in cfg.mlp_layer_types or ())
     expected = sum(4 * sum(linears[n]) for n in adapted) + moe * E * 4 * (H + 2 * inner + inner + H)
@@ -135,7 +171,11 @@ def test_frozen_bytes_match_a_model_after_one_adamw_step(tmp_path: Path) -> None
     assert p.device["frozen parameters (fp32, sharded, no master)"] == frozen_bytes
     assert p.device["gradients (fp32, sharded, trained only)"] == grads
     assert p.device["AdamW moments (2 x fp32, sharded, trained only)"] == moments
-    assert (p.trained_parameters, p.frozen_parameters, p.adapter_parameters) == (trained_bytes // 4, frozen_bytes // 4, 0)
+    assert (p.trained_parameters, p.frozen_parameters, p.adapter_parameters) == (
+        trained_bytes // 4,
+        frozen_bytes // 4,
+        0,
+    )
     assert "trained" in format_plan(p).splitlines()[0] and "frozen" in format_plan(p).splitlines()[0]
     # bf16-mixed: the frozen weights at 2 B, no master; the trained state unchanged
     bf16 = plan(plan_recipe(tmp_path, model={"freeze": QUICKSTART_FREEZE}, train={"precision": "bf16-mixed"}))
@@ -155,8 +195,11 @@ def test_reduce_scatter_moves_trained_parameters_only(tmp_path: Path) -> None:
     freeze_parameters(model, QUICKSTART_FREEZE)
     by_unit: dict[str, int] = {}
     for name, param in model.named_parameters():
-        key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else (
-            "embedding" if name.startswith("embed_tokens") else "root")
+        key = (
+            ".".join(name.split(".")[:2])
+            if name.startswith("layers.")
+            else ("embedding" if name.startswith("embed_tokens") else "root")
+        )
         by_unit[key] = by_unit.get(key, 0) + (param.numel() if param.requires_grad else 0)
     split = parameter_split(cfg, QUICKSTART_FREEZE)
     S = 4
@@ -170,13 +213,16 @@ def test_reduce_scatter_moves_trained_parameters_only(tmp_path: Path) -> None:
     assert 0 < trained_units < cfg.num_hidden_layers
     assert rows["FSDP gradient reduce-scatter"].layers == trained_units
     gathers = [r.total for r in frozen.rows if "all-gather" in r.name]
-    assert gathers == [r.total for r in plain.rows if "all-gather" in r.name]  # fp32 run: frozen weights gathered as before
+    assert gathers == [
+        r.total for r in plain.rows if "all-gather" in r.name
+    ]  # fp32 run: frozen weights gathered as before
     p = plan(plan_recipe(tmp_path, model={"freeze": QUICKSTART_FREEZE}, parallel={"devices": S}))
     assert p.comm.part_total("fsdp") == frozen.part_total("fsdp") < plain.part_total("fsdp")
 
 
-def _meter_frozen(preset: str, tokens: int, freeze: list[str], indexer_kl: bool = False,
-                  **techniques: object) -> ActivationMeter:
+def _meter_frozen(
+    preset: str, tokens: int, freeze: list[str], indexer_kl: bool = False, **techniques: object
+) -> ActivationMeter:
     """One metered forward + backward of ``preset`` with ``freeze`` applied (fp32)."""
     torch.manual_seed(0)
     model = GenoLM(PRESETS[preset])
@@ -227,10 +273,14 @@ def test_planner_matches_meter_with_frozen_parts(case: tuple) -> None:
     cfg = PRESETS[preset]
     trained = TrainedParts.from_names(cfg, parameter_split(cfg, freeze).trained_names)
     est = activation_estimate(cfg, t, trained=trained, **techniques)  # type: ignore[arg-type]
-    errors = {"resident peak": abs(est.peak_resident_bytes - meter.peak_resident_bytes) / meter.peak_resident_bytes,
-              "total peak": abs(est.peak_total_bytes - meter.peak_total_bytes) / meter.peak_total_bytes}
-    print(f"{_frozen_id(case)}: planned {est.peak_resident_bytes / 2**20:.2f} MiB, metered "
-          f"{meter.peak_resident_bytes / 2**20:.2f} MiB, " + ", ".join(f"{k} {v:.3%}" for k, v in errors.items()))
+    errors = {
+        "resident peak": abs(est.peak_resident_bytes - meter.peak_resident_bytes) / meter.peak_resident_bytes,
+        "total peak": abs(est.peak_total_bytes - meter.peak_total_bytes) / meter.peak_total_bytes,
+    }
+    print(
+        f"{_frozen_id(case)}: planned {est.peak_resident_bytes / 2**20:.2f} MiB, metered "
+        f"{meter.peak_resident_bytes / 2**20:.2f} MiB, " + ", ".join(f"{k} {v:.3%}" for k, v in errors.items())
+    )
     assert max(errors.values()) < TOLERANCE, errors
     if techniques.get("recompute") in (None, "selective"):  # freezing saves memory the unfrozen plan counts
         assert est.peak_resident_bytes < activation_estimate(cfg, t, **techniques).peak_resident_bytes  # type: ignore[arg-type]
@@ -242,9 +292,15 @@ def test_quickstart_plan_matches_its_own_step() -> None:
     recipe = load_recipe(ROOT / "recipes" / "quickstart.yaml")
     p = plan(recipe)
     mem = recipe.memory
-    meter = _meter_frozen("small", recipe.data.context, list(recipe.model.freeze), indexer_kl=True,
-                          recompute=mem.recompute, recompute_modules=tuple(mem.recompute_modules),
-                          moe_chunk_tokens=mem.moe_chunk_tokens)
+    meter = _meter_frozen(
+        "small",
+        recipe.data.context,
+        list(recipe.model.freeze),
+        indexer_kl=True,
+        recompute=mem.recompute,
+        recompute_modules=tuple(mem.recompute_modules),
+        moe_chunk_tokens=mem.moe_chunk_tokens,
+    )
     planned = p.device["saved activations (resident peak)"]
     print(f"quickstart: planned {planned / 2**20:.1f} MiB, metered {meter.peak_resident_bytes / 2**20:.1f} MiB")
     assert abs(planned - meter.peak_resident_bytes) / meter.peak_resident_bytes < TOLERANCE
@@ -255,8 +311,9 @@ def test_over_budget_plan_suggests_training_fewer_parameters(tmp_path: Path) -> 
     planning it), beside the cheapest change; a recipe that freezes already gets no such line."""
     recipe = plan_recipe(tmp_path, preset="small", context=4096, memory={"recompute": "full"})
     base = plan(recipe, gpu_mem_gib=1000)
-    attention_only = plan(parse_recipe(recipe.to_dict(), [f"model.freeze=[{','.join(ATTENTION_ONLY_FREEZE)}]"]),
-                          gpu_mem_gib=1000)
+    attention_only = plan(
+        parse_recipe(recipe.to_dict(), [f"model.freeze=[{','.join(ATTENTION_ONLY_FREEZE)}]"]), gpu_mem_gib=1000
+    )
     assert attention_only.device_total < base.device_total
     budget = (attention_only.device_total + base.device_total) / 2 / GIB
     over = plan(recipe, gpu_mem_gib=budget)

@@ -26,7 +26,6 @@ from genolong.parallel import parallelize
 from genolong.parallel.mesh import build_mesh
 from genolong.plan.params import parameter_split
 from genolong.plan.train import fsdp_resident_bytes
-
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,8 +61,13 @@ def _worker(rank: int, world: int, folder: str) -> None:
     for ep, dtype in CASES:
         mesh = build_mesh(ParallelSection(accelerator="cpu", devices=world, dp_shard=world, ep=ep), world_size=world)
         torch.manual_seed(0)
-        model = parallelize(GenoLM(_CONFIG), mesh=mesh, ep=ep, param_dtype=dtype,
-                            reduce_dtype=torch.float32 if dtype is not None else None)
+        model = parallelize(
+            GenoLM(_CONFIG),
+            mesh=mesh,
+            ep=ep,
+            param_dtype=dtype,
+            reduce_dtype=torch.float32 if dtype is not None else None,
+        )
         seen: list[int] = []
         model.register_forward_hook(lambda module, args, out: seen.append(_gathered_bytes(module)))
         ids = torch.randint(1, 6, (1, 64), generator=torch.Generator().manual_seed(rank))
@@ -109,4 +113,6 @@ def test_pinned_pool_is_the_offloaders_power_of_two_buffers() -> None:
     assert est.pinned_pool_bytes > est.peak_offloaded_bytes  # 384 tokens: buffers of 3 x 2^k bytes
     assert offloader.peak_pinned_bytes > offloader.peak_host_bytes
     assert abs(est.pinned_pool_bytes - offloader.peak_pinned_bytes) / offloader.peak_pinned_bytes < TOLERANCE, (
-        est.pinned_pool_bytes, offloader.peak_pinned_bytes)
+        est.pinned_pool_bytes,
+        offloader.peak_pinned_bytes,
+    )

@@ -15,7 +15,6 @@ from genolong.config import load_recipe, parse_recipe
 from genolong.errors import InputError
 from genolong.model import PRESETS, GenoLM
 from genolong.plan import GIB, TRANSIENTS, activation_estimate, format_plan, plan
-
 from tests.helpers import ROOT
 from tests.plan_helpers import plan_recipe
 
@@ -35,7 +34,12 @@ def test_parameter_and_optimizer_bytes_are_exact(tmp_path: Path) -> None:
     assert (sharded.cp, sharded.dp_shard, sharded.shard_group) == (2, 3, 6)
     assert sharded.device["parameters (fp32 master, sharded)"] == 4 * math.ceil(numel / 6)
     assert sharded.device["AdamW moments (2 x fp32, sharded)"] == 8 * math.ceil(numel / 6)
-    assert sharded.device["FSDP units in use + prefetched (the last block from its forward to its backward) + grad (1 unit)"] > 0
+    assert (
+        sharded.device[
+            "FSDP units in use + prefetched (the last block from its forward to its backward) + grad (1 unit)"
+        ]
+        > 0
+    )
     # the root (final norm + LM head, 32-true: 4 B) stays gathered all step, with its fp32 gradient
     cfg = PRESETS["tiny"]
     root = cfg.hidden_size * (1 + cfg.vocab_size)
@@ -130,8 +134,9 @@ def test_ep_in_the_plan(tmp_path: Path) -> None:
     from genolong.plan import SENT, ep_comm_bytes, fsdp_unit_groups
 
     cfg = PRESETS["tiny"]
-    base = plan_recipe(tmp_path, parallel={"cp": 2, "devices": 4}, train={"precision": "bf16-mixed"},
-                   memory={"moe_chunk_tokens": 128})
+    base = plan_recipe(
+        tmp_path, parallel={"cp": 2, "devices": 4}, train={"precision": "bf16-mixed"}, memory={"moe_chunk_tokens": 128}
+    )
     ep2 = parse_recipe(base.to_dict(), ["parallel.ep=2"])
     one, two = plan(base), plan(ep2)
     assert (two.ep, two.experts_per_rank, two.expert_shard_group) == (2, cfg.n_routed_experts // 2, 2)
@@ -143,15 +148,21 @@ def test_ep_in_the_plan(tmp_path: Path) -> None:
     gathered = [2 * u.params + (2 * fp32.get(u.layer, 0) if u.kind == "block" else 0) for u in units]
     last = sum(g for u, g in zip(units, gathered) if u.layer == cfg.num_hidden_layers - 1)
     grad = 4 * max(u.params for u in units)
-    assert two.device["FSDP units in use + prefetched (the last block from its forward to its backward) + grad (1 unit)"] == (
-        max(last, max(gathered)) + max(gathered) + grad)
+    assert two.device[
+        "FSDP units in use + prefetched (the last block from its forward to its backward) + grad (1 unit)"
+    ] == (max(last, max(gathered)) + max(gathered) + grad)
     H, k, inner = cfg.hidden_size, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     buffers = int(4.0 * 128 * k * (2 * H + 3 * inner) * 2) + 2 * 128 * k * H * 2
     assert two.device["MoE all-to-all buffers (busiest rank)"] == buffers
     assert "MoE all-to-all buffers (busiest rank)" not in one.device and "MoE dispatch chunk" in one.device
     row = next(r for r in two.comm.rows if r.part == "ep")
     call = ep_comm_bytes(cfg, 512, 2, 128, 2)
-    assert (row.convention, row.forward, row.recompute, row.backward) == (SENT, call["forward"] + call["splits"], 0, call["backward"])
+    assert (row.convention, row.forward, row.recompute, row.backward) == (
+        SENT,
+        call["forward"] + call["splits"],
+        0,
+        call["backward"],
+    )
     assert one.comm.part_total("ep") == 0
     text = format_plan(two)
     assert "ep 2 (" in text and "experts sharded over 2" in text and "**EP all-to-all total**" in text
@@ -165,8 +176,12 @@ def test_plan_sizes_the_moe_dispatch_for_the_recipes_imbalance(tmp_path: Path) -
     """The busiest rank's buffers scale with memory.moe_imbalance (default 4.0), a capacity factor
     below it caps them (rows over it are dropped), --moe-imbalance overrides both; the assumptions
     say which."""
-    base = plan_recipe(tmp_path, parallel={"cp": 2, "devices": 4, "ep": 2}, train={"precision": "bf16-mixed"},
-                   memory={"moe_chunk_tokens": 128})
+    base = plan_recipe(
+        tmp_path,
+        parallel={"cp": 2, "devices": 4, "ep": 2},
+        train={"precision": "bf16-mixed"},
+        memory={"moe_chunk_tokens": 128},
+    )
     cfg = PRESETS["tiny"]
     H, k, inner = cfg.hidden_size, cfg.num_experts_per_tok, cfg.moe_intermediate_size
 
@@ -174,15 +189,20 @@ def test_plan_sizes_the_moe_dispatch_for_the_recipes_imbalance(tmp_path: Path) -
         return int(imbalance * 128 * k * (2 * H + 3 * inner) * 2) + 2 * 128 * k * H * 2
 
     key = "MoE all-to-all buffers (busiest rank)"
-    cases = [([], None, 4.0, "memory.moe_imbalance, the reference's figure"),
-             (["memory.moe_imbalance=2.5"], None, 2.5, "memory.moe_imbalance"),
-             (["memory.moe_capacity_factor=1.5"], None, 1.5, "memory.moe_capacity_factor"),
-             (["memory.moe_capacity_factor=6.0"], None, 4.0, "memory.moe_imbalance"),
-             (["memory.moe_capacity_factor=1.5"], 3.0, 3.0, "--moe-imbalance")]
+    cases = [
+        ([], None, 4.0, "memory.moe_imbalance, the reference's figure"),
+        (["memory.moe_imbalance=2.5"], None, 2.5, "memory.moe_imbalance"),
+        (["memory.moe_capacity_factor=1.5"], None, 1.5, "memory.moe_capacity_factor"),
+        (["memory.moe_capacity_factor=6.0"], None, 4.0, "memory.moe_imbalance"),
+        (["memory.moe_capacity_factor=1.5"], 3.0, 3.0, "--moe-imbalance"),
+    ]
     for overrides, flag, imbalance, source in cases:
         p = plan(parse_recipe(base.to_dict(), overrides), moe_imbalance=flag)
         assert p.device[key] == buffers(imbalance), overrides
-        assert any(f"at {imbalance:g} x the mean load ({source}" in a for a in p.assumptions), (overrides, p.assumptions)
+        assert any(f"at {imbalance:g} x the mean load ({source}" in a for a in p.assumptions), (
+            overrides,
+            p.assumptions,
+        )
 
 
 def test_plan_suggests_expert_parallelism() -> None:
@@ -217,10 +237,20 @@ def test_reference_recipes_fit_64_gpus_of_180_gb(name: str) -> None:
     assert p.ep > 1 and p.recompute == "chunked"
     if name == "1m":
         assert p.host_per_gpu <= 180 * GIB
-    old = {"1m": ["memory.recompute=full", "memory.moe_chunk_tokens=16384", "memory.recompute_chunk_tokens=16384"],
-           "512k": ["memory.recompute=selective", "memory.recompute_modules=[kda,dsa,moe]", "memory.moe_chunk_tokens=16384"],
-           "256k": ["memory.recompute=selective", "memory.recompute_modules=[kda,dsa,moe]", "memory.moe_chunk_tokens=null"],
-           "128k": ["memory.recompute=selective", "memory.recompute_modules=[kda,dsa]", "memory.moe_chunk_tokens=null"]}[name]
+    old = {
+        "1m": ["memory.recompute=full", "memory.moe_chunk_tokens=16384", "memory.recompute_chunk_tokens=16384"],
+        "512k": [
+            "memory.recompute=selective",
+            "memory.recompute_modules=[kda,dsa,moe]",
+            "memory.moe_chunk_tokens=16384",
+        ],
+        "256k": [
+            "memory.recompute=selective",
+            "memory.recompute_modules=[kda,dsa,moe]",
+            "memory.moe_chunk_tokens=null",
+        ],
+        "128k": ["memory.recompute=selective", "memory.recompute_modules=[kda,dsa]", "memory.moe_chunk_tokens=null"],
+    }[name]
     before = plan(load_recipe(ROOT / "recipes" / f"{name}.yaml", ["parallel.ep=1", *old]), gpus=64, gpu_mem_gib=180)
     assert not before.fits_device and before.device_total > 1.5 * p.device_total
 
@@ -233,8 +263,24 @@ def test_plan_command_kernel_flags(capsys: pytest.CaptureFixture[str]) -> None:
     recipe = str(ROOT / "recipes" / "512k.yaml")
     assert main(["plan", recipe, "--gpus", "64", "--gpu-mem", "180", "--json"]) == 0
     auto = json.loads(capsys.readouterr().out)
-    assert main(["plan", recipe, "--gpus", "64", "--gpu-mem", "180", "--json", "--kda-kernel", "torch",
-                 "--dsa-kernel", "torch"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                recipe,
+                "--gpus",
+                "64",
+                "--gpu-mem",
+                "180",
+                "--json",
+                "--kda-kernel",
+                "torch",
+                "--dsa-kernel",
+                "torch",
+            ]
+        )
+        == 0
+    )
     forced = json.loads(capsys.readouterr().out)
     assert (auto["kda_kernel"], auto["dsa_kernel"]) == ("fla", "triton")
     assert (forced["kda_kernel"], forced["dsa_kernel"]) == ("torch", "torch")

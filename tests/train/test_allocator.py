@@ -39,7 +39,9 @@ print(setting.applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - befo
 def _faults(mode: str) -> tuple[bool, int]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
     env["GENOLONG_MALLOC"] = mode
-    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     applied, faults = out.stdout.split()
     return applied == "True", int(faults)
 
@@ -57,12 +59,15 @@ def test_keeping_freed_memory_removes_the_page_faults_of_reallocation() -> None:
     assert kept < 0.2 * pages, (kept, pages)
 
 
-@pytest.mark.parametrize("environ, reason", [
-    ({"GENOLONG_MALLOC": "system"}, "GENOLONG_MALLOC=system"),
-    ({"MALLOC_MMAP_THRESHOLD_": "1000000"}, "MALLOC_MMAP_THRESHOLD_ set by the user"),
-    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}, "GLIBC_TUNABLES set by the user"),
-    ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, "LD_PRELOAD (jemalloc) set by the user"),
-])
+@pytest.mark.parametrize(
+    "environ, reason",
+    [
+        ({"GENOLONG_MALLOC": "system"}, "GENOLONG_MALLOC=system"),
+        ({"MALLOC_MMAP_THRESHOLD_": "1000000"}, "MALLOC_MMAP_THRESHOLD_ set by the user"),
+        ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}, "GLIBC_TUNABLES set by the user"),
+        ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, "LD_PRELOAD (jemalloc) set by the user"),
+    ],
+)
 def test_the_users_own_choice_is_left_alone(environ: dict[str, str], reason: str) -> None:
     setting = keep_freed_memory(environ=environ)
     assert not setting.applied and setting.reason.startswith(reason)

@@ -27,7 +27,6 @@ from genolong.integrity import check_weights
 from genolong.train import read_step_log
 from genolong.train.async_checkpoint import first_difference
 from genolong.train.finetune import AtomicModelParallelStrategy, run
-
 from tests.helpers import genolong_frames
 from tests.integration.test_disk_full import _genolong, _leftovers, _the_line
 from tests.train.test_finetune import _recipe
@@ -35,10 +34,18 @@ from tests.train.test_finetune import _recipe
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _tiny(tmp_path: Path, store: Path, name: str, async_save: bool, steps: int = 4, keep_last: int = 4, every: int = 1) -> Path:
-    return _recipe(tmp_path, store, name, train={"max_steps": steps, "warmup_steps": 0}, eval={"every_n_steps": 0},
-                   data={"store": str(store), "context": 64},
-                   checkpoint={"every_n_steps": every, "keep_last": keep_last, "async_save": async_save})
+def _tiny(
+    tmp_path: Path, store: Path, name: str, async_save: bool, steps: int = 4, keep_last: int = 4, every: int = 1
+) -> Path:
+    return _recipe(
+        tmp_path,
+        store,
+        name,
+        train={"max_steps": steps, "warmup_steps": 0},
+        eval={"every_n_steps": 0},
+        data={"store": str(store), "context": 64},
+        checkpoint={"every_n_steps": every, "keep_last": keep_last, "async_save": async_save},
+    )
 
 
 def _renamed(x: object) -> object:
@@ -56,7 +63,14 @@ def _same_checkpoint(a: Path, b: Path) -> None:
     """Two step*.ckpt of runs that differ only in name and directories: every tensor record of the
     zip byte for byte, and the same contents but for the recipe."""
     with zipfile.ZipFile(a) as za, zipfile.ZipFile(b) as zb:
-        records = lambda z: {n.split("/", 1)[1]: z.read(n) for n in z.namelist() if not n.endswith(("data.pkl", "version", "serialization_id"))}  # noqa: E731
+
+        def records(z: zipfile.ZipFile) -> dict[str, bytes]:
+            return {
+                n.split("/", 1)[1]: z.read(n)
+                for n in z.namelist()
+                if not n.endswith(("data.pkl", "version", "serialization_id"))
+            }
+
         ra, rb = records(za), records(zb)
         assert ra.keys() == rb.keys() and all(ra[k] == rb[k] for k in ra), a.name
     ca, cb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
@@ -65,7 +79,9 @@ def _same_checkpoint(a: Path, b: Path) -> None:
     assert first_difference(ca, _renamed(cb)) is None, a.name
 
 
-def test_async_checkpoints_equal_sync_ones_bitwise(sample_store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_async_checkpoints_equal_sync_ones_bitwise(
+    sample_store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     run(load_recipe(_tiny(tmp_path, sample_store, "sync", async_save=False)))
     # a slow background write: finetune must still return with the last checkpoint in place
     write = AtomicModelParallelStrategy._write
@@ -87,14 +103,21 @@ def test_async_checkpoints_equal_sync_ones_bitwise(sample_store: Path, tmp_path:
     assert [a[s]["train/loss"] for s in range(1, 5)] == [b[s]["train/loss"] for s in range(1, 5)]
 
 
-def test_a_failed_background_write_is_one_line_and_keeps_the_previous_checkpoint(sample_store: Path, tmp_path: Path) -> None:
+def test_a_failed_background_write_is_one_line_and_keeps_the_previous_checkpoint(
+    sample_store: Path, tmp_path: Path
+) -> None:
     """keep_last 1: the step-2 checkpoint would be removed once step 4's is saved; step 4's write
     fails in the background (a 3 MB file-size limit; a checkpoint is 6 MB), so step 2's stays."""
     recipe = _tiny(tmp_path, sample_store, "full", async_save=True, steps=6, keep_last=1, every=2)
     recipe.write_text(recipe.read_text().replace("context: 64", "context: 256"))
     checkpoints = tmp_path / "runs" / "full" / "checkpoints"
-    run = _genolong("finetune", str(recipe), cwd=tmp_path, limit=3_000_000,
-                    at=("genolong.train.finetune:AtomicModelParallelStrategy._write", 2))
+    run = _genolong(
+        "finetune",
+        str(recipe),
+        cwd=tmp_path,
+        limit=3_000_000,
+        at=("genolong.train.finetune:AtomicModelParallelStrategy._write", 2),
+    )
     _the_line(run, "finetune", checkpoints / "step0000004.ckpt", "File too large")
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step0000002.ckpt", "step0000002.ckpt.checksums.json"]
     check_weights(checkpoints / "step0000002.ckpt")
@@ -108,7 +131,10 @@ def test_resume_from_an_async_checkpoint_is_exact(sample_store: Path, tmp_path: 
     root = tmp_path / "runs" / "resumed"
     run(load_recipe(recipe))
     first = read_step_log(root / "logs" / "steps.jsonl")
-    export = {k: v.clone() for k, v in torch.load(root / "checkpoints" / "step0000004.ckpt", weights_only=True)["state_dict"].items()}
+    export = {
+        k: v.clone()
+        for k, v in torch.load(root / "checkpoints" / "step0000004.ckpt", weights_only=True)["state_dict"].items()
+    }
     for p in root.glob("checkpoints/step0000004.ckpt*"):
         p.unlink()
     (root / "logs" / "steps.jsonl").rename(root / "logs" / "first.jsonl")
@@ -131,7 +157,6 @@ def test_two_ranks_hash_their_own_shards_and_verify_them_on_resume(sample_store:
     import yaml
 
     from genolong.integrity import MANIFEST_NAME, file_checksum
-
     from tests.integration.test_finetune_distributed import _finetune as _job
     from tests.integration.test_finetune_distributed import _recipe as _job_recipe
 
@@ -148,7 +173,10 @@ def test_two_ranks_hash_their_own_shards_and_verify_them_on_resume(sample_store:
         files = sorted(p.name for p in directory.iterdir() if p.name != MANIFEST_NAME)
         assert sorted(manifest) == files and {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"} <= set(files)
         for name in files:
-            assert manifest[name] == {"bytes": (directory / name).stat().st_size, "crc32": file_checksum(directory / name)}, name
+            assert manifest[name] == {
+                "bytes": (directory / name).stat().st_size,
+                "crc32": file_checksum(directory / name),
+            }, name
 
     log = tmp_path / "runs" / "dp2" / "logs" / "steps.jsonl"
     first = read_step_log(log)
@@ -160,9 +188,25 @@ def test_two_ranks_hash_their_own_shards_and_verify_them_on_resume(sample_store:
     damaged[len(damaged) // 2] ^= 0xFF
     shard.write_bytes(bytes(damaged))
     env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-    failed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                             "genolong.cli", "finetune", str(recipe), "--resume"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+    failed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "genolong.cli",
+            "finetune",
+            str(recipe),
+            "--resume",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert failed.returncode != 0
     assert "__1_0.distcp is damaged (crc32 checksum differs" in failed.stderr, failed.stderr[-3000:]
     # one line per rank; the only traceback is torchrun's own report of a failed child (no genolong frame)
@@ -176,7 +220,9 @@ def test_two_ranks_hash_their_own_shards_and_verify_them_on_resume(sample_store:
     assert [resumed[s]["train/loss"] for s in (3, 4)] == [first[s]["train/loss"] for s in (3, 4)]
 
 
-def test_the_manifest_from_the_ranks_digests_equals_a_full_rehash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_manifest_from_the_ranks_digests_equals_a_full_rehash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rank 0 hashes only what no rank vouched for (``.metadata``, ``meta.pt``); the manifest is
     the one a full re-hash writes; ``check_weights(shards=(rank, world))`` hashes that rank's shard."""
     from genolong import integrity

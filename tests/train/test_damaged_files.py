@@ -38,7 +38,9 @@ class Run:
 
 def _write_recipe(path: Path, store: Path, root: Path) -> Path:
     recipe = {
-        "name": "tiny", "seed": 3, "model": {"preset": "tiny"},
+        "name": "tiny",
+        "seed": 3,
+        "model": {"preset": "tiny"},
         "data": {"store": str(store), "context": 64},
         "train": {"max_steps": 2, "warmup_steps": 0},
         "eval": {"every_n_steps": 0},
@@ -69,10 +71,22 @@ def tiny_run(sample_store: Path, tmp_path_factory: pytest.TempPathFactory, one_t
 def test_writers_leave_manifests(tiny_run: Run) -> None:
     checkpoints = tiny_run.root / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == [
-        "step0000001.ckpt", "step0000001.ckpt.checksums.json", "step0000002.ckpt", "step0000002.ckpt.checksums.json"]
-    assert sorted(p.name for p in (tiny_run.root / "export").iterdir()) == ["checksums.json", "config.json", "model.safetensors"]
+        "step0000001.ckpt",
+        "step0000001.ckpt.checksums.json",
+        "step0000002.ckpt",
+        "step0000002.ckpt.checksums.json",
+    ]
+    assert sorted(p.name for p in (tiny_run.root / "export").iterdir()) == [
+        "checksums.json",
+        "config.json",
+        "model.safetensors",
+    ]
     assert sorted(p.name for p in (tiny_run.dcp / "step0000002.ckpt").iterdir()) == [
-        ".metadata", "__0_0.distcp", "checksums.json", "meta.pt"]
+        ".metadata",
+        "__0_0.distcp",
+        "checksums.json",
+        "meta.pt",
+    ]
     for checkpoint in (checkpoints / "step0000002.ckpt", tiny_run.root / "export", tiny_run.dcp / "step0000002.ckpt"):
         assert check_weights(checkpoint) is True  # a manifest vouched for every file
 
@@ -107,7 +121,9 @@ def _copy(tiny_run: Run, kind: str, dest: Path) -> Path:
 def _evaluate_fails(target: Path, store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> str:
     """``genolong evaluate target``: exit 2, one stderr line (returned), no output directory."""
     out = tmp_path / "evaluations" / "result"
-    code = main(["evaluate", str(target), "--store", str(store), "--context", "64", "--max-tiles", "1", "--out", str(out)])
+    code = main(
+        ["evaluate", str(target), "--store", str(store), "--context", "64", "--max-tiles", "1", "--out", str(out)]
+    )
     captured = capsys.readouterr()
     line = captured.err.strip()
     assert code == 2 and "\n" not in line and line.startswith("genolong evaluate: error: "), captured.err
@@ -130,8 +146,17 @@ _CASES = [
 
 @pytest.mark.parametrize("damage", list(_DAMAGE))
 @pytest.mark.parametrize(("kind", "name", "truncated", "flipped"), _CASES, ids=[f"{k}-{n}" for k, n, *_ in _CASES])
-def test_damaged_file_is_named_in_one_line(tiny_run: Run, sample_store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                           kind: str, name: str, truncated: str, flipped: str, damage: str) -> None:
+def test_damaged_file_is_named_in_one_line(
+    tiny_run: Run,
+    sample_store: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    kind: str,
+    name: str,
+    truncated: str,
+    flipped: str,
+    damage: str,
+) -> None:
     target = _copy(tiny_run, kind, tmp_path / "copy")
     victim = target.parent / name if kind == "ckpt" else target / name
     _DAMAGE[damage](victim)
@@ -151,8 +176,16 @@ _STRUCTURE = [
 
 
 @pytest.mark.parametrize(("kind", "name", "manifest", "says"), _STRUCTURE, ids=[f"{k}-{n}" for k, n, *_ in _STRUCTURE])
-def test_truncation_without_manifest(tiny_run: Run, sample_store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                     kind: str, name: str, manifest: str, says: str) -> None:
+def test_truncation_without_manifest(
+    tiny_run: Run,
+    sample_store: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    kind: str,
+    name: str,
+    manifest: str,
+    says: str,
+) -> None:
     target = _copy(tiny_run, kind, tmp_path / "copy")
     folder = target.parent if kind == "ckpt" else target
     (folder / manifest).unlink()
@@ -169,7 +202,9 @@ def test_bit_flip_in_ckpt_without_manifest_fails_its_zip_crc(tiny_run: Run, tmp_
         check_weights(target)
 
 
-def test_old_checkpoint_without_manifest_loads_with_a_note(tiny_run: Run, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_old_checkpoint_without_manifest_loads_with_a_note(
+    tiny_run: Run, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from genolong.evaluation.score import load_eval_model
 
     target = _copy(tiny_run, "ckpt", tmp_path)
@@ -190,7 +225,9 @@ def test_wrong_dtype_and_unreadable_config(tiny_run: Run, tmp_path: Path) -> Non
     tensors[name] = tensors[name].to(torch.int32)
     save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
     write_manifest(target)  # written by genolong: the manifest agrees, the loader's own check speaks
-    with pytest.raises(InputError, match=rf"tensor {name} in model.safetensors is stored as I32 but the model expects a floating"):
+    with pytest.raises(
+        InputError, match=rf"tensor {name} in model.safetensors is stored as I32 but the model expects a floating"
+    ):
         GenoLM.from_pretrained(target)
     (target / "config.json").write_bytes(b"\xff\xfe not json")
     with pytest.raises(InputError, match=r"config\.json is not valid JSON"):
@@ -203,8 +240,9 @@ def test_wrong_dtype_and_unreadable_config(tiny_run: Run, tmp_path: Path) -> Non
 # -- --resume -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("damage", list(_DAMAGE))
 @pytest.mark.parametrize("layout", ["ckpt", "dcp"])
-def test_intact_checkpoint_skips_a_damaged_newest(tiny_run: Run, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                  layout: str, damage: str) -> None:
+def test_intact_checkpoint_skips_a_damaged_newest(
+    tiny_run: Run, tmp_path: Path, capsys: pytest.CaptureFixture[str], layout: str, damage: str
+) -> None:
     source = tiny_run.root / "checkpoints" if layout == "ckpt" else tiny_run.dcp
     checkpoints = Path(shutil.copytree(source, tmp_path / "checkpoints"))
     newest = checkpoints / "step0000002.ckpt"
@@ -217,17 +255,24 @@ def test_intact_checkpoint_skips_a_damaged_newest(tiny_run: Run, tmp_path: Path,
     assert line.endswith("; resuming from step0000001.ckpt")
     # none intact: one error naming them all
     _truncate(checkpoints / "step0000001.ckpt" / ".metadata" if layout == "dcp" else checkpoints / "step0000001.ckpt")
-    with pytest.raises(InputError, match=r"--resume: no intact checkpoint in .*: step0000002\.ckpt \(.*\); step0000001\.ckpt \(.*truncated"):
+    with pytest.raises(
+        InputError,
+        match=r"--resume: no intact checkpoint in .*: step0000002\.ckpt \(.*\); step0000001\.ckpt \(.*truncated",
+    ):
         intact_checkpoint(checkpoints)
 
 
-def test_resume_from_the_older_checkpoint(tiny_run: Run, sample_store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_resume_from_the_older_checkpoint(
+    tiny_run: Run, sample_store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``run(resume=True)`` with a truncated newest checkpoint: says so, resumes from the older one,
     trains the missing step and writes the newest again, intact."""
     root = tmp_path / "runs" / "tiny"
     shutil.copytree(tiny_run.root / "checkpoints", root / "checkpoints")
     _truncate(root / "checkpoints" / "step0000002.ckpt")
-    recipe = load_recipe(_write_recipe(tmp_path / "tiny.yaml", sample_store, root), ["checkpoint.export_safetensors=false"])
+    recipe = load_recipe(
+        _write_recipe(tmp_path / "tiny.yaml", sample_store, root), ["checkpoint.export_safetensors=false"]
+    )
     capsys.readouterr()
     result = run(recipe, resume=True)
     err = capsys.readouterr().err

@@ -41,15 +41,20 @@ from genolong.parallel import parallelize
 from genolong.parallel.mesh import build_mesh, ep_size
 from genolong.train.export import ExportStats, export_adapter, export_model
 from genolong.train.finetune import _full_model, _merged_export
-
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 #: ~40 MiB fp32 in 4 layers; the largest tensor, a routed experts' gate_up_proj [32, 256, 256], 8 MiB
-_WIDE = PRESETS["tiny"].replace(num_hidden_layers=4, hidden_size=256, pattern="KDDD",
-                                mlp_layer_types=("dense", "sparse", "sparse", "sparse"), n_routed_experts=32,
-                                moe_intermediate_size=128, intermediate_size=512)
+_WIDE = PRESETS["tiny"].replace(
+    num_hidden_layers=4,
+    hidden_size=256,
+    pattern="KDDD",
+    mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
+    n_routed_experts=32,
+    moe_intermediate_size=128,
+    intermediate_size=512,
+)
 _SHARD = 4 * 2**20  # max_shard_bytes of the wide export: 11 files
 _TINY = PRESETS["tiny"].replace(num_hidden_layers=3, pattern="KDD", mlp_layer_types=("dense", "sparse", "sparse"))
 _LORA = LoraSection(targets=("layers.*.self_attn.*",), rank=4, alpha=8.0, routed_experts=True)
@@ -88,7 +93,9 @@ def _worker(rank: int, world: int, folder: str) -> None:
     # the wide model under EP 2 folded into FSDP2 over the two ranks
     torch.manual_seed(0)
     model = GenoLM(_WIDE)
-    mesh = build_mesh(ParallelSection(accelerator="cpu", devices=world, dp_shard=world, cp=1, ep=world), world_size=world)
+    mesh = build_mesh(
+        ParallelSection(accelerator="cpu", devices=world, dp_shard=world, cp=1, ep=world), world_size=world
+    )
     parallelize(model, mesh=mesh, ep=ep_size(mesh))
     stats = ExportStats(files=[])
     _, sharded_peak = _peak_increase(lambda: export_model(model, out / "sharded", max_shard_bytes=_SHARD, stats=stats))
@@ -101,8 +108,16 @@ def _worker(rank: int, world: int, folder: str) -> None:
         dist.barrier()
 
     _, gathered_peak = _peak_increase(gathered)
-    (out / f"rank{rank}.json").write_text(json.dumps({"sharded_peak": sharded_peak, "gathered_peak": gathered_peak,
-                                                      "files": stats.files, "bytes": stats.bytes_written}))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "sharded_peak": sharded_peak,
+                "gathered_peak": gathered_peak,
+                "files": stats.files,
+                "bytes": stats.bytes_written,
+            }
+        )
+    )
     # LoRA under FSDP2: the merged export and the adapter
     torch.manual_seed(1)
     adapted = GenoLM(_TINY)
@@ -111,8 +126,10 @@ def _worker(rank: int, world: int, folder: str) -> None:
         for name, param in adapted.named_parameters():
             if ".lora_B." in name:
                 param.normal_(0, 0.05)
-    parallelize(adapted, mesh=build_mesh(ParallelSection(accelerator="cpu", devices=world, dp_shard=world, cp=1),
-                                         world_size=world))
+    parallelize(
+        adapted,
+        mesh=build_mesh(ParallelSection(accelerator="cpu", devices=world, dp_shard=world, cp=1), world_size=world),
+    )
     export_adapter(adapted, out / "adapter", _LORA)
     export_model(adapted, out / "merged", lora=_LORA, merged=True, max_shard_bytes=2**18)
     full = _full_model(adapted, _LORA)
@@ -137,8 +154,10 @@ def test_sharded_export_equals_gathered_within_one_shard(tmp_path: Path, monkeyp
     whole = sum(t.nbytes for t in state.values())
     largest = max(t.nbytes for t in state.values())
     bound = _SHARD + largest
-    print(f"rank 0 peak RSS increase: sharded {ranks[0]['sharded_peak'] / _MiB:.1f} MiB (bound {bound / _MiB:.1f}), "
-          f"gathered {ranks[0]['gathered_peak'] / _MiB:.1f} MiB; model {whole / _MiB:.1f} MiB")
+    print(
+        f"rank 0 peak RSS increase: sharded {ranks[0]['sharded_peak'] / _MiB:.1f} MiB (bound {bound / _MiB:.1f}), "
+        f"gathered {ranks[0]['gathered_peak'] / _MiB:.1f} MiB; model {whole / _MiB:.1f} MiB"
+    )
     assert ranks[0]["sharded_peak"] <= bound, (ranks[0], bound)
     assert ranks[1]["sharded_peak"] <= bound, (ranks[1], bound)
     # the measurement can see a whole model: the gathered path's rank 0 holds one
@@ -185,7 +204,8 @@ def test_refuses_to_replace_a_foreign_directory(tmp_path: Path) -> None:
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """``genolong ARGS`` in a child process (one torch thread); asserts it succeeded."""
     env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "genolong.cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "genolong.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     return run

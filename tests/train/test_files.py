@@ -46,6 +46,7 @@ def test_concurrent_replace_file_writers_all_finish_with_one_whole_output(tmp_pa
         def write(tmp: Path) -> None:
             tmp.write_text(f"writer {i}\n" * 1000)
             inside.wait()  # every writer has written its temporary file before anyone renames
+
         replace_file(out, write)
 
     errors = _race(4, write_one)
@@ -56,8 +57,14 @@ def test_concurrent_replace_file_writers_all_finish_with_one_whole_output(tmp_pa
 
 
 def test_concurrent_recipe_saves_all_finish(tmp_path: Path) -> None:
-    recipe = parse_recipe({"name": "race", "model": {"preset": "tiny"}, "data": {"store": str(tmp_path / "genome"), "context": 1024},
-                           "train": {"max_steps": 1}})
+    recipe = parse_recipe(
+        {
+            "name": "race",
+            "model": {"preset": "tiny"},
+            "data": {"store": str(tmp_path / "genome"), "context": 1024},
+            "train": {"max_steps": 1},
+        }
+    )
     out = tmp_path / "runs" / "race" / "recipe.yaml"
     errors = _race(4, lambda i: recipe.save(out))
     assert errors == [], errors

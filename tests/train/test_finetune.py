@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import yaml
@@ -21,7 +20,6 @@ from genolong.evaluation.score import evaluate, load_eval_model
 from genolong.model import GenoLM
 from genolong.train import GenoLMModule, NonFiniteLossError, OptimSettings, freeze_parameters, read_step_log
 from genolong.train.finetune import AtomicModelParallelStrategy, latest_checkpoint
-
 from tests.helpers import assert_bitwise_equal
 
 # the resume test evaluates both runs' exports here and compares the scores bit for bit: one
@@ -38,8 +36,14 @@ def _recipe(tmp_path: Path, store: Path, name: str, **sections: dict) -> Path:
         "seed": 3,
         "model": {"preset": "tiny"},
         "data": {"store": str(store), "context": 256},
-        "train": {"max_steps": _STEPS, "lr": 2.0e-3, "warmup_steps": 2, "moe_balance_loss_weight": 0.1,
-                  "moe_bias_update": "proportional", "moe_bias_update_rate": 0.01},
+        "train": {
+            "max_steps": _STEPS,
+            "lr": 2.0e-3,
+            "warmup_steps": 2,
+            "moe_balance_loss_weight": 0.1,
+            "moe_bias_update": "proportional",
+            "moe_bias_update_rate": 0.01,
+        },
         "eval": {"every_n_steps": 4, "max_tiles": 1},
         "checkpoint": {"dir": str(tmp_path / "runs" / name / "checkpoints"), "every_n_steps": 2, "keep_last": 2},
         "logging": {"dir": str(tmp_path / "runs" / name / "logs"), "progress_bar": False, "tensorboard": False},
@@ -54,8 +58,14 @@ def _recipe(tmp_path: Path, store: Path, name: str, **sections: dict) -> Path:
 
 def _finetune(recipe: Path, *args: str, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "genolong.cli", "finetune", str(recipe), *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "genolong.cli", "finetune", str(recipe), *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait(proc: subprocess.Popen) -> str:
@@ -105,7 +115,11 @@ def test_sigkill_then_resume_gives_the_same_losses(straight: Path, sample_store:
     assert sorted(a) == sorted(b) == list(range(1, _STEPS + 1))
     first = int(resumed_from.stem.removeprefix("step")) + 1
     assert first <= killed_at  # some steps were redone after the kill
-    routing = [f"moe/layer{i}/{what}" for i in range(1, 8) for what in ("load_max_over_mean", "dead_fraction", "router_entropy")]
+    routing = [
+        f"moe/layer{i}/{what}"
+        for i in range(1, 8)
+        for what in ("load_max_over_mean", "dead_fraction", "router_entropy")
+    ]
     routing += ["train/moe_balance_loss", "train/moe_dead_experts", "train/moe_load_max_over_mean"]
     for step in range(1, _STEPS + 1):  # both runs single-threaded (OMP_NUM_THREADS=1): bitwise
         assert b[step]["train/loss"] == a[step]["train/loss"], (step, a[step]["train/loss"], b[step]["train/loss"])
@@ -127,7 +141,9 @@ def test_sigkill_then_resume_gives_the_same_losses(straight: Path, sample_store:
     for name, root in (("straight", straight.parent), ("killed", tmp_path)):
         model, vocab = load_eval_model(root / "runs" / name)  # a run directory: its export/
         assert vocab is None
-        results.append(evaluate(model, split, tmp_path / f"eval-{name}", 256, max_tiles=3, first_bucket=64, progress=False))
+        results.append(
+            evaluate(model, split, tmp_path / f"eval-{name}", 256, max_tiles=3, first_bucket=64, progress=False)
+        )
     assert results[0].fingerprint == results[1].fingerprint
     assert_bitwise_equal(results[1].tile_nll, results[0].tile_nll, "tile NLL of the resumed run")
     assert_bitwise_equal(results[1].position_nll, results[0].position_nll, "position NLL of the resumed run")
@@ -138,9 +154,17 @@ def test_sigkill_then_resume_gives_the_same_losses(straight: Path, sample_store:
     assert sc.keys() == sb.keys() and all(torch.equal(sc[k], sb[k]) for k in sb)
 
 
-def test_resume_needs_a_checkpoint_and_fresh_runs_refuse_old_ones(straight: Path, sample_store: Path, tmp_path: Path) -> None:
-    recipe = _recipe(tmp_path, sample_store, "once", train={"max_steps": 2, "warmup_steps": 0},
-                     eval={"every_n_steps": 0}, checkpoint={"every_n_steps": 2, "export_safetensors": False})
+def test_resume_needs_a_checkpoint_and_fresh_runs_refuse_old_ones(
+    straight: Path, sample_store: Path, tmp_path: Path
+) -> None:
+    recipe = _recipe(
+        tmp_path,
+        sample_store,
+        "once",
+        train={"max_steps": 2, "warmup_steps": 0},
+        eval={"every_n_steps": 0},
+        checkpoint={"every_n_steps": 2, "export_safetensors": False},
+    )
     proc = _finetune(recipe, "--resume", cwd=tmp_path)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "--resume: nothing to resume in" in err and len(err.strip().splitlines()) == 1
@@ -241,4 +265,9 @@ def test_schedule_warmup_then_cosine() -> None:
 
     f = WarmupCosine(warmup_steps=4, max_steps=14, min_ratio=0.1)
     assert [round(f(s), 6) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert f(4) == pytest.approx(1.0) and f(9) == pytest.approx(0.55) and f(14) == pytest.approx(0.1) and f(40) == pytest.approx(0.1)
+    assert (
+        f(4) == pytest.approx(1.0)
+        and f(9) == pytest.approx(0.55)
+        and f(14) == pytest.approx(0.1)
+        and f(40) == pytest.approx(0.1)
+    )

@@ -18,7 +18,6 @@ import yaml
 from safetensors import safe_open
 
 from genolong.config import load_recipe
-
 from genolong.config.schema import LoraSection
 from genolong.evaluation.checkpoint import load_eval_model
 from genolong.kernels.testing import rms_ratio
@@ -30,7 +29,6 @@ from genolong.train import GenoLMModule, OptimSettings, read_step_log
 from genolong.train.callbacks import held_bytes
 from genolong.train.finetune import FinetuneResult, _full_model, _merged_export, run
 from genolong.train.module import cast_frozen_parameters, low_precision_parameters
-
 from tests.helpers import assert_bitwise_equal
 
 # bitwise comparisons of losses and gradients: one torch thread (tests/conftest.py)
@@ -45,6 +43,7 @@ _ALL_BUT_LAYER_1 = ("embed_tokens.*", "lm_head.*", "norm.*", "layers.0.*", "laye
 
 def _module(freeze: Sequence[str] = (), frozen_dtype: torch.dtype | None = None, **kwargs) -> GenoLMModule:
     """A configured module over the 3-layer model, the same weights every time (seed 0)."""
+
     def build() -> GenoLM:
         torch.manual_seed(0)
         return GenoLM(_CONFIG)
@@ -90,16 +89,35 @@ def test_low_precision_rule() -> None:
     the embedding, norms, router, convolution, KDA gate, mHC or indexer pooling parameters."""
     model = GenoLM(_CONFIG)
     low = set(low_precision_parameters(model))
-    linear = {f"{m}.{n}" for m, mod in model.named_modules() if isinstance(mod, (torch.nn.Linear, Experts))
-              for n, _ in mod.named_parameters(recurse=False)}
+    linear = {
+        f"{m}.{n}"
+        for m, mod in model.named_modules()
+        if isinstance(mod, (torch.nn.Linear, Experts))
+        for n, _ in mod.named_parameters(recurse=False)
+    }
     assert low == linear
-    for name in ("layers.0.self_attn.q_proj.weight", "layers.1.mlp.experts.gate_up_proj", "layers.1.mlp.experts.down_proj",
-                 "layers.1.self_attn.kv_b_proj.weight", "lm_head.weight", "layers.1.mlp.shared_experts.down_proj.weight"):
+    for name in (
+        "layers.0.self_attn.q_proj.weight",
+        "layers.1.mlp.experts.gate_up_proj",
+        "layers.1.mlp.experts.down_proj",
+        "layers.1.self_attn.kv_b_proj.weight",
+        "lm_head.weight",
+        "layers.1.mlp.shared_experts.down_proj.weight",
+    ):
         assert name in low, name
-    for name in ("embed_tokens.weight", "norm.weight", "layers.1.mlp.gate.weight", "layers.0.self_attn.conv1d.weight",
-                 "layers.0.self_attn.forget_gate.A_log", "layers.0.self_attn.forget_gate.dt_bias", "layers.0.attn_hc.base",
-                 "layers.0.attn_hc.scale", "layers.0.attn_hc.fn", "layers.1.self_attn.indexer.index_kpool_compress_gate",
-                 "layers.0.input_layernorm.weight"):
+    for name in (
+        "embed_tokens.weight",
+        "norm.weight",
+        "layers.1.mlp.gate.weight",
+        "layers.0.self_attn.conv1d.weight",
+        "layers.0.self_attn.forget_gate.A_log",
+        "layers.0.self_attn.forget_gate.dt_bias",
+        "layers.0.attn_hc.base",
+        "layers.0.attn_hc.scale",
+        "layers.0.attn_hc.fn",
+        "layers.1.self_attn.indexer.index_kpool_compress_gate",
+        "layers.0.input_layernorm.weight",
+    ):
         assert name not in low, name
 
 
@@ -107,8 +125,16 @@ def test_frozen_bf16_storage_leaves_the_autocast_step_unchanged() -> None:
     """In a bf16-mixed step (autocast) the frozen weights stored in bf16 give the same loss and
     trained gradients, bit for bit, as fp32 masters that autocast casts; frozen parameters are
     bf16 where the rule allows, trained ones fp32, and :func:`held_bytes` counts that."""
-    freeze = ("embed_tokens.*", "lm_head.*", "norm.*", "layers.*.mlp.*", "layers.*.attn_hc.*", "layers.*.ffn_hc.*",
-              "layers.*.input_layernorm.*", "layers.*.post_attention_layernorm.*")  # the quickstart's: attention trains
+    freeze = (
+        "embed_tokens.*",
+        "lm_head.*",
+        "norm.*",
+        "layers.*.mlp.*",
+        "layers.*.attn_hc.*",
+        "layers.*.ffn_hc.*",
+        "layers.*.input_layernorm.*",
+        "layers.*.post_attention_layernorm.*",
+    )  # the quickstart's: attention trains
     tokens = _tokens()
     master = _module(freeze=freeze)
     stored = _module(freeze=freeze, frozen_dtype=torch.bfloat16)
@@ -158,7 +184,9 @@ _LORA = LoraSection(targets=("layers.*.self_attn.*",), rank=4, alpha=8.0)
 def _lora_module(**techniques: Any) -> GenoLMModule:
     """The 3-layer model with adapters on every attention linear, B made non-zero (as after some
     training: with B = 0 no gradient reaches A, and recompute would be checked on half of them)."""
-    module = _module(lora=_LORA, parallelize=(lambda model, mesh: parallelize(model, **techniques)) if techniques else None)
+    module = _module(
+        lora=_LORA, parallelize=(lambda model, mesh: parallelize(model, **techniques)) if techniques else None
+    )
     assert module.model is not None
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
@@ -191,7 +219,8 @@ def test_lora_turns_the_routing_bias_update_off(caplog: pytest.LogCaptureFixture
         module = _module(lora=_LORA)
     assert [r.getMessage() for r in caplog.records if "routing-bias update" in r.getMessage()] == [
         "genolong: the MoE routing-bias update (train.moe_bias_update_rate 0.001) is off under model.lora: "
-        "the routing biases are base state, and the adapter must describe the whole change"]
+        "the routing biases are base state, and the adapter must describe the whole change"
+    ]
     plain = _module()
     for m in (module, plain):
         _loss_and_grads(m, _tokens())
@@ -252,12 +281,24 @@ def test_merged_export_keeps_the_update_of_a_bf16_base() -> None:
     cast_frozen_parameters(module.model, torch.bfloat16)
     lora = lora_modules(module.model)["layers.1.self_attn.kv_b_proj"]
     experts = module.model.get_submodule("layers.1.mlp.experts")
-    assert lora.base.weight.dtype == experts.down_proj.dtype == torch.bfloat16 and lora.lora_A.weight.dtype == torch.float32
+    assert (
+        lora.base.weight.dtype == experts.down_proj.dtype == torch.bfloat16
+        and lora.lora_A.weight.dtype == torch.float32
+    )
     with torch.no_grad():
-        expected = {"layers.1.self_attn.kv_b_proj.weight": lora.base.weight.double() + lora.delta_weight().double(),
-                    "layers.1.mlp.experts.down_proj": torch.stack([experts.down_proj[e].double() + experts.lora.delta("down_proj", e).double()
-                                                                   for e in range(experts.down_proj.shape[0])])}
-    assert all(float((w - p.double()).abs().max()) > 0 for w, p in zip(expected.values(), (lora.base.weight, experts.down_proj)))
+        expected = {
+            "layers.1.self_attn.kv_b_proj.weight": lora.base.weight.double() + lora.delta_weight().double(),
+            "layers.1.mlp.experts.down_proj": torch.stack(
+                [
+                    experts.down_proj[e].double() + experts.lora.delta("down_proj", e).double()
+                    for e in range(experts.down_proj.shape[0])
+                ]
+            ),
+        }
+    assert all(
+        float((w - p.double()).abs().max()) > 0
+        for w, p in zip(expected.values(), (lora.base.weight, experts.down_proj))
+    )
     copy = _full_model(module.model, section)
     assert copy is not None
     merged = dict(_merged_export(copy).named_parameters())
@@ -266,7 +307,9 @@ def test_merged_export_keeps_the_update_of_a_bf16_base() -> None:
         assert merged[name].dtype == torch.float32, name
         torch.testing.assert_close(merged[name].double(), want, rtol=1e-6, atol=1e-7)  # fp32 rounding of the sum
     # the live model is untouched: still adapted, its bases still the bf16 ones
-    assert lora_modules(module.model)["layers.1.self_attn.kv_b_proj"] is lora and lora.base.weight.dtype == torch.bfloat16
+    assert (
+        lora_modules(module.model)["layers.1.self_attn.kv_b_proj"] is lora and lora.base.weight.dtype == torch.bfloat16
+    )
     assert experts.down_proj.dtype == torch.bfloat16 and has_lora(module.model)
 
 
@@ -278,7 +321,8 @@ def _recipe(path: Path, store: Path, root: Path, **sections: dict[str, Any]) -> 
     """A tiny LoRA recipe on the sample store: 64-token windows, 4 steps, a checkpoint every 2
     steps (both kept), outputs under ``root``; ``sections`` update it."""
     recipe: dict[str, Any] = {
-        "name": root.name, "seed": 3,
+        "name": root.name,
+        "seed": 3,
         "model": {"preset": "tiny", "lora": {"targets": ["layers.*.self_attn.*"], "rank": 4, "alpha": 8.0}},
         "data": {"store": str(store), "context": 64},
         "train": {"max_steps": _STEPS, "lr": 2.0e-3, "warmup_steps": 0, "moe_bias_update_rate": 0.01},
@@ -350,8 +394,11 @@ def test_lora_run_writes_the_adapter_and_the_merged_export(lora_run: tuple[Path,
     W + s B A is rounded once where the adapter model adds two products), and the adapter holds
     the last checkpoint's adapters exactly."""
     _, root = lora_run
-    assert sorted(p.name for p in (root / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
-                                                                     "checksums.json"]
+    assert sorted(p.name for p in (root / "adapter").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "checksums.json",
+    ]
     with safe_open(str(root / "adapter" / "adapter_model.safetensors"), framework="pt") as f:  # PEFT's key names
         assert "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight" in set(f.keys())
     merged = GenoLM.from_pretrained(root / "export")
@@ -369,8 +416,9 @@ def test_lora_run_writes_the_adapter_and_the_merged_export(lora_run: tuple[Path,
     assert not torch.equal(want, _fresh()(tokens).detach())  # and the adapters changed the model
 
 
-def test_lora_resume_past_a_damaged_checkpoint_is_exact(lora_run: tuple[Path, Path], sample_store: Path,
-                                                        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_lora_resume_past_a_damaged_checkpoint_is_exact(
+    lora_run: tuple[Path, Path], sample_store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A run stopped after its step-4 checkpoint was damaged (truncated): --resume says so, goes
     back to step 2, and steps 3 and 4 repeat the uninterrupted run's losses bit for bit, ending
     at the same adapters (the kill itself: tests/train/test_finetune.py's SIGKILL test; the checkpoint
@@ -403,16 +451,24 @@ def test_lora_run_logs_what_it_holds(lora_run: tuple[Path, Path]) -> None:
     state = {n.removeprefix("model."): t for n, t in checkpoint["state_dict"].items()}
     params = dict(_fresh(lora=LoraSection(targets=("layers.*.self_attn.*",), rank=4, alpha=8.0)).named_parameters())
     trained = [n for n in params if ".lora_" in n]
-    nbytes = {kind: sum(state[n].numel() * state[n].element_size() for n in names)
-              for kind, names in (("trained", trained), ("frozen", [n for n in params if n not in trained]))}
+    nbytes = {
+        kind: sum(state[n].numel() * state[n].element_size() for n in names)
+        for kind, names in (("trained", trained), ("frozen", [n for n in params if n not in trained]))
+    }
     moments = [t for s in checkpoint["optimizer_states"][0]["state"].values() for t in s.values()]
     record = read_step_log(root / "logs" / "steps.jsonl")[_STEPS]
     assert record["memory/trained_parameter_bytes"] == nbytes["trained"] == record["memory/gradient_bytes"]
     assert record["memory/frozen_parameter_bytes"] == nbytes["frozen"]
     assert record["memory/parameter_bytes"] == nbytes["trained"] + nbytes["frozen"]
-    assert record["memory/optimizer_bytes"] == sum(t.numel() * t.element_size() for t in moments) == 2 * nbytes["trained"] + 4 * len(trained)
+    assert (
+        record["memory/optimizer_bytes"]
+        == sum(t.numel() * t.element_size() for t in moments)
+        == 2 * nbytes["trained"] + 4 * len(trained)
+    )
     assert record["params/trained"] == sum(params[n].numel() for n in trained)
-    assert record["params/frozen"] == sum(p.numel() for n, p in params.items() if n not in trained) == 507332  # the tiny base
+    assert (
+        record["params/frozen"] == sum(p.numel() for n, p in params.items() if n not in trained) == 507332
+    )  # the tiny base
 
 
 def test_bf16_mixed_freeze_run_holds_frozen_weights_in_bf16(sample_store: Path, tmp_path: Path) -> None:
@@ -420,9 +476,14 @@ def test_bf16_mixed_freeze_run_holds_frozen_weights_in_bf16(sample_store: Path, 
     matrices in bf16 and everything trained in fp32, and the logged bytes are the checkpoint's."""
     root = tmp_path / "runs" / "bf16"
     freeze = ["embed_tokens.*", "layers.*.mlp.*"]
-    recipe = _recipe(tmp_path / "bf16.yaml", sample_store, root, model={"lora": None, "freeze": freeze},
-                     train={"max_steps": 2, "precision": "bf16-mixed"},
-                     checkpoint={"every_n_steps": 2, "export_safetensors": False})
+    recipe = _recipe(
+        tmp_path / "bf16.yaml",
+        sample_store,
+        root,
+        model={"lora": None, "freeze": freeze},
+        train={"max_steps": 2, "precision": "bf16-mixed"},
+        checkpoint={"every_n_steps": 2, "export_safetensors": False},
+    )
     _run(recipe)
     checkpoint = torch.load(root / "checkpoints" / "step0000002.ckpt", weights_only=True)
     state = {n.removeprefix("model."): t for n, t in checkpoint["state_dict"].items()}
@@ -433,13 +494,23 @@ def test_bf16_mixed_freeze_run_holds_frozen_weights_in_bf16(sample_store: Path, 
     for name in frozen:
         assert state[name].dtype == (torch.bfloat16 if name in low else torch.float32), name
     assert all(state[n].dtype == torch.float32 for n in trained)
-    assert state["layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16 and state["embed_tokens.weight"].dtype == torch.float32
+    assert (
+        state["layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
+        and state["embed_tokens.weight"].dtype == torch.float32
+    )
     record = read_step_log(root / "logs" / "steps.jsonl")[2]
-    nbytes = {kind: sum(state[n].numel() * state[n].element_size() for n in names) for kind, names in (("trained", trained), ("frozen", frozen))}
+    nbytes = {
+        kind: sum(state[n].numel() * state[n].element_size() for n in names)
+        for kind, names in (("trained", trained), ("frozen", frozen))
+    }
     assert record["memory/trained_parameter_bytes"] == nbytes["trained"] == record["memory/gradient_bytes"]
     assert record["memory/frozen_parameter_bytes"] == nbytes["frozen"]
     moments = [t for s in checkpoint["optimizer_states"][0]["state"].values() for t in s.values()]
-    assert record["memory/optimizer_bytes"] == sum(t.numel() * t.element_size() for t in moments) == 2 * nbytes["trained"] + 4 * len(trained)
+    assert (
+        record["memory/optimizer_bytes"]
+        == sum(t.numel() * t.element_size() for t in moments)
+        == 2 * nbytes["trained"] + 4 * len(trained)
+    )
     assert record["params/frozen"] == sum(state[n].numel() for n in frozen)
 
 
@@ -454,8 +525,9 @@ def test_a_lora_runs_checkpoint_scores_as_its_export(lora_run: tuple[Path, Path]
     assert_bitwise_equal(scored.state_dict(), exported, "the LoRA checkpoint's merged model vs export/")
 
 
-def test_several_processes_refuse_a_lora_runs_sharded_checkpoint(lora_run: tuple[Path, Path], tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_several_processes_refuse_a_lora_runs_sharded_checkpoint(
+    lora_run: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The multi-process scoring loader shards a plain model; a LoRA run's sharded checkpoint holds
     adapters beside the base, so it is refused in one line that names the ways to score it."""
     import warnings

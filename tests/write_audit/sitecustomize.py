@@ -51,7 +51,10 @@ if _AUDIT and _ROOT:
         return full if full == _root or full.startswith(_root + os.sep) else None
 
     def _record(op: str, path: str, **extra: object) -> None:
-        _log.write(json.dumps({"rank": _rank, "pid": os.getpid(), "op": op, "path": os.path.relpath(path, _root), **extra}) + "\n")
+        _log.write(
+            json.dumps({"rank": _rank, "pid": os.getpid(), "op": op, "path": os.path.relpath(path, _root), **extra})
+            + "\n"
+        )
 
     def _rendezvous(dst: str) -> None:
         if _world < 2 or dst in _held:
@@ -78,6 +81,7 @@ if _AUDIT and _ROOT:
                 _rendezvous(full)
                 _record(op, full, source=os.path.relpath(os.path.realpath(os.fspath(src)), _root))  # type: ignore[arg-type]
             real(src, dst, *args, **kwargs)
+
         return rename
 
     def _remover(real, op: str):  # type: ignore[no-untyped-def]
@@ -87,6 +91,7 @@ if _AUDIT and _ROOT:
             if full is not None:
                 _record(op, full)
             real(path, *args, **kwargs)
+
         return remove
 
     builtins.open = io.open = _open  # type: ignore[assignment]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from copy_emergence import doubled, heldout_pairs
+
 from genolong.data.alphabet import BASE_MASK, SOFTMASK, A, N, T
 
 HERE = Path(__file__).resolve().parents[1]  # experiments/bundled-base/
@@ -67,15 +67,46 @@ def test_heldout_pairs(sample_store: Path) -> None:
 
 def _run_worker(store: Path, *options: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """One copy_emergence worker on ``tiny`` at H = 32, one thread, with ``options`` added."""
-    cmd = [sys.executable, str(HERE / "copy_emergence.py"), "--worker", "--half", "32", "--store",
-           str(store), "--preset", "tiny", *options]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=check,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    cmd = [
+        sys.executable,
+        str(HERE / "copy_emergence.py"),
+        "--worker",
+        "--half",
+        "32",
+        "--store",
+        str(store),
+        "--preset",
+        "tiny",
+        *options,
+    ]
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=check,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
 
 
 def test_worker_curve(sample_store: Path) -> None:
-    done = _run_worker(sample_store, "--steps", "2", "--eval-every", "1", "--eval-tiles", "6", "--tokens-per-step", "256",
-                       "--divergence", "0.1", "--reach", "32,64", "--reach-tiles", "4")
+    done = _run_worker(
+        sample_store,
+        "--steps",
+        "2",
+        "--eval-every",
+        "1",
+        "--eval-tiles",
+        "6",
+        "--tokens-per-step",
+        "256",
+        "--divergence",
+        "0.1",
+        "--reach",
+        "32,64",
+        "--reach-tiles",
+        "4",
+    )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["half"] == 32 and result["batch"] == 4
     curve = result["curve"]
@@ -98,9 +129,26 @@ def test_worker_freeze_and_silence(sample_store: Path, tmp_path: Path) -> None:
     from genolong.model import GenoLM
     from genolong.model.config import PRESETS
 
-    _run_worker(sample_store, "--steps", "2", "--eval-every", "2", "--eval-tiles", "4", "--tokens-per-step", "128",
-                "--reach", "32", "--reach-tiles", "4", "--silence", "0", "--freeze=layers.2.self_attn.*",
-                "--save", str(tmp_path))
+    _run_worker(
+        sample_store,
+        "--steps",
+        "2",
+        "--eval-every",
+        "2",
+        "--eval-tiles",
+        "4",
+        "--tokens-per-step",
+        "128",
+        "--reach",
+        "32",
+        "--reach-tiles",
+        "4",
+        "--silence",
+        "0",
+        "--freeze=layers.2.self_attn.*",
+        "--save",
+        str(tmp_path),
+    )
     torch.manual_seed(0)  # the worker's seed: the same initial weights
     initial = GenoLM(PRESETS["tiny"]).state_dict()
     trained = GenoLM.from_pretrained(tmp_path / "h32").state_dict()

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from copy_emergence import copy_gain, heldout_pairs
 from copy_layers import silenced_gains
+
 from genolong.model import GenoLM
 from genolong.model.config import PRESETS
 
@@ -26,7 +26,11 @@ def test_silenced_gains(sample_store: Path) -> None:
     assert [r["layer"] for r in rows] == [None, *range(model.config.num_hidden_layers)]
     assert [r["mixer"] for r in rows[1:]] == list(model.config.layer_types)
     intact = rows[0]
-    assert {"layer": None, "mixer": None, **copy_gain(model, pairs, 32)} == intact  # the hooks are removed: the model scores as before
+    assert {
+        "layer": None,
+        "mixer": None,
+        **copy_gain(model, pairs, 32),
+    } == intact  # the hooks are removed: the model scores as before
     for row in rows[1:]:
         assert row["gain"] == pytest.approx(row["after_other"] - row["after_copy"], abs=1e-9)
         assert row["after_copy"] != intact["after_copy"]  # every mixer of a random model adds something

@@ -7,23 +7,24 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from sample_base_chain import BUNDLED, CHAINS, STAGES, stage_command
+
 from genolong.config import Recipe, load_recipe
 from genolong.model import GenoLM
 from genolong.model.config import ModelConfig
 from tests.helpers import ROOT, trained_parameter_names
 
 
-
 def _recipe(name: str, start: Path | None) -> Recipe:
     cmd = stage_command(name, Path("/work/stage"), start, Path("/data/genome"))
-    return load_recipe(ROOT / "recipes" / "sample-base.yaml", [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"])
+    return load_recipe(
+        ROOT / "recipes" / "sample-base.yaml", [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"]
+    )
 
 
 def test_stages_are_recipes_and_freeze_what_they_say() -> None:
     # the bundled base can only start a chain; every other entry is a stage
-    assert all(stage in STAGES for chain in CHAINS.values() for stage in chain[chain[0] == BUNDLED:])
+    assert all(stage in STAGES for chain in CHAINS.values() for stage in chain[chain[0] == BUNDLED :])
     config = ModelConfig.from_preset("small")
     kda = {i for i, kind in enumerate(config.layer_types) if kind == "linear_attention"}
     with torch.device("meta"):
@@ -31,22 +32,28 @@ def test_stages_are_recipes_and_freeze_what_they_say() -> None:
     for name in STAGES:
         first = name.startswith("1-copy")
         recipe = _recipe(name, None if first else Path("/work/before/export"))
-        assert recipe.name == name and recipe.data.store == Path("/data/genome") and recipe.data.plant_repeats is not None
+        assert (
+            recipe.name == name and recipe.data.store == Path("/data/genome") and recipe.data.plant_repeats is not None
+        )
         assert recipe.checkpoint.dir == Path("/work/stage/checkpoints") and recipe.eval.every_n_steps == 0
         assert recipe.model.checkpoint == (None if first else Path("/work/before/export"))
         trained = trained_parameter_names(recipe)
         if name.startswith("routers"):  # the routers, and layer 0's dense FFN (the freeze list names the experts)
-            assert {n for n in trained if not n.endswith("mlp.gate.weight")} == {n for n in every if n.startswith("layers.0.mlp.")}
+            assert {n for n in trained if not n.endswith("mlp.gate.weight")} == {
+                n for n in every if n.startswith("layers.0.mlp.")
+            }
             continue
         frozen = every - trained
         # the KDA mixers never train; with -fr the routers stay as the stage before left them too
         assert {int(n.split(".")[1]) for n in frozen if ".self_attn." in n} == kda
-        assert {n for n in frozen if ".self_attn." not in n} == ({n for n in every if n.endswith("mlp.gate.weight")}
-                                                                 if name.endswith("-fr") else set())
+        assert {n for n in frozen if ".self_attn." not in n} == (
+            {n for n in every if n.endswith("mlp.gate.weight")} if name.endswith("-fr") else set()
+        )
 
 
 def test_router_token_spread_reads_the_routers(sample_store: Path, tmp_path: Path) -> None:
     from sample_base_chain import router_token_spread
+
     from genolong.model.config import PRESETS
     from genolong.model.moe import Router
 
