@@ -186,6 +186,7 @@ def test_tracks_of_two_results_hold_b_minus_a(runs: Path, capsys: pytest.Capture
 
 
 def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], *words: str) -> None:
+    capsys.readouterr()  # what earlier steps of the test printed (a fixture's model loading) is not this command's
     assert main(argv) == 2, argv
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0, err

@@ -160,7 +160,7 @@ def test_checkpoint_then_export(sample_store: Path, tmp_path: Path) -> None:
         "--resume",
         cwd=tmp_path,
         limit=1_000_000,
-        at=("genolong.model.lm:GenoLM.save_pretrained", 1),
+        at=("genolong.train.export:export_model", 1),
     )
     _the_line(run, "finetune", run_dir / "export", "File too large")
     assert sorted(read_step_log(run_dir / "logs" / "steps.jsonl")) == [1, 2, 3, 4]  # resumed: steps 3 and 4 trained
