@@ -229,16 +229,37 @@ class KDAMixer(nn.Module):
         # fla's kernel computes them (no [B, T, H, K] fp32 gate tensor saved for backward); on
         # the torch backend the same ops as ForgetGate.forward and a sigmoid. Called through the
         # gate's own method, so that an FSDP2 unit of the gate gathers A_log and dt_bias first.
-        return self.forget_gate.gated_kda(
-            x,
-            self.kernels.chunk_kda_gated,
+        from torch.distributed.fsdp import FSDPModule
+
+        fg = self.forget_gate
+        if isinstance(fg, FSDPModule):  # its own FSDP2 unit (bf16-mixed): gathered by its method
+            return fg.gated_kda(
+                x,
+                self.kernels.chunk_kda_gated,
+                q,
+                k,
+                v.float(),
+                self.b_proj(x),
+                initial_state,
+                output_final_state,
+                self.chunk_size,
+            )
+        # otherwise the op directly, as before issue 45: the same ops through the method moved a
+        # 2-rank fp32 data-parallel run 1.6e-5 (relative) off the one-process run by step 4
+        b, t, _ = x.shape
+        g_raw = fg.f_b_proj(fg.f_a_proj(x)).view(b, t, self.num_heads, self.head_dim)
+        return self.kernels.chunk_kda_gated(
             q,
             k,
             v.float(),
+            g_raw,
             self.b_proj(x),
-            initial_state,
-            output_final_state,
-            self.chunk_size,
+            fg.A_log,
+            fg.dt_bias,
+            lower_bound=fg.lower_bound,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            chunk_size=self.chunk_size,
         )
 
     def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
